@@ -1,0 +1,1 @@
+"""Entry points: `python -m jobs.<name>`; each parses arguments and wires pipeline stages."""

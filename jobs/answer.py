@@ -1,0 +1,53 @@
+"""Answer questions about a built conversation from its episodic caches.
+
+    python -m jobs.answer --store DIR --conversation ID --question Q [--question Q2 ...] [--json]
+
+Each question is routed to the nearest episode; consecutive questions routed to the same
+episode reuse the resident cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from pipeline.answer import Answerer, ConversationNotFound, ModelMismatchError
+from pipeline.cache_io import CacheCorruptError
+from pipeline.corpus import UnsafeIdError
+from pipeline.models import ModelNotFoundError
+from pipeline.store import StoreError, open_store
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jobs.answer", description=__doc__.split("\n\n")[0])
+    p.add_argument("--store", required=True)
+    p.add_argument("--conversation", required=True)
+    p.add_argument("--question", action="append", required=True, help="may repeat")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--json", action="store_true", help="one JSON object per question")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        answerer = Answerer(open_store(a.store))
+        for q in a.question:
+            r = answerer.answer(a.conversation, q, a.max_new_tokens, a.temperature)
+            if a.json:
+                print(json.dumps(r.as_dict(), ensure_ascii=False), flush=True)
+            else:
+                t = r.timings_ms
+                print(f"Q: {q}\nA: {r.answer}\n   (episode {r.episode}, similarity {r.similarity:.3f}, "
+                      f"{'resident' if r.cache_hit else 'fetched'}; embed {t['embed']:.0f} ms, "
+                      f"route {t['route']:.1f} ms, load {t['load']:.0f} ms, decode {t['decode']:.0f} ms)",
+                      flush=True)
+    except (ConversationNotFound, UnsafeIdError, ModelMismatchError, CacheCorruptError,
+            StoreError, ModelNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

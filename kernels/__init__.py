@@ -1,0 +1,1 @@
+"""Compute kernels: a torch reference per operation and one dispatch function each."""

@@ -1,0 +1,1 @@
+"""Offline builder of episodic KV caches for long conversations (EpiCache-style)."""

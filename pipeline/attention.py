@@ -1,0 +1,98 @@
+"""The "episodic" attention function, registered with transformers' `AttentionInterface`.
+
+An episodic cache holds a different number of entries per KV head and per layer, so the mask
+transformers builds once per forward (one length for all layers, one pattern for all heads)
+cannot describe it. Instead, each `EpisodicLayer.update` hands the attention call that follows
+it in the same layer an `AttentionRequest`: which cached slots are valid per head, and how many
+trailing queries are patch queries whose attention must be scored. The attention builds its own
+mask from that (valid cached slots + causal over the new tokens). Any other cache falls through
+to transformers' stock SDPA path with the stock mask, so one model serves both.
+
+Attention weights are computed only for the patch queries, through `kernels.score`.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.score import patch_attention_scores
+
+EPISODIC_ATTENTION = "episodic"
+
+_handoff = threading.local()
+
+
+@dataclass
+class AttentionRequest:
+    """What a cache layer tells the attention call that immediately follows its update."""
+    key: torch.Tensor  # the key tensor the layer returned; identifies the matching attention call
+    past_valid: torch.Tensor  # [Hkv, L_past] bool: which cached slots hold entries
+    n_patch: int = 0  # trailing queries that are patch queries (scored, never stored)
+    scores: torch.Tensor | None = None  # filled in: [Hkv, L_past + n_block] patch attention scores
+
+
+def hand_off(request: AttentionRequest) -> None:
+    _handoff.request = request
+
+
+def _take_request(key: torch.Tensor) -> AttentionRequest | None:
+    request = getattr(_handoff, "request", None)
+    if request is not None and request.key is key:
+        _handoff.request = None
+        return request
+    return None
+
+
+def episodic_mask(past_valid: torch.Tensor, q_len: int, group: int) -> torch.Tensor:
+    """[1, Hq, q, L_past + q] bool: valid cached slots per head, causal over the new tokens."""
+    n_heads, n_past = past_valid.shape
+    causal = torch.ones(q_len, q_len, dtype=torch.bool, device=past_valid.device).tril()
+    mask = torch.cat([past_valid[:, None, :].expand(n_heads, q_len, n_past),
+                      causal.expand(n_heads, q_len, q_len)], dim=-1)
+    return mask.repeat_interleave(group, dim=0)[None]
+
+
+def episodic_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                       value: torch.Tensor, attention_mask: torch.Tensor | None,
+                       scaling: float | None = None, dropout: float = 0.0, **kwargs):
+    request = _take_request(key)
+    if request is None:  # not an episodic cache: the stock path, with the stock mask
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling, **kwargs)
+    if query.shape[0] != 1:
+        raise ValueError("episodic caches hold one conversation: batch size must be 1")
+    n_q_heads, n_kv_heads = query.shape[1], key.shape[1]
+    group = n_q_heads // n_kv_heads
+    q_len = query.shape[2]
+    mask = episodic_mask(request.past_valid, q_len, group)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                         enable_gqa=group > 1)
+    if request.n_patch:
+        p = request.n_patch
+        n_cached = key.shape[2] - p  # cached slots plus the new block: all that may be kept
+        valid = mask[0, ::group, -1, :n_cached]  # the last patch query sees every valid slot
+        request.scores = patch_attention_scores(
+            query[0, :, -p:], key[0, :, :n_cached], key[0, :, n_cached:], valid,
+            scale=scaling if scaling is not None else query.shape[-1] ** -0.5)
+    return out.transpose(1, 2).contiguous(), None
+
+
+_registered = False
+
+
+def register_episodic_attention() -> None:
+    """Register the attention function and, as transformers 5 requires, a mask function."""
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(EPISODIC_ATTENTION, episodic_attention)
+    AttentionMaskInterface.register(EPISODIC_ATTENTION, sdpa_mask)
+    _registered = True

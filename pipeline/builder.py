@@ -1,0 +1,172 @@
+"""The build of one conversation, stage by stage, as plain functions a Ray task can call.
+
+cluster_conversation -> (calibration profile -> layer budgets) -> build_episode per episode ->
+commit_manifest. Models are loaded once per process (`pipeline.models` caches them), so a
+worker that builds many episodes loads its model once.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pipeline import cache_io, models, prompts
+from pipeline.calibrate import allocate_budgets, layer_similarity
+from pipeline.config import BuildConfig
+from pipeline.corpus import Conversation, render_conversation
+from pipeline.episodes import EpisodeConfig, EpisodeSet, build_episodes
+from pipeline.manifest import read_manifest, write_manifest
+from pipeline.prefill import block_prefill
+from pipeline.scorers import SCORERS, EpiCacheScorer, PatchScorer, Scorer
+from pipeline.store import Store, cache_key, profile_key
+
+log = logging.getLogger(__name__)
+
+
+def is_episodic(config: BuildConfig) -> bool:
+    return config.scorer == EpiCacheScorer.name
+
+
+def make_scorer(config: BuildConfig, patch: torch.Tensor | None) -> Scorer:
+    cls = SCORERS.get(config.scorer)
+    if cls is None:
+        raise ValueError(f"unknown scorer {config.scorer!r}; known: {sorted(SCORERS)}")
+    if issubclass(cls, PatchScorer):
+        if patch is None:
+            raise ValueError(f"scorer {config.scorer!r} needs a patched prompt")
+        return cls(patch=patch)
+    return cls()
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 1: episodes
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ClusterResult:
+    episodes: EpisodeSet
+    seconds: float
+
+
+def cluster_conversation(conv: Conversation, config: BuildConfig) -> ClusterResult:
+    start = time.perf_counter()
+    episode_config = config.episodes if is_episodic(config) else EpisodeConfig(
+        window=config.episodes.window, episodes=1, medoids=config.episodes.medoids,
+        seed=config.episodes.seed)
+    episodes = build_episodes(conv, models.load_encoder(config.encoder), episode_config)
+    return ClusterResult(episodes, time.perf_counter() - start)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 2: layer sensitivity profile (once per model) and layer budgets
+# ---------------------------------------------------------------------------------------------
+
+def calibration_text(config: BuildConfig) -> str:
+    """A long, model-independent text: a synthetic multi-topic conversation (no dataset shipped)."""
+    from pipeline.synthetic import make_conversation
+
+    conv = make_conversation("calibration", target_tokens=int(config.calibration.tokens * 1.5),
+                             seed=config.calibration.seed)
+    return render_conversation(conv).text
+
+
+def layer_profile(store: Store, config: BuildConfig) -> list[float]:
+    """Per-layer Key similarity for the model: read from the store, or measured and stored."""
+    cal = config.calibration
+    cal_hash = hashlib.sha256(json.dumps(cal.as_dict(), sort_keys=True).encode()).hexdigest()[:12]
+    key = profile_key(models.model_key(config.model), cal_hash)
+    if store.exists(key):
+        return json.loads(store.get(key))["similarity"]
+    lm = models.load_llm(config.model)
+    ids = prompts.context_ids(lm.tokenizer, calibration_text(config))[:cal.tokens]
+    start = time.perf_counter()
+    sims = layer_similarity(lm.model, ids, cal).tolist()
+    store.put(key, json.dumps({"model_id": config.model, "calibration": cal.as_dict(),
+                               "similarity": sims, "seconds": time.perf_counter() - start},
+                              indent=1).encode())
+    return sims
+
+
+def layer_budgets(store: Store, config: BuildConfig, n_layers: int) -> list[int] | None:
+    if config.budget is None:
+        return None
+    if config.alpha == 0:
+        return [config.budget] * n_layers
+    return allocate_budgets(layer_profile(store, config), config.budget, config.alpha)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 3: one episode's cache
+# ---------------------------------------------------------------------------------------------
+
+def build_episode(conv: Conversation, episodes: EpisodeSet, episode: int, budgets: list[int] | None,
+                  config: BuildConfig, store: Store, cluster_seconds: float = 0.0) -> dict:
+    """Block-prefill one episode's cache, store it, and return its manifest row."""
+    lm = models.load_llm(config.model)
+    ep = episodes.episodes[episode]
+    ids = prompts.context_ids(lm.tokenizer, render_conversation(conv).text)
+    patch = prompts.patch_ids(lm.tokenizer, ep.patch_text) if is_episodic(config) else None
+    cache, stats = block_prefill(lm.model, ids, make_scorer(config, patch), budgets, config.prefill)
+    dtype = getattr(torch, config.store_dtype)
+    header = {"model_id": config.model, "config_hash": config.hash,
+              "conversation_id": conv.conversation_id, "episode": episode}
+    data = cache_io.serialize(cache, header, dtype)
+    key = cache_key(conv.conversation_id, config.hash, episode)
+    store.put(key, data)
+    checksum = cache_io.sha256(data)
+    if cache_io.sha256(store.get(key)) != checksum:  # verify what landed before referencing it
+        raise cache_io.CacheCorruptError(f"cache object {key} changed while being stored")
+    return {
+        "conversation_id": conv.conversation_id, "episode": episode,
+        "episodes_requested": episodes.requested if is_episodic(config) else 1,
+        "episodes_built": len(episodes.episodes), "episode_note": episodes.note,
+        "object_key": key, "sha256": checksum, "object_bytes": len(data),
+        "kv_bytes": cache.nbytes(torch.empty(0, dtype=dtype).element_size()),
+        "centroid": ep.centroid.astype(np.float32).tolist(), "medoid_text": ep.patch_text,
+        "medoid_turn_ids": list(ep.medoid_turn_ids), "n_windows": len(ep.windows),
+        "layer_budgets": budgets, "entries_per_layer": stats.final_entries,
+        "peak_entries_per_layer": stats.peak_entries, "tokens": stats.tokens,
+        "scorer": config.scorer, "model_id": config.model, "encoder_id": config.encoder,
+        "config_hash": config.hash, "config_json": config.to_json(),
+        "cluster_seconds": cluster_seconds, "build_seconds": stats.seconds,
+        "worker": f"{socket.gethostname()}:{os.getpid()}",
+        "built_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 4: commit
+# ---------------------------------------------------------------------------------------------
+
+def is_built(store: Store, conversation_id: str, config: BuildConfig) -> bool:
+    rows = read_manifest(store, conversation_id)
+    return bool(rows) and all(r["config_hash"] == config.hash for r in rows)
+
+
+def commit_manifest(store: Store, conversation_id: str, rows: list[dict]) -> None:
+    """Write the manifest last, once every object it names exists with its checksum."""
+    for row in rows:
+        if cache_io.sha256(store.get(row["object_key"])) != row["sha256"]:
+            raise cache_io.CacheCorruptError(f"cache object {row['object_key']} failed its "
+                                             "checksum before the manifest commit")
+    write_manifest(store, conversation_id, rows)
+
+
+def build_conversation(conv: Conversation, config: BuildConfig, store: Store) -> list[dict]:
+    """The whole build of one conversation in this process (the Ray job fans the same steps out)."""
+    clustered = cluster_conversation(conv, config)
+    lm = models.load_llm(config.model)
+    budgets = layer_budgets(store, config, lm.config.num_hidden_layers)
+    rows = [build_episode(conv, clustered.episodes, e, budgets, config, store, clustered.seconds)
+            for e in range(len(clustered.episodes.episodes))]
+    commit_manifest(store, conv.conversation_id, rows)
+    return rows

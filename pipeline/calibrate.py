@@ -1,0 +1,91 @@
+"""Layer sensitivity to block-prefill eviction, and layer budgets from it (EpiCache §3.2).
+
+Once per model: run one long text twice, with the causal mask and with a mask that lets each
+token see only the first `sink` tokens and the most recent ones (a simulated budget of
+`window` tokens). A layer whose Key states move a lot under that mask (low cosine similarity)
+is sensitive and gets more budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    tokens: int = 4096  # length of the calibration text
+    sink: int = 128  # tokens every query may always see
+    window: int = 1024  # the simulated budget: sink + most recent tokens
+    seed: int = 0  # the synthetic calibration text's seed
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def sink_recent_mask(n: int, sink: int, window: int) -> torch.Tensor:
+    """[n, n] bool: causal, restricted to the first `sink` and the last `window - sink` tokens."""
+    q = torch.arange(n)[:, None]
+    k = torch.arange(n)[None, :]
+    recent = max(window - sink, 1)
+    return (k <= q) & ((k < sink) | (q - k < recent))
+
+
+def _key_states(model: torch.nn.Module, input_ids: torch.Tensor,
+                mask: torch.Tensor | None) -> list[torch.Tensor]:
+    cache = DynamicCache()
+    kwargs = {} if mask is None else {"attention_mask": mask[None, None]}
+    model.base_model(input_ids=input_ids[None], past_key_values=cache, use_cache=True, **kwargs)
+    return [layer.keys[0].float() for layer in cache.layers]  # [Hkv, N, d] per layer
+
+
+@torch.inference_mode()
+def layer_similarity(model: torch.nn.Module, input_ids: torch.Tensor,
+                     config: CalibrationConfig = CalibrationConfig()) -> np.ndarray:
+    """Per layer: mean cosine similarity of Key states, causal vs sink+recent mask, over heads
+    and over the tokens where the two masks differ (beyond the window)."""
+    n = input_ids.shape[0]
+    if n <= config.window:
+        raise ValueError(f"calibration text of {n} tokens must be longer than the window "
+                         f"({config.window}) for the masks to differ")
+    device = next(model.parameters()).device
+    input_ids = input_ids.to(device)
+    full = _key_states(model, input_ids, None)
+    masked = _key_states(model, input_ids, sink_recent_mask(n, config.sink, config.window).to(device))
+    sims = [torch.nn.functional.cosine_similarity(a[:, config.window:], b[:, config.window:], dim=-1)
+            .mean().item() for a, b in zip(full, masked)]
+    return np.asarray(sims, dtype=np.float64)
+
+
+def allocate_budgets(similarity: np.ndarray | list[float], mean_budget: int, alpha: float = 1.0,
+                     floor_fraction: float = 0.25) -> list[int]:
+    """Integer layer budgets with mean exactly `mean_budget`, each at least
+    `floor_fraction * mean_budget`; layer weights (1 - minmax(similarity))^alpha."""
+    sim = np.asarray(similarity, dtype=np.float64)
+    n = sim.shape[0]
+    total = mean_budget * n
+    floor = int(np.ceil(mean_budget * floor_fraction))
+    spread = sim.max() - sim.min()
+    weights = (1.0 - (sim - sim.min()) / spread) ** alpha if spread > 0 else np.ones(n)
+    # Water-filling: layers whose share falls under the floor are pinned at it, the rest share
+    # what remains in proportion to their weights.
+    pinned = np.zeros(n, dtype=bool)
+    while True:
+        free = ~pinned
+        remaining = total - floor * pinned.sum()
+        w = weights[free]
+        share = remaining * (w / w.sum() if w.sum() > 0 else np.full(w.shape, 1.0 / w.size))
+        alloc = np.full(n, float(floor))
+        alloc[free] = share
+        newly = free & (alloc < floor)
+        if not newly.any():
+            break
+        pinned |= newly
+    # Round down, then hand the leftover units to the largest remainders: the sum stays exact.
+    budgets = np.floor(alloc).astype(int)
+    leftover = total - budgets.sum()
+    budgets[np.argsort(-(alloc - budgets), kind="stable")[:leftover]] += 1
+    return budgets.tolist()

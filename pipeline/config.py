@@ -1,0 +1,57 @@
+"""The build configuration: one frozen object per stage, hashed into every manifest.
+
+Two builds with the same hash produce the same caches, so a re-run skips conversations whose
+manifest carries the current hash and rebuilds those that do not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+
+from pipeline.calibrate import CalibrationConfig
+from pipeline.cache_io import FORMAT
+from pipeline.episodes import EpisodeConfig
+from pipeline.models import DEFAULT_ENCODER, DEFAULT_LLM
+from pipeline.prefill import PrefillConfig
+
+STORE_DTYPES = ("float16", "bfloat16", "float32")
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    model: str = DEFAULT_LLM
+    encoder: str = DEFAULT_ENCODER
+    scorer: str = "epicache"  # a name in pipeline.scorers.SCORERS
+    budget: int | None = 1024  # mean entries per layer and KV head; None = full cache
+    alpha: float = 1.0  # sharpness of the sensitivity-aware layer allocation; 0 = uniform
+    store_dtype: str = "float16"  # dtype of the stored keys and values
+    episodes: EpisodeConfig = field(default_factory=EpisodeConfig)
+    prefill: PrefillConfig = field(default_factory=PrefillConfig)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+
+    def __post_init__(self):
+        if self.budget is not None and self.budget < 1:
+            raise ValueError(f"budget must be positive, got {self.budget}")
+        if self.alpha < 0:
+            raise ValueError(f"alpha must be non-negative, got {self.alpha}")
+        if self.store_dtype not in STORE_DTYPES:
+            raise ValueError(f"store_dtype must be one of {STORE_DTYPES}, got {self.store_dtype!r}")
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"format": FORMAT}
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), sort_keys=True)
+
+    @property
+    def hash(self) -> str:
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+    @classmethod
+    def from_json(cls, text: str) -> "BuildConfig":
+        d = json.loads(text)
+        d.pop("format", None)
+        return cls(episodes=EpisodeConfig(**d.pop("episodes")), prefill=PrefillConfig(**d.pop("prefill")),
+                   calibration=CalibrationConfig(**d.pop("calibration")), **d)

@@ -1,0 +1,111 @@
+"""Conversation clustering into episodes (EpiCache stage 1, §3.1 and A.3).
+
+The turns are cut into windows of `window` consecutive utterances, each window is embedded with
+a sentence encoder (normalised), and K-Means (k-means++ seeding, fixed seed) groups them into
+episodes. An episode keeps its centroid (for routing questions) and its medoid windows: the
+`medoids` windows nearest the centroid, whose rendering is the episode's patched prompt.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import asdict, dataclass
+
+import numpy as np
+from sklearn.cluster import KMeans
+
+from pipeline.corpus import Conversation, Turn, render_turns
+
+
+@dataclass(frozen=True)
+class EpisodeConfig:
+    window: int = 4  # utterances per window
+    episodes: int = 4  # K-Means clusters requested
+    medoids: int = 4  # windows per patched prompt
+    seed: int = 0
+    n_init: int = 10
+
+    def __post_init__(self):
+        for name in ("window", "episodes", "medoids", "n_init"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Episode:
+    index: int
+    centroid: np.ndarray  # unit-norm, in the encoder's space
+    windows: tuple[int, ...]  # member window indices
+    medoid_windows: tuple[int, ...]  # nearest the centroid first
+    medoid_turn_ids: tuple[str, ...]
+    patch_text: str
+
+
+@dataclass(frozen=True)
+class EpisodeSet:
+    episodes: tuple[Episode, ...]
+    requested: int
+    n_windows: int
+    note: str = ""  # why fewer episodes than requested, if so
+
+
+def segment(turns: tuple[Turn, ...] | list[Turn], window: int) -> list[list[Turn]]:
+    return [list(turns[i:i + window]) for i in range(0, len(turns), window)]
+
+
+def window_texts(conv: Conversation, windows: list[list[Turn]]) -> list[str]:
+    return [render_turns(conv, w, header=False).text for w in windows]
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    norm = np.linalg.norm(x, axis=-1, keepdims=True)
+    return x / np.where(norm > 0, norm, 1.0)
+
+
+def cluster_embeddings(embeddings: np.ndarray, n_clusters: int, seed: int,
+                       n_init: int = 10) -> np.ndarray:
+    """K-Means labels (k-means++ seeding, fixed seed)."""
+    with warnings.catch_warnings():  # "fewer distinct points than clusters": handled by the caller
+        warnings.simplefilter("ignore")
+        km = KMeans(n_clusters=n_clusters, init="k-means++", n_init=n_init, random_state=seed)
+        return km.fit_predict(embeddings)
+
+
+def build_episodes(conv: Conversation, encoder, config: EpisodeConfig = EpisodeConfig()) -> EpisodeSet:
+    """Cluster a conversation into at most `config.episodes` episodes. Short conversations get
+    fewer (one per window at most); the note says why."""
+    windows = segment(conv.turns, config.window)
+    texts = window_texts(conv, windows)
+    embeddings = _unit(np.asarray(encoder.encode(texts, normalize_embeddings=True,
+                                                 show_progress_bar=False), dtype=np.float64))
+    distinct = len(np.unique(embeddings.round(6), axis=0))
+    k = min(config.episodes, len(windows), distinct)
+    labels = cluster_embeddings(embeddings, k, config.seed, config.n_init) if k > 1 \
+        else np.zeros(len(windows), dtype=int)
+    episodes = []
+    for label in sorted(set(labels.tolist())):
+        members = np.flatnonzero(labels == label)
+        centroid = _unit(embeddings[members].mean(axis=0))
+        nearest = members[np.argsort(-(embeddings[members] @ centroid), kind="stable")]
+        medoids = tuple(int(i) for i in nearest[:config.medoids])
+        patch_turns = [t for i in sorted(medoids) for t in windows[i]]
+        episodes.append(Episode(
+            index=len(episodes), centroid=centroid.astype(np.float32),
+            windows=tuple(int(i) for i in members), medoid_windows=medoids,
+            medoid_turn_ids=tuple(t.turn_id for t in patch_turns),
+            patch_text=render_turns(conv, patch_turns, header=False).text))
+    note = ""
+    if len(episodes) < config.episodes:
+        note = (f"{len(episodes)} of {config.episodes} episodes: the conversation has "
+                f"{len(windows)} windows of {config.window} turns ({distinct} distinct)")
+    return EpisodeSet(tuple(episodes), config.episodes, len(windows), note)
+
+
+def route(question_embedding: np.ndarray, centroids: np.ndarray) -> tuple[int, float]:
+    """The episode whose centroid has the highest cosine similarity to the question."""
+    sims = _unit(np.asarray(centroids, dtype=np.float64)) @ _unit(np.asarray(question_embedding, dtype=np.float64))
+    best = int(np.argmax(sims))
+    return best, float(sims[best])

@@ -1,0 +1,63 @@
+"""Per-conversation manifests: one Parquet row per episode, written after its objects.
+
+The manifest is the commit point of a conversation's build: it exists only once every object
+it names is stored and verified, and it records the configuration hash that built it, so a
+re-run can tell finished work from stale work. The schema is documented in the README.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.store import ObjectNotFound, Store, manifest_key
+
+MANIFEST_SCHEMA = pa.schema([
+    ("conversation_id", pa.string()),
+    ("episode", pa.int32()),
+    ("episodes_requested", pa.int32()),
+    ("episodes_built", pa.int32()),
+    ("episode_note", pa.string()),
+    ("object_key", pa.string()),
+    ("sha256", pa.string()),
+    ("object_bytes", pa.int64()),
+    ("kv_bytes", pa.int64()),
+    ("centroid", pa.list_(pa.float32())),
+    ("medoid_text", pa.string()),
+    ("medoid_turn_ids", pa.list_(pa.string())),
+    ("n_windows", pa.int32()),
+    ("layer_budgets", pa.list_(pa.int32())),
+    ("entries_per_layer", pa.list_(pa.float32())),
+    ("peak_entries_per_layer", pa.list_(pa.float32())),
+    ("tokens", pa.int64()),
+    ("scorer", pa.string()),
+    ("model_id", pa.string()),
+    ("encoder_id", pa.string()),
+    ("config_hash", pa.string()),
+    ("config_json", pa.string()),
+    ("cluster_seconds", pa.float64()),
+    ("build_seconds", pa.float64()),
+    ("worker", pa.string()),
+    ("built_at", pa.string()),
+])
+
+
+def write_manifest(store: Store, conversation_id: str, rows: list[dict]) -> None:
+    rows = sorted(rows, key=lambda r: r["episode"])
+    table = pa.Table.from_pylist(rows, schema=MANIFEST_SCHEMA)
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    store.put(manifest_key(conversation_id), sink.getvalue().to_pybytes())
+
+
+def read_manifest(store: Store, conversation_id: str) -> list[dict] | None:
+    """The manifest rows of a conversation, or None if it has not been built."""
+    try:
+        data = store.get(manifest_key(conversation_id))
+    except ObjectNotFound:
+        return None
+    return pq.read_table(pa.BufferReader(data)).to_pylist()
+
+
+def list_conversations(store: Store) -> list[str]:
+    return [k.removeprefix("manifests/").removesuffix(".parquet") for k in store.list("manifests/")]

@@ -1,0 +1,217 @@
+"""Reading corpora: JSONL validation errors that name file, record and field; skipping bad
+records; unsafe ids; the LoCoMo reader on the real files; rendering."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.corpus import (CorpusError, UnsafeIdError, check_safe_id, iter_corpus, read_corpus,
+                             render_conversation, render_turn, write_jsonl)
+
+LOCOMO = Path("/work/shared/data/locomo")
+
+
+def good_record(cid: str = "conv-1") -> dict:
+    return {
+        "conversation_id": cid,
+        "speakers": ["Ann", "Bob"],
+        "turns": [
+            {"turn_id": "t1", "speaker": "Ann", "text": "Hi Bob.", "session": 1,
+             "timestamp": "1 May 2023"},
+            {"turn_id": "t2", "speaker": "Bob", "text": "Hello Ann.", "session": 1,
+             "timestamp": "1 May 2023", "caption": "a cat on a sofa"},
+            {"turn_id": "t3", "speaker": "Ann", "text": "Bye.", "session": 2,
+             "timestamp": "2 May 2023"},
+        ],
+        "questions": [{"question": "Who said hi?", "answer": "Ann", "evidence": ["t1"],
+                       "category": 4}],
+    }
+
+
+def write_lines(path: Path, lines: list) -> Path:
+    path.write_text("".join((l if isinstance(l, str) else json.dumps(l)) + "\n" for l in lines),
+                    encoding="utf-8")
+    return path
+
+
+def test_good_jsonl_reads_and_round_trips(tmp_path):
+    """A valid file reads; write_jsonl of what was read reads back the same."""
+    path = write_lines(tmp_path / "c.jsonl", [good_record("a"), good_record("b")])
+    convs, stats = read_corpus(path)
+    assert [c.conversation_id for c in convs] == ["a", "b"] and stats.read == 2
+    assert convs[0].turns[1].caption == "a cat on a sofa"
+    assert convs[0].questions[0].evidence == ("t1",)
+    write_jsonl(convs, tmp_path / "again.jsonl")
+    again, _ = read_corpus(tmp_path / "again.jsonl")
+    assert [c.to_record() for c in again] == [c.to_record() for c in convs]
+
+
+def _missing_turns(r):
+    del r["turns"]
+
+
+def _bad_speaker(r):
+    r["turns"][1]["speaker"] = "Carol"
+
+
+def _bad_session_type(r):
+    r["turns"][2]["session"] = "two"
+
+
+def _bad_evidence(r):
+    r["questions"][0]["evidence"] = ["t1", "t9"]
+
+
+BAD = [
+    (_missing_turns, "turns", "is missing"),
+    (_bad_speaker, "turns[1].speaker", "'Carol' is not one of speakers"),
+    (_bad_session_type, "turns[2].session", "must be int, got str"),
+    (_bad_evidence, "questions[0].evidence[1]", "'t9' is not a turn"),
+]
+
+
+@pytest.mark.parametrize("mutate,field,why", BAD, ids=[b[1] for b in BAD])
+def test_validation_error_names_file_record_and_field(tmp_path, mutate, field, why):
+    """The third record is bad: the error names the file, 'record 3' and the field path."""
+    bad = good_record("c")
+    mutate(bad)
+    path = write_lines(tmp_path / "corpus.jsonl", [good_record("a"), good_record("b"), bad])
+    with pytest.raises(CorpusError) as info:
+        read_corpus(path)
+    message = str(info.value)
+    assert "corpus.jsonl" in message and "record 3" in message
+    assert f"field '{field}'" in message and why in message
+
+
+def test_invalid_json_line_is_reported(tmp_path):
+    path = write_lines(tmp_path / "broken.jsonl", [good_record("a"), '{"conversation_id": "b",'])
+    with pytest.raises(CorpusError, match=r"broken\.jsonl, record 2: not valid JSON"):
+        read_corpus(path)
+
+
+def test_record_numbers_are_line_numbers(tmp_path):
+    """Blank lines are skipped but still counted, so 'record N' is the line to look at."""
+    bad = good_record("b")
+    _bad_speaker(bad)
+    path = write_lines(tmp_path / "c.jsonl", [good_record("a"), "", bad])
+    with pytest.raises(CorpusError, match="record 3"):
+        read_corpus(path)
+
+
+def test_skip_mode_skips_and_counts(tmp_path):
+    """on_bad_record='skip': every bad record (schema error, bad JSON, duplicate id) is skipped
+    and listed in ReadStats.skipped with where it was; good ones are read."""
+    records = [good_record("a")]
+    for i, (mutate, _, _) in enumerate(BAD):
+        r = good_record(f"bad-{i}")
+        mutate(r)
+        records.append(r)
+    records += ["not json at all", good_record("a"), good_record("z")]
+    path = write_lines(tmp_path / "mixed.jsonl", records)
+    convs, stats = read_corpus(path, on_bad_record="skip")
+    assert [c.conversation_id for c in convs] == ["a", "z"]
+    assert stats.read == 2 and len(stats.skipped) == len(BAD) + 2
+    wheres = [w for w, _ in stats.skipped]
+    assert wheres == [f"mixed.jsonl, record {n}" for n in range(2, len(records))]
+    assert "duplicate id" in stats.skipped[-1][1]
+    with pytest.raises(ValueError, match="on_bad_record"):
+        list(iter_corpus(path, on_bad_record="ignore"))
+
+
+@pytest.mark.parametrize("cid,why", [
+    ("../x", "'..'"),
+    ("a/b", "path separator"),
+    ("a\\b", "path separator"),
+    ("x\x00y", "control characters"),
+    ("", "non-empty"),
+    (".hidden", "starting with a letter or digit"),
+    ("a b", "letters, digits"),
+])
+def test_unsafe_ids_are_rejected_with_the_reason(cid, why):
+    """Each unsafe id raises UnsafeIdError (a CorpusError) whose message says why."""
+    with pytest.raises(UnsafeIdError) as info:
+        check_safe_id(cid)
+    assert why in str(info.value)
+    assert isinstance(info.value, CorpusError)
+
+
+def test_unsafe_id_in_a_record_fails_the_record(tmp_path):
+    path = write_lines(tmp_path / "c.jsonl", [good_record("../escape")])
+    with pytest.raises(CorpusError, match=r"record 1: field 'conversation_id'.*'\.\.'"):
+        read_corpus(path)
+
+
+def test_safe_ids_pass():
+    for cid in ("conv-1", "locomo-30", "A.b_c-9", "x" * 128):
+        assert check_safe_id(cid) == cid
+    with pytest.raises(UnsafeIdError):
+        check_safe_id("x" * 129)
+    with pytest.raises(UnsafeIdError):
+        check_safe_id(42)
+
+
+# --------------------------------------------------------------------------------------------
+# LoCoMo
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def locomo30():
+    convs, stats = read_corpus(LOCOMO / "30.json")
+    assert stats.read == 1 and not stats.skipped
+    return convs[0]
+
+
+def test_locomo_reader(locomo30):
+    """Conversation 30: two speakers, > 300 turns in session order, > 100 questions whose
+    evidence names real turns; a captioned turn renders ' and shared <caption>.'"""
+    conv = locomo30
+    assert conv.conversation_id == "locomo-30" and len(conv.speakers) == 2
+    assert len(conv.turns) > 300 and len(conv.questions) > 100
+    sessions = [t.session for t in conv.turns]
+    assert sessions == sorted(sessions) and sessions[0] == 1
+    for t in conv.turns:
+        assert t.turn_id.startswith(f"D{t.session}:") and t.speaker in conv.speakers
+    known = {t.turn_id for t in conv.turns}
+    assert all(e in known for q in conv.questions for e in q.evidence)
+    captioned = [t for t in conv.turns if t.caption]
+    assert captioned
+    line = render_turn(captioned[0])
+    assert " and shared " in line and line.endswith(f" and shared {captioned[0].caption}.")
+    assert render_turn(conv.turns[0]) == f'{conv.turns[0].speaker} said, "{conv.turns[0].text}"'
+
+
+def test_rendering_spans_point_at_turn_lines(locomo30):
+    """The rendered text names both speakers, has a DATE line per session, and each turn span
+    is exactly its rendered line."""
+    rendered = render_conversation(locomo30)
+    assert rendered.text.startswith(f"Below is a conversation between {locomo30.speakers[0]} and "
+                                    f"{locomo30.speakers[1]}")
+    n_sessions = len({t.session for t in locomo30.turns})
+    assert rendered.text.count("DATE: ") == n_sessions
+    assert len(rendered.turn_spans) == len(locomo30.turns)
+    for turn, (start, end) in zip(locomo30.turns, rendered.turn_spans):
+        assert rendered.text[start:end] == render_turn(turn)
+
+
+def test_locomo_folder_reads_ten_conversations():
+    convs, stats = read_corpus(LOCOMO)
+    assert len(convs) == 10 and stats.read == 10 and not stats.skipped
+    assert len({c.conversation_id for c in convs}) == 10
+
+
+def test_locomo_missing_speaker_names_field(tmp_path):
+    sample = json.loads((LOCOMO / "30.json").read_text())
+    broken = copy.deepcopy(sample)
+    del broken["speaker_b"]
+    (tmp_path / "x.json").write_text(json.dumps(broken))
+    with pytest.raises(CorpusError, match=r"x\.json.*field 'speaker_b': is missing"):
+        read_corpus(tmp_path / "x.json")
+
+
+def test_missing_path_is_a_corpus_error(tmp_path):
+    with pytest.raises(CorpusError, match="no such file"):
+        read_corpus(tmp_path / "nope.jsonl")
