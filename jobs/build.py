@@ -49,10 +49,9 @@ def budgets_task(store_uri: str, config: BuildConfig) -> list[int] | None:
 
 
 @ray.remote
-def episode_task(conv: Conversation, clustered: builder.ClusterResult, episode: int,
-                 budgets: list[int] | None, config: BuildConfig, store_uri: str) -> dict:
-    row = builder.build_episode(conv, clustered.episodes, episode, budgets, config,
-                                open_store(store_uri), clustered.seconds)
+def episode_task(clustered: builder.ClusterResult, episode: int, budgets: list[int] | None,
+                 config: BuildConfig, store_uri: str) -> dict:
+    row = builder.build_episode(clustered, episode, budgets, config, open_store(store_uri))
     node = ray.get_runtime_context().get_node_id()
     row["worker"] = f"{row['worker']}@{node[:12]}"
     row["_model_loads"] = (os.getpid(), models.load_count())
@@ -62,7 +61,6 @@ def episode_task(conv: Conversation, clustered: builder.ClusterResult, episode: 
 @dataclass
 class Progress:
     """What the driver tracks for one conversation in flight."""
-    conv_ref: ray.ObjectRef
     episodes: int = 0
     rows: list[dict] = field(default_factory=list)
     error: str | None = None
@@ -109,10 +107,9 @@ def run_build(corpus: str, store_uri: str, config: BuildConfig, *, force: bool =
             if not force and builder.is_built(store, conv.conversation_id, config):
                 summary.skipped += 1
                 continue
-            ref = ray.put(conv)
-            state[conv.conversation_id] = Progress(ref)
+            state[conv.conversation_id] = Progress()
             in_flight[cluster_task.options(num_cpus=1, max_retries=max_retries)
-                      .remote(ref, config)] = ("cluster", conv.conversation_id)
+                      .remote(conv, config)] = ("cluster", conv.conversation_id)
             return True
         return False
 
@@ -146,7 +143,7 @@ def run_build(corpus: str, store_uri: str, config: BuildConfig, *, force: bool =
             p.episodes = len(result.episodes.episodes)
             for e in range(p.episodes):  # the cluster result goes by reference, not by copy
                 in_flight[episode_task.options(**resources).remote(
-                    p.conv_ref, ref, e, budgets, config, store.uri)] = ("episode", cid)
+                    ref, e, budgets, config, store.uri)] = ("episode", cid)
             continue
         if kind == "episode" and result is not None:
             pid, loads = result.pop("_model_loads")
@@ -183,6 +180,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--medoids", type=int, default=4)
     p.add_argument("--window", type=int, default=4, help="utterances per clustering window")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-context-tokens", type=int, default=None,
+                   help="cut each conversation at a session boundary to fit this many tokens")
     p.add_argument("--store-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     p.add_argument("--calibration-tokens", type=int, default=4096)
     p.add_argument("--calibration-window", type=int, default=1024)
@@ -201,6 +200,7 @@ def config_from_args(a: argparse.Namespace) -> BuildConfig:
     return BuildConfig(
         model=a.model, encoder=a.encoder, scorer=a.scorer,
         budget=None if a.full else a.budget, alpha=a.alpha, store_dtype=a.store_dtype,
+        max_context_tokens=a.max_context_tokens,
         episodes=EpisodeConfig(window=a.window, episodes=a.episodes, medoids=a.medoids, seed=a.seed),
         prefill=PrefillConfig(block=a.block, selection=a.selection),
         calibration=CalibrationConfig(tokens=a.calibration_tokens, window=a.calibration_window,

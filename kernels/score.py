@@ -20,21 +20,22 @@ def patch_attention_scores_reference(patch_queries: torch.Tensor, cached_keys: t
     n_q_heads, n_patch, dim = patch_queries.shape
     n_kv_heads, n_cached, _ = cached_keys.shape
     group = n_q_heads // n_kv_heads
-    q = patch_queries.float().reshape(n_kv_heads, group, n_patch, dim)
-    kc, kp = cached_keys.float(), patch_keys.float()
-    causal = torch.ones(n_patch, n_patch, dtype=torch.bool, device=q.device).tril()
+    q = patch_queries.float().reshape(n_kv_heads, group * n_patch, dim)
+    keys = torch.cat([cached_keys, patch_keys], dim=1).float()  # [Hkv, N + P, d]
+    # What each patch query may see: the valid cached keys, and the patch causally.
+    visible = torch.ones(n_patch, n_cached + n_patch, dtype=torch.bool, device=q.device)
+    visible[:, n_cached:] = torch.ones(n_patch, n_patch, dtype=torch.bool, device=q.device).tril()
+    visible = visible[None].repeat(n_kv_heads, 1, 1)
+    if cached_valid is not None:
+        visible[:, :, :n_cached] &= cached_valid[:, None, :]
+    visible = visible.repeat(1, group, 1)  # rows ordered (group, query) like q
     scores = torch.zeros(n_kv_heads, n_cached, dtype=torch.float32, device=q.device)
-    for start in range(0, n_patch, query_chunk):
-        qc = q[:, :, start:start + query_chunk]  # [Hkv, G, c, d]
-        logits_cached = torch.einsum("hgqd,hnd->hgqn", qc, kc) * scale
-        if cached_valid is not None:
-            logits_cached = logits_cached.masked_fill(~cached_valid[:, None, None, :], float("-inf"))
-        logits_patch = torch.einsum("hgqd,hpd->hgqp", qc, kp) * scale
-        logits_patch = logits_patch.masked_fill(~causal[start:start + query_chunk], float("-inf"))
-        normaliser = torch.logsumexp(torch.cat([logits_cached, logits_patch], dim=-1), dim=-1,
-                                     keepdim=True)
-        probs = torch.exp(logits_cached - normaliser)  # [Hkv, G, c, N]
-        scores = torch.maximum(scores, probs.amax(dim=(1, 2)))
+    rows = group * n_patch
+    for start in range(0, rows, query_chunk):
+        logits = torch.bmm(q[:, start:start + query_chunk], keys.transpose(1, 2)) * scale
+        logits.masked_fill_(~visible[:, start:start + query_chunk], float("-inf"))
+        probs = torch.softmax(logits, dim=-1)[:, :, :n_cached]
+        scores = torch.maximum(scores, probs.amax(dim=1))
     return scores
 
 

@@ -31,6 +31,8 @@ class AttentionRequest:
     """What a cache layer tells the attention call that immediately follows its update."""
     key: torch.Tensor  # the key tensor the layer returned; identifies the matching attention call
     past_valid: torch.Tensor  # [Hkv, L_past] bool: which cached slots hold entries
+    past_positions: torch.Tensor  # [Hkv, L_past] token positions of the cached slots
+    first_position: int  # position of the first new token (the new tokens are consecutive)
     n_patch: int = 0  # trailing queries that are patch queries (scored, never stored)
     scores: torch.Tensor | None = None  # filled in: [Hkv, L_past + n_block] patch attention scores
 
@@ -47,29 +49,38 @@ def _take_request(key: torch.Tensor) -> AttentionRequest | None:
     return None
 
 
-def episodic_mask(past_valid: torch.Tensor, q_len: int, group: int) -> torch.Tensor:
-    """[1, Hq, q, L_past + q] bool: valid cached slots per head, causal over the new tokens."""
+def episodic_mask(request: AttentionRequest, q_len: int, group: int,
+                  sliding_window: int | None = None) -> torch.Tensor:
+    """[1, Hq, q, L_past + q] bool: valid cached slots per head, causal over the new tokens,
+    and, for sliding-window layers, only keys less than `sliding_window` positions back."""
+    past_valid = request.past_valid
     n_heads, n_past = past_valid.shape
-    causal = torch.ones(q_len, q_len, dtype=torch.bool, device=past_valid.device).tril()
-    mask = torch.cat([past_valid[:, None, :].expand(n_heads, q_len, n_past),
-                      causal.expand(n_heads, q_len, q_len)], dim=-1)
+    device = past_valid.device
+    q_pos = torch.arange(request.first_position, request.first_position + q_len, device=device)
+    past = past_valid[:, None, :].expand(n_heads, q_len, n_past)
+    new = (q_pos[None, :] <= q_pos[:, None])[None].expand(n_heads, q_len, q_len)
+    if sliding_window is not None:
+        past = past & (q_pos[None, :, None] - request.past_positions[:, None, :] < sliding_window)
+        new = new & (q_pos[:, None] - q_pos[None, :] < sliding_window)
+    mask = torch.cat([past, new], dim=-1)
     return mask.repeat_interleave(group, dim=0)[None]
 
 
 def episodic_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                        value: torch.Tensor, attention_mask: torch.Tensor | None,
-                       scaling: float | None = None, dropout: float = 0.0, **kwargs):
+                       scaling: float | None = None, dropout: float = 0.0,
+                       sliding_window: int | None = None, **kwargs):
     request = _take_request(key)
     if request is None:  # not an episodic cache: the stock path, with the stock mask
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        return sdpa_attention_forward(module, query, key, value, attention_mask,
-                                      dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, sliding_window=sliding_window, **kwargs)
     if query.shape[0] != 1:
         raise ValueError("episodic caches hold one conversation: batch size must be 1")
     n_q_heads, n_kv_heads = query.shape[1], key.shape[1]
     group = n_q_heads // n_kv_heads
     q_len = query.shape[2]
-    mask = episodic_mask(request.past_valid, q_len, group)
+    mask = episodic_mask(request, q_len, group, sliding_window)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
                                          enable_gqa=group > 1)
     if request.n_patch:

@@ -22,7 +22,7 @@ import torch
 from pipeline import cache_io, models, prompts
 from pipeline.calibrate import allocate_budgets, layer_similarity
 from pipeline.config import BuildConfig
-from pipeline.corpus import Conversation, render_conversation
+from pipeline.corpus import Conversation, cut_at_session, render_conversation
 from pipeline.episodes import EpisodeConfig, EpisodeSet, build_episodes
 from pipeline.manifest import read_manifest, write_manifest
 from pipeline.prefill import block_prefill
@@ -53,17 +53,27 @@ def make_scorer(config: BuildConfig, patch: torch.Tensor | None) -> Scorer:
 
 @dataclass(frozen=True)
 class ClusterResult:
+    conversation: Conversation  # as built: cut to `max_context_tokens` when that is set
     episodes: EpisodeSet
     seconds: float
 
 
+def fit_context(conv: Conversation, config: BuildConfig) -> Conversation:
+    if config.max_context_tokens is None:
+        return conv
+    tokenizer = models.load_tokenizer(config.model)
+    return cut_at_session(conv, config.max_context_tokens,
+                          lambda text: len(prompts.context_ids(tokenizer, text)))
+
+
 def cluster_conversation(conv: Conversation, config: BuildConfig) -> ClusterResult:
     start = time.perf_counter()
+    conv = fit_context(conv, config)
     episode_config = config.episodes if is_episodic(config) else EpisodeConfig(
         window=config.episodes.window, episodes=1, medoids=config.episodes.medoids,
         seed=config.episodes.seed)
     episodes = build_episodes(conv, models.load_encoder(config.encoder), episode_config)
-    return ClusterResult(episodes, time.perf_counter() - start)
+    return ClusterResult(conv, episodes, time.perf_counter() - start)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,10 +118,11 @@ def layer_budgets(store: Store, config: BuildConfig, n_layers: int) -> list[int]
 # Stage 3: one episode's cache
 # ---------------------------------------------------------------------------------------------
 
-def build_episode(conv: Conversation, episodes: EpisodeSet, episode: int, budgets: list[int] | None,
-                  config: BuildConfig, store: Store, cluster_seconds: float = 0.0) -> dict:
+def build_episode(clustered: ClusterResult, episode: int, budgets: list[int] | None,
+                  config: BuildConfig, store: Store) -> dict:
     """Block-prefill one episode's cache, store it, and return its manifest row."""
     lm = models.load_llm(config.model)
+    conv, episodes = clustered.conversation, clustered.episodes
     ep = episodes.episodes[episode]
     ids = prompts.context_ids(lm.tokenizer, render_conversation(conv).text)
     patch = prompts.patch_ids(lm.tokenizer, ep.patch_text) if is_episodic(config) else None
@@ -137,7 +148,7 @@ def build_episode(conv: Conversation, episodes: EpisodeSet, episode: int, budget
         "peak_entries_per_layer": stats.peak_entries, "tokens": stats.tokens,
         "scorer": config.scorer, "model_id": config.model, "encoder_id": config.encoder,
         "config_hash": config.hash, "config_json": config.to_json(),
-        "cluster_seconds": cluster_seconds, "build_seconds": stats.seconds,
+        "cluster_seconds": clustered.seconds, "build_seconds": stats.seconds,
         "worker": f"{socket.gethostname()}:{os.getpid()}",
         "built_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }
@@ -166,7 +177,7 @@ def build_conversation(conv: Conversation, config: BuildConfig, store: Store) ->
     clustered = cluster_conversation(conv, config)
     lm = models.load_llm(config.model)
     budgets = layer_budgets(store, config, lm.config.num_hidden_layers)
-    rows = [build_episode(conv, clustered.episodes, e, budgets, config, store, clustered.seconds)
+    rows = [build_episode(clustered, e, budgets, config, store)
             for e in range(len(clustered.episodes.episodes))]
     commit_manifest(store, conv.conversation_id, rows)
     return rows

@@ -47,7 +47,9 @@ class EpisodicLayer(CacheLayerMixin):
             raise ValueError("an episodic cache holds one conversation: batch size must be 1")
         keys = torch.cat([self.keys, key_states.to(self.keys.dtype)], dim=-2)
         values = torch.cat([self.values, value_states.to(self.values.dtype)], dim=-2)
-        self.last_request = AttentionRequest(key=keys, past_valid=self.valid, n_patch=self.n_patch)
+        self.last_request = AttentionRequest(key=keys, past_valid=self.valid,
+                                             past_positions=self.positions,
+                                             first_position=self.tokens_seen, n_patch=self.n_patch)
         hand_off(self.last_request)
 
         n_heads, slots = self.valid.shape

@@ -72,19 +72,33 @@ def deserialize(data: bytes, expected_sha256: str | None, name: str = "cache",
         tensors = st_load(data)
     except Exception as e:  # safetensors raises its own error types for malformed data
         raise CacheCorruptError(f"cache object {name} cannot be parsed ({e})") from None
-    cache = EpisodicCache(header["num_layers"])
+    try:
+        cache = _rebuild(tensors, header, dtype, device)
+    except (KeyError, RuntimeError, ValueError, IndexError, TypeError) as e:
+        raise CacheCorruptError(f"cache object {name} is inconsistent ({type(e).__name__}: {e})") from None
+    return cache, header
+
+
+def _rebuild(tensors: dict[str, torch.Tensor], header: dict, dtype: torch.dtype,
+             device: str | torch.device) -> EpisodicCache:
+    cache = EpisodicCache(int(header["num_layers"]))
     for i, layer in enumerate(cache.layers):
         lengths = tensors[f"layers.{i}.lengths"].long()
         keys, values = tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"]
+        positions = tensors[f"layers.{i}.positions"]
+        total = int(lengths.sum().item())
+        if not keys.shape[0] == values.shape[0] == positions.shape[0] == total:
+            raise ValueError(f"layer {i}: {total} entries by lengths, {keys.shape[0]} keys, "
+                             f"{values.shape[0]} values, {positions.shape[0]} positions")
         n_heads, slots = lengths.shape[0], int(lengths.max().item()) if lengths.numel() else 0
         valid = torch.arange(slots)[None, :] < lengths[:, None]
         layer.keys = keys.new_zeros(1, n_heads, slots, keys.shape[-1])
         layer.values = values.new_zeros(1, n_heads, slots, values.shape[-1])
         layer.positions = torch.zeros(n_heads, slots, dtype=torch.long)
         layer.keys[0][valid], layer.values[0][valid] = keys, values
-        layer.positions[valid] = tensors[f"layers.{i}.positions"]
+        layer.positions[valid] = positions
         layer.keys, layer.values = layer.keys.to(device, dtype), layer.values.to(device, dtype)
         layer.valid, layer.positions = valid.to(device), layer.positions.to(device)
         layer.tokens_seen = int(header["tokens_seen"])
         layer.is_initialized = True
-    return cache, header
+    return cache

@@ -37,7 +37,11 @@ def sink_recent_mask(n: int, sink: int, window: int) -> torch.Tensor:
 def _key_states(model: torch.nn.Module, input_ids: torch.Tensor,
                 mask: torch.Tensor | None) -> list[torch.Tensor]:
     cache = DynamicCache()
-    kwargs = {} if mask is None else {"attention_mask": mask[None, None]}
+    kwargs = {}
+    if mask is not None:  # additive float mask: every attention implementation honours it
+        dtype = next(model.parameters()).dtype
+        additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+        kwargs["attention_mask"] = additive.masked_fill(~mask, torch.finfo(dtype).min)[None, None]
     model.base_model(input_ids=input_ids[None], past_key_values=cache, use_cache=True, **kwargs)
     return [layer.keys[0].float() for layer in cache.layers]  # [Hkv, N, d] per layer
 

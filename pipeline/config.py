@@ -27,6 +27,7 @@ class BuildConfig:
     budget: int | None = 1024  # mean entries per layer and KV head; None = full cache
     alpha: float = 1.0  # sharpness of the sensitivity-aware layer allocation; 0 = uniform
     store_dtype: str = "float16"  # dtype of the stored keys and values
+    max_context_tokens: int | None = None  # cut conversations at a session boundary to fit
     episodes: EpisodeConfig = field(default_factory=EpisodeConfig)
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)

@@ -11,7 +11,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Callable, Iterator, Literal
 
 OnBadRecord = Literal["fail", "skip"]
 
@@ -266,7 +266,8 @@ def _corpus_files(path: Path) -> list[Path]:
 
 
 def _records(file: Path) -> Iterator[tuple[str, Any]]:
-    """(where, parsed JSON or the exception) for each record of a file, lazily."""
+    """(where, item) for each record of a file, lazily; item is ("jsonl", obj),
+    ("locomo", obj, default id) or the `CorpusError` met reading it."""
     if file.suffix == ".jsonl":
         with file.open(encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
@@ -277,24 +278,21 @@ def _records(file: Path) -> Iterator[tuple[str, Any]]:
                     except json.JSONDecodeError as e:
                         yield where, CorpusError(f"{where}: not valid JSON ({e.msg}, column {e.colno})")
         return
-    where = file.name
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        yield where, CorpusError(f"{where}: not valid JSON ({e.msg}, line {e.lineno})")
+        yield file.name, CorpusError(f"{file.name}: not valid JSON ({e.msg}, line {e.lineno})")
         return
     if isinstance(data, list):  # locomo10.json: a list of samples
-        for i, sample in enumerate(data):
-            yield f"{file.name}, record {i + 1}", ("locomo", sample)
+        for i, sample in enumerate(data, 1):
+            yield f"{file.name}, record {i}", ("locomo", sample, f"{file.stem}-{i}")
     else:
-        yield where, ("locomo", data)
+        yield file.name, ("locomo", data, file.stem)
 
 
-def _locomo_id(file: Path, sample: Any, where: str) -> str:
+def _locomo_id(sample: Any, default: str) -> str:
     sample_id = sample.get("sample_id") if isinstance(sample, dict) else None
-    base = str(sample_id) if sample_id else file.stem
-    if "record" in where and not sample_id:
-        base = f"{file.stem}-{where.rsplit(' ', 1)[-1]}"
+    base = str(sample_id or default)
     return base if base.startswith("locomo") else f"locomo-{base}"
 
 
@@ -310,12 +308,11 @@ def iter_corpus(path: str | Path, on_bad_record: OnBadRecord = "fail",
             try:
                 if isinstance(item, Exception):
                     raise item
-                kind, obj = item
-                if kind == "jsonl":
-                    conv = parse_record(obj, where)
+                if item[0] == "jsonl":
+                    conv = parse_record(item[1], where)
                 else:
                     try:
-                        conv = parse_locomo(obj, _locomo_id(file, obj, where), where)
+                        conv = parse_locomo(item[1], _locomo_id(item[1], item[2]), where)
                     except UnsafeIdError as e:
                         raise CorpusError(f"{where}: {e}") from None
                 if conv.conversation_id in seen_ids:
@@ -402,3 +399,25 @@ def render_turns(conv: Conversation, turns: list[Turn] | tuple[Turn, ...] | None
 
 def render_conversation(conv: Conversation) -> Rendered:
     return render_turns(conv)
+
+
+def cut_at_session(conv: Conversation, max_tokens: int,
+                   count_tokens: Callable[[str], int]) -> Conversation:
+    """The longest prefix of whole sessions whose rendering fits `max_tokens` (at least the
+    first session); questions whose evidence falls outside are dropped. `meta["cut"]` says
+    what was kept."""
+    sessions = sorted({t.session for t in conv.turns})
+    kept: list[Turn] = []
+    for n in sessions:
+        candidate = kept + [t for t in conv.turns if t.session == n]
+        if kept and count_tokens(render_turns(conv, candidate).text) > max_tokens:
+            break
+        kept = candidate
+    if len(kept) == len(conv.turns):
+        return conv
+    ids = {t.turn_id for t in kept}
+    questions = tuple(q for q in conv.questions if all(e in ids for e in q.evidence))
+    cut = {"sessions": len({t.session for t in kept}), "of_sessions": len(sessions),
+           "questions_dropped": len(conv.questions) - len(questions), "max_tokens": max_tokens}
+    return Conversation(conv.conversation_id, conv.speakers, tuple(kept), questions,
+                        conv.meta | {"cut": cut})

@@ -158,6 +158,17 @@ def _load_llm(name: str, device: str, dtype: str | None) -> LoadedModel:
     return LoadedModel(model_id=name, model=model, tokenizer=tokenizer)
 
 
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(name: str = DEFAULT_LLM):
+    """The LLM's tokenizer alone (for token counting where the model is not needed)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(resolve_llm(name), local_files_only=True)
+    except OSError as e:
+        raise ModelNotFoundError(f"tokenizer of model {name!r} was not found locally ({e})") from None
+
+
 def resolve_encoder(name: str) -> str:
     key = name.lower()
     if key in _PACKAGED_ENCODERS:

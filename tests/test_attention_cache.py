@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import FAMILIES, StandIn, random_ids, stock_twin, tiny_model
+from tiny_models import FAMILIES, StandIn, one_torch_thread, random_ids, stock_twin, tiny_model  # noqa: F401
 from transformers import DynamicCache
 
 from pipeline.answer import generate_from_cache
@@ -203,6 +203,47 @@ def test_budget_is_held_and_patch_is_never_stored(family, selection):
                                    atol=ATOL, rtol=0)
 
 
+class RecordingScorer(EpiCacheScorer):
+    """EpiCache scoring that remembers, per layer, the last state and scores it saw."""
+
+    def __init__(self, patch):
+        super().__init__(patch)
+        self.seen = {}
+
+    def score(self, layer):
+        scores = super().score(layer)
+        self.seen[layer.layer_idx] = (layer.positions.clone(), layer.valid.clone(), scores.clone())
+        return scores
+
+
+@pytest.mark.parametrize("selection", ["headwise", "perhead"])
+def test_eviction_keeps_the_highest_scored_entries(selection):
+    """The last eviction of each layer keeps exactly the top-scored valid entries of that
+    layer's patch scores (per head, or across heads), identified by token position."""
+    model = tiny_model("qwen2")
+    budget = 10
+    scorer = RecordingScorer(random_ids(6, seed=15))
+    cache, _ = block_prefill(model, random_ids(57, seed=16), scorer, [budget] * 3,
+                             PrefillConfig(block=8, selection=selection))
+    assert sorted(scorer.seen) == [0, 1, 2]
+    for idx, layer in enumerate(cache.layers):
+        positions, valid, scores = scorer.seen[idx]
+        assert scores.shape == valid.shape and (scores[valid] > 0).all()
+        n_heads = valid.shape[0]
+        ranked = scores.masked_fill(~valid, float("-inf"))
+        if selection == "perhead":
+            expected = [set(positions[h][ranked[h].topk(budget).indices].tolist())
+                        for h in range(n_heads)]
+        else:
+            top = ranked.reshape(-1).topk(budget * n_heads).indices
+            expected = [set() for _ in range(n_heads)]
+            for flat in top.tolist():
+                h, slot = divmod(flat, valid.shape[1])
+                expected[h].add(int(positions[h, slot]))
+        got = [set(layer.positions[h][layer.valid[h]].tolist()) for h in range(n_heads)]
+        assert got == expected
+
+
 def test_headwise_selection_can_be_uneven_across_heads():
     """Head-wise (AdaKV) selection keeps budget x Hkv entries per layer, not budget per head:
     on a random model some layer ends with heads of different lengths."""
@@ -247,6 +288,64 @@ def test_streamingllm_keeps_sink_and_most_recent(selection):
     for layer in cache.layers:
         for h in range(layer.valid.shape[0]):
             assert layer.positions[h][layer.valid[h]].tolist() == expected
+
+
+def streaming_kept_sets(n: int, block: int, sink: int, budget: int) -> list[set[int]]:
+    """The positions a StreamingLLM block prefill holds after each block (simulated)."""
+    kept, history = set(), []
+    for start in range(0, n, block):
+        kept |= set(range(start, min(start + block, n)))
+        if len(kept) > budget:
+            sinks = {p for p in kept if p < sink}
+            kept = sinks | set(sorted(kept - sinks)[-(budget - len(sinks)):])
+        history.append(set(kept))
+    return history
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_evicted_cache_equals_masked_full_attention(family):
+    """Eviction is exactly attention masking: after a StreamingLLM block prefill (same kept
+    positions in every layer and head), the kept keys and greedy generation equal a stock eager
+    model run on the whole sequence with a mask where each block (and then the question and the
+    answer) sees only what the cache held before it, plus itself causally."""
+    model = tiny_model(family)
+    eager = stock_twin(model, "eager")
+    n, block, sink, budget, n_new = 50, 8, 4, 12, 5
+    ids, question = random_ids(n, seed=13), random_ids(4, seed=14)
+    cache, _ = block_prefill(model, ids, StreamingLLMScorer(sink=sink), [budget] * 3,
+                             PrefillConfig(block=block, selection="perhead"))
+    generated = generate_from_cache(StandIn(model), cache, question, max_new_tokens=n_new)
+
+    kept = streaming_kept_sets(n, block, sink, budget)
+
+    def visible(total: int) -> torch.Tensor:
+        allowed = torch.ones(total, total, dtype=torch.bool).tril()
+        for q in range(n, total):  # question and answer tokens: the final cache + themselves
+            allowed[q, :n] = False
+            allowed[q, sorted(kept[-1])] = True
+        for j, start in enumerate(range(block, n, block)):  # block j+1 sees kept after block j
+            end = min(start + block, n)
+            allowed[start:end, :start] = False
+            allowed[start:end, sorted(kept[j])] = True
+        return torch.zeros(total, total).masked_fill(~allowed, float("-inf"))[None, None]
+
+    sequence = torch.cat([ids, question])
+    reference_cache = DynamicCache()
+    with torch.no_grad():
+        eager.model(ids[None], attention_mask=visible(n), past_key_values=reference_cache,
+                    use_cache=True)
+        for _ in range(n_new):  # greedy decoding by full re-forward under the mask
+            logits = eager(sequence[None], attention_mask=visible(sequence.shape[0])).logits
+            sequence = torch.cat([sequence, logits[0, -1].argmax()[None]])
+    assert generated.tolist() == sequence[n + 4:].tolist()
+    for layer, ref in zip(cache.layers, reference_cache.layers):
+        for h in range(layer.valid.shape[0]):
+            pos = layer.positions[h][layer.valid[h]]
+            assert sorted(pos.tolist()) == sorted(kept[-1])
+            torch.testing.assert_close(layer.keys[0, h][layer.valid[h]], ref.keys[0, h, pos],
+                                       atol=ATOL, rtol=0)
+            torch.testing.assert_close(layer.values[0, h][layer.valid[h]], ref.values[0, h, pos],
+                                       atol=ATOL, rtol=0)
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import StandIn, random_ids, tiny_model
+from tiny_models import StandIn, one_torch_thread, random_ids, tiny_model  # noqa: F401
 
 from pipeline.answer import generate_from_cache
 from pipeline.cache_io import (FORMAT, CacheCorruptError, deserialize, read_header, serialize,
@@ -122,6 +122,33 @@ def test_truncated_object_is_corrupt(built):
     data = serialize(cache, {}, dtype=torch.float16)
     with pytest.raises(CacheCorruptError, match=NAME):
         deserialize(data[: len(data) - 100], None, NAME)
+
+
+def _object(header: dict, tensors: dict) -> bytes:
+    import json
+
+    from safetensors.torch import save
+    return save(tensors, metadata={"header": json.dumps({"format": FORMAT} | header)})
+
+
+INCONSISTENT = {
+    "no layer count": _object({}, {"x": torch.zeros(1)}),
+    "no layer tensors": _object({"num_layers": 1, "tokens_seen": 3}, {"x": torch.zeros(1)}),
+    "lengths disagree with entries": _object(
+        {"num_layers": 1, "tokens_seen": 4},
+        {"layers.0.keys": torch.zeros(3, 4), "layers.0.values": torch.zeros(3, 4),
+         "layers.0.lengths": torch.tensor([2, 2], dtype=torch.int32),
+         "layers.0.positions": torch.arange(4)}),
+}
+
+
+@pytest.mark.parametrize("data", INCONSISTENT.values(), ids=INCONSISTENT.keys())
+def test_inconsistent_object_is_corrupt(data):
+    """An object with the right format marker whose contents do not add up (missing header
+    field, missing layer tensors, per-head lengths that disagree with the entries) cannot be
+    parsed: CacheCorruptError naming the object, not a bare KeyError / RuntimeError."""
+    with pytest.raises(CacheCorruptError, match=NAME):
+        deserialize(data, None, NAME)
 
 
 def test_other_safetensors_file_is_rejected():

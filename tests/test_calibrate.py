@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from tiny_models import random_ids, stock_twin, tiny_model
+from tiny_models import one_torch_thread, random_ids, stock_twin, tiny_model  # noqa: F401
 
 from pipeline.calibrate import CalibrationConfig, allocate_budgets, layer_similarity, sink_recent_mask
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import random_ids, stock_twin, tiny_model
+from tiny_models import one_torch_thread, random_ids, stock_twin, tiny_model  # noqa: F401
 
 from kernels.score import patch_attention_scores, patch_attention_scores_reference
 from pipeline.cache import EpisodicCache
