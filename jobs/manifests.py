@@ -44,11 +44,13 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(r))
         return 0
     print(f"{'conversation':<16} {'ep':>2} {'tokens':>7} {'build s':>8} {'KV MiB':>7} "
-          f"{'budget':>7} {'peak':>7} {'scorer':<12} note")
+          f"{'budget':>7} {'peak':>7} {'peak-budget':>11} {'scorer':<12} note")
     for r in rows:
         print(f"{r['conversation_id']:<16} {r['episode']:>2} {r['tokens']:>7} "
               f"{r['build_seconds']:>8.1f} {r['kv_bytes'] / 2**20:>7.2f} "
-              f"{r['mean_budget'] or 0:>7.0f} {r['max_peak_entries']:>7.0f} {r['scorer']:<12} "
+              f"{r['mean_budget'] or 0:>7.0f} {r['max_peak_entries']:>7.0f} "
+              f"{r['max_peak_over_budget'] if r['max_peak_over_budget'] is not None else '-':>11} "
+              f"{r['scorer']:<12} "
               f"{r['episode_note']}")
     return 0
 

