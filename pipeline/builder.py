@@ -26,7 +26,7 @@ from pipeline.corpus import Conversation, cut_at_session, render_conversation
 from pipeline.episodes import EpisodeConfig, EpisodeSet, build_episodes
 from pipeline.manifest import read_manifest, write_manifest
 from pipeline.prefill import block_prefill
-from pipeline.scorers import SCORERS, EpiCacheScorer, PatchScorer, Scorer
+from pipeline.scorers import EpiCacheScorer, build_scorer
 from pipeline.store import Store, cache_key, profile_key
 
 log = logging.getLogger(__name__)
@@ -34,17 +34,6 @@ log = logging.getLogger(__name__)
 
 def is_episodic(config: BuildConfig) -> bool:
     return config.scorer == EpiCacheScorer.name
-
-
-def make_scorer(config: BuildConfig, patch: torch.Tensor | None) -> Scorer:
-    cls = SCORERS.get(config.scorer)
-    if cls is None:
-        raise ValueError(f"unknown scorer {config.scorer!r}; known: {sorted(SCORERS)}")
-    if issubclass(cls, PatchScorer):
-        if patch is None:
-            raise ValueError(f"scorer {config.scorer!r} needs a patched prompt")
-        return cls(patch=patch)
-    return cls()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,8 +114,9 @@ def build_episode(clustered: ClusterResult, episode: int, budgets: list[int] | N
     conv, episodes = clustered.conversation, clustered.episodes
     ep = episodes.episodes[episode]
     ids = prompts.context_ids(lm.tokenizer, render_conversation(conv).text)
-    patch = prompts.patch_ids(lm.tokenizer, ep.patch_text) if is_episodic(config) else None
-    cache, stats = block_prefill(lm.model, ids, make_scorer(config, patch), budgets, config.prefill)
+    scorer = build_scorer(config.scorer, lambda text: prompts.patch_ids(lm.tokenizer, text),
+                          ep.patch_text)
+    cache, stats = block_prefill(lm.model, ids, scorer, budgets, config.prefill)
     dtype = getattr(torch, config.store_dtype)
     header = {"model_id": config.model, "config_hash": config.hash,
               "conversation_id": conv.conversation_id, "episode": episode}

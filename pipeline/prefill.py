@@ -69,11 +69,12 @@ def _over_budget(layer: EpisodicLayer, budget: int, selection: Selection) -> boo
     return int(counts.max().item()) > budget
 
 
-def _layer_state(idx: int, layer: EpisodicLayer) -> LayerState:
+def _layer_state(idx: int, layer: EpisodicLayer, block_start: int) -> LayerState:
     request = layer.last_request
     return LayerState(layer_idx=idx, keys=layer.keys[0], values=layer.values[0],
                       valid=layer.valid, positions=layer.positions,
-                      patch_scores=request.scores if request is not None else None)
+                      patch_scores=request.scores if request is not None else None,
+                      block_start=block_start)
 
 
 @torch.inference_mode()
@@ -104,7 +105,7 @@ def block_prefill(model: torch.nn.Module, input_ids: torch.Tensor, scorer: Score
         if budgets is not None:
             for idx, layer in enumerate(cache.layers):
                 if _over_budget(layer, budgets[idx], config.selection):
-                    scores = scorer.score(_layer_state(idx, layer))
+                    scores = scorer.score(_layer_state(idx, layer, seen))
                     layer.keep(select_keep(scores, layer.valid, budgets[idx], config.selection))
         for layer in cache.layers:
             layer.last_request = None

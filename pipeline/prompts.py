@@ -34,21 +34,22 @@ def prompt_format(tokenizer) -> PromptFormat:
     return PromptFormat(bos, "\nShort answer:")
 
 
-def _encode(tokenizer, text: str) -> torch.Tensor:
+def encode(tokenizer, text: str) -> torch.Tensor:
+    """[N] token ids of `text`, no special tokens added."""
     return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
 
 def context_ids(tokenizer, conversation_text: str) -> torch.Tensor:
     """[N] token ids of what the cache holds: the template's opening and the conversation."""
-    return _encode(tokenizer, prompt_format(tokenizer).prefix + conversation_text)
+    return encode(tokenizer, prompt_format(tokenizer).prefix + conversation_text)
 
 
 def patch_ids(tokenizer, patch_text: str) -> torch.Tensor:
     """[P] token ids of a patched prompt (it continues the conversation text)."""
-    return _encode(tokenizer, "\n" + patch_text)
+    return encode(tokenizer, "\n" + patch_text)
 
 
 def question_ids(tokenizer, question: str) -> torch.Tensor:
     """[Q] token ids appended after the cached history to ask `question`."""
     fmt = prompt_format(tokenizer)
-    return _encode(tokenizer, f"\n\n{QA_INSTRUCTION}\n\nQuestion: {question}{fmt.suffix}")
+    return encode(tokenizer, f"\n\n{QA_INSTRUCTION}\n\nQuestion: {question}{fmt.suffix}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 
@@ -32,6 +32,7 @@ class LayerState:
     valid: torch.Tensor  # [Hkv, slots] bool
     positions: torch.Tensor  # [Hkv, slots] original token positions
     patch_scores: torch.Tensor | None  # [Hkv, slots]: max softmax attention from the patch
+    block_start: int = 0  # position of the first token of the block just fed
 
 
 class Scorer(ABC):
@@ -54,8 +55,17 @@ def register(cls: type[Scorer]) -> type[Scorer]:
     return cls
 
 
+class AttentionScorer(Scorer):
+    """Scores are the attention the patch's queries pay to each cached entry."""
+
+    def score(self, layer: LayerState) -> torch.Tensor:
+        if layer.patch_scores is None:
+            raise RuntimeError("patch scores missing: the model is not using episodic attention")
+        return layer.patch_scores
+
+
 @dataclass
-class PatchScorer(Scorer):
+class PatchScorer(AttentionScorer):
     """Keep what a fixed patched prompt attends to (EpiCache's medoid patch, InfiniPot's
     instruction, the question itself...)."""
     patch: torch.Tensor  # [P] token ids
@@ -63,11 +73,6 @@ class PatchScorer(Scorer):
 
     def patch_ids(self, block: BlockContext) -> torch.Tensor | None:
         return self.patch
-
-    def score(self, layer: LayerState) -> torch.Tensor:
-        if layer.patch_scores is None:
-            raise RuntimeError("patch scores missing: the model is not using episodic attention")
-        return layer.patch_scores
 
 
 @register
@@ -91,9 +96,79 @@ class StreamingLLMScorer(Scorer):
 
 @register
 @dataclass
+class SnapKVScorer(AttentionScorer):
+    """SnapKV in the block setting: the patch is the last `window` tokens of the block."""
+    window: int = 64
+    name: ClassVar[str] = "snapkv"
+
+    def patch_ids(self, block: BlockContext) -> torch.Tensor | None:
+        return block.block_ids[-self.window:]
+
+
+@register
+@dataclass
+class InfiniPotScorer(PatchScorer):
+    """InfiniPot: a fixed instruction as the patch (the caller tokenizes INSTRUCTION)."""
+    INSTRUCTION: ClassVar[str] = "Summarize the previous context highlighting the most important parts."
+    name: ClassVar[str] = "infinipot"
+
+
+@register
+@dataclass
+class KVzipScorer(AttentionScorer):
+    """KVzip in the block setting: a repeat instruction followed by the block's own tokens."""
+    instruction: torch.Tensor  # token ids of INSTRUCTION
+    INSTRUCTION: ClassVar[str] = "Repeat the previous context exactly."
+    name: ClassVar[str] = "kvzip"
+
+    def patch_ids(self, block: BlockContext) -> torch.Tensor | None:
+        return torch.cat([self.instruction.to(block.block_ids.device), block.block_ids])
+
+
+@register
+@dataclass
+class KeyDiffScorer(Scorer):
+    """KeyDiff: keep keys unlike the block's mean key (score = -cosine similarity)."""
+    name: ClassVar[str] = "keydiff"
+
+    def score(self, layer: LayerState) -> torch.Tensor:
+        keys = layer.keys.float()
+        in_block = (layer.positions >= layer.block_start) & layer.valid
+        anchor = (keys * in_block[..., None]).sum(1) / in_block.sum(1, keepdim=True).clamp(min=1)
+        return -torch.nn.functional.cosine_similarity(keys, anchor[:, None, :], dim=-1)
+
+
+@register
+@dataclass
+class QuestionScorer(PatchScorer):
+    """Upper bound that cannot be deployed: the patch is the question itself (one build per
+    question)."""
+    name: ClassVar[str] = "question"
+
+
+@register
+@dataclass
 class FullScorer(Scorer):
     """Full KV: never asked to evict (the loop skips eviction when there is no budget)."""
     name: ClassVar[str] = "full"
 
     def score(self, layer: LayerState) -> torch.Tensor:
         return torch.ones_like(layer.positions, dtype=torch.float32)
+
+
+def build_scorer(name: str, encode: Callable[[str], torch.Tensor], patch_text: str | None = None,
+                 **options) -> Scorer:
+    """The scorer `name`, its text patch (if any) tokenized with `encode`. `patch_text` is the
+    episode's medoid text (epicache) or the question (question)."""
+    cls = SCORERS.get(name)
+    if cls is None:
+        raise ValueError(f"unknown method {name!r}; known: {', '.join(sorted(SCORERS))}")
+    if cls in (InfiniPotScorer,):
+        return cls(patch=encode(cls.INSTRUCTION), **options)
+    if cls is KVzipScorer:
+        return cls(instruction=encode(cls.INSTRUCTION), **options)
+    if issubclass(cls, PatchScorer):
+        if not patch_text:
+            raise ValueError(f"method {name!r} needs a patch text")
+        return cls(patch=encode(patch_text), **options)
+    return cls(**options)

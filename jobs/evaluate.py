@@ -1,0 +1,193 @@
+"""Evaluate cache-building methods on a corpus: retention, answer NLL and F1, per method and budget.
+
+    python -m jobs.evaluate --corpus ../shared/data/locomo --limit-conversations 3 \\
+        --max-context-tokens 7600 --questions-per-conversation 40 --budgets 256,512,1024 \\
+        --methods full,streamingllm,snapkv,infinipot,kvzip,keydiff,epicache,question --out eval-out
+
+One Ray task per (conversation, method, budget) cell, plus the two references per
+conversation (full cache, no history), so the same command scales from this machine to a
+cluster. Writes results.parquet (per question), summary.json, table.md and retention.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray
+from tqdm import tqdm
+
+from jobs.build import _WORKER_ENV
+from pipeline import builder, evaluate, models
+from pipeline.calibrate import CalibrationConfig, allocate_budgets
+from pipeline.corpus import CorpusError, iter_corpus
+from pipeline.episodes import EpisodeConfig
+from pipeline.store import open_store
+
+
+@ray.remote
+def prepare_task(conv, config: evaluate.EvalConfig) -> evaluate.Prepared:
+    return evaluate.prepare(conv, config)
+
+
+@ray.remote
+def profile_task(store_uri: str, config: evaluate.EvalConfig) -> list[float]:
+    """The model's layer-sensitivity profile (measured once, then read from the store)."""
+    return builder.layer_profile(open_store(store_uri), config.build_config("epicache", 1))
+
+
+@ray.remote
+def cell_task(prep: evaluate.Prepared, method: str, budget: int | None,
+              config: evaluate.EvalConfig, layer_budgets: list[int] | None) -> list[dict]:
+    return evaluate.evaluate_cell(prep, method, budget, config, layer_budgets)
+
+
+def _fmt(x, pct: bool = False) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{100 * x:.1f}%" if pct else f"{x:.3f}"
+
+
+def markdown_table(rows: list[dict]) -> str:
+    cats = sorted({k for r in rows for k in r if k.startswith("f1_cat")})
+    head = ["method", "budget", "questions", "retention", "retention (of means)", "evidence NLL",
+            "answer NLL", "F1"] + [f"F1 {c.removeprefix('f1_')}" for c in cats]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["method"], str(r["budget"] or "-"), str(r["questions"]),
+                 _fmt(r["retention"], True), _fmt(r.get("retention_of_means"), True),
+                 _fmt(r["evidence_nll"]), _fmt(r["answer_nll"]), _fmt(r["f1"])]
+        cells += [_fmt(r.get(c)) for c in cats]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_retention(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method in dict.fromkeys(r["method"] for r in rows if r["budget"] is not None):
+        pts = sorted((r["budget"], 100 * r["retention"]) for r in rows if r["method"] == method)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+    ax.axhline(100, color="grey", ls="--", lw=1, label="full cache")
+    ax.axhline(0, color="grey", ls=":", lw=1, label="no history")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("budget (entries per layer and KV head)")
+    ax.set_ylabel("evidence-recall retention (%)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m jobs.evaluate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--corpus", required=True)
+    p.add_argument("--out", default="eval-out")
+    p.add_argument("--methods", default=",".join(evaluate.METHODS))
+    p.add_argument("--budgets", default="256,512,1024")
+    p.add_argument("--model", default=models.DEFAULT_LLM)
+    p.add_argument("--encoder", default=models.DEFAULT_ENCODER)
+    p.add_argument("--max-context-tokens", type=int, default=None)
+    p.add_argument("--questions-per-conversation", type=int, default=None)
+    p.add_argument("--limit-conversations", type=int, default=None)
+    p.add_argument("--episodes", type=int, default=4)
+    p.add_argument("--medoids", type=int, default=4)
+    p.add_argument("--window", type=int, default=4)
+    p.add_argument("--alpha", type=float, default=1.0)
+    p.add_argument("--block", type=int, default=512)
+    p.add_argument("--selection", default="headwise", choices=["headwise", "perhead"])
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--calibration-tokens", type=int, default=4096)
+    p.add_argument("--calibration-window", type=int, default=1024)
+    p.add_argument("--on-bad-record", default="fail", choices=["fail", "skip"])
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    unknown = set(methods) - set(evaluate.METHODS)
+    try:
+        budgets = [int(b) for b in a.budgets.split(",") if b.strip()]
+        if unknown or not methods or not budgets or min(budgets) < 1:
+            raise ValueError(f"unknown methods {sorted(unknown)}" if unknown else
+                             "need at least one method and positive budgets")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    config = evaluate.EvalConfig(
+        model=a.model, encoder=a.encoder, block=a.block, selection=a.selection, alpha=a.alpha,
+        episodes=EpisodeConfig(window=a.window, episodes=a.episodes, medoids=a.medoids),
+        calibration=CalibrationConfig(tokens=a.calibration_tokens, window=a.calibration_window,
+                                      sink=min(128, a.calibration_window // 4)),
+        max_context_tokens=a.max_context_tokens,
+        questions_per_conversation=a.questions_per_conversation, max_new_tokens=a.max_new_tokens)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not ray.is_initialized():
+        ray.init(logging_level=logging.WARNING, runtime_env={"env_vars": _WORKER_ENV},
+                 **({} if os.environ.get("RAY_ADDRESS") else {"include_dashboard": False}))
+    start = time.perf_counter()
+    try:
+        convs = list(iter_corpus(a.corpus, a.on_bad_record))[:a.limit_conversations]
+    except CorpusError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    allocated = [m for m in methods if m in evaluate.ALLOCATED] if a.alpha > 0 else []
+    profile = ray.get(profile_task.remote(str(out / "profiles"), config)) if allocated else None
+    layer_budgets = {(m, b): allocate_budgets(profile, b, a.alpha) for m in allocated for b in budgets}
+    pending, prep_refs = {}, []
+    for conv in convs:
+        prep = prepare_task.remote(conv, config)
+        prep_refs.append(prep)
+        cells = [("none", None), ("full", None)] + [(m, b) for m in methods if m != "full"
+                                                    for b in budgets]
+        for method, budget in cells:  # uniform layer budgets unless the method allocates
+            ref = cell_task.remote(prep, method, budget, config, layer_budgets.get((method, budget)))
+            pending[ref] = (conv.conversation_id, method, budget)
+    records = []
+    with tqdm(total=len(pending), unit="cell", desc="evaluate") as bar:
+        while pending:
+            [ref], _ = ray.wait(list(pending), num_returns=1)
+            cid, method, budget = pending.pop(ref)
+            try:
+                records.extend(ray.get(ref))
+            except Exception as e:
+                print(f"cell {cid}/{method}/{budget} failed: {str(e).splitlines()[-1]}",
+                      file=sys.stderr)
+            bar.update(1)
+    records = evaluate.with_retention(records)
+    rows = evaluate.summarise(records)
+    preps = ray.get(prep_refs)
+    summary = {"config": config.as_dict(), "methods": methods, "budgets": budgets,
+               "conversations": [{"conversation_id": p.conversation.conversation_id,
+                                  "tokens": p.tokens, "questions": len(p.questions),
+                                  "questions_dropped_by_cut": p.dropped_by_cut} for p in preps],
+               "context": ("cut at a session boundary to fit" if a.max_context_tokens else
+                           "whole conversations"), "seconds": time.perf_counter() - start,
+               "rows": rows}
+    pq.write_table(pa.Table.from_pylist(records), out / "results.parquet")
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    (out / "table.md").write_text(markdown_table(rows))
+    plot_retention(rows, out / "retention.png")
+    print(markdown_table(rows))
+    print(f"outputs: {out}/results.parquet, summary.json, table.md, retention.png "
+          f"({len(records)} question records, {time.perf_counter() - start:.0f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,148 @@
+"""The baselines' scorers, the quality metrics, and the evaluation harness end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from jobs import evaluate as evaluate_job
+from pipeline import models, prompts
+from pipeline.corpus import write_jsonl
+from pipeline.metrics import continuation_nll, evidence_probe, f1_score, normalize_answer, retention
+from pipeline.prefill import PrefillConfig, block_prefill
+from pipeline.scorers import (BlockContext, FullScorer, InfiniPotScorer, KeyDiffScorer, KVzipScorer,
+                              LayerState, SnapKVScorer, build_scorer)
+from pipeline.synthetic import make_corpus
+
+
+def _encode(text: str) -> torch.Tensor:
+    return torch.tensor([ord(c) % 100 for c in text])
+
+
+def test_patch_choices_of_the_baselines():
+    block = BlockContext(block_ids=torch.arange(200), tokens_seen=512)
+    assert SnapKVScorer().patch_ids(block).tolist() == list(range(136, 200))
+    kvzip = build_scorer("kvzip", _encode)
+    assert kvzip.patch_ids(block).tolist() == _encode(KVzipScorer.INSTRUCTION).tolist() + list(range(200))
+    infinipot = build_scorer("infinipot", _encode)
+    assert infinipot.patch_ids(block).tolist() == _encode(InfiniPotScorer.INSTRUCTION).tolist()
+    assert build_scorer("question", _encode, "Where?").patch_ids(block).tolist() == _encode("Where?").tolist()
+    assert build_scorer("keydiff", _encode).patch_ids(block) is None
+    with pytest.raises(ValueError, match="unknown method"):
+        build_scorer("h2o", _encode)
+    with pytest.raises(ValueError, match="needs a patch text"):
+        build_scorer("epicache", _encode)
+
+
+def test_keydiff_scores_are_negative_cosine_to_the_block_mean_key():
+    torch.manual_seed(0)
+    keys = torch.randn(2, 10, 8)
+    positions = torch.arange(10).expand(2, -1)
+    valid = torch.ones(2, 10, dtype=torch.bool)
+    valid[1, 9] = False  # an empty slot does not enter the anchor
+    state = LayerState(0, keys, keys, valid, positions, None, block_start=6)
+    scores = KeyDiffScorer().score(state)
+    for h in range(2):
+        members = [i for i in range(6, 10) if valid[h, i]]
+        anchor = keys[h, members].mean(0)
+        expected = -torch.nn.functional.cosine_similarity(keys[h], anchor[None], dim=-1)
+        torch.testing.assert_close(scores[h], expected)
+
+
+def test_f1_and_normalisation_follow_locomo():
+    assert normalize_answer("The Cat, and a Dog!") == "cat dog"
+    assert f1_score("a cat", "The cat") == 1.0
+    assert f1_score("blue sky", "sky") == pytest.approx(2 / 3)
+    assert f1_score("", "x") == 0.0
+    assert retention(4.0, 2.0, 1.0) == pytest.approx(2 / 3)
+    assert math.isnan(retention(1.0, 1.0, 1.0))
+
+
+def test_evidence_probe_takes_at_most_four_words_and_a_third():
+    from pipeline.corpus import Turn
+    prefix, rest = evidence_probe(Turn("D1:1", "Ann", "one two three four five six seven eight nine "
+                                       "ten eleven twelve thirteen", 1, ""))
+    assert prefix == '\nAnn said, "one two three four' and rest.startswith(" five")
+    prefix, _ = evidence_probe(Turn("D1:2", "Bo", "alpha beta gamma delta eps zeta", 1, ""))
+    assert prefix == '\nBo said, "alpha beta'
+
+
+@pytest.fixture(scope="module")
+def tiny_llm_dir(tmp_path_factory):
+    """A tiny random Llama with the real SmolLM2 tokenizer, saved as a model folder."""
+    tokenizer = models.load_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+        tie_word_embeddings=True))
+    path = tmp_path_factory.mktemp("tiny-llm")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_continuation_nll_equals_a_full_forward(tiny_llm_dir):
+    lm = models.load_llm(tiny_llm_dir)
+    ids = prompts.encode(lm.tokenizer, "Alice said hello to Bob and Bob said hello back to Alice.")
+    cache, _ = block_prefill(lm.model, ids[:8], FullScorer(), None, PrefillConfig(block=4))
+    nll = continuation_nll(lm.model, cache, ids[8:10], ids[10:])
+    with torch.inference_mode():
+        logits = lm.model(input_ids=ids[None]).logits[0].float()
+    expected = -torch.log_softmax(logits[9:-1], -1).gather(1, ids[10:, None]).mean()
+    assert nll == pytest.approx(float(expected), rel=1e-4)
+    assert cache.tokens_seen == 8  # the probe left the cache as it was
+
+
+def _run_evaluate(corpus, out, model, methods, budgets):
+    return evaluate_job.main([
+        "--corpus", str(corpus), "--out", str(out), "--model", model, "--methods", methods,
+        "--budgets", budgets, "--block", "64", "--medoids", "1", "--questions-per-conversation", "2",
+        "--max-new-tokens", "4", "--calibration-tokens", "256", "--calibration-window", "64"])
+
+
+def _check_outputs(out, methods):
+    for name in ("results.parquet", "summary.json", "table.md", "retention.png"):
+        assert (out / name).stat().st_size > 0, name
+    records = pq.read_table(out / "results.parquet").to_pylist()
+    assert {r["method"] for r in records} == set(methods) | {"none"}
+    ref = {(r["conversation_id"], r["question_index"], r["method"]): r["evidence_nll"]
+           for r in records if r["method"] in ("full", "none")}
+    for r in records:
+        key = (r["conversation_id"], r["question_index"])
+        if ref[key + ("full",)] >= ref[key + ("none",)]:  # no signal: retention is undefined
+            assert math.isnan(r["retention"])
+        elif r["method"] in ("full", "none"):
+            assert r["retention"] == pytest.approx(1.0 if r["method"] == "full" else 0.0)
+    summary = json.loads((out / "summary.json").read_text())
+    assert {row["method"] for row in summary["rows"]} == set(methods) | {"none"}
+    return records
+
+
+def test_harness_end_to_end_on_a_tiny_model(tmp_path, tiny_llm_dir, ray_local):
+    corpus = tmp_path / "corpus.jsonl"
+    write_jsonl(make_corpus(2, 500, seed=11), corpus)
+    methods = ["full", "streamingllm", "snapkv", "infinipot", "kvzip", "keydiff", "epicache",
+               "question"]
+    assert _run_evaluate(corpus, tmp_path / "out", tiny_llm_dir, ",".join(methods), "32,64") == 0
+    records = _check_outputs(tmp_path / "out", methods)
+    assert {r["budget"] for r in records if r["method"] == "keydiff"} == {32, 64}
+    assert all(r["kept_entries"] == r["budget"] for r in records if r["budget"])
+
+
+@pytest.mark.e2e
+def test_harness_end_to_end_with_smollm2(tmp_path, ray_local):
+    corpus = tmp_path / "corpus.jsonl"
+    write_jsonl(make_corpus(2, 600, seed=12), corpus)
+    methods = ["full", "streamingllm", "epicache"]
+    assert _run_evaluate(corpus, tmp_path / "out", models.DEFAULT_LLM, ",".join(methods), "96") == 0
+    records = _check_outputs(tmp_path / "out", methods)
+    # with the real model, the full cache recalls the evidence far better than no history
+    full = [r["evidence_nll"] for r in records if r["method"] == "full"]
+    none = [r["evidence_nll"] for r in records if r["method"] == "none"]
+    assert sum(full) < sum(none)
