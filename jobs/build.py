@@ -1,70 +1,156 @@
 """Build episodic caches for every conversation of a corpus, on Ray.
 
-    python -m jobs.build --corpus PATH --store DIR [--budget 1024 --block 512 --episodes 4 ...]
+    python -m jobs.build --corpus PATH|s3://... --store DIR|s3://bucket/prefix [--budget 1024 ...]
+    ray job submit --working-dir . -- python -m jobs.build --corpus s3://... --store s3://...
 
-Stages per conversation: a clustering task (CPU), then one block-prefill task per episode,
-then the manifest commit (the driver writes it once every episode is stored). The layer
-sensitivity profile is measured once per model (or read from the store). The driver keeps a
-bounded number of tasks in flight with `ray.wait`, so the corpus is streamed, never held.
-Conversations whose manifest already carries this configuration's hash are skipped.
+Stages per conversation: a clustering task (CPU), then one block-prefill task per episode
+(GPU when the cluster has one), then the manifest commit (the driver writes it once every
+episode is stored): the manifest is the only commit point. The layer sensitivity profile is
+measured once per model (or read from the store). The driver keeps at most `--max-in-flight`
+tasks submitted (`ray.wait`) and streams the corpus, so its memory does not grow with the
+corpus. Conversations whose manifest already carries this configuration's hash are skipped.
+Alone it starts a local Ray; under `ray job submit` (RAY_ADDRESS set) it joins the cluster.
 """
 
 from __future__ import annotations
 
-import argparse
-import logging
 import os
-import sys
-import time
-from dataclasses import dataclass, field
 
-import ray
-from tqdm import tqdm
-
-from pipeline import builder, models
-from pipeline.calibrate import CalibrationConfig
-from pipeline.config import BuildConfig
-from pipeline.corpus import Conversation, CorpusError, ReadStats, iter_corpus
-from pipeline.episodes import EpisodeConfig
-from pipeline.prefill import PrefillConfig
-from pipeline.scorers import SCORERS
-from pipeline.store import StoreError, open_store
-
-log = logging.getLogger("jobs.build")
-
+# Quiet, offline model libraries in the driver and in every worker that imports this module
+# (set before they are imported).
 _WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error",
                "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_OFFLINE": "1",
                "PYTHONWARNINGS": "ignore"}
+for _k, _v in _WORKER_ENV.items():
+    os.environ.setdefault(_k, _v)
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import socket  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections import deque  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Iterator  # noqa: E402
+
+import ray  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+from tqdm.contrib.logging import logging_redirect_tqdm  # noqa: E402
+
+from pipeline import builder, models  # noqa: E402
+from pipeline.calibrate import CalibrationConfig  # noqa: E402
+from pipeline.config import BuildConfig  # noqa: E402
+from pipeline.corpus import Conversation, CorpusError, ReadStats, iter_corpus  # noqa: E402
+from pipeline.episodes import EpisodeConfig  # noqa: E402
+from pipeline.prefill import PrefillConfig  # noqa: E402
+from pipeline.scorers import SCORERS  # noqa: E402
+from pipeline.store import (S3Store, S3_ENDPOINT_ENV, Store, StoreError, open_store,  # noqa: E402
+                            parse_s3_uri)
+
+log = logging.getLogger("jobs.build")
 
 
-@ray.remote
-def cluster_task(conv: Conversation, config: BuildConfig) -> builder.ClusterResult:
-    return builder.cluster_conversation(conv, config)
+# ---------------------------------------------------------------------------------------------
+# The tasks
+# ---------------------------------------------------------------------------------------------
 
-
-@ray.remote
-def budgets_task(store_uri: str, config: BuildConfig) -> list[int] | None:
-    lm = models.load_llm(config.model)
-    return builder.layer_budgets(open_store(store_uri), config, lm.config.num_hidden_layers)
-
-
-@ray.remote
-def episode_task(clustered: builder.ClusterResult, episode: int, budgets: list[int] | None,
-                 config: BuildConfig, store_uri: str) -> dict:
-    row = builder.build_episode(clustered, episode, budgets, config, open_store(store_uri))
+def worker_stamp() -> dict:
+    """Where a task ran and how many models its process has loaded so far."""
     node = ray.get_runtime_context().get_node_id()
-    row["worker"] = f"{row['worker']}@{node[:12]}"
-    row["_model_loads"] = (os.getpid(), models.load_count())
-    return row
+    return {"node_id": node, "worker": f"{socket.gethostname()}:{os.getpid()}",
+            "_loads": (node, os.getpid(), models.load_count())}
 
 
-@dataclass
-class Progress:
-    """What the driver tracks for one conversation in flight."""
-    episodes: int = 0
-    rows: list[dict] = field(default_factory=list)
-    error: str | None = None
+@ray.remote
+def cluster_task(conv: Conversation, config: BuildConfig) -> tuple[int, builder.ClusterResult]:
+    """(episode count, clustering); called with num_returns=2 so the driver fetches the count
+    only and the episode tasks get the clustering by reference."""
+    clustered = builder.cluster_conversation(conv, config)
+    return len(clustered.episodes.episodes), clustered
 
+
+@ray.remote
+def budgets_task(store: Store, config: BuildConfig) -> tuple[list[int] | None, dict]:
+    lm = models.load_llm(config.model)
+    return builder.layer_budgets(store, config, lm.config.num_hidden_layers), worker_stamp()
+
+
+# max_calls=0: the worker process is reused, so its model stays loaded (Ray's default for GPU
+# tasks is one call per process, which would reload the model for every episode).
+@ray.remote(max_calls=0)
+def episode_task(clustered: builder.ClusterResult, episode: int, budgets: list[int] | None,
+                 config: BuildConfig, store: Store) -> dict:
+    return builder.build_episode(clustered, episode, budgets, config, store) | worker_stamp()
+
+
+@dataclass(frozen=True)
+class Stages:
+    """The Ray remote functions the driver schedules, with the signatures of the tasks above;
+    `jobs.bench_scale` swaps in synthetic ones to rehearse the scheduler without a model."""
+    cluster: Any = cluster_task
+    budgets: Any = budgets_task
+    episode: Any = episode_task
+
+
+MODEL_STAGES = Stages()
+
+
+# ---------------------------------------------------------------------------------------------
+# The corpus: a local path, or s3:// (downloaded through the store layer)
+# ---------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def local_corpus(uri: str, endpoint_url: str | None = None) -> Iterator[str]:
+    """A local path for the corpus: itself, or a temporary copy of `s3://bucket/key.jsonl`
+    (one object) or `s3://bucket/folder` (its .jsonl/.json objects), removed afterwards."""
+    if not uri.startswith("s3://"):
+        yield uri
+        return
+    bucket, key = parse_s3_uri(uri)
+    if not key:
+        raise CorpusError(f"{uri}: give an object (.jsonl/.json) or a folder inside the bucket")
+    endpoint_url = endpoint_url or os.environ.get(S3_ENDPOINT_ENV) or None
+    with tempfile.TemporaryDirectory(prefix="epicache-corpus-") as tmp:
+        parent, _, name = key.rpartition("/")
+        if name.endswith((".jsonl", ".json")):
+            S3Store(bucket, parent, endpoint_url=endpoint_url).download(name, Path(tmp, name))
+            yield str(Path(tmp, name))
+            return
+        folder = S3Store(bucket, key, endpoint_url=endpoint_url)
+        names = [k for k in folder.list() if "/" not in k and k.endswith((".jsonl", ".json"))]
+        if not names:
+            raise CorpusError(f"{uri}: no such object, and no .jsonl or .json objects under it")
+        for n in names:
+            folder.download(n, Path(tmp, n))
+        yield tmp
+
+
+def count_records(path: str) -> int | None:
+    """How many conversations a local corpus holds, cheaply (lines of JSONL; LoCoMo lists are
+    small), to give the progress bar a total; None when it cannot tell."""
+    p = Path(path)
+    files = sorted(f for f in p.iterdir() if f.suffix in (".jsonl", ".json")) if p.is_dir() else [p]
+    total = 0
+    try:
+        for f in files:
+            if f.suffix == ".jsonl":
+                with f.open("rb") as fh:
+                    total += sum(1 for line in fh if line.strip())
+            else:
+                data = json.loads(f.read_bytes())
+                total += len(data) if isinstance(data, list) else 1
+    except (OSError, ValueError):
+        return None
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver
+# ---------------------------------------------------------------------------------------------
 
 @dataclass
 class Summary:
@@ -74,103 +160,216 @@ class Summary:
     episodes: int = 0
     tokens: int = 0
     bytes: int = 0
-    loads: dict[int, int] = field(default_factory=dict)  # worker pid -> model loads
+    loads: dict[tuple[str, int], int] = field(default_factory=dict)  # (node, pid) -> model loads
     bad_records: int = 0
+    tasks: int = 0  # tasks submitted
+    peak_in_flight: int = 0  # most tasks submitted and not yet collected at any time
+    seconds: float = 0.0
 
-    def line(self, seconds: float, store: str) -> str:
+    @property
+    def nodes(self) -> set[str]:
+        return {node for node, _ in self.loads}
+
+    def line(self, seconds: float | None = None, store: str = "") -> str:
+        seconds = self.seconds if seconds is None else seconds
         return (f"built {self.built} conversations ({self.episodes} episode caches, "
                 f"{self.tokens:,} tokens, {self.bytes / 2**20:.1f} MiB) in {seconds:.1f}s; "
                 f"skipped {self.skipped} up to date; failed {len(self.failed)}; "
                 f"bad records skipped {self.bad_records}; model loads {sum(self.loads.values())} "
-                f"in {len(self.loads)} workers; store {store}")
+                f"in {_n(len(self.loads), 'worker')} on {_n(len(self.nodes), 'node')}; "
+                f"store {store}")
 
 
-def run_build(corpus: str, store_uri: str, config: BuildConfig, *, force: bool = False,
-              on_bad_record: str = "fail", max_in_flight: int = 16, num_cpus: float = 1,
-              num_gpus: float = 0, max_retries: int = 2, progress: bool = True) -> Summary:
-    """Drive the whole build; returns the summary (the caller decides the exit code)."""
-    store = open_store(store_uri)
-    start = time.perf_counter()
-    resources = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_retries": max_retries}
-    budgets_ref = budgets_task.options(**resources).remote(store.uri, config)
-    budgets = ray.get(budgets_ref)
-    log.info("layer budgets: %s", budgets)
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
-    summary, stats = Summary(), ReadStats()
-    conversations = iter_corpus(corpus, on_bad_record, stats)
-    in_flight: dict[ray.ObjectRef, tuple[str, str]] = {}  # ref -> (kind, conversation id)
-    state: dict[str, Progress] = {}
-    bar = tqdm(unit="episode", disable=not progress, dynamic_ncols=True, desc="build")
 
-    def admit() -> bool:
-        for conv in conversations:
-            if not force and builder.is_built(store, conv.conversation_id, config):
-                summary.skipped += 1
+@dataclass
+class _Conversation:
+    """What the driver holds for one conversation in flight (and only while in flight)."""
+    clustered: Any = None  # ObjectRef of its ClusterResult, shared by its episode tasks
+    outstanding: int = 0  # its tasks submitted or queued
+    rows: list[dict] = field(default_factory=list)
+    error: str | None = None
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for a task failure: the task's own exception when there is one."""
+    cause = getattr(exc, "cause", None) if isinstance(exc, ray.exceptions.RayTaskError) else None
+    err = cause if isinstance(cause, BaseException) else exc
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+class _Driver:
+    """Streams conversations through the stages with at most `max_in_flight` tasks submitted."""
+
+    def __init__(self, conversations: Iterator[Conversation], store: Store, config: BuildConfig,
+                 stages: Stages, *, force: bool, max_in_flight: int, resources: dict,
+                 max_retries: int, bar: tqdm):
+        self.conversations, self.store, self.config, self.stages = conversations, store, config, stages
+        self.force, self.max_in_flight, self.bar = force, max(1, max_in_flight), bar
+        self.resources, self.max_retries = resources, max_retries
+        self.summary = Summary()
+        self.in_flight: dict[ray.ObjectRef, tuple[str, str, int]] = {}  # ref -> (kind, id, ep)
+        self.pending: deque[tuple[str, int]] = deque()  # episodes waiting for a slot
+        self.convs: dict[str, _Conversation] = {}
+        self.more = True
+        self.budgets: list[int] | None = None
+        self.start = time.perf_counter()
+
+    def run(self) -> Summary:
+        ref = self.stages.budgets.options(**self.resources).remote(self.store, self.config)
+        self.budgets, stamp = ray.get(ref)
+        self._loads(stamp["_loads"])
+        log.info("layer budgets: %s", self.budgets)
+        while True:
+            self.fill()
+            if not self.in_flight:
+                break
+            refs = list(self.in_flight)
+            ready, rest = ray.wait(refs, num_returns=1)
+            if rest:  # collect whatever else is done too
+                ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
+            for ref in ready:
+                self.collect(ref)
+        self.summary.seconds = time.perf_counter() - self.start
+        return self.summary
+
+    def submit(self, ref: ray.ObjectRef, kind: str, cid: str, episode: int = -1) -> None:
+        self.in_flight[ref] = (kind, cid, episode)
+        self.summary.tasks += 1
+        self.summary.peak_in_flight = max(self.summary.peak_in_flight, len(self.in_flight))
+
+    def fill(self) -> None:
+        """Submit queued episodes first (they finish conversations), then new conversations."""
+        while len(self.in_flight) < self.max_in_flight:
+            if self.pending:
+                cid, e = self.pending.popleft()
+                conv = self.convs[cid]
+                if conv.error is not None:  # a sibling failed: do not spend work on it
+                    conv.outstanding -= 1
+                    self.maybe_finish(cid)
+                    continue
+                self.submit(self.stages.episode.options(**self.resources).remote(
+                    conv.clustered, e, self.budgets, self.config, self.store), "episode", cid, e)
+            elif self.more:
+                self.more = self.admit()
+            else:
+                break
+
+    def admit(self) -> bool:
+        """Submit the next conversation that needs building; False when the corpus is done."""
+        for conv in self.conversations:
+            cid = conv.conversation_id
+            if not self.force and builder.is_built(self.store, cid, self.config):
+                self.summary.skipped += 1
+                self.bar.update(1)
                 continue
-            state[conv.conversation_id] = Progress()
-            in_flight[cluster_task.options(num_cpus=1, max_retries=max_retries)
-                      .remote(conv, config)] = ("cluster", conv.conversation_id)
+            count_ref, clustered_ref = self.stages.cluster.options(
+                num_cpus=1, max_retries=self.max_retries, num_returns=2).remote(conv, self.config)
+            self.convs[cid] = _Conversation(clustered=clustered_ref, outstanding=1)
+            self.submit(count_ref, "cluster", cid)
             return True
         return False
 
-    def finish(cid: str) -> None:
-        p = state.pop(cid)
-        if p.error is None:
-            try:
-                builder.commit_manifest(store, cid, p.rows)
-                summary.built += 1
-                return
-            except Exception as e:  # a commit that fails marks the conversation failed
-                p.error = f"manifest commit: {e}"
-        summary.failed[cid] = p.error
-        log.error("conversation %s failed: %s", cid, p.error)
-
-    more = True
-    while True:
-        while more and len(in_flight) < max_in_flight:
-            more = admit()
-        if not in_flight:
-            break
-        [ref], _ = ray.wait(list(in_flight), num_returns=1)
-        kind, cid = in_flight.pop(ref)
-        p = state[cid]
+    def collect(self, ref: ray.ObjectRef) -> None:
+        kind, cid, e = self.in_flight.pop(ref)
+        conv = self.convs[cid]
+        conv.outstanding -= 1
         try:
             result = ray.get(ref)
-        except Exception as e:  # Ray retried already; the conversation is marked failed
-            p.error = p.error or f"{kind}: {type(e).__name__}: {str(e).splitlines()[-1][:300]}"
+        except Exception as exc:  # Ray already retried worker deaths (max_retries)
+            what = "clustering" if kind == "cluster" else f"episode {e}"
+            conv.error = conv.error or f"{what}: {_describe(exc)}"
+            log.error("conversation %s: %s", cid, conv.error)
             result = None
         if kind == "cluster" and result is not None:
-            p.episodes = len(result.episodes.episodes)
-            for e in range(p.episodes):  # the cluster result goes by reference, not by copy
-                in_flight[episode_task.options(**resources).remote(
-                    ref, e, budgets, config, store.uri)] = ("episode", cid)
-            continue
-        if kind == "episode" and result is not None:
-            pid, loads = result.pop("_model_loads")
-            summary.loads[pid] = max(loads, summary.loads.get(pid, 0))
-            p.rows.append(result)
-            summary.episodes += 1
-            summary.tokens += result["tokens"]
-            summary.bytes += result["object_bytes"]
-            bar.update(1)
-            bar.set_postfix(conversations=summary.built + summary.skipped,
-                            tok_s=f"{summary.tokens / (time.perf_counter() - start):.0f}")
-            log.info("episode %s/%d built by %s in %.1fs", cid, result["episode"],
-                     result["worker"], result["build_seconds"])
-        if not any(k == cid for _, k in in_flight.values()):
-            finish(cid)
-    bar.close()
+            if result == 0:
+                conv.error = "clustering produced no episodes"
+            conv.outstanding += result
+            self.pending.extend((cid, i) for i in range(result))
+        elif kind == "episode" and result is not None:
+            self._loads(result.pop("_loads"))
+            conv.rows.append(result)
+            s = self.summary
+            s.episodes += 1
+            s.tokens += result["tokens"]
+            s.bytes += result["object_bytes"]
+            log.info("built %s episode %d on node %s by %s: %d tokens in %.1fs", cid, e,
+                     result["node_id"][:12], result["worker"], result["tokens"],
+                     result["build_seconds"])
+            self._postfix()
+        self.maybe_finish(cid)
+
+    def maybe_finish(self, cid: str) -> None:
+        conv = self.convs[cid]
+        if conv.outstanding > 0:
+            return
+        del self.convs[cid]  # drops the clustering reference: Ray frees the object
+        if conv.error is None:
+            try:
+                builder.commit_manifest(self.store, cid, conv.rows)
+                self.summary.built += 1
+                log.info("committed %s: %d episodes", cid, len(conv.rows))
+            except Exception as exc:  # a commit that fails marks the conversation failed
+                conv.error = f"manifest commit: {type(exc).__name__}: {exc}"
+        if conv.error is not None:
+            self.summary.failed[cid] = conv.error
+            log.error("conversation %s failed: %s", cid, conv.error)
+        self.bar.update(1)
+        self._postfix()
+
+    def _loads(self, stamp: tuple[str, int, int]) -> None:
+        node, pid, loads = stamp
+        self.summary.loads[(node, pid)] = max(loads, self.summary.loads.get((node, pid), 0))
+
+    def _postfix(self) -> None:
+        s = self.summary
+        rate = s.tokens / max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"episodes={s.episodes} tok/s={rate:,.0f} failed={len(s.failed)}",
+                                 refresh=False)
+
+
+def run_build(corpus: str, store: str | Store, config: BuildConfig, *, force: bool = False,
+              on_bad_record: str = "fail", max_in_flight: int = 16, num_cpus: float = 1,
+              num_gpus: float = 0, max_retries: int = 2, progress: bool = True,
+              stages: Stages = MODEL_STAGES) -> Summary:
+    """Drive the whole build on the connected Ray; returns the summary (the caller decides the
+    exit code). `corpus` is a local path or an s3:// URI; `store` a Store or its URI."""
+    store = open_store(store) if isinstance(store, str) else store
+    endpoint = store.endpoint_url if isinstance(store, S3Store) else None
+    with local_corpus(corpus, endpoint) as path:
+        stats = ReadStats()
+        conversations = iter_corpus(path, on_bad_record, stats)
+        resources = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_retries": max_retries}
+        # log lines go above the bar, not through it
+        redirect = logging_redirect_tqdm() if progress else contextlib.nullcontext()
+        with redirect, tqdm(total=count_records(path), unit="conv", desc="build",
+                            disable=not progress, dynamic_ncols=True, file=sys.stderr) as bar:
+            summary = _Driver(conversations, store, config, stages, force=force,
+                              max_in_flight=max_in_flight, resources=resources,
+                              max_retries=max_retries, bar=bar).run()
     summary.bad_records = len(stats.skipped)
     return summary
 
 
+# ---------------------------------------------------------------------------------------------
+# The command line
+# ---------------------------------------------------------------------------------------------
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m jobs.build", description=__doc__.split("\n\n")[0])
-    p.add_argument("--corpus", required=True, help="JSONL file, LoCoMo .json, or a folder of them")
-    p.add_argument("--store", required=True, help="store folder (or file:// URI)")
+    p.add_argument("--corpus", required=True,
+                   help="JSONL file, LoCoMo .json, or a folder of them; local or s3://bucket/key")
+    p.add_argument("--store", required=True, help="store folder (or file://), or s3://bucket/prefix")
+    p.add_argument("--s3-endpoint", default=None,
+                   help=f"S3-compatible endpoint URL (default: ${S3_ENDPOINT_ENV}, else AWS)")
+    p.add_argument("--s3-region", default=None, help="S3 region (default: the AWS chain)")
     p.add_argument("--model", default=models.DEFAULT_LLM, help="LLM: packaged name or local HF folder")
     p.add_argument("--encoder", default=models.DEFAULT_ENCODER, help="sentence encoder")
-    p.add_argument("--scorer", default="epicache", choices=sorted(SCORERS))
+    p.add_argument("--scorer", default="epicache", choices=sorted(set(SCORERS) - {"question"}),
+                   help="epicache builds one cache per episode; the others one per conversation")
     p.add_argument("--budget", type=int, default=1024, help="mean entries per layer and KV head")
     p.add_argument("--full", action="store_true", help="no eviction: store the full cache")
     p.add_argument("--block", type=int, default=512, help="block-prefill block size (tokens)")
@@ -187,11 +386,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--calibration-window", type=int, default=1024)
     p.add_argument("--on-bad-record", default="fail", choices=["fail", "skip"])
     p.add_argument("--force", action="store_true", help="rebuild conversations already built")
-    p.add_argument("--max-in-flight", type=int, default=16, help="tasks in flight at most")
+    p.add_argument("--max-in-flight", type=int, default=16, help="tasks submitted at most")
     p.add_argument("--cpus-per-task", type=float, default=1)
     p.add_argument("--gpus-per-task", type=float, default=None,
-                   help="default: 1 when the cluster has GPUs, else 0")
-    p.add_argument("--max-retries", type=int, default=2, help="Ray retries per task")
+                   help="default: 1 when the cluster has GPUs now, else 0 (give 1 on an "
+                        "autoscaling cluster whose GPU workers start at zero)")
+    p.add_argument("--max-retries", type=int, default=2, help="Ray retries per task on worker death")
+    p.add_argument("--ray-address", default=None,
+                   help="Ray cluster to join (default: $RAY_ADDRESS, set by `ray job submit`; "
+                        "else a local Ray is started)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
@@ -207,33 +411,55 @@ def config_from_args(a: argparse.Namespace) -> BuildConfig:
                                       sink=min(128, a.calibration_window // 4)))
 
 
+def init_ray(address: str | None = None) -> None:
+    """Join the cluster named by `address` / $RAY_ADDRESS, else start a local Ray."""
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address:  # the job's runtime env (working dir) comes from `ray job submit`
+        ray.init(address=address, logging_level=logging.WARNING)
+    else:
+        ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING,
+                 runtime_env={"env_vars": _WORKER_ENV})
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        config = config_from_args(a)
-        open_store(a.store)
-    except (ValueError, StoreError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if not ray.is_initialized():  # a cluster job (RAY_ADDRESS) joins it; otherwise a local Ray
-        ray.init(logging_level=logging.WARNING, runtime_env={"env_vars": _WORKER_ENV},
-                 **({} if os.environ.get("RAY_ADDRESS") else {"include_dashboard": False}))
-    gpus = a.gpus_per_task if a.gpus_per_task is not None else \
-        (1 if ray.cluster_resources().get("GPU", 0) > 0 else 0)
+    log.setLevel(a.log_level)
     start = time.perf_counter()
     try:
-        summary = run_build(a.corpus, a.store, config, force=a.force, on_bad_record=a.on_bad_record,
-                            max_in_flight=a.max_in_flight, num_cpus=a.cpus_per_task,
-                            num_gpus=gpus, max_retries=a.max_retries, progress=not a.no_progress)
-    except (CorpusError, StoreError, models.ModelNotFoundError) as e:
+        config = config_from_args(a)
+        if a.max_in_flight < 1 or a.max_retries < 0:
+            raise ValueError("--max-in-flight must be at least 1 and --max-retries at least 0")
+        store = open_store(a.store, endpoint_url=a.s3_endpoint, region=a.s3_region)
+        with local_corpus(a.corpus, a.s3_endpoint) as corpus:
+            if not Path(corpus).exists():
+                raise CorpusError(f"{corpus}: no such file or folder")
+            init_ray(a.ray_address)
+            gpus = a.gpus_per_task if a.gpus_per_task is not None else \
+                (1 if ray.cluster_resources().get("GPU", 0) > 0 else 0)
+            summary = run_build(corpus, store, config, force=a.force,
+                                on_bad_record=a.on_bad_record, max_in_flight=a.max_in_flight,
+                                num_cpus=a.cpus_per_task, num_gpus=gpus,
+                                max_retries=a.max_retries, progress=not a.no_progress)
+    except (ValueError, CorpusError, StoreError, models.ModelNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(summary.line(time.perf_counter() - start, a.store))
+    except KeyboardInterrupt:
+        with contextlib.suppress(Exception):  # stop the tasks (and a local Ray) before the line
+            ray.shutdown()
+        print("interrupted: committed conversations are kept; run the same command again to "
+              "build the rest", file=sys.stderr)
+        return 130
+    print(summary.line(time.perf_counter() - start, store.uri))
     for cid, err in summary.failed.items():
         print(f"failed {cid}: {err}", file=sys.stderr)
     return 1 if summary.failed else 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # Run through the importable module, so Ray ships the tasks by reference, not by value.
+    from jobs.build import main as _main
+
+    raise SystemExit(_main())

@@ -3,7 +3,8 @@
 score[h, n] = max over the patch queries and over the query heads of KV group h of the softmax
 probability that key n receives, where the softmax runs over the valid cached keys and the
 patch's own keys up to the query (causal). The block-prefill loop calls only
-`patch_attention_scores`; it picks the implementation for the tensors' device.
+`patch_attention_scores`; it picks the implementation for the tensors' device: the fused Triton
+kernel (`kernels.score_triton`, imported only when needed) on CUDA, the torch reference on CPU.
 """
 
 from __future__ import annotations
@@ -11,39 +12,61 @@ from __future__ import annotations
 import torch
 
 
+def cached_key_mask(cached_valid: torch.Tensor | None, lengths: torch.Tensor | None,
+                    n_kv_heads: int, n_cached: int) -> torch.Tensor | None:
+    """[Hkv, N] bool: the slots a patch query may see, from a validity mask and/or per-head
+    lengths (slot n of head h is valid when n < lengths[h]); None when every slot is valid."""
+    if lengths is None:
+        return cached_valid
+    device = lengths.device
+    within = torch.arange(n_cached, device=device)[None, :] < lengths.reshape(n_kv_heads, 1)
+    return within if cached_valid is None else within & cached_valid
+
+
 def patch_attention_scores_reference(patch_queries: torch.Tensor, cached_keys: torch.Tensor,
                                      patch_keys: torch.Tensor, cached_valid: torch.Tensor | None,
-                                     scale: float, query_chunk: int = 256) -> torch.Tensor:
+                                     scale: float, query_chunk: int = 256,
+                                     lengths: torch.Tensor | None = None) -> torch.Tensor:
     """Torch implementation. Shapes: patch_queries [Hq, P, d] (after RoPE), cached_keys
-    [Hkv, N, d], patch_keys [Hkv, P, d], cached_valid [Hkv, N] bool (None = all valid).
-    Returns [Hkv, N] float32. Queries are processed in chunks to bound the P x N temporaries."""
+    [Hkv, N, d], patch_keys [Hkv, P, d], cached_valid [Hkv, N] bool (None = all valid), lengths
+    [Hkv] (optional: only the first lengths[h] slots of head h are valid). Returns [Hkv, N]
+    float32. The rows (query head, patch query) are processed `query_chunk` at a time and each
+    chunk's mask is built for that chunk only, so the temporaries are O(Hkv x chunk x (N + P)),
+    never O(Hq x P x N)."""
     n_q_heads, n_patch, dim = patch_queries.shape
     n_kv_heads, n_cached, _ = cached_keys.shape
     group = n_q_heads // n_kv_heads
-    q = patch_queries.float().reshape(n_kv_heads, group * n_patch, dim)
-    keys = torch.cat([cached_keys, patch_keys], dim=1).float()  # [Hkv, N + P, d]
-    # What each patch query may see: the valid cached keys, and the patch causally.
-    visible = torch.ones(n_patch, n_cached + n_patch, dtype=torch.bool, device=q.device)
-    visible[:, n_cached:] = torch.ones(n_patch, n_patch, dtype=torch.bool, device=q.device).tril()
-    visible = visible[None].repeat(n_kv_heads, 1, 1)
-    if cached_valid is not None:
-        visible[:, :, :n_cached] &= cached_valid[:, None, :]
-    visible = visible.repeat(1, group, 1)  # rows ordered (group, query) like q
-    bias = torch.zeros(visible.shape, dtype=torch.float32, device=q.device)
-    bias.masked_fill_(~visible, float("-inf"))
-    keys_t = keys.transpose(1, 2)
-    scores = torch.zeros(n_kv_heads, n_cached, dtype=torch.float32, device=q.device)
-    for start in range(0, group * n_patch, query_chunk):
-        rows = slice(start, start + query_chunk)
-        logits = torch.baddbmm(bias[:, rows], q[:, rows], keys_t, alpha=scale)
+    device = patch_queries.device
+    valid = cached_key_mask(cached_valid, lengths, n_kv_heads, n_cached)
+    q = patch_queries.float().reshape(n_kv_heads, group * n_patch, dim)  # rows: (group, query)
+    keys_t = torch.cat([cached_keys, patch_keys], dim=1).float().transpose(1, 2)  # [Hkv, d, N+P]
+    # Additive masks: invalid cached slots per head; the patch's own keys causally.
+    cached_bias = torch.zeros(n_kv_heads, 1, n_cached, dtype=torch.float32, device=device)
+    if valid is not None:
+        cached_bias.masked_fill_(~valid[:, None, :], float("-inf"))
+    causal_bias = torch.full((n_patch, n_patch), float("-inf"), device=device).triu_(1)
+    scores = torch.zeros(n_kv_heads, n_cached, dtype=torch.float32, device=device)
+    n_rows = group * n_patch
+    for start in range(0, n_rows, query_chunk):
+        stop = min(start + query_chunk, n_rows)
+        patch_pos = torch.arange(start, stop, device=device) % n_patch
+        logits = torch.cat([cached_bias.expand(-1, stop - start, -1),
+                            causal_bias[patch_pos].expand(n_kv_heads, -1, -1)], dim=2)
+        logits.baddbmm_(q[:, start:stop], keys_t, alpha=scale)  # in place: one chunk buffer
         probs = torch.softmax(logits, dim=-1)[:, :, :n_cached]
-        scores = torch.maximum(scores, probs.amax(dim=1))
+        torch.maximum(scores, probs.amax(dim=1), out=scores)
     return scores
 
 
 def patch_attention_scores(patch_queries: torch.Tensor, cached_keys: torch.Tensor,
                            patch_keys: torch.Tensor, cached_valid: torch.Tensor | None,
-                           scale: float) -> torch.Tensor:
-    """Dispatch: the one entry point the block-prefill loop uses."""
+                           scale: float, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """Dispatch: the one entry point the block-prefill loop uses. CUDA tensors take the fused
+    Triton kernel (never materialises the P x N attention); CPU tensors the torch reference
+    (Triton's CPU interpreter is for tests only, far too slow for builds)."""
+    if patch_queries.is_cuda:
+        from kernels.score_triton import patch_attention_scores_triton
+        return patch_attention_scores_triton(patch_queries, cached_keys, patch_keys,
+                                             cached_valid, scale, lengths=lengths)
     return patch_attention_scores_reference(patch_queries, cached_keys, patch_keys,
-                                            cached_valid, scale)
+                                            cached_valid, scale, lengths=lengths)

@@ -38,6 +38,7 @@ MANIFEST_SCHEMA = pa.schema([
     ("cluster_seconds", pa.float64()),
     ("build_seconds", pa.float64()),
     ("worker", pa.string()),
+    ("node_id", pa.string()),  # the Ray node that built the episode (None outside Ray)
     ("built_at", pa.string()),
 ])
 

@@ -22,3 +22,8 @@ def ray_local():
              runtime_env={"env_vars": _WORKER_ENV})
     yield ray
     ray.shutdown()
+
+
+# A real S3 server (SeaweedFS on 127.0.0.1, free ports) for the S3 store and cluster tests:
+# `s3_server` for the session, `s3_env` to point this process's AWS variables at it.
+from s3_server import s3_env, s3_server  # noqa: E402,F401

@@ -249,7 +249,7 @@ def manifest_row(episode: int) -> dict:
         "n_windows": 3, "layer_budgets": [8, 16, 24], "entries_per_layer": [8.0, 16.0, 24.0],
         "peak_entries_per_layer": [16.0, 24.0, 32.0], "tokens": 700, "scorer": "epicache",
         "model_id": "tiny", "encoder_id": "bow", "config_hash": "abcd", "config_json": "{}",
-        "cluster_seconds": 0.5, "build_seconds": 1.5, "worker": "w1",
+        "cluster_seconds": 0.5, "build_seconds": 1.5, "worker": "w1", "node_id": "n1",
         "built_at": "2024-01-01T00:00:00Z",
     }
 

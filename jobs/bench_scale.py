@@ -1,0 +1,300 @@
+"""Scale rehearsal: the real driver, Ray scheduler, store and manifests, with no model.
+
+    python -m jobs.bench_scale [--conversations 10000 | --large] [--store DIR|s3://...]
+
+A synthetic corpus of tiny conversations goes through `jobs.build.run_build` exactly as a real
+build does (clustering task, one task per episode, manifest commit, bounded in-flight tasks),
+but the stages are synthetic: clustering picks fixed episodes and each episode task writes a
+tiny random cache in the real safetensors format. What it measures is the machinery: tasks/s,
+the driver's memory (it should stay flat in the corpus size), the time to list and read every
+manifest, and the time of a re-run that finds everything built. A conversation record may ask
+for a rehearsed failure (`"rehearse_failure": "raise"` or `"crash"`, see --fail-every).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import time
+import tracemalloc
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import psutil
+import ray
+import torch
+from safetensors.torch import save as st_save
+
+from jobs.build import Stages, init_ray, run_build, worker_stamp
+from pipeline import cache_io
+from pipeline.builder import ClusterResult
+from pipeline.config import BuildConfig
+from pipeline.corpus import Conversation
+from pipeline.episodes import Episode, EpisodeConfig, EpisodeSet
+from pipeline.manifest import list_conversations, read_manifest
+from pipeline.store import Store, StoreError, cache_key, open_store
+
+LAYERS, KV_HEADS, HEAD_DIM, DIM = 2, 2, 8, 8
+
+
+# ---------------------------------------------------------------------------------------------
+# The synthetic builder: same task signatures as jobs.build's, no model
+# ---------------------------------------------------------------------------------------------
+
+def _seed(*parts) -> int:
+    """A seed that is the same in every process (str hashes are salted per process)."""
+    return zlib.crc32("/".join(map(str, parts)).encode())
+
+
+def _rng(*parts) -> np.random.Generator:
+    return np.random.default_rng(_seed(*parts))
+
+
+def synthetic_cluster(conv: Conversation, config: BuildConfig) -> ClusterResult:
+    """`config.episodes.episodes` episodes with random unit centroids (no encoder)."""
+    rng = _rng(conv.conversation_id, "cluster")
+    episodes = []
+    for i in range(config.episodes.episodes):
+        centroid = rng.standard_normal(DIM).astype(np.float32)
+        episodes.append(Episode(index=i, centroid=centroid / np.linalg.norm(centroid),
+                                windows=(i,), medoid_windows=(i,), medoid_turn_ids=(),
+                                patch_text=f"synthetic episode {i}"))
+    return ClusterResult(conv, EpisodeSet(tuple(episodes), config.episodes.episodes,
+                                          config.episodes.episodes), 0.0)
+
+
+def synthetic_cache(conversation_id: str, episode: int, entries: int, config: BuildConfig) -> bytes:
+    """A tiny random cache in the real format (`pipeline.cache_io` reads it back)."""
+    gen = torch.Generator().manual_seed(_seed(conversation_id, episode))
+    tensors = {}
+    for i in range(LAYERS):
+        n = entries * KV_HEADS
+        tensors[f"layers.{i}.keys"] = torch.randn(n, HEAD_DIM, generator=gen).half()
+        tensors[f"layers.{i}.values"] = torch.randn(n, HEAD_DIM, generator=gen).half()
+        tensors[f"layers.{i}.lengths"] = torch.full((KV_HEADS,), entries, dtype=torch.int32)
+        tensors[f"layers.{i}.positions"] = torch.arange(entries).repeat(KV_HEADS)
+    header = {"format": cache_io.FORMAT, "model_id": config.model, "config_hash": config.hash,
+              "conversation_id": conversation_id, "episode": episode, "tokens_seen": entries,
+              "num_layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "float16"}
+    return st_save(tensors, metadata={"header": json.dumps(header)})
+
+
+def synthetic_episode(clustered: ClusterResult, episode: int, budgets: list[int] | None,
+                      config: BuildConfig, store: Store) -> dict:
+    """Write one tiny cache and return its manifest row, like `builder.build_episode`."""
+    start = time.perf_counter()
+    conv = clustered.conversation
+    failure = conv.meta.get("rehearse_failure")
+    if failure == "crash":  # the worker process dies: Ray retries, then gives up
+        os._exit(1)
+    if failure == "raise" and episode == len(clustered.episodes.episodes) - 1:
+        raise RuntimeError(f"rehearsed failure of {conv.conversation_id} episode {episode}")
+    entries = min(budgets or [16])
+    data = synthetic_cache(conv.conversation_id, episode, entries, config)
+    key = cache_key(conv.conversation_id, config.hash, episode)
+    store.put(key, data)
+    ep = clustered.episodes.episodes[episode]
+    return {
+        "conversation_id": conv.conversation_id, "episode": episode,
+        "episodes_requested": clustered.episodes.requested,
+        "episodes_built": len(clustered.episodes.episodes), "episode_note": "",
+        "object_key": key, "sha256": cache_io.sha256(data), "object_bytes": len(data),
+        "kv_bytes": 2 * LAYERS * KV_HEADS * entries * HEAD_DIM * 2,
+        "centroid": ep.centroid.tolist(), "medoid_text": ep.patch_text, "medoid_turn_ids": [],
+        "n_windows": 1, "layer_budgets": budgets, "entries_per_layer": [float(entries)] * LAYERS,
+        "peak_entries_per_layer": [float(entries)] * LAYERS, "tokens": len(conv.turns),
+        "scorer": config.scorer, "model_id": config.model, "encoder_id": config.encoder,
+        "config_hash": config.hash, "config_json": config.to_json(), "cluster_seconds": 0.0,
+        "build_seconds": time.perf_counter() - start,
+        "worker": f"{socket.gethostname()}:{os.getpid()}",
+        "built_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+@ray.remote
+def synthetic_cluster_task(conv: Conversation, config: BuildConfig) -> tuple[int, ClusterResult]:
+    clustered = synthetic_cluster(conv, config)
+    return len(clustered.episodes.episodes), clustered
+
+
+@ray.remote
+def synthetic_budgets_task(store: Store, config: BuildConfig) -> tuple[list[int] | None, dict]:
+    return [config.budget or 16] * LAYERS, worker_stamp()
+
+
+@ray.remote(max_calls=0)
+def synthetic_episode_task(clustered: ClusterResult, episode: int, budgets: list[int] | None,
+                           config: BuildConfig, store: Store) -> dict:
+    return synthetic_episode(clustered, episode, budgets, config, store) | worker_stamp()
+
+
+SYNTHETIC_STAGES = Stages(cluster=synthetic_cluster_task, budgets=synthetic_budgets_task,
+                          episode=synthetic_episode_task)
+SYNTHETIC_CONFIG = BuildConfig(model="synthetic", encoder="synthetic", budget=16,
+                               episodes=EpisodeConfig(episodes=2))
+
+
+def write_synthetic_corpus(path: Path, n: int, fail_every: int = 0,
+                           failures: dict[int, str] | None = None) -> None:
+    """n tiny conversations (two turns each); every `fail_every`-th asks for a raised failure,
+    and `failures` maps record indices to "raise" or "crash"."""
+    failures = dict(failures or {})
+    if fail_every:
+        failures.update({i: "raise" for i in range(fail_every - 1, n, fail_every)})
+    with path.open("w") as f:
+        for i in range(n):
+            rec = {"conversation_id": f"bench-{i:07d}", "speakers": ["Ann", "Bob"],
+                   "turns": [{"turn_id": "1", "speaker": "Ann", "text": f"hello {i}",
+                              "session": 1, "timestamp": "1 May 2024"},
+                             {"turn_id": "2", "speaker": "Bob", "text": "hi", "session": 1,
+                              "timestamp": "1 May 2024"}]}
+            if i in failures:
+                rec["rehearse_failure"] = failures[i]
+            f.write(json.dumps(rec) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring
+# ---------------------------------------------------------------------------------------------
+
+class RssSampler:
+    """Peak resident memory of this process, sampled in a thread (Ray's core worker included)."""
+
+    def __init__(self, every: float = 0.1):
+        self.every, self.peak, self._stop = every, 0, threading.Event()
+        self._proc = psutil.Process()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+            self._stop.wait(self.every)
+
+    def __enter__(self) -> "RssSampler":
+        self.start_rss = self._proc.memory_info().rss
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+
+
+@dataclass
+class BenchResult:
+    conversations: int
+    episodes: int
+    tasks: int
+    failed: int
+    build_s: float
+    peak_in_flight: int
+    max_in_flight: int
+    rss_start_mib: float
+    rss_peak_mib: float
+    traced_peak_mib: float | None
+    list_s: float
+    read_s: float
+    manifest_rows: int
+    rerun_s: float
+    rerun_skipped: int
+
+    def table(self, store: str) -> str:
+        traced = f"{self.traced_peak_mib:.1f}" if self.traced_peak_mib is not None else "-"
+        rows = [
+            ("conversations", f"{self.conversations:,}"),
+            ("episode caches written", f"{self.episodes:,}"),
+            ("Ray tasks", f"{self.tasks:,}"),
+            ("failed conversations", f"{self.failed}"),
+            ("build wall time", f"{self.build_s:.1f} s"),
+            ("tasks/s", f"{self.tasks / self.build_s:,.0f}"),
+            ("conversations/s", f"{self.conversations / self.build_s:,.0f}"),
+            ("tasks in flight (peak / bound)", f"{self.peak_in_flight} / {self.max_in_flight}"),
+            ("driver RSS at start", f"{self.rss_start_mib:.0f} MiB"),
+            ("driver RSS peak", f"{self.rss_peak_mib:.0f} MiB"),
+            ("driver Python heap peak (tracemalloc)", f"{traced} MiB"),
+            ("list manifests", f"{self.list_s:.2f} s"),
+            ("read all manifests", f"{self.read_s:.1f} s ({self.manifest_rows:,} rows)"),
+            ("re-run, all up to date", f"{self.rerun_s:.1f} s ({self.rerun_skipped:,} skipped)"),
+        ]
+        width = max(len(k) for k, _ in rows)
+        lines = [f"| {'measure':<{width}} | value", f"|{'-' * (width + 2)}|{'-' * 24}"]
+        lines += [f"| {k:<{width}} | {v}" for k, v in rows]
+        return "\n".join(lines) + f"\n(store {store})"
+
+
+def bench(corpus: Path, store: Store, *, max_in_flight: int = 64, num_cpus: float = 1,
+          trace: bool = False, progress: bool = True) -> BenchResult:
+    """Build the synthetic corpus, then list and read every manifest, then re-run."""
+    if trace:
+        tracemalloc.start()
+    with RssSampler() as rss:
+        summary = run_build(str(corpus), store, SYNTHETIC_CONFIG, max_in_flight=max_in_flight,
+                            num_cpus=num_cpus, progress=progress, stages=SYNTHETIC_STAGES)
+    traced = tracemalloc.get_traced_memory()[1] / 2**20 if trace else None
+    if trace:
+        tracemalloc.stop()
+    t = time.perf_counter()
+    ids = list_conversations(store)
+    list_s = time.perf_counter() - t
+    t = time.perf_counter()
+    rows = sum(len(read_manifest(store, cid) or []) for cid in ids)
+    read_s = time.perf_counter() - t
+    t = time.perf_counter()
+    again = run_build(str(corpus), store, SYNTHETIC_CONFIG, max_in_flight=max_in_flight,
+                      num_cpus=num_cpus, progress=progress, stages=SYNTHETIC_STAGES)
+    rerun_s = time.perf_counter() - t
+    return BenchResult(
+        conversations=summary.built + len(summary.failed), episodes=summary.episodes,
+        tasks=summary.tasks, failed=len(summary.failed), build_s=summary.seconds,
+        peak_in_flight=summary.peak_in_flight, max_in_flight=max_in_flight,
+        rss_start_mib=rss.start_rss / 2**20, rss_peak_mib=rss.peak / 2**20,
+        traced_peak_mib=traced, list_s=list_s, read_s=read_s, manifest_rows=rows,
+        rerun_s=rerun_s, rerun_skipped=again.skipped)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jobs.bench_scale", description=__doc__.split("\n\n")[0])
+    p.add_argument("--conversations", type=int, default=10_000)
+    p.add_argument("--large", action="store_true", help="100,000 conversations")
+    p.add_argument("--store", default=None, help="store URI (default: a temporary folder, removed)")
+    p.add_argument("--s3-endpoint", default=None)
+    p.add_argument("--max-in-flight", type=int, default=64)
+    p.add_argument("--cpus-per-task", type=float, default=1)
+    p.add_argument("--fail-every", type=int, default=0,
+                   help="every Nth conversation's last episode raises (rehearses failures)")
+    p.add_argument("--tracemalloc", action="store_true",
+                   help="also trace the driver's Python heap (slows the driver)")
+    p.add_argument("--no-progress", action="store_true")
+    a = p.parse_args(argv)
+    n = 100_000 if a.large else a.conversations
+    work = Path(tempfile.mkdtemp(prefix="epicache-bench-"))
+    try:
+        store = open_store(a.store or str(work / "store"), endpoint_url=a.s3_endpoint)
+        corpus = work / "corpus.jsonl"
+        write_synthetic_corpus(corpus, n, a.fail_every)
+        init_ray()
+        result = bench(corpus, store, max_in_flight=a.max_in_flight, num_cpus=a.cpus_per_task,
+                       trace=a.tracemalloc, progress=not a.no_progress)
+    except StoreError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(result.table(store.uri if a.store else "temporary local folder"))
+    return 0
+
+
+if __name__ == "__main__":
+    from jobs.bench_scale import main as _main  # tasks ship by reference, not by value
+
+    raise SystemExit(_main())

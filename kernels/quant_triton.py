@@ -1,0 +1,142 @@
+"""Triton kernels for per-token, per-head int8 / fp8 (e4m3) KV quantization (see
+`kernels.quant` for the formats and the torch references they must match).
+
+Imported only by the dispatch in `kernels.quant` on CUDA tensors, and by the kernel tests under
+`TRITON_INTERPRET=1`. Rows (one (head, token) each) are processed BLOCK_R at a time, the whole
+head dimension in one tile; scales and codes are computed in fp32.
+
+Rounding is done in fp32 arithmetic, exactly, before the final cast: ties to even for int8
+(`_round_half_even`) and onto the e4m3 grid (`_round_to_e4m3`). The cast to int8 / fp8 then
+only stores an exactly representable value, so the result does not depend on the cast's
+rounding mode (the CPU interpreter's fp8 cast rounds ties up and drops the mantissa carry).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.quant import FP8_DTYPE, FP8_E4M3_MAX, INT8_MAX, gather_output
+
+
+@triton.jit
+def _round_half_even(t):
+    """Round to the nearest integer, ties to even (as torch.round), exactly: floor and the
+    fraction t - floor(t) are exact in fp32."""
+    low = tl.floor(t)
+    frac = t - low
+    low_is_odd = (low - 2.0 * tl.floor(low * 0.5)) == 1.0
+    up = (frac > 0.5) | ((frac == 0.5) & low_is_odd)
+    return low + tl.where(up, 1.0, 0.0)
+
+
+@triton.jit
+def _round_to_e4m3(y):
+    """Round |y| <= 448 to the nearest float8 e4m3 value (ties to even), in fp32. e4m3 keeps 3
+    mantissa bits: at binary exponent e the grid step is 2^(e-3); below the smallest normal
+    (2^-6) the subnormal step 2^-9 continues the same grid."""
+    a = tl.abs(y)
+    exponent = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 a); zero: -127
+    exponent = tl.maximum(exponent, -6)
+    step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e-3), exact
+    inv_step = ((3 - exponent + 127) << 23).to(tl.float32, bitcast=True)  # 2^(3-e)
+    rounded = _round_half_even(a * inv_step) * step  # both products exact (powers of two)
+    return tl.where(y < 0, -rounded, rounded)
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, n_rows, head_dim, s_xr, s_xd,
+                     QMAX: tl.constexpr, FP8: tl.constexpr, BLOCK_R: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < n_rows
+    ok = row_ok[:, None] & (dims < head_dim)[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * s_xr + dims[None, :] * s_xd, mask=ok,
+                other=0.0).to(tl.float32)
+    # Correctly rounded divisions (tl.div_rn; `/` is approximate on GPUs) match torch exactly.
+    scale = tl.div_rn(tl.max(tl.abs(x), axis=1), tl.full([BLOCK_R], QMAX, tl.float32))
+    safe = tl.where(scale > 0, scale, 1.0)
+    y = tl.div_rn(x, tl.broadcast_to(safe[:, None], [BLOCK_R, BLOCK_D]))
+    y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+    if FP8:
+        codes = _round_to_e4m3(y)
+    else:
+        codes = _round_half_even(y)
+    codes_out = codes_ptr + rows64[:, None] * head_dim + dims[None, :]
+    tl.store(codes_out, codes.to(codes_ptr.dtype.element_ty), mask=ok)
+    tl.store(scales_ptr + rows, scale, mask=row_ok)
+
+
+@triton.jit
+def _dequantize_kernel(codes_ptr, scales_ptr, index_ptr, out_ptr, n_out, head_dim,
+                       HAS_INDEX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < n_out
+    ok = row_ok[:, None] & (dims < head_dim)[None, :]
+    if HAS_INDEX:
+        src = tl.load(index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    else:
+        src = rows.to(tl.int64)
+    codes = tl.load(codes_ptr + src[:, None] * head_dim + dims[None, :], mask=ok)  # masked: unused
+    scale = tl.load(scales_ptr + src, mask=row_ok, other=0.0)
+    values = codes.to(tl.float32) * scale[:, None]
+    out = out_ptr + rows.to(tl.int64)[:, None] * head_dim + dims[None, :]
+    tl.store(out, values.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _block_rows(head_dim: int) -> tuple[int, int]:
+    """Rows per program and the head-dim tile: about 4K elements per program."""
+    block_d = triton.next_power_of_2(head_dim)
+    return max(1, min(64, 4096 // block_d)), block_d
+
+
+def quantize_triton(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., d] -> (codes [..., d], scales float32 [...]); fmt "int8" or "fp8"."""
+    if fmt not in ("int8", "fp8"):
+        raise ValueError(f"unknown format {fmt!r}")
+    head_dim = x.shape[-1]
+    rows = x.reshape(-1, head_dim)  # a view when the layout allows it (strides passed below)
+    n_rows = rows.shape[0]
+    fp8 = fmt == "fp8"
+    codes = torch.empty(x.shape, dtype=FP8_DTYPE if fp8 else torch.int8, device=x.device)
+    scales = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    if n_rows == 0 or head_dim == 0:
+        return codes, scales.zero_()
+    block_r, block_d = _block_rows(head_dim)
+    _quantize_kernel[(triton.cdiv(n_rows, block_r),)](
+        rows, codes, scales, n_rows, head_dim, rows.stride(0), rows.stride(1),
+        QMAX=FP8_E4M3_MAX if fp8 else INT8_MAX, FP8=fp8, BLOCK_R=block_r, BLOCK_D=block_d)
+    return codes, scales
+
+
+def dequantize_triton(codes: torch.Tensor, scales: torch.Tensor,
+                      index: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """Gather + dequantize in one pass; same contract as `kernels.quant.dequantize_reference`.
+    Indices are range-checked first (one reduction): the kernel itself would read any address."""
+    if codes.dtype not in (torch.int8, FP8_DTYPE):
+        raise ValueError(f"codes must be int8 or float8_e4m3fn, got {codes.dtype}")
+    head_dim = codes.shape[-1]
+    if scales.shape != codes.shape[:-1]:
+        raise ValueError(f"scales {tuple(scales.shape)} != codes rows {tuple(codes.shape[:-1])}")
+    target = gather_output(codes, index, out.dtype if out is not None else dtype, out)
+    codes_c, scales_c = codes.contiguous(), scales.contiguous().float()
+    index_c = index.reshape(-1).contiguous() if index is not None else None
+    if index_c is not None and index_c.numel():
+        low, high = torch.aminmax(index_c)
+        n_rows = codes.numel() // head_dim if head_dim else 0
+        if int(low) < 0 or int(high) >= n_rows:
+            raise IndexError(f"index values must lie in [0, {n_rows}), got [{int(low)}, "
+                             f"{int(high)}]")
+    n_out = target.numel() // head_dim if head_dim else 0
+    if n_out == 0:
+        return target
+    block_r, block_d = _block_rows(head_dim)
+    _dequantize_kernel[(triton.cdiv(n_out, block_r),)](
+        codes_c, scales_c, index_c if index_c is not None else scales_c, target, n_out, head_dim,
+        HAS_INDEX=index_c is not None, BLOCK_R=block_r, BLOCK_D=block_d)
+    return target
