@@ -184,6 +184,10 @@ def _n(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
+class BuildError(RuntimeError):
+    """A failure that stops the whole build (not one conversation)."""
+
+
 @dataclass
 class _Conversation:
     """What the driver holds for one conversation in flight (and only while in flight)."""
@@ -220,7 +224,11 @@ class _Driver:
 
     def run(self) -> Summary:
         ref = self.stages.budgets.options(**self.resources).remote(self.store, self.config)
-        self.budgets, stamp = ray.get(ref)
+        try:
+            self.budgets, stamp = ray.get(ref)
+        except Exception as exc:  # nothing can be built without the budgets
+            raise BuildError(f"layer budgets (model {self.config.model!r}): {_describe(exc)}") \
+                from None
         self._loads(stamp["_loads"])
         log.info("layer budgets: %s", self.budgets)
         while True:
@@ -443,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
                                 on_bad_record=a.on_bad_record, max_in_flight=a.max_in_flight,
                                 num_cpus=a.cpus_per_task, num_gpus=gpus,
                                 max_retries=a.max_retries, progress=not a.no_progress)
-    except (ValueError, CorpusError, StoreError, models.ModelNotFoundError) as e:
+    except (ValueError, CorpusError, StoreError, models.ModelNotFoundError, BuildError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
