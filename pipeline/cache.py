@@ -31,6 +31,7 @@ class EpisodicLayer(CacheLayerMixin):
         self.last_request: AttentionRequest | None = None
         self.peak_entries = 0.0  # instrumentation: max valid entries per head seen
         self.peak_slots = 0  # instrumentation: max padded slots seen
+        self.peak_bytes = 0  # instrumentation: max bytes of this layer's key + value tensors
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         _, n_heads, _, dim = key_states.shape
@@ -63,6 +64,8 @@ class EpisodicLayer(CacheLayerMixin):
         self.tokens_seen += n_store
         self.peak_entries = max(self.peak_entries, self.entries)
         self.peak_slots = max(self.peak_slots, self.valid.shape[1])
+        # The concatenation (held slots + block + patch) is the most this layer ever holds.
+        self.peak_bytes = max(self.peak_bytes, keys.nbytes + values.nbytes)
         return keys, values
 
     @property

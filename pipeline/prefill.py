@@ -42,6 +42,7 @@ class PrefillStats:
     seconds: float = 0.0
     peak_entries: list[float] = field(default_factory=list)  # per layer, max valid entries per head
     peak_slots: list[int] = field(default_factory=list)  # per layer, max padded slots per head
+    peak_bytes: list[int] = field(default_factory=list)  # per layer, max bytes of K + V tensors
     final_entries: list[float] = field(default_factory=list)
 
 
@@ -117,5 +118,6 @@ def block_prefill(model: torch.nn.Module, input_ids: torch.Tensor, scorer: Score
     stats.seconds = time.perf_counter() - start_time
     stats.peak_entries = cache.peak_entries_per_layer()
     stats.peak_slots = [layer.peak_slots for layer in cache.layers]
+    stats.peak_bytes = [layer.peak_bytes for layer in cache.layers]
     stats.final_entries = cache.entries_per_layer()
     return cache, stats
