@@ -1,0 +1,81 @@
+"""What the build benchmarks share: a synthetic conversation of an exact length, the episode
+patch a real build would use for it, a stock full prefill to compare with, and a table printer.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from pipeline import models, prompts
+from pipeline.builder import cluster_conversation
+from pipeline.config import BuildConfig
+from pipeline.corpus import render_conversation
+from pipeline.synthetic import make_conversation
+
+
+@dataclass(frozen=True)
+class BenchText:
+    ids: torch.Tensor  # [N] the cached context: template opening + rendered conversation
+    patch_text: str  # episode 0's medoid text, as the real clustering stage picks it
+
+
+def bench_text(lm: models.LoadedModel, tokens: int, config: BuildConfig, seed: int = 0) -> BenchText:
+    """A synthetic conversation cut to exactly `tokens` tokens, with its first episode's patch."""
+    conv = make_conversation(f"bench-{tokens}", target_tokens=int(tokens * 1.1), seed=seed)
+    ids = prompts.context_ids(lm.tokenizer, render_conversation(conv).text)
+    if ids.shape[0] < tokens:
+        raise RuntimeError(f"synthetic conversation too short: {ids.shape[0]} < {tokens} tokens")
+    episodes = cluster_conversation(conv, config).episodes
+    return BenchText(ids[:tokens], episodes.episodes[0].patch_text)
+
+
+def first_layers(model: torch.nn.Module, layers: int | None) -> torch.nn.Module:
+    """The model cut to its first `layers` decoder layers (a copy; None = the whole model).
+
+    Layer i's cache depends only on layers 0..i, so per-layer figures of the cut model are
+    those of the whole model, and every decoder layer costs the same, so time ratios hold."""
+    if layers is None or layers >= model.config.num_hidden_layers:
+        return model
+    model = copy.deepcopy(model)
+    model.model.layers = model.model.layers[:layers]
+    model.config.num_hidden_layers = layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:layers]
+    return model
+
+
+@torch.inference_mode()
+def full_prefill(model: torch.nn.Module, ids: torch.Tensor, chunk: int | None = None
+                 ) -> tuple[DynamicCache, float]:
+    """The stock prefill (transformers' DynamicCache, SDPA), in one forward or in `chunk`-token
+    forwards; no LM head, as in block prefill. Returns the cache and the seconds taken."""
+    cache = DynamicCache(config=model.config)
+    decoder = model.base_model
+    chunk = chunk or ids.shape[0]
+    start = time.perf_counter()
+    for begin in range(0, ids.shape[0], chunk):
+        piece = ids[begin:begin + chunk]
+        positions = torch.arange(begin, begin + piece.shape[0])
+        decoder(input_ids=piece[None], position_ids=positions[None], past_key_values=cache,
+                use_cache=True)
+    return cache, time.perf_counter() - start
+
+
+def dynamic_cache_bytes(cache: DynamicCache) -> list[int]:
+    """Bytes of each layer's key and value tensors."""
+    return [layer.keys.nbytes + layer.values.nbytes for layer in cache.layers]
+
+
+def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
+    """`columns`: (key, header, format spec); missing values print as '-'."""
+    cells = [[h for _, h, _ in columns]]
+    for row in rows:
+        cells.append([("-" if row.get(k) is None else format(row[k], spec)) for k, _, spec in columns])
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    for i, r in enumerate(cells):
+        print("  ".join(c.rjust(w) if i else c.ljust(w) for c, w in zip(r, widths)))

@@ -1,0 +1,110 @@
+"""Decode benchmark: one answering turn from an episodic cache against the same turn from the
+full cache, split into embed, route, load and decode.
+
+    python -m jobs.bench_decode [--tokens 8000] [--budget 1024] [--episodes 4] [--questions 8] \\
+        [--max-new-tokens 32] [--store DIR] [--threads 2]
+
+A synthetic conversation of about `--tokens` tokens is built twice into a local store with the
+real pipeline (`pipeline.builder.build_conversation`): as EpiCache episodes under `--budget`,
+and as one full cache. Then each planted question is answered by `pipeline.answer.Answerer`
+from both stores, alternately: once *cold* (a fresh answerer fetches the cache from the store
+and verifies its checksum; the models are already loaded) and once more *warm* (the same
+question again: its episode's cache is resident, as for a follow-up turn). Reported: the median of
+each stage per turn, the share of embed + route + load in the turn, and decode time per
+generated token (answers may differ in length).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from jobs.bench_common import print_table
+from pipeline import builder, models
+from pipeline.answer import Answerer
+from pipeline.config import BuildConfig
+from pipeline.episodes import EpisodeConfig
+from pipeline.store import LocalStore
+from pipeline.synthetic import make_conversation
+
+STAGES = ("embed", "route", "load", "decode")
+
+
+def turn(answerer: Answerer, conversation_id: str, question: str, max_new_tokens: int) -> dict:
+    result = answerer.answer(conversation_id, question, max_new_tokens)
+    lm = models.load_llm(answerer.manifest(conversation_id)[0]["model_id"])
+    generated = len(lm.tokenizer(result.answer, add_special_tokens=False)["input_ids"]) + 1
+    return result.timings_ms | {"tokens": min(generated, max_new_tokens), "hit": result.cache_hit}
+
+
+def summarise(name: str, turns: list[dict], entries: float) -> dict:
+    row = {"cache": name, "entries": entries}
+    for stage in STAGES:
+        row[stage] = statistics.median(t[stage] for t in turns)
+    row["turn"] = statistics.median(sum(t[s] for s in STAGES) for t in turns)
+    row["overhead"] = statistics.median(
+        (t["embed"] + t["route"] + t["load"]) / sum(t[s] for s in STAGES) for t in turns)
+    row["hits"] = statistics.mean(t["hit"] for t in turns)
+    row["ms_per_token"] = statistics.median(t["decode"] / t["tokens"] for t in turns)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jobs.bench_decode", description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=8000)
+    p.add_argument("--budget", type=int, default=1024)
+    p.add_argument("--episodes", type=int, default=4)
+    p.add_argument("--alpha", type=float, default=1.0)
+    p.add_argument("--questions", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--store", default=None, help="a local folder to build into (default: a temp dir)")
+    p.add_argument("--model", default=models.DEFAULT_LLM)
+    p.add_argument("--threads", type=int, default=None)
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    conv = make_conversation("bench-decode", target_tokens=a.tokens, seed=0)
+    episodic = BuildConfig(model=a.model, budget=a.budget, alpha=a.alpha,
+                           max_context_tokens=a.tokens,
+                           episodes=EpisodeConfig(episodes=a.episodes))
+    full = BuildConfig(model=a.model, scorer="full", budget=None, max_context_tokens=a.tokens)
+    root = Path(a.store or tempfile.mkdtemp(prefix="bench-decode-"))
+    stores = {"episodic": LocalStore(root / "episodic"), "full": LocalStore(root / "full")}
+    entries = {}
+    for name, config in (("episodic", episodic), ("full", full)):
+        rows = builder.build_conversation(conv, config, stores[name])
+        entries[name] = statistics.mean(e for r in rows for e in r["entries_per_layer"])
+        print(f"built {name}: {len(rows)} cache(s), {rows[0]['tokens']} tokens, "
+              f"{sum(r['build_seconds'] for r in rows):.0f} s", file=sys.stderr, flush=True)
+    questions = [q.question for q in conv.questions][:a.questions]
+    turns = {(name, cold): [] for name in stores for cold in (True, False)}
+    for question in questions:  # the two caches alternate, turn by turn
+        for name, store in stores.items():
+            answerer = Answerer(store)  # holds no cache yet (the models stay loaded)
+            for cold in (True, False):  # the same question again: its episode is resident
+                turns[name, cold].append(turn(answerer, conv.conversation_id, question,
+                                              a.max_new_tokens))
+    rows = [summarise(f"{name} ({'cold' if cold else 'warm'})", t, entries[name])
+            for (name, cold), t in turns.items()]
+    print(f"\n{a.model}, {len(questions)} questions, "
+          f"conversation of {a.tokens} tokens, budget {a.budget}, {torch.get_num_threads()} threads; "
+          "medians per turn (ms):")
+    print_table(rows, [("cache", "cache", "s"), ("entries", "entries/layer", ".0f"),
+                       ("embed", "embed", ".1f"), ("route", "route", ".2f"), ("load", "load", ".1f"),
+                       ("hits", "resident", ".0%"),
+                       ("decode", "decode", ".0f"), ("turn", "turn", ".0f"),
+                       ("overhead", "embed+route+load share", ".1%"),
+                       ("ms_per_token", "decode ms/token", ".1f")])
+    by = {r["cache"]: r for r in rows}
+    print(f"\ndecode ms/token, full / episodic (warm): "
+          f"{by['full (warm)']['ms_per_token'] / by['episodic (warm)']['ms_per_token']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
