@@ -46,6 +46,7 @@ from pipeline.calibrate import CalibrationConfig  # noqa: E402
 from pipeline.config import BuildConfig  # noqa: E402
 from pipeline.corpus import Conversation, CorpusError, ReadStats, iter_corpus  # noqa: E402
 from pipeline.episodes import EpisodeConfig  # noqa: E402
+from pipeline.compress import MergeConfig, TriStateConfig  # noqa: E402
 from pipeline.prefill import PrefillConfig  # noqa: E402
 from pipeline.scorers import SCORERS  # noqa: E402
 from pipeline.store import (S3Store, S3_ENDPOINT_ENV, Store, StoreError, open_store,  # noqa: E402
@@ -393,6 +394,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--calibration-tokens", type=int, default=4096)
     p.add_argument("--calibration-window", type=int, default=1024)
     p.add_argument("--on-bad-record", default="fail", choices=["fail", "skip"])
+    t = TriStateConfig()
+    p.add_argument("--tristate", action="store_true",
+                   help="ARKV tri-state compression: --budget M = the bytes of M Original tokens "
+                        "per layer and KV head; entries Original, Quantized (int8) or Evicted")
+    p.add_argument("--fp8", action="store_true", help="tri-state: fp8 e4m3 codes instead of int8")
+    p.add_argument("--tri-window", type=int, default=t.window, help="tri-state protected window")
+    p.add_argument("--tri-gamma", type=float, default=t.gamma, help="heavy-hitter gamma")
+    p.add_argument("--tri-original-scale", type=float, default=t.original_scale,
+                   help="scales the OQ ratio (share of a layer's bytes spent on Original entries)")
+    p.add_argument("--tri-slack", type=float, default=t.slack, help="tri-state slack factor")
+    p.add_argument("--dapq", action="store_true",
+                   help="DapQ: patch queries at the decode positions (after the conversation)")
+    p.add_argument("--merge", action="store_true", help="D2O: merge evicted entries into kept ones")
+    p.add_argument("--merge-beta", type=float, default=MergeConfig().beta, help="D2O EMA beta")
+    p.add_argument("--allocator", default="sensitivity", choices=["sensitivity", "variance"],
+                   help="layer budgets: EpiCache sensitivity or D2O attention variance")
+    p.add_argument("--variance-temperature", type=float, default=1.0)
     p.add_argument("--force", action="store_true", help="rebuild conversations already built")
     p.add_argument("--max-in-flight", type=int, default=16, help="tasks submitted at most")
     p.add_argument("--cpus-per-task", type=float, default=1)
@@ -412,9 +430,15 @@ def config_from_args(a: argparse.Namespace) -> BuildConfig:
     return BuildConfig(
         model=a.model, encoder=a.encoder, scorer=a.scorer,
         budget=None if a.full else a.budget, alpha=a.alpha, store_dtype=a.store_dtype,
+        allocator=a.allocator, variance_temperature=a.variance_temperature,
         max_context_tokens=a.max_context_tokens,
         episodes=EpisodeConfig(window=a.window, episodes=a.episodes, medoids=a.medoids, seed=a.seed),
-        prefill=PrefillConfig(block=a.block, selection=a.selection),
+        prefill=PrefillConfig(
+            block=a.block, selection=a.selection, decode_positions=a.dapq,
+            tristate=TriStateConfig(enabled=a.tristate or a.fp8, fp8=a.fp8, window=a.tri_window,
+                                    gamma=a.tri_gamma, original_scale=a.tri_original_scale,
+                                    slack=a.tri_slack) if (a.tristate or a.fp8) else TriStateConfig(),
+            merge=MergeConfig(enabled=True, beta=a.merge_beta) if a.merge else MergeConfig()),
         calibration=CalibrationConfig(tokens=a.calibration_tokens, window=a.calibration_window,
                                       sink=min(128, a.calibration_window // 4)))
 

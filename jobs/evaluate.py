@@ -7,6 +7,10 @@
 One Ray task per (conversation, method, budget) cell, plus the two references per
 conversation (full cache, no history), so the same command scales from this machine to a
 cluster. Writes results.parquet (per question), summary.json, table.md and retention.png.
+
+Methods take variants (see `pipeline.evaluate`): `epicache-tri` (ARKV tri-state, budget M =
+the bytes of M float16 tokens per layer and KV head), `epicache-dapq`, `epicache-merge`,
+`epicache-d2o`, or combined, `epicache+tri+dapq+merge`.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from tqdm import tqdm
 
 from jobs.build import _WORKER_ENV
 from pipeline import builder, evaluate, models
-from pipeline.calibrate import CalibrationConfig, allocate_budgets
+from pipeline.calibrate import CalibrationConfig
+from pipeline.compress import MergeConfig, TriStateConfig
 from pipeline.corpus import CorpusError, iter_corpus
 from pipeline.episodes import EpisodeConfig
 from pipeline.store import open_store
@@ -39,9 +44,10 @@ def prepare_task(conv, config: evaluate.EvalConfig) -> evaluate.Prepared:
 
 
 @ray.remote
-def profile_task(store_uri: str, config: evaluate.EvalConfig) -> list[float]:
-    """The model's layer-sensitivity profile (measured once, then read from the store)."""
-    return builder.layer_profile(open_store(store_uri), config.build_config("epicache", 1))
+def profile_task(store_uri: str, config: evaluate.EvalConfig, method: str = "epicache") -> list[float]:
+    """The model's profile for the allocator `method` uses (layer sensitivity, or D2O's
+    attention variance): measured once, then read from the store."""
+    return builder.layer_profile(open_store(store_uri), config.build_config(method, 1))
 
 
 @ray.remote
@@ -59,12 +65,15 @@ def _fmt(x, pct: bool = False) -> str:
 def markdown_table(rows: list[dict]) -> str:
     cats = sorted({k for r in rows for k in r if k.startswith("f1_cat")})
     head = ["method", "budget", "questions", "retention", "retention (of means)", "evidence NLL",
-            "answer NLL", "F1"] + [f"F1 {c.removeprefix('f1_')}" for c in cats]
+            "answer NLL", "F1", "kept", "bytes (tokens)", "quantized"] + \
+        [f"F1 {c.removeprefix('f1_')}" for c in cats]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["method"], str(r["budget"] or "-"), str(r["questions"]),
                  _fmt(r["retention"], True), _fmt(r.get("retention_of_means"), True),
-                 _fmt(r["evidence_nll"]), _fmt(r["answer_nll"]), _fmt(r["f1"])]
+                 _fmt(r["evidence_nll"]), _fmt(r["answer_nll"]), _fmt(r["f1"]),
+                 _fmt(r.get("kept_entries")), _fmt(r.get("bytes_tokens")),
+                 _fmt(r.get("quantized_share"), True)]
         cells += [_fmt(r.get(c)) for c in cats]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -112,6 +121,15 @@ def parse_args(argv):
     p.add_argument("--calibration-tokens", type=int, default=4096)
     p.add_argument("--calibration-window", type=int, default=1024)
     p.add_argument("--on-bad-record", default="fail", choices=["fail", "skip"])
+    t = TriStateConfig()
+    p.add_argument("--tri-window", type=int, default=t.window, help="ARKV protected recent window")
+    p.add_argument("--tri-gamma", type=float, default=t.gamma, help="ARKV heavy-hitter gamma")
+    p.add_argument("--tri-original-scale", type=float, default=t.original_scale,
+                   help="scales ARKV's OQ ratio (share of bytes spent on Original entries)")
+    p.add_argument("--tri-slack", type=float, default=t.slack, help="ARKV slack factor")
+    p.add_argument("--merge-beta", type=float, default=MergeConfig().beta, help="D2O EMA beta")
+    p.add_argument("--variance-temperature", type=float, default=1.0,
+                   help="D2O inverse-variance softmax temperature")
     return p.parse_args(argv)
 
 
@@ -119,7 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
-    unknown = set(methods) - set(evaluate.METHODS)
+    unknown = set()
+    for m in methods:
+        try:
+            evaluate.parse_method(m)
+        except ValueError:
+            unknown.add(m)
     try:
         budgets = [int(b) for b in a.budgets.split(",") if b.strip()]
         if unknown or not methods or not budgets or min(budgets) < 1:
@@ -134,7 +157,11 @@ def main(argv: list[str] | None = None) -> int:
         calibration=CalibrationConfig(tokens=a.calibration_tokens, window=a.calibration_window,
                                       sink=min(128, a.calibration_window // 4)),
         max_context_tokens=a.max_context_tokens,
-        questions_per_conversation=a.questions_per_conversation, max_new_tokens=a.max_new_tokens)
+        questions_per_conversation=a.questions_per_conversation, max_new_tokens=a.max_new_tokens,
+        tristate=TriStateConfig(enabled=True, window=a.tri_window, gamma=a.tri_gamma,
+                                original_scale=a.tri_original_scale, slack=a.tri_slack),
+        merge=MergeConfig(enabled=True, beta=a.merge_beta),
+        variance_temperature=a.variance_temperature)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if not ray.is_initialized():
@@ -146,9 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     except CorpusError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    allocated = [m for m in methods if m in evaluate.ALLOCATED] if a.alpha > 0 else []
-    profile = ray.get(profile_task.remote(str(out / "profiles"), config)) if allocated else None
-    layer_budgets = {(m, b): allocate_budgets(profile, b, a.alpha) for m in allocated for b in budgets}
+    allocated = [m for m in methods if evaluate.allocator_of(m) == "variance" or
+                 (evaluate.allocator_of(m) == "sensitivity" and a.alpha > 0)]
+    profiles = {}  # one profile per allocator, measured by the first method that needs it
+    for m in allocated:
+        kind = evaluate.allocator_of(m)
+        if kind not in profiles:
+            profiles[kind] = ray.get(profile_task.remote(str(out / "profiles"), config, m))
+    layer_budgets = {(m, b): config.build_config(m, b).allocator_strategy().allocate(
+        profiles[evaluate.allocator_of(m)], b) for m in allocated for b in budgets}
     pending, prep_refs = {}, []
     for conv in convs:
         prep = prepare_task.remote(conv, config)

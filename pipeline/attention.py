@@ -14,7 +14,9 @@ Attention weights are computed only for the patch queries, through `kernels.scor
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +37,82 @@ class AttentionRequest:
     first_position: int  # position of the first new token (the new tokens are consecutive)
     n_patch: int = 0  # trailing queries that are patch queries (scored, never stored)
     scores: torch.Tensor | None = None  # filled in: [Hkv, L_past + n_block] patch attention scores
+    moments: bool = False  # also fill in the sum and sum of squares below (ARKV statistics)
+    patch_sum: torch.Tensor | None = None  # [Hkv, L_past + n_block]
+    patch_sumsq: torch.Tensor | None = None
+    patch_count: int = 0  # rows summed: (query heads of a KV group) x (patch queries)
+
+
+def patch_attention_moments(patch_queries: torch.Tensor, cached_keys: torch.Tensor,
+                            patch_keys: torch.Tensor, cached_valid: torch.Tensor | None,
+                            scale: float, query_chunk: int = 256
+                            ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Sum and sum of squares, over the patch queries and the query heads of each KV group,
+    of the softmax probability every cached key receives (same softmax as
+    `kernels.score.patch_attention_scores`: valid cached keys + the patch's own keys, causal).
+    Shapes as there; returns ([Hkv, N], [Hkv, N], group x P). Chunked over the rows, so the
+    temporaries are O(Hkv x chunk x (N + P)). A torch implementation on every device."""
+    n_q_heads, n_patch, dim = patch_queries.shape
+    n_kv_heads, n_cached, _ = cached_keys.shape
+    group = n_q_heads // n_kv_heads
+    device = patch_queries.device
+    q = patch_queries.float().reshape(n_kv_heads, group * n_patch, dim)
+    keys_t = torch.cat([cached_keys, patch_keys], dim=1).float().transpose(1, 2)
+    cached_bias = torch.zeros(n_kv_heads, 1, n_cached, dtype=torch.float32, device=device)
+    if cached_valid is not None:
+        cached_bias.masked_fill_(~cached_valid[:, None, :], float("-inf"))
+    causal_bias = torch.full((n_patch, n_patch), float("-inf"), device=device).triu_(1)
+    total = torch.zeros(n_kv_heads, n_cached, dtype=torch.float32, device=device)
+    total_sq = torch.zeros_like(total)
+    n_rows = group * n_patch
+    for start in range(0, n_rows, query_chunk):
+        stop = min(start + query_chunk, n_rows)
+        patch_pos = torch.arange(start, stop, device=device) % n_patch
+        logits = torch.cat([cached_bias.expand(-1, stop - start, -1),
+                            causal_bias[patch_pos].expand(n_kv_heads, -1, -1)], dim=2)
+        logits.baddbmm_(q[:, start:stop], keys_t, alpha=scale)
+        probs = torch.softmax(logits, dim=-1)[:, :, :n_cached]
+        total += probs.sum(dim=1)
+        total_sq += (probs * probs).sum(dim=1)
+    return total, total_sq, n_rows
+
+
+_probe = threading.local()
+
+
+@contextmanager
+def attention_column_sums() -> Iterator[dict[int, torch.Tensor]]:
+    """While inside, a forward without an episodic cache (one causal pass over a whole text)
+    records per layer the attention every key receives, summed over the queries and averaged
+    over the query heads ([N] per layer index): D2O's cumulative attention (§4.1)."""
+    sums: dict[int, torch.Tensor] = {}
+    _probe.sums = sums
+    try:
+        yield sums
+    finally:
+        _probe.sums = None
+
+
+def _probed_attention(module, query, key, value, scaling, sums, chunk: int = 256):
+    n_q_heads, n_kv_heads, n = query.shape[1], key.shape[1], query.shape[2]
+    if key.shape[2] != n:
+        raise ValueError("attention_column_sums needs one forward over the whole text, no cache")
+    group = n_q_heads // n_kv_heads
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    k = key[0].float().repeat_interleave(group, dim=0)  # [Hq, N, d]
+    v = value[0].float().repeat_interleave(group, dim=0)
+    columns = torch.zeros(n, dtype=torch.float32, device=query.device)
+    out = torch.empty(n_q_heads, n, value.shape[-1], dtype=torch.float32, device=query.device)
+    for start in range(0, n, chunk):
+        stop = min(start + chunk, n)
+        logits = query[0, :, start:stop].float() @ k.transpose(1, 2) * scale  # [Hq, c, N]
+        future = torch.arange(n, device=query.device)[None, :] > \
+            torch.arange(start, stop, device=query.device)[:, None]
+        probs = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
+        columns += probs.sum(dim=(0, 1))
+        out[:, start:stop] = probs @ v
+    sums[module.layer_idx] = columns / n_q_heads
+    return out.to(query.dtype)[None].transpose(1, 2).contiguous(), None
 
 
 def hand_off(request: AttentionRequest) -> None:
@@ -71,6 +149,9 @@ def episodic_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
                        scaling: float | None = None, dropout: float = 0.0,
                        sliding_window: int | None = None, **kwargs):
     request = _take_request(key)
+    sums = getattr(_probe, "sums", None)
+    if request is None and sums is not None:  # D2O calibration: attention column sums
+        return _probed_attention(module, query, key, value, scaling, sums)
     if request is None:  # not an episodic cache: the stock path, with the stock mask
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -93,6 +174,10 @@ def episodic_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
         request.scores = patch_attention_scores(
             query[0, :, -p:], key[0, :, :n_cached], key[0, :, n_cached:], valid,
             scale=scaling if scaling is not None else query.shape[-1] ** -0.5)
+        if request.moments:
+            request.patch_sum, request.patch_sumsq, request.patch_count = patch_attention_moments(
+                query[0, :, -p:], key[0, :, :n_cached], key[0, :, n_cached:], valid,
+                scale=scaling if scaling is not None else query.shape[-1] ** -0.5)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 from pipeline import cache_io, models, prompts
-from pipeline.calibrate import allocate_budgets, layer_similarity
 from pipeline.config import BuildConfig
 from pipeline.corpus import Conversation, cut_at_session, render_conversation
 from pipeline.episodes import EpisodeConfig, EpisodeSet, build_episodes
@@ -79,28 +78,34 @@ def calibration_text(config: BuildConfig) -> str:
 
 
 def layer_profile(store: Store, config: BuildConfig) -> list[float]:
-    """Per-layer Key similarity for the model: read from the store, or measured and stored."""
+    """The model's per-layer profile for the configured allocator (Key similarity for
+    "sensitivity", cumulative-attention variance for "variance"): read from the store, or
+    measured once on the calibration text and stored."""
     cal = config.calibration
-    cal_hash = hashlib.sha256(json.dumps(cal.as_dict(), sort_keys=True).encode()).hexdigest()[:12]
+    allocator = config.allocator_strategy()
+    described = cal.as_dict() if allocator.name == "sensitivity" else \
+        cal.as_dict() | {"profile": allocator.name}  # sensitivity keeps its historical key
+    cal_hash = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:12]
     key = profile_key(models.model_key(config.model), cal_hash)
     if store.exists(key):
         return json.loads(store.get(key))["similarity"]
     lm = models.load_llm(config.model)
     ids = prompts.context_ids(lm.tokenizer, calibration_text(config))[:cal.tokens]
     start = time.perf_counter()
-    sims = layer_similarity(lm.model, ids, cal).tolist()
+    sims = allocator.measure(lm.model, ids, cal).tolist()
+    # "similarity" holds the profile whatever the allocator (the key name predates D2O)
     store.put(key, json.dumps({"model_id": config.model, "calibration": cal.as_dict(),
-                               "similarity": sims, "seconds": time.perf_counter() - start},
-                              indent=1).encode())
+                               "allocator": allocator.name, "similarity": sims,
+                               "seconds": time.perf_counter() - start}, indent=1).encode())
     return sims
 
 
 def layer_budgets(store: Store, config: BuildConfig, n_layers: int) -> list[int] | None:
     if config.budget is None:
         return None
-    if config.alpha == 0:
+    if config.allocator == "sensitivity" and config.alpha == 0:
         return [config.budget] * n_layers
-    return allocate_budgets(layer_profile(store, config), config.budget, config.alpha)
+    return config.allocator_strategy().allocate(layer_profile(store, config), config.budget)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,8 +121,11 @@ def build_episode(clustered: ClusterResult, episode: int, budgets: list[int] | N
     ids = prompts.context_ids(lm.tokenizer, render_conversation(conv).text)
     scorer = build_scorer(config.scorer, lambda text: prompts.patch_ids(lm.tokenizer, text),
                           ep.patch_text)
-    cache, stats = block_prefill(lm.model, ids, scorer, budgets, config.prefill)
     dtype = getattr(torch, config.store_dtype)
+    element_size = torch.empty(0, dtype=dtype).element_size()
+    # Tri-state: the budget of M entries reads as the bytes of M Original entries per KV head.
+    cache, stats = block_prefill(lm.model, ids, scorer, budgets, config.prefill,
+                                 original_element_size=element_size)
     header = {"model_id": config.model, "config_hash": config.hash,
               "conversation_id": conv.conversation_id, "episode": episode}
     data = cache_io.serialize(cache, header, dtype)
@@ -131,7 +139,13 @@ def build_episode(clustered: ClusterResult, episode: int, budgets: list[int] | N
         "episodes_requested": episodes.requested if is_episodic(config) else 1,
         "episodes_built": len(episodes.episodes), "episode_note": episodes.note,
         "object_key": key, "sha256": checksum, "object_bytes": len(data),
-        "kv_bytes": cache.nbytes(torch.empty(0, dtype=dtype).element_size()),
+        "kv_bytes": cache.nbytes(element_size),
+        "original_entries": stats.original_entries, "original_bytes": stats.original_bytes,
+        "quantized_entries": stats.quantized_entries, "quantized_bytes": stats.quantized_bytes,
+        "evicted_entries": stats.evicted_entries, "evicted_bytes": stats.evicted_bytes,
+        "merged_entries": stats.merged_entries,
+        "layer_byte_budgets": stats.byte_budgets or None,
+        "oq_ratios": stats.oq_ratios or None,
         "centroid": ep.centroid.astype(np.float32).tolist(), "medoid_text": ep.patch_text,
         "medoid_turn_ids": list(ep.medoid_turn_ids), "n_windows": len(ep.windows),
         "layer_budgets": budgets, "entries_per_layer": stats.final_entries,

@@ -15,6 +15,7 @@ from typing import Iterator
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kernels.quant import dequantize, quantize_fp8, quantize_int8
 from pipeline.attention import AttentionRequest, hand_off
 
 
@@ -32,6 +33,18 @@ class EpisodicLayer(CacheLayerMixin):
         self.peak_entries = 0.0  # instrumentation: max valid entries per head seen
         self.peak_slots = 0  # instrumentation: max padded slots seen
         self.peak_bytes = 0  # instrumentation: max bytes of this layer's key + value tensors
+        self.moments = False  # ask the attention for the patch attention's moments (ARKV)
+        # Tri-state (ARKV): which slots hold Quantized entries, and their codes and per-token,
+        # per-head scales. `keys`/`values` hold the dequantized values at those slots (what
+        # the attention sees, in token order); None while nothing is quantized.
+        self.quantized: torch.Tensor | None = None  # [Hkv, slots] bool
+        # Codes are held as raw bytes (int8, or uint8 for float8_e4m3fn: CPU gathers do not
+        # take fp8); `code_dtype` says how to read them (`codes()`).
+        self.code_dtype: torch.dtype | None = None
+        self.key_codes: torch.Tensor | None = None  # [Hkv, slots, d]
+        self.value_codes: torch.Tensor | None = None
+        self.key_scales: torch.Tensor | None = None  # [Hkv, slots] float32
+        self.value_scales: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         _, n_heads, _, dim = key_states.shape
@@ -50,7 +63,8 @@ class EpisodicLayer(CacheLayerMixin):
         values = torch.cat([self.values, value_states.to(self.values.dtype)], dim=-2)
         self.last_request = AttentionRequest(key=keys, past_valid=self.valid,
                                              past_positions=self.positions,
-                                             first_position=self.tokens_seen, n_patch=self.n_patch)
+                                             first_position=self.tokens_seen, n_patch=self.n_patch,
+                                             moments=self.moments)
         hand_off(self.last_request)
 
         n_heads, slots = self.valid.shape
@@ -61,6 +75,11 @@ class EpisodicLayer(CacheLayerMixin):
                                      device=self.valid.device)
         self.valid = torch.cat([self.valid, self.valid.new_ones(n_heads, n_store)], dim=1)
         self.positions = torch.cat([self.positions, new_positions.expand(n_heads, -1)], dim=1)
+        if self.quantized is not None:  # new tokens arrive Original
+            self.quantized = torch.cat([self.quantized, self.quantized.new_zeros(n_heads, n_store)], 1)
+            for name in ("key_codes", "value_codes", "key_scales", "value_scales"):
+                t = getattr(self, name)
+                setattr(self, name, torch.cat([t, t.new_zeros(n_heads, n_store, *t.shape[2:])], 1))
         self.tokens_seen += n_store
         self.peak_entries = max(self.peak_entries, self.entries)
         self.peak_slots = max(self.peak_slots, self.valid.shape[1])
@@ -85,6 +104,62 @@ class EpisodicLayer(CacheLayerMixin):
         self.values = self.values.gather(2, order[None, :, :, None].expand(1, -1, -1, self.values.shape[-1]))
         self.positions = self.positions.gather(1, order)
         self.valid = torch.arange(slots, device=keep.device)[None, :] < counts[:, None]
+        if self.quantized is not None:
+            self.quantized = self.quantized.gather(1, order) & self.valid
+            self.key_scales = self.key_scales.gather(1, order)
+            self.value_scales = self.value_scales.gather(1, order)
+            self.key_codes = self.key_codes.gather(
+                1, order[:, :, None].expand(-1, -1, self.key_codes.shape[-1]))
+            self.value_codes = self.value_codes.gather(
+                1, order[:, :, None].expand(-1, -1, self.value_codes.shape[-1]))
+
+    def quantized_mask(self) -> torch.Tensor:
+        """[Hkv, slots] bool: the slots holding Quantized entries."""
+        if self.quantized is None:
+            return torch.zeros_like(self.valid)
+        return self.quantized & self.valid
+
+    def state_counts(self) -> tuple[int, int]:
+        """(Original entries, Quantized entries) held, summed over heads."""
+        if self.valid is None:
+            return 0, 0
+        quantized = int(self.quantized_mask().sum().item())
+        return int(self.valid.sum().item()) - quantized, quantized
+
+    def quantize(self, mask: torch.Tensor, fp8: bool = False) -> None:
+        """Turn the Original entries in `mask` ([Hkv, slots] bool) into Quantized ones:
+        per-token, per-head codes and scales (`kernels.quant` dispatch), and the attention view
+        replaced by their dequantized values. Entries already quantized are left as they are
+        (never re-quantized from their dequantized values)."""
+        new = mask & self.valid & ~self.quantized_mask()
+        if not bool(new.any()):
+            return
+        code_dtype = torch.float8_e4m3fn if fp8 else torch.int8
+        raw = torch.uint8 if fp8 else torch.int8
+        if self.quantized is None:
+            n_heads, slots = self.valid.shape
+            self.quantized = torch.zeros_like(self.valid)
+            self.code_dtype = code_dtype
+            self.key_codes = torch.zeros(n_heads, slots, self.keys.shape[-1], dtype=raw,
+                                         device=self.keys.device)
+            self.value_codes = torch.zeros(n_heads, slots, self.values.shape[-1], dtype=raw,
+                                           device=self.values.device)
+            self.key_scales = torch.zeros(n_heads, slots, dtype=torch.float32, device=self.keys.device)
+            self.value_scales = torch.zeros_like(self.key_scales)
+        elif self.code_dtype != code_dtype:
+            raise ValueError(f"layer holds {self.code_dtype} codes, asked for {code_dtype}")
+        quantize_fn = quantize_fp8 if fp8 else quantize_int8
+        for tensor, codes, scales in ((self.keys, self.key_codes, self.key_scales),
+                                      (self.values, self.value_codes, self.value_scales)):
+            c, sc = quantize_fn(tensor[0][new])
+            codes[new], scales[new] = c.view(raw), sc
+            tensor[0][new] = dequantize(c, sc, dtype=tensor.dtype)
+        self.quantized |= new
+
+    def codes(self, which: str) -> torch.Tensor:
+        """The key or value codes [Hkv, slots, d] in their code dtype (a view)."""
+        raw = self.key_codes if which == "keys" else self.value_codes
+        return raw.view(self.code_dtype)
 
     def snapshot(self) -> tuple[int, int]:
         return (0 if self.valid is None else self.valid.shape[1], self.tokens_seen)
@@ -94,6 +169,10 @@ class EpisodicLayer(CacheLayerMixin):
         if self.is_initialized:
             self.keys, self.values = self.keys[:, :, :slots], self.values[:, :, :slots]
             self.valid, self.positions = self.valid[:, :slots], self.positions[:, :slots]
+            if self.quantized is not None:
+                self.quantized = self.quantized[:, :slots]
+                self.key_codes, self.value_codes = self.key_codes[:, :slots], self.value_codes[:, :slots]
+                self.key_scales, self.value_scales = self.key_scales[:, :slots], self.value_scales[:, :slots]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # The stock mask is not used by the episodic attention; keep it as small as the slots.
@@ -130,15 +209,32 @@ class EpisodicCache(Cache):
         return [layer.peak_entries for layer in self.layers]
 
     def nbytes(self, element_size: int | None = None) -> int:
-        """Bytes of the valid key and value entries (padding excluded), at `element_size`
-        bytes per number (default: as held in memory)."""
-        total = 0
+        """Bytes of the valid key and value entries (padding excluded): Original entries at
+        `element_size` bytes per number (default: as held in memory), Quantized ones at their
+        codes (1 byte per number) plus a float32 scale for the key row and one for the value
+        row (what a tri-state object stores)."""
+        return sum(self.state_bytes(element_size))
+
+    def state_bytes(self, element_size: int | None = None) -> tuple[int, int]:
+        """(bytes of the Original entries, bytes of the Quantized entries), as in `nbytes`."""
+        original = quantized = 0
         for layer in self.layers:
             if layer.is_initialized:
-                n = int(layer.valid.sum().item())
-                size = element_size or layer.keys.element_size()
-                total += n * (layer.keys.shape[-1] + layer.values.shape[-1]) * size
-        return total
+                n_original, n_quantized = layer.state_counts()
+                dims = layer.keys.shape[-1] + layer.values.shape[-1]
+                original += n_original * dims * (element_size or layer.keys.element_size())
+                quantized += n_quantized * (dims + 2 * 4)
+        return original, quantized
+
+    def state_counts(self) -> tuple[int, int]:
+        """(Original entries, Quantized entries), summed over layers and KV heads."""
+        counts = [layer.state_counts() for layer in self.layers]
+        return sum(c[0] for c in counts), sum(c[1] for c in counts)
+
+    def collect_moments(self, on: bool = True) -> None:
+        """Have patch forwards also return the patch attention's moments (ARKV)."""
+        for layer in self.layers:
+            layer.moments = on
 
     @contextmanager
     def patched(self, n_patch: int) -> Iterator[None]:

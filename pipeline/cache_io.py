@@ -5,6 +5,12 @@ head after head, in token order), `.lengths` [Hkv] entries per head and `.positi
 the original token positions. The header names the model, the build configuration hash, the
 conversation and episode, and the tokens seen. Reading checks the SHA-256 recorded in the
 manifest before parsing anything.
+
+Format 2 (tri-state caches, ARKV): the tensors above hold the Original entries only; the
+Quantized entries are `layers.{i}.qkeys` / `.qvalues` [entries, d] codes (int8 or
+float8_e4m3fn, header `quant`), `.qkey_scales` / `.qvalue_scales` [entries] float32 (one scale
+per token and head), `.qlengths` [Hkv] and `.qpositions` [entries], in the same order. A plain
+cache writes no q-tensors and `quant: null`; format 1 objects are still read.
 """
 
 from __future__ import annotations
@@ -17,9 +23,11 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from kernels.quant import dequantize
 from pipeline.cache import EpisodicCache
 
-FORMAT = "epicache-kv/1"
+FORMAT = "epicache-kv/2"
+READABLE_FORMATS = ("epicache-kv/1", FORMAT)
 
 
 class CacheCorruptError(RuntimeError):
@@ -33,16 +41,26 @@ def sha256(data: bytes) -> str:
 def serialize(cache: EpisodicCache, header: dict, dtype: torch.dtype = torch.float16) -> bytes:
     """Safetensors bytes of the cache's valid entries, stored as `dtype`."""
     tensors: dict[str, torch.Tensor] = {}
+    quant = None
     for i, layer in enumerate(cache.layers):
-        valid = layer.valid
-        tensors[f"layers.{i}.keys"] = layer.keys[0][valid].to(dtype).contiguous()
-        tensors[f"layers.{i}.values"] = layer.values[0][valid].to(dtype).contiguous()
-        tensors[f"layers.{i}.lengths"] = valid.sum(dim=1).to(torch.int32)
-        tensors[f"layers.{i}.positions"] = layer.positions[valid].to(torch.int64)
+        quantized = layer.quantized_mask()
+        original = layer.valid & ~quantized
+        tensors[f"layers.{i}.keys"] = layer.keys[0][original].to(dtype).contiguous()
+        tensors[f"layers.{i}.values"] = layer.values[0][original].to(dtype).contiguous()
+        tensors[f"layers.{i}.lengths"] = original.sum(dim=1).to(torch.int32)
+        tensors[f"layers.{i}.positions"] = layer.positions[original].to(torch.int64)
+        if layer.quantized is not None:
+            quant = str(layer.code_dtype).removeprefix("torch.")
+            tensors[f"layers.{i}.qkeys"] = layer.key_codes[quantized].view(layer.code_dtype)
+            tensors[f"layers.{i}.qvalues"] = layer.value_codes[quantized].view(layer.code_dtype)
+            tensors[f"layers.{i}.qkey_scales"] = layer.key_scales[quantized].contiguous()
+            tensors[f"layers.{i}.qvalue_scales"] = layer.value_scales[quantized].contiguous()
+            tensors[f"layers.{i}.qlengths"] = quantized.sum(dim=1).to(torch.int32)
+            tensors[f"layers.{i}.qpositions"] = layer.positions[quantized].to(torch.int64)
     first = cache.layers[0]
     header = dict(header, format=FORMAT, tokens_seen=cache.tokens_seen, num_layers=len(cache.layers),
                   kv_heads=int(first.valid.shape[0]), head_dim=int(first.keys.shape[-1]),
-                  dtype=str(dtype).removeprefix("torch."))
+                  dtype=str(dtype).removeprefix("torch."), quant=quant)
     return st_save({k: v.cpu() for k, v in tensors.items()}, metadata={"header": json.dumps(header)})
 
 
@@ -54,9 +72,9 @@ def read_header(data: bytes, name: str = "cache") -> dict:
         header = json.loads(meta["header"])
     except (struct.error, ValueError, KeyError, TypeError) as e:
         raise CacheCorruptError(f"cache object {name} is not a readable episodic cache ({e})") from None
-    if header.get("format") != FORMAT:
+    if header.get("format") not in READABLE_FORMATS:
         raise CacheCorruptError(f"cache object {name} has format {header.get('format')!r}, "
-                                f"expected {FORMAT!r}")
+                                f"expected one of {READABLE_FORMATS}")
     return header
 
 
@@ -86,19 +104,63 @@ def _rebuild(tensors: dict[str, torch.Tensor], header: dict, dtype: torch.dtype,
         lengths = tensors[f"layers.{i}.lengths"].long()
         keys, values = tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"]
         positions = tensors[f"layers.{i}.positions"]
-        total = int(lengths.sum().item())
-        if not keys.shape[0] == values.shape[0] == positions.shape[0] == total:
-            raise ValueError(f"layer {i}: {total} entries by lengths, {keys.shape[0]} keys, "
-                             f"{values.shape[0]} values, {positions.shape[0]} positions")
-        n_heads, slots = lengths.shape[0], int(lengths.max().item()) if lengths.numel() else 0
-        valid = torch.arange(slots)[None, :] < lengths[:, None]
-        layer.keys = keys.new_zeros(1, n_heads, slots, keys.shape[-1])
-        layer.values = values.new_zeros(1, n_heads, slots, values.shape[-1])
+        _check_counts(i, lengths, keys, values, positions)
+        n_heads = lengths.shape[0]
+        quantized = f"layers.{i}.qkeys" in tensors
+        if quantized:  # the Quantized tier: dequantized (kernels.quant dispatch) for the view
+            qlengths = tensors[f"layers.{i}.qlengths"].long()
+            qkeys, qvalues = tensors[f"layers.{i}.qkeys"], tensors[f"layers.{i}.qvalues"]
+            qkey_scales = tensors[f"layers.{i}.qkey_scales"].float()
+            qvalue_scales = tensors[f"layers.{i}.qvalue_scales"].float()
+            qpositions = tensors[f"layers.{i}.qpositions"]
+            _check_counts(i, qlengths, qkeys, qvalues, qpositions)
+            if qkey_scales.shape[0] != qkeys.shape[0] or qvalue_scales.shape[0] != qkeys.shape[0]:
+                raise ValueError(f"layer {i}: scales do not match the quantized entries")
+        else:
+            qlengths = torch.zeros_like(lengths)
+            qpositions = positions.new_zeros(0)
+        # Both tiers, merged per head in token order.
+        heads = torch.cat([torch.repeat_interleave(torch.arange(n_heads), lengths),
+                           torch.repeat_interleave(torch.arange(n_heads), qlengths)])
+        all_positions = torch.cat([positions, qpositions])
+        span = int(all_positions.max().item()) + 1 if all_positions.numel() else 1
+        order = torch.argsort(heads * span + all_positions)
+        counts = lengths + qlengths
+        slots = int(counts.max().item()) if counts.numel() else 0
+        valid = torch.arange(slots)[None, :] < counts[:, None]
+        is_quantized = torch.cat([torch.zeros(int(lengths.sum()), dtype=torch.bool),
+                                  torch.ones(int(qlengths.sum()), dtype=torch.bool)])[order]
         layer.positions = torch.zeros(n_heads, slots, dtype=torch.long)
-        layer.keys[0][valid], layer.values[0][valid] = keys, values
-        layer.positions[valid] = positions
-        layer.keys, layer.values = layer.keys.to(device, dtype), layer.values.to(device, dtype)
+        layer.positions[valid] = all_positions[order]
+        for name, original in (("keys", keys), ("values", values)):
+            rows = original.to(device, dtype)
+            if quantized:
+                codes = qkeys if name == "keys" else qvalues
+                scales = qkey_scales if name == "keys" else qvalue_scales
+                rows = torch.cat([rows, dequantize(codes.to(device), scales.to(device), dtype=dtype)])
+            padded = rows.new_zeros(1, n_heads, slots, rows.shape[-1])
+            padded[0][valid.to(device)] = rows[order.to(device)]
+            setattr(layer, name, padded)
+        if quantized:
+            mask = torch.zeros(n_heads, slots, dtype=torch.bool)
+            mask[valid] = is_quantized
+            layer.quantized = mask.to(device)
+            layer.code_dtype = qkeys.dtype
+            raw = torch.uint8 if qkeys.dtype == torch.float8_e4m3fn else torch.int8
+            for name, rows in (("key_codes", qkeys.view(raw)), ("value_codes", qvalues.view(raw)),
+                               ("key_scales", qkey_scales), ("value_scales", qvalue_scales)):
+                full = rows.new_zeros(n_heads, slots, *rows.shape[1:])
+                full[mask] = rows[order[is_quantized] - lengths.sum()]
+                setattr(layer, name, full.to(device))
         layer.valid, layer.positions = valid.to(device), layer.positions.to(device)
         layer.tokens_seen = int(header["tokens_seen"])
         layer.is_initialized = True
     return cache
+
+
+def _check_counts(i: int, lengths: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                  positions: torch.Tensor) -> None:
+    total = int(lengths.sum().item())
+    if not keys.shape[0] == values.shape[0] == positions.shape[0] == total:
+        raise ValueError(f"layer {i}: {total} entries by lengths, {keys.shape[0]} keys, "
+                         f"{values.shape[0]} values, {positions.shape[0]} positions")

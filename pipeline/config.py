@@ -10,10 +10,11 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 
-from pipeline.calibrate import CalibrationConfig
+from pipeline.calibrate import ALLOCATORS, CalibrationConfig
 from pipeline.cache_io import FORMAT
 from pipeline.episodes import EpisodeConfig
 from pipeline.models import DEFAULT_ENCODER, DEFAULT_LLM
+from pipeline.compress import MergeConfig, TriStateConfig
 from pipeline.prefill import PrefillConfig
 
 STORE_DTYPES = ("float16", "bfloat16", "float32")
@@ -26,6 +27,8 @@ class BuildConfig:
     scorer: str = "epicache"  # a name in pipeline.scorers.SCORERS
     budget: int | None = 1024  # mean entries per layer and KV head; None = full cache
     alpha: float = 1.0  # sharpness of the sensitivity-aware layer allocation; 0 = uniform
+    allocator: str = "sensitivity"  # layer budgets: "sensitivity" (EpiCache) or "variance" (D2O)
+    variance_temperature: float = 1.0  # D2O inverse-variance softmax temperature
     store_dtype: str = "float16"  # dtype of the stored keys and values
     max_context_tokens: int | None = None  # cut conversations at a session boundary to fit
     episodes: EpisodeConfig = field(default_factory=EpisodeConfig)
@@ -37,6 +40,8 @@ class BuildConfig:
             raise ValueError(f"budget must be positive, got {self.budget}")
         if self.alpha < 0:
             raise ValueError(f"alpha must be non-negative, got {self.alpha}")
+        if self.variance_temperature <= 0:
+            raise ValueError(f"variance_temperature must be positive, got {self.variance_temperature}")
         if self.store_dtype not in STORE_DTYPES:
             raise ValueError(f"store_dtype must be one of {STORE_DTYPES}, got {self.store_dtype!r}")
 
@@ -54,5 +59,17 @@ class BuildConfig:
     def from_json(cls, text: str) -> "BuildConfig":
         d = json.loads(text)
         d.pop("format", None)
-        return cls(episodes=EpisodeConfig(**d.pop("episodes")), prefill=PrefillConfig(**d.pop("prefill")),
+        prefill = d.pop("prefill")
+        prefill = PrefillConfig(tristate=TriStateConfig(**prefill.pop("tristate", {})),
+                                merge=MergeConfig(**prefill.pop("merge", {})), **prefill)
+        return cls(episodes=EpisodeConfig(**d.pop("episodes")), prefill=prefill,
                    calibration=CalibrationConfig(**d.pop("calibration")), **d)
+
+    def allocator_strategy(self):
+        """The layer-budget allocator this configuration names."""
+        cls = ALLOCATORS.get(self.allocator)
+        if cls is None:
+            raise ValueError(f"unknown allocator {self.allocator!r}; known: {', '.join(ALLOCATORS)}")
+        if cls.name == "variance":
+            return cls(temperature=self.variance_temperature)
+        return cls(alpha=self.alpha)

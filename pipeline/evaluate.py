@@ -5,6 +5,13 @@ one per episode for EpiCache, routed per question; one per question for the `que
 bound), then measures every question with `pipeline.metrics`. The two references, the full
 cache (`full`) and no history (`none`), are cells of their own, computed once per
 conversation; retention is derived from them when the records are gathered.
+
+A method may carry variants: `<method>+<variant>+...` (or `<method>-<variant>` for one), e.g.
+`epicache-tri`, `epicache+tri+dapq`. Variants: `tri` (ARKV tri-state; the cell's budget M
+reads as the bytes of M Original entries per layer and KV head), `fp8` (tri-state with fp8
+codes), `max` (tri-state ranked by the scorer's max attention instead of the heavy-hitter
+score), `dapq` (patch queries at the decode positions), `merge` (D2O merging of evicted
+entries), `d2o` (D2O variance-based layer budgets instead of the method's own).
 """
 
 from __future__ import annotations
@@ -23,11 +30,36 @@ from pipeline.episodes import EpisodeConfig, build_episodes, route
 from pipeline.metrics import (ADVERSARIAL_CATEGORY, continuation_nll, evidence_probe, f1_score,
                               question_text, retention)
 from pipeline.answer import generate_from_cache
-from pipeline.prefill import PrefillConfig, block_prefill
+from pipeline.compress import EntryBytes, MergeConfig, TriStateConfig
+from pipeline.prefill import PrefillConfig, block_prefill, entry_bytes
 from pipeline.scorers import FullScorer, build_scorer
 
 METHODS = ("full", "streamingllm", "snapkv", "infinipot", "kvzip", "keydiff", "epicache", "question")
 ALLOCATED = ("epicache", "question")  # methods that use the sensitivity-aware layer budgets
+VARIANTS = ("tri", "fp8", "max", "dapq", "merge", "d2o")
+ORIGINAL_ELEMENT_SIZE = 2  # Original entries counted as stored by default (float16)
+
+
+def parse_method(name: str) -> tuple[str, frozenset[str]]:
+    """(base method, variants) of `epicache+tri+dapq` or `epicache-tri`; ValueError if unknown."""
+    parts = name.split("+")
+    base, variants = parts[0], parts[1:]
+    if base not in METHODS and base not in ("none",) and "-" in base:
+        base, variant = base.rsplit("-", 1)
+        variants.insert(0, variant)
+    unknown = [v for v in variants if v not in VARIANTS]
+    if base not in METHODS + ("none",) or unknown or (variants and base == "full"):
+        raise ValueError(f"unknown method {name!r} (methods: {', '.join(METHODS)}; variants: "
+                         f"{', '.join(VARIANTS)})")
+    return base, frozenset(variants)
+
+
+def allocator_of(method: str) -> str | None:
+    """The layer-budget allocator a method uses (None: uniform budgets)."""
+    base, variants = parse_method(method)
+    if "d2o" in variants:
+        return "variance"
+    return "sensitivity" if base in ALLOCATED else None
 
 
 @dataclass(frozen=True)
@@ -44,13 +76,30 @@ class EvalConfig:
     max_new_tokens: int = 32
     recall_words: int = 4
     recall_tokens: int = 32
+    tristate: TriStateConfig = field(default_factory=lambda: TriStateConfig(enabled=True))
+    merge: MergeConfig = field(default_factory=lambda: MergeConfig(enabled=True))
+    variance_temperature: float = 1.0
+
+    def prefill_config(self, method: str) -> PrefillConfig:
+        """The block-prefill configuration of a method and its variants."""
+        _, v = parse_method(method)
+        tri = bool(v & {"tri", "fp8", "max"})
+        tristate = TriStateConfig(**(asdict(self.tristate) | {
+            "enabled": True, "fp8": self.tristate.fp8 or "fp8" in v,
+            "heavy_hitter": self.tristate.heavy_hitter and "max" not in v})) if tri else TriStateConfig()
+        return PrefillConfig(block=self.block, selection=self.selection,
+                             decode_positions="dapq" in v, tristate=tristate,
+                             merge=self.merge if "merge" in v else MergeConfig())
 
     def build_config(self, method: str, budget: int | None) -> BuildConfig:
         """The build configuration of a cell (it decides the layer budgets)."""
+        allocator = allocator_of(method)
         return BuildConfig(model=self.model, encoder=self.encoder, scorer="epicache",
-                           budget=budget, alpha=self.alpha if method in ALLOCATED else 0.0,
+                           budget=budget, alpha=self.alpha if allocator == "sensitivity" else 0.0,
+                           allocator=allocator or "sensitivity",
+                           variance_temperature=self.variance_temperature,
                            episodes=self.episodes, calibration=self.calibration,
-                           prefill=PrefillConfig(block=self.block, selection=self.selection))
+                           prefill=self.prefill_config(method))
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -110,37 +159,42 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
     conv = prep.conversation
     start = time.perf_counter()
     build_seconds = 0.0
+    base, _ = parse_method(method)
+    prefill = config.prefill_config(method)
+    sizes = entry_bytes(lm.model, ORIGINAL_ELEMENT_SIZE)
+    merged: dict[int, int] = {}
 
     def build(ids, patch: str | None) -> EpisodicCache:
         nonlocal build_seconds
-        if method in ("full", "none"):
+        if base in ("full", "none"):
             scorer, budgets = FullScorer(), None
         else:
-            scorer = build_scorer(method, lambda text: prompts.patch_ids(lm.tokenizer, text), patch)
+            scorer = build_scorer(base, lambda text: prompts.patch_ids(lm.tokenizer, text), patch)
             budgets = layer_budgets
-        cache, stats = block_prefill(lm.model, ids, scorer, budgets,
-                                     PrefillConfig(block=config.block, selection=config.selection))
+        cache, stats = block_prefill(lm.model, ids, scorer, budgets, prefill,
+                                     original_element_size=ORIGINAL_ELEMENT_SIZE)
         build_seconds += stats.seconds
+        merged[id(cache)] = stats.merged_entries
         return cache
 
     routes: list[tuple[int, float]] = [(0, float("nan"))] * len(prep.questions)
     ids = prompts.context_ids(lm.tokenizer, render_conversation(conv).text)
-    if method == "none":  # the same template opening and header, no turns
+    if base == "none":  # the same template opening and header, no turns
         caches = [build(prompts.context_ids(lm.tokenizer, render_header(conv)), None)]
-    elif method == "epicache":
+    elif base == "epicache":
         encoder = models.load_encoder(config.encoder)
         episodes = build_episodes(conv, encoder, config.episodes).episodes
         caches = [build(ids, ep.patch_text) for ep in episodes]
         embeddings = encoder.encode([q.question for q in prep.questions],
                                     normalize_embeddings=True, show_progress_bar=False)
         routes = [route(e, np.stack([ep.centroid for ep in episodes])) for e in embeddings]
-    elif method != "question":  # one cache per conversation
+    elif base != "question":  # one cache per conversation
         caches = [build(ids, None)]
     records = []
     for i, q in enumerate(prep.questions):
         episode, similarity = routes[i]
         # `question` is an upper bound: one build per question, with the question as the patch
-        cache = build(ids, question_text(q)) if method == "question" else caches[episode]
+        cache = build(ids, question_text(q)) if base == "question" else caches[episode]
         records.append({
             "conversation_id": conv.conversation_id, "method": method,
             "budget": budget if method not in ("full", "none") else None,
@@ -148,11 +202,24 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
             "category": q.category, "evidence": list(q.evidence), "episode": episode,
             "route_similarity": similarity,
             "kept_entries": float(np.mean(cache.entries_per_layer())),
+            **cache_footprint(cache, sizes, merged.get(id(cache), 0)),
             **measure(lm, conv, q, cache, config)})
     elapsed = time.perf_counter() - start
     for r in records:
         r["cell_seconds"], r["build_seconds"] = elapsed, build_seconds
     return records
+
+
+def cache_footprint(cache: EpisodicCache, sizes: EntryBytes, merged: int = 0) -> dict:
+    """Entries per state and bytes of a cache; `bytes_tokens` is its bytes in Original
+    entries per layer and KV head (comparable with the budget M of a tri-state cell)."""
+    original, quantized = cache.state_counts()
+    kv_bytes = original * sizes.original + quantized * sizes.quantized
+    first = cache.layers[0]
+    per_token = len(cache.layers) * (first.valid.shape[0] if first.valid is not None else 1) * sizes.original
+    return {"original_entries": original, "quantized_entries": quantized, "merged_entries": merged,
+            "kv_bytes": kv_bytes, "bytes_tokens": kv_bytes / per_token,
+            "quantized_share": quantized / max(original + quantized, 1)}
 
 
 def with_retention(records: list[dict]) -> list[dict]:
@@ -189,7 +256,11 @@ def summarise(records: list[dict]) -> list[dict]:
                "retention": _mean(r["retention"] for r in g),
                "evidence_nll": _mean(r["evidence_nll"] for r in g),
                "answer_nll": _mean(r["answer_nll"] for r in g),
-               "f1": _mean(r["f1"] for r in g), "kept_entries": _mean(r["kept_entries"] for r in g)}
+               "f1": _mean(r["f1"] for r in g), "kept_entries": _mean(r["kept_entries"] for r in g),
+               "kv_bytes": _mean(r.get("kv_bytes") for r in g),
+               "bytes_tokens": _mean(r.get("bytes_tokens") for r in g),
+               "quantized_share": _mean(r.get("quantized_share") for r in g),
+               "merged_entries": _mean(r.get("merged_entries") for r in g)}
         row["retention_of_means"] = (ref["none"] - row["evidence_nll"]) / gap if gap > 0 else float("nan")
         for cat in sorted({r["category"] for r in g if r["category"] is not None}):
             row[f"f1_cat{cat}"] = _mean(r["f1"] for r in g if r["category"] == cat)

@@ -43,9 +43,28 @@ MANIFEST_SCHEMA = pa.schema([
 ])
 
 
+# Columns added with tri-state compression and merging, after the columns above: written when
+# the rows carry them (every build since), so rows of older writers read back as written.
+STATE_SCHEMA = pa.schema([
+    # Entries (token x KV head x layer) per state, and their bytes (evicted: what they would
+    # take Original, i.e. the bytes saved); all Original/Evicted without tri-state compression.
+    ("original_entries", pa.int64()),
+    ("original_bytes", pa.int64()),
+    ("quantized_entries", pa.int64()),
+    ("quantized_bytes", pa.int64()),
+    ("evicted_entries", pa.int64()),
+    ("evicted_bytes", pa.int64()),
+    ("merged_entries", pa.int64()),  # evicted entries merged into kept ones (D2O)
+    ("layer_byte_budgets", pa.list_(pa.int64())),  # tri-state: bytes per layer (else null)
+    ("oq_ratios", pa.list_(pa.float32())),  # tri-state: ARKV OQ ratio per layer, last step
+])
+
+
 def write_manifest(store: Store, conversation_id: str, rows: list[dict]) -> None:
     rows = sorted(rows, key=lambda r: r["episode"])
-    table = pa.Table.from_pylist(rows, schema=MANIFEST_SCHEMA)
+    schema = pa.schema(list(MANIFEST_SCHEMA) + [f for f in STATE_SCHEMA
+                                                if any(f.name in r for r in rows)])
+    table = pa.Table.from_pylist(rows, schema=schema)
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink)
     store.put(manifest_key(conversation_id), sink.getvalue().to_pybytes())

@@ -33,6 +33,12 @@ class LayerState:
     positions: torch.Tensor  # [Hkv, slots] original token positions
     patch_scores: torch.Tensor | None  # [Hkv, slots]: max softmax attention from the patch
     block_start: int = 0  # position of the first token of the block just fed
+    # Moments of the patch attention over the patch queries and the query heads of each KV
+    # group (ARKV statistics; None without a patch): sum and sum of squares [Hkv, slots], and
+    # how many (query head, patch query) rows they sum.
+    patch_sum: torch.Tensor | None = None
+    patch_sumsq: torch.Tensor | None = None
+    patch_count: int = 0
 
 
 class Scorer(ABC):

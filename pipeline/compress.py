@@ -1,0 +1,315 @@
+"""What an eviction step does to a layer: the strategies behind the block-prefill loop.
+
+`prefill.block_prefill` runs one `Eviction` after every block and knows no strategy by name:
+
+- `TokenEviction` (the default): cut each layer to its budget of entries per KV head
+  (head-wise or per-head top-k of the scorer's scores), as EpiCache does.
+- `TriStateEviction` (ARKV, ``TriStateConfig.enabled``): the layer's budget is in bytes and
+  every cached entry becomes Original (stored at the store dtype), Quantized (int8 or fp8 e4m3
+  codes with a per-token, per-head float32 scale) or Evicted. The share of a layer's bytes
+  spent on Original entries is the layer's OQ ratio (ARKV eq. 6-8) from the entropy, variance
+  and kurtosis of the patch attention; entries rank by the heavy-hitter score
+  mean + gamma x variance over the patch queries and the query heads of the KV group (eq. 9);
+  the most recent `window` tokens are always Original (eq. 10).
+
+Either may merge what it evicts (D2O §4.2.2, ``MergeConfig.enabled``): each evicted key goes
+to its most similar kept key (cosine); if that similarity reaches the layer's EMA threshold it
+is folded into that entry by similarity-weighted averaging (keys and values), else dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from pipeline.scorers import LayerState, Scorer
+
+# Bytes of one quantized (token, KV head) entry beyond its codes: a float32 scale for the key
+# row and one for the value row.
+SCALE_BYTES = 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration (nested in PrefillConfig, so it enters the build configuration hash)
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TriStateConfig:
+    """ARKV tri-state compression (paper §IV-C..F; defaults from §V-E)."""
+    enabled: bool = False
+    fp8: bool = False  # quantized tier: fp8 e4m3 instead of int8 (same bytes, per-row scale)
+    window: int = 32  # W: the most recent tokens, always Original (§V-E)
+    gamma: float = 263.81  # heavy-hitter score mean + gamma * variance (eq. 9, §V-E)
+    tau_entropy: float = 7.774  # OQ score temperatures (eq. 6, §V-E)
+    tau_variance: float = 5.407
+    tau_kurtosis: float = 5.528
+    original_scale: float = 1.0  # rho_l = min(1, original_scale * q_l / max q) (eq. 7 at 1.0)
+    slack: float = 0.75  # between blocks a layer may hold budget / slack bytes before it is cut
+    heavy_hitter: bool = True  # rank by the heavy-hitter score; False: by the scorer's scores
+
+    def __post_init__(self):
+        if self.window < 0:
+            raise ValueError(f"tri-state window must be non-negative, got {self.window}")
+        if min(self.tau_entropy, self.tau_variance, self.tau_kurtosis) <= 0:
+            raise ValueError("OQ temperatures must be positive")
+        if self.original_scale < 0 or self.gamma < 0:
+            raise ValueError("original_scale and gamma must be non-negative")
+        if self.slack <= 0:
+            raise ValueError(f"slack must be positive, got {self.slack}")
+
+
+@dataclass(frozen=True)
+class MergeConfig:
+    """D2O dynamic token merging (paper §4.2.2; beta = 0.7 from §5.1 / A.3)."""
+    enabled: bool = False
+    beta: float = 0.7  # EMA weight of the current step's mean best similarity (eq. 10)
+    min_threshold: float = -1.0  # the threshold used is max(EMA, min_threshold)
+
+    def __post_init__(self):
+        if self.beta <= 0:
+            raise ValueError(f"merge beta must be positive, got {self.beta}")
+
+
+# ---------------------------------------------------------------------------------------------
+# ARKV statistics
+# ---------------------------------------------------------------------------------------------
+
+def heavy_hitter_scores(patch_sum: torch.Tensor, patch_sumsq: torch.Tensor, count: int,
+                        gamma: float) -> torch.Tensor:
+    """ARKV eq. 9 per KV head: mean + gamma * (population) variance of the attention an entry
+    receives, over the patch queries and the query heads of the KV group (`count` of them)."""
+    mean = patch_sum / count
+    var = (patch_sumsq / count - mean * mean).clamp_min(0.0)
+    return mean + gamma * var
+
+
+def oq_score(attention: torch.Tensor, config: TriStateConfig) -> float:
+    """ARKV eq. 3-6: q = H^(1/tau1) V^(1/tau2) K^(1/tau3) of p = attention / sum(attention),
+    over the entries given (1-D: the summed attention each evictable entry receives)."""
+    a = attention.double().flatten()
+    total = a.sum()
+    if a.numel() < 2 or total <= 0:
+        return 0.0
+    p = a / total
+    entropy = -(p[p > 0] * p[p > 0].log()).sum()
+    centred = p - p.mean()
+    variance = (centred ** 2).mean()
+    if variance <= 0:
+        return 0.0
+    kurtosis = (centred ** 4).mean() / variance ** 2
+    q = (entropy.clamp_min(0) ** (1 / config.tau_entropy) * variance ** (1 / config.tau_variance)
+         * kurtosis ** (1 / config.tau_kurtosis))
+    return float(q)
+
+
+def oq_ratios(scores: list[float], original_scale: float = 1.0) -> list[float]:
+    """ARKV eq. 7: rho_l = q_l / max_k q_k (times `original_scale`, capped at 1); all 1 when
+    no layer has a score."""
+    top = max(scores, default=0.0)
+    if top <= 0:
+        return [min(1.0, original_scale)] * len(scores)
+    return [min(1.0, original_scale * s / top) for s in scores]
+
+
+def protected_window(layer, window: int) -> torch.Tensor:
+    """[Hkv, slots] bool: valid entries among the `window` most recent tokens."""
+    return layer.valid & (layer.positions >= layer.tokens_seen - window)
+
+
+# ---------------------------------------------------------------------------------------------
+# Byte accounting
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class EntryBytes:
+    """Bytes of one (token, KV head) entry in each kept state."""
+    original: int  # (d_k + d_v) x element size of the stored dtype
+    quantized: int  # (d_k + d_v) x 1 byte of codes + 2 float32 scales
+
+    @classmethod
+    def for_dims(cls, key_dim: int, value_dim: int, original_element_size: int) -> "EntryBytes":
+        return cls((key_dim + value_dim) * original_element_size, key_dim + value_dim + 2 * SCALE_BYTES)
+
+
+def layer_bytes(layer, sizes: EntryBytes) -> int:
+    original, quantized = layer.state_counts()
+    return original * sizes.original + quantized * sizes.quantized
+
+
+# ---------------------------------------------------------------------------------------------
+# D2O merging
+# ---------------------------------------------------------------------------------------------
+
+class Merger:
+    """D2O token merging with a per-layer EMA similarity threshold."""
+
+    def __init__(self, config: MergeConfig):
+        self.config = config
+        self.threshold: dict[int, float] = {}
+        self.merged = 0  # entries folded into kept ones so far
+
+    def merge(self, idx: int, layer, keep: torch.Tensor, targets: torch.Tensor) -> None:
+        """Fold the entries evicted by `keep` into their most similar entries among `targets`
+        (a subset of `keep`), in place. The kept set itself does not change."""
+        evicted = layer.valid & ~keep
+        targets = targets & keep
+        if not evicted.any() or not targets.any():
+            return
+        keys, values = layer.keys[0], layer.values[0]  # [Hkv, S, d]
+        unit = torch.nn.functional.normalize(keys.float(), dim=-1)
+        sim = unit @ unit.transpose(1, 2)  # [Hkv, S(evicted rows), S(target columns)]
+        sim.masked_fill_(~targets[:, None, :], float("-inf"))
+        best, nearest = sim.max(dim=-1)  # [Hkv, S]
+        candidates = evicted & torch.isfinite(best)
+        if not candidates.any():
+            return
+        current = float(best[candidates].mean())
+        previous = self.threshold.get(idx)
+        ema = current if previous is None else \
+            self.config.beta * current + (1 - self.config.beta) * previous
+        self.threshold[idx] = ema
+        merge = candidates & (best >= max(ema, self.config.min_threshold))
+        if not merge.any():
+            return
+        # Similarity-weighted average (GAT-style weights, D2O eq. 11-12): the kept entry weighs
+        # exp(1) (its self-similarity), each evicted entry merged into it exp(similarity).
+        weight = torch.where(merge, best.exp(), torch.zeros_like(best))  # [Hkv, S]
+        index = torch.where(merge, nearest, torch.zeros_like(nearest))
+        den = torch.zeros_like(weight).scatter_add_(1, index, weight) + math.e
+        hits = torch.zeros_like(index).scatter_add_(1, index, merge.long())
+        touched = (hits > 0) & targets
+        for tensor in (keys, values):
+            num = (tensor.float() * math.e).scatter_add_(
+                1, index[..., None].expand(-1, -1, tensor.shape[-1]), tensor.float() * weight[..., None])
+            tensor[touched] = (num / den[..., None])[touched].to(tensor.dtype)
+        self.merged += int(merge.sum().item())
+
+
+# ---------------------------------------------------------------------------------------------
+# Eviction steps
+# ---------------------------------------------------------------------------------------------
+
+class Eviction:
+    """One eviction step over every layer, after a block went through."""
+
+    def step(self, layers: list, states: list[LayerState], scorer: Scorer, final: bool) -> None:
+        raise NotImplementedError
+
+
+class TokenEviction(Eviction):
+    """Cut each layer back to `budgets[layer]` entries per KV head (EpiCache)."""
+
+    def __init__(self, budgets: list[int], selection: str, select: Callable, merger: Merger | None):
+        self.budgets, self.selection, self.select, self.merger = budgets, selection, select, merger
+
+    def over_budget(self, layer, budget: int) -> bool:
+        counts = layer.valid.sum(dim=1)
+        if self.selection == "headwise":
+            return int(counts.sum().item()) > budget * counts.numel()
+        return int(counts.max().item()) > budget
+
+    def step(self, layers, states, scorer, final):
+        for idx, layer in enumerate(layers):
+            if self.over_budget(layer, self.budgets[idx]):
+                keep = self.select(scorer.score(states[idx]), layer.valid, self.budgets[idx],
+                                   self.selection)
+                if self.merger is not None:
+                    self.merger.merge(idx, layer, keep, keep)
+                layer.keep(keep)
+
+
+@dataclass
+class TriStatePlan:
+    keep: torch.Tensor  # [Hkv, S] bool: Original or Quantized after the step
+    quantize: torch.Tensor  # [Hkv, S] bool: Quantized after the step (a subset of keep)
+
+
+def plan_tristate(scores: torch.Tensor, valid: torch.Tensor, quantized: torch.Tensor,
+                  window: torch.Tensor, budget_bytes: int, rho: float, sizes: EntryBytes,
+                  selection: str) -> TriStatePlan:
+    """ARKV eq. 10 under a byte budget. The window entries are Original; of the bytes left,
+    a share `rho` buys Original entries: the top n_o = floor(rho R / C_o) entries by score
+    (an entry already quantized stays Quantized, at C_q: it is never re-quantized and cannot be
+    restored); what remains buys Quantized entries, next in score order; the rest is evicted.
+    Head-wise: one ranking over the layer's heads; per-head: each head has budget / Hkv."""
+    n_heads = valid.shape[0]
+    window = window & valid
+    eligible = valid & ~window
+    if selection == "headwise":
+        rows = lambda t: t.reshape(1, -1)  # noqa: E731
+        budgets = torch.tensor([budget_bytes], dtype=torch.float64)
+    else:
+        rows = lambda t: t  # noqa: E731
+        budgets = torch.full((n_heads,), budget_bytes / n_heads, dtype=torch.float64)
+    r_eligible, r_quantized = rows(eligible), rows(quantized & eligible)
+    remaining = budgets - rows(window).sum(dim=1).double() * sizes.original
+    order = torch.argsort(rows(scores.float()).masked_fill(~r_eligible, float("-inf")), dim=1,
+                          descending=True, stable=True)
+    sorted_eligible = r_eligible.gather(1, order)
+    sorted_quantized = r_quantized.gather(1, order)
+    rank = torch.arange(order.shape[1])[None, :]
+    n_original = torch.floor(rho * remaining.clamp_min(0) / sizes.original).long()[:, None]
+    top = sorted_eligible & (rank < n_original)
+    top_cost = torch.where(sorted_quantized, sizes.quantized, sizes.original) * top
+    left = remaining - top_cost.sum(dim=1).double()
+    n_quantized = torch.floor(left.clamp_min(0) / sizes.quantized).long()[:, None]
+    later = sorted_eligible & ~top
+    next_q = later & (torch.cumsum(later.long(), dim=1) <= n_quantized)
+    keep_sorted = top | next_q
+    quant_sorted = (top & sorted_quantized) | next_q
+    keep = torch.zeros_like(r_eligible).scatter_(1, order, keep_sorted)
+    quant = torch.zeros_like(r_eligible).scatter_(1, order, quant_sorted)
+    keep = keep.reshape(valid.shape) | window
+    return TriStatePlan(keep=keep, quantize=quant.reshape(valid.shape))
+
+
+class TriStateEviction(Eviction):
+    """ARKV's tri-state cache tailor, once per block, under per-layer byte budgets."""
+
+    def __init__(self, byte_budgets: list[int], selection: str, config: TriStateConfig,
+                 sizes: EntryBytes, merger: Merger | None):
+        self.byte_budgets, self.selection, self.config = byte_budgets, selection, config
+        self.sizes, self.merger = sizes, merger
+        self.steps = 0  # eviction steps that ran (per layer, summed)
+        self.last_ratios: list[float] = []
+
+    def window_tokens(self, layer, budget_bytes: int) -> int:
+        """The protected window, shrunk if the layer's budget cannot hold it Original."""
+        per_head = budget_bytes // (layer.valid.shape[0] * self.sizes.original)
+        return min(self.config.window, per_head)
+
+    def layer_oq_score(self, layer, state: LayerState, budget_bytes: int) -> float:
+        if state.patch_sum is None:
+            return 0.0
+        evictable = layer.valid & ~protected_window(layer, self.window_tokens(layer, budget_bytes))
+        return oq_score(state.patch_sum[evictable], self.config)
+
+    def step(self, layers, states, scorer, final):
+        q = [self.layer_oq_score(layer, state, self.byte_budgets[idx])
+             for idx, (layer, state) in enumerate(zip(layers, states))]
+        if all(s.patch_sum is None for s in states):  # no patch attention: rho = original_scale
+            self.last_ratios = oq_ratios([0.0] * len(layers), self.config.original_scale)
+        else:
+            self.last_ratios = oq_ratios(q, self.config.original_scale)
+        for idx, layer in enumerate(layers):
+            budget = self.byte_budgets[idx]
+            limit = budget if final else budget / self.config.slack
+            if layer_bytes(layer, self.sizes) <= limit:
+                continue
+            state = states[idx]
+            if self.config.heavy_hitter and state.patch_sum is not None:
+                scores = heavy_hitter_scores(state.patch_sum, state.patch_sumsq, state.patch_count,
+                                             self.config.gamma)
+            else:
+                scores = scorer.score(state)
+            window = protected_window(layer, self.window_tokens(layer, budget))
+            plan = plan_tristate(scores, layer.valid, layer.quantized_mask(), window, budget,
+                                 self.last_ratios[idx], self.sizes, self.selection)
+            if self.merger is not None:  # never into an entry already quantized
+                self.merger.merge(idx, layer, plan.keep, plan.keep & ~layer.quantized_mask())
+            layer.quantize(plan.quantize, fp8=self.config.fp8)
+            layer.keep(plan.keep)
+            self.steps += 1
