@@ -10,8 +10,10 @@ A method may carry variants: `<method>+<variant>+...` (or `<method>-<variant>` f
 `epicache-tri`, `epicache+tri+dapq`. Variants: `tri` (ARKV tri-state; the cell's budget M
 reads as the bytes of M Original entries per layer and KV head), `fp8` (tri-state with fp8
 codes), `max` (tri-state ranked by the scorer's max attention instead of the heavy-hitter
-score), `dapq` (patch queries at the decode positions), `merge` (D2O merging of evicted
-entries), `d2o` (D2O variance-based layer budgets instead of the method's own).
+score), `oq<P>` (tri-state with the OQ ratio scaled by P/100, e.g. `oq25`: a quarter of the
+paper's share of bytes for Original entries), `dapq` (patch queries at the decode positions),
+`merge` (D2O merging of evicted entries), `d2o` (D2O variance-based layer budgets instead of
+the method's own).
 """
 
 from __future__ import annotations
@@ -47,11 +49,17 @@ def parse_method(name: str) -> tuple[str, frozenset[str]]:
     if base not in METHODS and base not in ("none",) and "-" in base:
         base, variant = base.rsplit("-", 1)
         variants.insert(0, variant)
-    unknown = [v for v in variants if v not in VARIANTS]
+    unknown = [v for v in variants if v not in VARIANTS and _oq_scale(v) is None]
     if base not in METHODS + ("none",) or unknown or (variants and base == "full"):
         raise ValueError(f"unknown method {name!r} (methods: {', '.join(METHODS)}; variants: "
                          f"{', '.join(VARIANTS)})")
     return base, frozenset(variants)
+
+
+def _oq_scale(variant: str) -> float | None:
+    """`oq25` -> 0.25 (the OQ-ratio scale variant), else None."""
+    digits = variant.removeprefix("oq")
+    return int(digits) / 100 if variant.startswith("oq") and digits.isdigit() else None
 
 
 def allocator_of(method: str) -> str | None:
@@ -83,9 +91,11 @@ class EvalConfig:
     def prefill_config(self, method: str) -> PrefillConfig:
         """The block-prefill configuration of a method and its variants."""
         _, v = parse_method(method)
-        tri = bool(v & {"tri", "fp8", "max"})
+        scales = [_oq_scale(x) for x in v if _oq_scale(x) is not None]
+        tri = bool(v & {"tri", "fp8", "max"}) or bool(scales)
         tristate = TriStateConfig(**(asdict(self.tristate) | {
             "enabled": True, "fp8": self.tristate.fp8 or "fp8" in v,
+            "original_scale": scales[0] if scales else self.tristate.original_scale,
             "heavy_hitter": self.tristate.heavy_hitter and "max" not in v})) if tri else TriStateConfig()
         return PrefillConfig(block=self.block, selection=self.selection,
                              decode_positions="dapq" in v, tristate=tristate,

@@ -200,7 +200,9 @@ def test_variants_are_configuration_knobs():
     assert config.build_config("epicache-d2o", 64).allocator == "variance"
     assert evaluate.allocator_of("keydiff") is None and evaluate.allocator_of("keydiff-d2o") == "variance"
     assert evaluate.parse_method("epicache+tri+dapq") == ("epicache", frozenset({"tri", "dapq"}))
-    for bad in ("epicache-x", "full-tri", "nope"):
+    assert config.build_config("epicache+tri+oq25", 64).prefill.tristate.original_scale == 0.25
+    assert config.build_config("epicache-tri", 64).prefill.tristate.original_scale == 1.0
+    for bad in ("epicache-x", "full-tri", "nope", "epicache+oqx"):
         with pytest.raises(ValueError):
             evaluate.parse_method(bad)
     # old defaults: the plain configuration is what it was (only the hash's format field moved)
