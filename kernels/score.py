@@ -9,6 +9,8 @@ kernel (`kernels.score_triton`, imported only when needed) on CUDA, the torch re
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 
 
@@ -23,16 +25,14 @@ def cached_key_mask(cached_valid: torch.Tensor | None, lengths: torch.Tensor | N
     return within if cached_valid is None else within & cached_valid
 
 
-def patch_attention_scores_reference(patch_queries: torch.Tensor, cached_keys: torch.Tensor,
-                                     patch_keys: torch.Tensor, cached_valid: torch.Tensor | None,
-                                     scale: float, query_chunk: int = 256,
-                                     lengths: torch.Tensor | None = None) -> torch.Tensor:
-    """Torch implementation. Shapes: patch_queries [Hq, P, d] (after RoPE), cached_keys
-    [Hkv, N, d], patch_keys [Hkv, P, d], cached_valid [Hkv, N] bool (None = all valid), lengths
-    [Hkv] (optional: only the first lengths[h] slots of head h are valid). Returns [Hkv, N]
-    float32. The rows (query head, patch query) are processed `query_chunk` at a time and each
-    chunk's mask is built for that chunk only, so the temporaries are O(Hkv x chunk x (N + P)),
-    never O(Hq x P x N)."""
+def patch_probability_chunks(patch_queries: torch.Tensor, cached_keys: torch.Tensor,
+                             patch_keys: torch.Tensor, cached_valid: torch.Tensor | None,
+                             scale: float, query_chunk: int = 256,
+                             lengths: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
+    """The softmax probabilities the cached keys receive, [Hkv, rows, N] float32 per chunk of
+    rows (query head of the KV group, patch query), `query_chunk` rows at a time. Each chunk's
+    mask is built for that chunk only, so the temporaries are O(Hkv x chunk x (N + P)), never
+    O(Hq x P x N). Shapes as in `patch_attention_scores_reference`."""
     n_q_heads, n_patch, dim = patch_queries.shape
     n_kv_heads, n_cached, _ = cached_keys.shape
     group = n_q_heads // n_kv_heads
@@ -45,7 +45,6 @@ def patch_attention_scores_reference(patch_queries: torch.Tensor, cached_keys: t
     if valid is not None:
         cached_bias.masked_fill_(~valid[:, None, :], float("-inf"))
     causal_bias = torch.full((n_patch, n_patch), float("-inf"), device=device).triu_(1)
-    scores = torch.zeros(n_kv_heads, n_cached, dtype=torch.float32, device=device)
     n_rows = group * n_patch
     for start in range(0, n_rows, query_chunk):
         stop = min(start + query_chunk, n_rows)
@@ -53,7 +52,21 @@ def patch_attention_scores_reference(patch_queries: torch.Tensor, cached_keys: t
         logits = torch.cat([cached_bias.expand(-1, stop - start, -1),
                             causal_bias[patch_pos].expand(n_kv_heads, -1, -1)], dim=2)
         logits.baddbmm_(q[:, start:stop], keys_t, alpha=scale)  # in place: one chunk buffer
-        probs = torch.softmax(logits, dim=-1)[:, :, :n_cached]
+        yield torch.softmax(logits, dim=-1)[:, :, :n_cached]
+
+
+def patch_attention_scores_reference(patch_queries: torch.Tensor, cached_keys: torch.Tensor,
+                                     patch_keys: torch.Tensor, cached_valid: torch.Tensor | None,
+                                     scale: float, query_chunk: int = 256,
+                                     lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch implementation. Shapes: patch_queries [Hq, P, d] (after RoPE), cached_keys
+    [Hkv, N, d], patch_keys [Hkv, P, d], cached_valid [Hkv, N] bool (None = all valid), lengths
+    [Hkv] (optional: only the first lengths[h] slots of head h are valid). Returns [Hkv, N]
+    float32, computed chunk by chunk (`patch_probability_chunks`)."""
+    n_kv_heads, n_cached, _ = cached_keys.shape
+    scores = torch.zeros(n_kv_heads, n_cached, dtype=torch.float32, device=cached_keys.device)
+    for probs in patch_probability_chunks(patch_queries, cached_keys, patch_keys, cached_valid,
+                                          scale, query_chunk, lengths):
         torch.maximum(scores, probs.amax(dim=1), out=scores)
     return scores
 

@@ -21,7 +21,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from kernels.score import patch_attention_scores
+from kernels.score import patch_attention_scores, patch_probability_chunks
 
 EPISODIC_ATTENTION = "episodic"
 
@@ -50,30 +50,16 @@ def patch_attention_moments(patch_queries: torch.Tensor, cached_keys: torch.Tens
     """Sum and sum of squares, over the patch queries and the query heads of each KV group,
     of the softmax probability every cached key receives (same softmax as
     `kernels.score.patch_attention_scores`: valid cached keys + the patch's own keys, causal).
-    Shapes as there; returns ([Hkv, N], [Hkv, N], group x P). Chunked over the rows, so the
-    temporaries are O(Hkv x chunk x (N + P)). A torch implementation on every device."""
-    n_q_heads, n_patch, dim = patch_queries.shape
+    Shapes as there; returns ([Hkv, N], [Hkv, N], group x P). The same chunked probabilities
+    as the scoring reference (`patch_probability_chunks`); torch on every device."""
     n_kv_heads, n_cached, _ = cached_keys.shape
-    group = n_q_heads // n_kv_heads
-    device = patch_queries.device
-    q = patch_queries.float().reshape(n_kv_heads, group * n_patch, dim)
-    keys_t = torch.cat([cached_keys, patch_keys], dim=1).float().transpose(1, 2)
-    cached_bias = torch.zeros(n_kv_heads, 1, n_cached, dtype=torch.float32, device=device)
-    if cached_valid is not None:
-        cached_bias.masked_fill_(~cached_valid[:, None, :], float("-inf"))
-    causal_bias = torch.full((n_patch, n_patch), float("-inf"), device=device).triu_(1)
-    total = torch.zeros(n_kv_heads, n_cached, dtype=torch.float32, device=device)
+    total = torch.zeros(n_kv_heads, n_cached, dtype=torch.float32, device=cached_keys.device)
     total_sq = torch.zeros_like(total)
-    n_rows = group * n_patch
-    for start in range(0, n_rows, query_chunk):
-        stop = min(start + query_chunk, n_rows)
-        patch_pos = torch.arange(start, stop, device=device) % n_patch
-        logits = torch.cat([cached_bias.expand(-1, stop - start, -1),
-                            causal_bias[patch_pos].expand(n_kv_heads, -1, -1)], dim=2)
-        logits.baddbmm_(q[:, start:stop], keys_t, alpha=scale)
-        probs = torch.softmax(logits, dim=-1)[:, :, :n_cached]
+    for probs in patch_probability_chunks(patch_queries, cached_keys, patch_keys, cached_valid,
+                                          scale, query_chunk):
         total += probs.sum(dim=1)
         total_sq += (probs * probs).sum(dim=1)
+    n_rows = patch_queries.shape[0] // n_kv_heads * patch_queries.shape[1]
     return total, total_sq, n_rows
 
 
