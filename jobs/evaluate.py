@@ -7,6 +7,9 @@
 One Ray task per (conversation, method, budget) cell, plus the two references per
 conversation (full cache, no history), so the same command scales from this machine to a
 cluster. Writes results.parquet (per question), summary.json, table.md and retention.png.
+Each finished cell's records are kept under `--out` (cells/...), keyed by the conversation's
+content and the evaluation configuration, so a re-run after an interruption (or with more
+methods or budgets) computes only the cells it does not have.
 
 Methods take variants (see `pipeline.evaluate`): `epicache-tri` (ARKV tri-state, budget M =
 the bytes of M float16 tokens per layer and KV head), `epicache-dapq`, `epicache-merge`,
@@ -16,6 +19,8 @@ the bytes of M float16 tokens per layer and KV head), `epicache-dapq`, `epicache
 from __future__ import annotations
 
 import argparse
+import hashlib
+import io
 import json
 import logging
 import math
@@ -33,9 +38,9 @@ from jobs.build import _WORKER_ENV
 from pipeline import builder, evaluate, models
 from pipeline.calibrate import CalibrationConfig
 from pipeline.compress import MergeConfig, TriStateConfig
-from pipeline.corpus import CorpusError, iter_corpus
+from pipeline.corpus import Conversation, CorpusError, iter_corpus
 from pipeline.episodes import EpisodeConfig
-from pipeline.store import open_store
+from pipeline.store import LocalStore, open_store
 
 
 @ray.remote
@@ -54,6 +59,21 @@ def profile_task(store_uri: str, config: evaluate.EvalConfig, method: str = "epi
 def cell_task(prep: evaluate.Prepared, method: str, budget: int | None,
               config: evaluate.EvalConfig, layer_budgets: list[int] | None) -> list[dict]:
     return evaluate.evaluate_cell(prep, method, budget, config, layer_budgets)
+
+
+def cell_key(conv: Conversation, config: evaluate.EvalConfig, method: str,
+              budget: int | None) -> str:
+    """Where a finished cell's records are kept under --out: changing the conversation or any
+    knob of the configuration gives a new key, so a kept cell is never reused by mistake."""
+    digest = hashlib.sha256(json.dumps([config.as_dict(), conv.to_record()], sort_keys=True,
+                                       default=str).encode()).hexdigest()[:16]
+    return f"cells/{conv.conversation_id}/{digest}/{method.replace('+', '_')}.{budget or 'ref'}.parquet"
+
+
+def _records_bytes(records: list[dict]) -> bytes:
+    sink = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(records), sink)
+    return sink.getvalue()
 
 
 def _fmt(x, pct: bool = False) -> str:
@@ -182,25 +202,35 @@ def main(argv: list[str] | None = None) -> int:
             profiles[kind] = ray.get(profile_task.remote(str(out / "profiles"), config, m))
     layer_budgets = {(m, b): config.build_config(m, b).allocator_strategy().allocate(
         profiles[evaluate.allocator_of(m)], b) for m in allocated for b in budgets}
-    pending, prep_refs = {}, []
+    kept = LocalStore(out)  # finished cells (atomic writes: a cell is whole or absent)
+    pending, prep_refs, records, reused = {}, [], [], 0
     for conv in convs:
         prep = prepare_task.remote(conv, config)
         prep_refs.append(prep)
         cells = [("none", None), ("full", None)] + [(m, b) for m in methods if m != "full"
                                                     for b in budgets]
         for method, budget in cells:  # uniform layer budgets unless the method allocates
+            key = cell_key(conv, config, method, budget)
+            if kept.exists(key):
+                records.extend(pq.read_table(io.BytesIO(kept.get(key))).to_pylist())
+                reused += 1
+                continue
             ref = cell_task.remote(prep, method, budget, config, layer_budgets.get((method, budget)))
-            pending[ref] = (conv.conversation_id, method, budget)
-    records = []
+            pending[ref] = (conv.conversation_id, method, budget, key)
+    if reused:
+        print(f"reusing {reused} finished cells from {out}/cells", file=sys.stderr)
     with tqdm(total=len(pending), unit="cell", desc="evaluate") as bar:
         while pending:
             [ref], _ = ray.wait(list(pending), num_returns=1)
-            cid, method, budget = pending.pop(ref)
+            cid, method, budget, key = pending.pop(ref)
             try:
-                records.extend(ray.get(ref))
+                cell_records = ray.get(ref)
             except Exception as e:
                 print(f"cell {cid}/{method}/{budget} failed: {str(e).splitlines()[-1]}",
                       file=sys.stderr)
+            else:
+                kept.put(key, _records_bytes(cell_records))
+                records.extend(cell_records)
             bar.update(1)
     records = evaluate.with_retention(records)
     rows = evaluate.summarise(records)
@@ -211,8 +241,8 @@ def main(argv: list[str] | None = None) -> int:
                                   "questions_dropped_by_cut": p.dropped_by_cut} for p in preps],
                "context": ("cut at a session boundary to fit" if a.max_context_tokens else
                            "whole conversations"), "seconds": time.perf_counter() - start,
-               "rows": rows}
-    pq.write_table(pa.Table.from_pylist(records), out / "results.parquet")
+               "cells_reused": reused, "rows": rows}
+    (out / "results.parquet").write_bytes(_records_bytes(records))
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     (out / "table.md").write_text(markdown_table(rows))
     plot_retention(rows, out / "retention.png")

@@ -135,6 +135,36 @@ def test_harness_end_to_end_on_a_tiny_model(tmp_path, tiny_llm_dir, ray_local):
     assert all(r["kept_entries"] == r["budget"] for r in records if r["budget"])
 
 
+def test_a_rerun_computes_only_the_cells_it_does_not_have(tmp_path, tiny_llm_dir, ray_local):
+    corpus = tmp_path / "corpus.jsonl"
+    write_jsonl(make_corpus(1, 400, seed=13), corpus)
+    out = tmp_path / "out"
+    assert _run_evaluate(corpus, out, tiny_llm_dir, "streamingllm,keydiff", "32") == 0
+    first = pq.read_table(out / "results.parquet").to_pylist()
+    kept = sorted(out.glob("cells/*/*/*.parquet"))
+    assert [p.name for p in kept] == ["full.ref.parquet", "keydiff.32.parquet",
+                                      "none.ref.parquet", "streamingllm.32.parquet"]
+    mtimes = {p: p.stat().st_mtime_ns for p in kept}
+    [keydiff] = [p for p in kept if p.name.startswith("keydiff")]
+    keydiff.unlink()  # as if the run had stopped before this cell finished
+    assert _run_evaluate(corpus, out, tiny_llm_dir, "streamingllm,keydiff,epicache", "32") == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["cells_reused"] == 3
+    assert all(p.stat().st_mtime_ns == t for p, t in mtimes.items() if p != keydiff)
+    assert keydiff.exists() and (keydiff.parent / "epicache.32.parquet").exists()
+    second = pq.read_table(out / "results.parquet").to_pylist()
+    key = lambda r: (r["method"], r["question_index"])  # noqa: E731
+    again = {key(r): r for r in second}
+    for r in first:  # the recomputed cell is deterministic, the reused ones are read back
+        assert again[key(r)]["evidence_nll"] == pytest.approx(r["evidence_nll"])
+        assert again[key(r)]["retention"] == pytest.approx(r["retention"], nan_ok=True)
+    # another configuration never reuses them
+    assert evaluate_job.main(["--corpus", str(corpus), "--out", str(out), "--model", tiny_llm_dir,
+                              "--methods", "keydiff", "--budgets", "32", "--block", "32",
+                              "--questions-per-conversation", "2", "--max-new-tokens", "4"]) == 0
+    assert json.loads((out / "summary.json").read_text())["cells_reused"] == 0
+
+
 @pytest.mark.e2e
 def test_harness_end_to_end_with_smollm2(tmp_path, ray_local):
     corpus = tmp_path / "corpus.jsonl"
