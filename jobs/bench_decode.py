@@ -11,7 +11,8 @@ from both stores, alternately: once *cold* (a fresh answerer fetches the cache f
 and verifies its checksum; the models are already loaded) and once more *warm* (the same
 question again: its episode's cache is resident, as for a follow-up turn). Reported: the median of
 each stage per turn, the share of embed + route + load in the turn, and decode time per
-generated token (answers may differ in length).
+generated token (answers may differ in length). With `--store DIR`, a re-run finds both builds
+in their manifests (same configuration hash) and goes straight to the turns.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pipeline import builder, models
 from pipeline.answer import Answerer
 from pipeline.config import BuildConfig
 from pipeline.episodes import EpisodeConfig
+from pipeline.manifest import read_manifest
 from pipeline.store import LocalStore
 from pipeline.synthetic import make_conversation
 
@@ -77,10 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     stores = {"episodic": LocalStore(root / "episodic"), "full": LocalStore(root / "full")}
     entries = {}
     for name, config in (("episodic", episodic), ("full", full)):
-        rows = builder.build_conversation(conv, config, stores[name])
+        done = builder.is_built(stores[name], conv.conversation_id, config)
+        rows = read_manifest(stores[name], conv.conversation_id) if done else \
+            builder.build_conversation(conv, config, stores[name])
         entries[name] = statistics.mean(e for r in rows for e in r["entries_per_layer"])
-        print(f"built {name}: {len(rows)} cache(s), {rows[0]['tokens']} tokens, "
-              f"{sum(r['build_seconds'] for r in rows):.0f} s", file=sys.stderr, flush=True)
+        print(f"{'found' if done else 'built'} {name}: {len(rows)} cache(s), "
+              f"{rows[0]['tokens']} tokens, {sum(r['build_seconds'] for r in rows):.0f} s of build",
+              file=sys.stderr, flush=True)
     questions = [q.question for q in conv.questions][:a.questions]
     turns = {(name, cold): [] for name in stores for cold in (True, False)}
     for question in questions:  # the two caches alternate, turn by turn

@@ -37,6 +37,7 @@ from pipeline.prefill import PrefillConfig, block_prefill, entry_bytes
 from pipeline.scorers import FullScorer, build_scorer
 
 METHODS = ("full", "streamingllm", "snapkv", "infinipot", "kvzip", "keydiff", "epicache", "question")
+EXTRA_METHODS = ("random",)  # known, not run by default: a floor for diagnosing the others
 ALLOCATED = ("epicache", "question")  # methods that use the sensitivity-aware layer budgets
 VARIANTS = ("tri", "fp8", "max", "dapq", "merge", "d2o")
 ORIGINAL_ELEMENT_SIZE = 2  # Original entries counted as stored by default (float16)
@@ -46,13 +47,14 @@ def parse_method(name: str) -> tuple[str, frozenset[str]]:
     """(base method, variants) of `epicache+tri+dapq` or `epicache-tri`; ValueError if unknown."""
     parts = name.split("+")
     base, variants = parts[0], parts[1:]
-    if base not in METHODS and base not in ("none",) and "-" in base:
+    known = METHODS + EXTRA_METHODS + ("none",)
+    if base not in known and "-" in base:
         base, variant = base.rsplit("-", 1)
         variants.insert(0, variant)
     unknown = [v for v in variants if v not in VARIANTS and _oq_scale(v) is None]
-    if base not in METHODS + ("none",) or unknown or (variants and base == "full"):
-        raise ValueError(f"unknown method {name!r} (methods: {', '.join(METHODS)}; variants: "
-                         f"{', '.join(VARIANTS)})")
+    if base not in known or unknown or (variants and base == "full"):
+        raise ValueError(f"unknown method {name!r} (methods: "
+                         f"{', '.join(METHODS + EXTRA_METHODS)}; variants: {', '.join(VARIANTS)})")
     return base, frozenset(variants)
 
 

@@ -146,6 +146,20 @@ class KeyDiffScorer(Scorer):
 
 @register
 @dataclass
+class RandomScorer(Scorer):
+    """A floor for the others (kvpress's RandomPress): uniform random scores, reproducible from
+    the seed, the layer and the block."""
+    seed: int = 0
+    name: ClassVar[str] = "random"
+
+    def score(self, layer: LayerState) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(
+            self.seed + 1_000_003 * layer.layer_idx + layer.block_start)
+        return torch.rand(layer.positions.shape, generator=generator).to(layer.positions.device)
+
+
+@register
+@dataclass
 class QuestionScorer(PatchScorer):
     """Upper bound that cannot be deployed: the patch is the question itself (one build per
     question)."""

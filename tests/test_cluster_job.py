@@ -321,8 +321,15 @@ def test_interrupted_driver_resumes_without_rebuilding(ray_local, tiny_llm, tmp_
     corpus, store_dir = corpus_file(tmp_path, n, seed=41), tmp_path / "store"
     args = ["--corpus", str(corpus), "--store", str(store_dir), "--model", tiny_llm,
             "--max-in-flight", "2", *SMALL]
-    proc = subprocess.Popen([PY, "-m", "jobs.build", *args], cwd=REPO, env=subprocess_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A shell starts background commands with SIGINT ignored, and a child that inherits that
+    # never gets Python's KeyboardInterrupt handler: give the driver the default disposition
+    # whatever launched pytest (a caught signal resets to the default at exec).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen([PY, "-m", "jobs.build", *args], cwd=REPO, env=subprocess_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     manifests = store_dir / "manifests"
     tree: dict[int, psutil.Process] = {}
     try:

@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from jobs import evaluate as evaluate_job
-from pipeline import models, prompts
+from pipeline import evaluate, models, prompts
 from pipeline.corpus import write_jsonl
 from pipeline.metrics import continuation_nll, evidence_probe, f1_score, normalize_answer, retention
 from pipeline.prefill import PrefillConfig, block_prefill
@@ -52,6 +52,24 @@ def test_keydiff_scores_are_negative_cosine_to_the_block_mean_key():
         anchor = keys[h, members].mean(0)
         expected = -torch.nn.functional.cosine_similarity(keys[h], anchor[None], dim=-1)
         torch.testing.assert_close(scores[h], expected)
+
+
+def test_random_scores_are_reproducible_per_layer_and_block_and_not_a_default_method():
+    positions = torch.arange(10).expand(2, -1)
+    valid = torch.ones(2, 10, dtype=torch.bool)
+    keys = torch.zeros(2, 10, 8)
+
+    def scores(layer_idx: int, block_start: int, seed: int = 0) -> torch.Tensor:
+        state = LayerState(layer_idx, keys, keys, valid, positions, None, block_start=block_start)
+        return build_scorer("random", _encode, seed=seed).score(state)
+
+    first = scores(1, 512)
+    assert first.shape == (2, 10) and ((first >= 0) & (first < 1)).all()
+    assert torch.equal(first, scores(1, 512))
+    for other in (scores(2, 512), scores(1, 1024), scores(1, 512, seed=1)):
+        assert not torch.equal(first, other)
+    assert evaluate.parse_method("random") == ("random", frozenset())
+    assert "random" not in evaluate.METHODS  # a diagnostic floor, run only when asked for
 
 
 def test_f1_and_normalisation_follow_locomo():
