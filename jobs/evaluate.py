@@ -61,13 +61,16 @@ def cell_task(prep: evaluate.Prepared, method: str, budget: int | None,
     return evaluate.evaluate_cell(prep, method, budget, config, layer_budgets)
 
 
-def cell_key(conv: Conversation, config: evaluate.EvalConfig, method: str,
-              budget: int | None) -> str:
-    """Where a finished cell's records are kept under --out: changing the conversation or any
-    knob of the configuration gives a new key, so a kept cell is never reused by mistake."""
+def cells_folder(conv: Conversation, config: evaluate.EvalConfig) -> str:
+    """Where a conversation's finished cells are kept under --out: changing the conversation or
+    any knob of the configuration gives a new folder, so a kept cell is never reused by mistake."""
     digest = hashlib.sha256(json.dumps([config.as_dict(), conv.to_record()], sort_keys=True,
                                        default=str).encode()).hexdigest()[:16]
-    return f"cells/{conv.conversation_id}/{digest}/{method.replace('+', '_')}.{budget or 'ref'}.parquet"
+    return f"cells/{conv.conversation_id}/{digest}"
+
+
+def cell_name(method: str, budget: int | None) -> str:
+    return f"{method.replace('+', '_')}.{budget or 'ref'}.parquet"
 
 
 def _records_bytes(records: list[dict]) -> bytes:
@@ -207,10 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     for conv in convs:
         prep = prepare_task.remote(conv, config)
         prep_refs.append(prep)
+        folder = cells_folder(conv, config)  # hashes the whole conversation: once, not per cell
         cells = [("none", None), ("full", None)] + [(m, b) for m in methods if m != "full"
                                                     for b in budgets]
         for method, budget in cells:  # uniform layer budgets unless the method allocates
-            key = cell_key(conv, config, method, budget)
+            key = f"{folder}/{cell_name(method, budget)}"
             if kept.exists(key):
                 records.extend(pq.read_table(io.BytesIO(kept.get(key))).to_pylist())
                 reused += 1
