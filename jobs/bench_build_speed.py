@@ -5,8 +5,9 @@ same text, in tokens per second, at growing lengths.
         [--repeats 1] [--layers N] [--threads 2]
 
 The block build is what a build task runs for an episode: block prefill with the episode's
-medoid patch (picked by the real clustering stage) riding after every block, evicting to
-`--budget` entries per layer and KV head. The full prefill is transformers' stock path (one
+medoid patch (picked by the real clustering stage, scored as the default build configuration
+says, `--paper` for the paper's recipe) riding after every block, evicting to `--budget`
+entries per layer and KV head. The full prefill is transformers' stock path (one
 forward, DynamicCache, SDPA). Neither computes logits. The two run alternately in one process,
 `--repeats` times each, and the best time of each is kept, so the ratio is measured side by
 side. Past SmolLM2's 8,192 trained positions the outputs do not matter for timing: the compute
@@ -22,10 +23,10 @@ import sys
 import torch
 
 from jobs.bench_common import bench_text, first_layers, full_prefill, print_table
-from pipeline import models, prompts
+from pipeline import models
 from pipeline.config import BuildConfig
 from pipeline.prefill import PrefillConfig, block_prefill
-from pipeline.scorers import EpiCacheScorer
+from pipeline.scorers import ScoringConfig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,7 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=None, help="run the first N decoder layers only")
     p.add_argument("--model", default=models.DEFAULT_LLM)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--paper", action="store_true",
+                   help="score with the paper's recipe (ScoringConfig.paper(): the whole patch)")
     a = p.parse_args(argv)
+    config = BuildConfig(model=a.model, scoring=ScoringConfig.paper()) if a.paper else \
+        BuildConfig(model=a.model)
     if a.threads:
         torch.set_num_threads(a.threads)
     lm = models.load_llm(a.model, "cpu")
@@ -45,11 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     budgets = [a.budget] * model.config.num_hidden_layers
     rows = []
     for n in sorted(int(x) for x in a.lengths.split(",")):
-        text = bench_text(lm, n, BuildConfig(model=a.model))
-        patch = prompts.patch_ids(lm.tokenizer, text.patch_text)
+        text = bench_text(lm, n, config)
+        patch = text.scorer.patch_ids(None)
         block_s, full_s = [], []
         for _ in range(a.repeats):
-            _, stats = block_prefill(model, text.ids, EpiCacheScorer(patch=patch), budgets,
+            _, stats = block_prefill(model, text.ids, text.scorer, budgets,
                                      PrefillConfig(block=a.block))
             block_s.append(stats.seconds)
             full_s.append(full_prefill(model, text.ids)[1])
@@ -58,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                      "full_tps": n / min(full_s), "speedup": min(full_s) / min(block_s)})
         print(f"done {n} tokens", file=sys.stderr, flush=True)
     print(f"\n{a.model}, {model.config.num_hidden_layers} of {lm.config.num_hidden_layers} layers, "
-          f"budget {a.budget}, block {a.block}, {torch.get_num_threads()} threads, "
+          f"{'paper' if a.paper else 'default'} scoring, budget {a.budget}, block {a.block}, {torch.get_num_threads()} threads, "
           f"best of {a.repeats}:")
     print_table(rows, [("tokens", "tokens", "d"), ("patch", "patch tokens/block", "d"),
                        ("block_s", "block build s", ".1f"), ("full_s", "full prefill s", ".1f"),

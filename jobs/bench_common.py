@@ -12,9 +12,10 @@ import torch
 from transformers import DynamicCache
 
 from pipeline import models, prompts
-from pipeline.builder import cluster_conversation
+from pipeline.builder import cluster_conversation, episode_scorer
 from pipeline.config import BuildConfig
 from pipeline.corpus import render_conversation
+from pipeline.scorers import Scorer
 from pipeline.synthetic import make_conversation
 
 
@@ -22,16 +23,20 @@ from pipeline.synthetic import make_conversation
 class BenchText:
     ids: torch.Tensor  # [N] the cached context: template opening + rendered conversation
     patch_text: str  # episode 0's medoid text, as the real clustering stage picks it
+    scorer: Scorer  # episode 0's scorer, as a build with the given configuration makes it
 
 
 def bench_text(lm: models.LoadedModel, tokens: int, config: BuildConfig, seed: int = 0) -> BenchText:
-    """A synthetic conversation cut to exactly `tokens` tokens, with its first episode's patch."""
+    """A synthetic conversation cut to exactly `tokens` tokens, with its first episode's patch
+    and scorer."""
     conv = make_conversation(f"bench-{tokens}", target_tokens=int(tokens * 1.1), seed=seed)
     ids = prompts.context_ids(lm.tokenizer, render_conversation(conv).text)
     if ids.shape[0] < tokens:
         raise RuntimeError(f"synthetic conversation too short: {ids.shape[0]} < {tokens} tokens")
-    episodes = cluster_conversation(conv, config).episodes
-    return BenchText(ids[:tokens], episodes.episodes[0].patch_text)
+    clustered = cluster_conversation(conv, config)
+    episode = clustered.episodes.episodes[0]
+    scorer = episode_scorer(lm.tokenizer, clustered.conversation, episode, config)
+    return BenchText(ids[:tokens], episode.patch_text, scorer)
 
 
 def first_layers(model: torch.nn.Module, layers: int | None) -> torch.nn.Module:

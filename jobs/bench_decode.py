@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=8000)
     p.add_argument("--budget", type=int, default=1024)
     p.add_argument("--episodes", type=int, default=4)
-    p.add_argument("--alpha", type=float, default=1.0)
+    p.add_argument("--alpha", type=float, default=BuildConfig.alpha)
     p.add_argument("--questions", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--store", default=None, help="a local folder to build into (default: a temp dir)")

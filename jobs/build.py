@@ -33,7 +33,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections import deque  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
+from dataclasses import dataclass, field, replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Iterator  # noqa: E402
 
@@ -48,7 +48,7 @@ from pipeline.corpus import Conversation, CorpusError, ReadStats, iter_corpus  #
 from pipeline.episodes import EpisodeConfig  # noqa: E402
 from pipeline.compress import MergeConfig, TriStateConfig  # noqa: E402
 from pipeline.prefill import PrefillConfig  # noqa: E402
-from pipeline.scorers import SCORERS  # noqa: E402
+from pipeline.scorers import SCORERS, ScoringConfig  # noqa: E402
 from pipeline.store import (S3Store, S3_ENDPOINT_ENV, Store, StoreError, open_store,  # noqa: E402
                             parse_s3_uri)
 
@@ -383,7 +383,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--full", action="store_true", help="no eviction: store the full cache")
     p.add_argument("--block", type=int, default=512, help="block-prefill block size (tokens)")
     p.add_argument("--selection", default="headwise", choices=["headwise", "perhead"])
-    p.add_argument("--alpha", type=float, default=1.0, help="layer allocation sharpness (0: uniform)")
+    p.add_argument("--alpha", type=float, default=BuildConfig.alpha,
+                   help="sensitivity-aware layer allocation sharpness (0: uniform budgets)")
+    scoring = ScoringConfig()
+    p.add_argument("--paper", action="store_true",
+                   help="EpiCache scored as the paper describes it (max patch attention, token by "
+                        "token, whole patch); add --alpha 1 for its layer budgets")
+    p.add_argument("--focus", type=float, default=scoring.focus,
+                   help="weight the episode's own turns' scores by 1 + FOCUS (0: off)")
+    p.add_argument("--patch-tokens", type=int, default=scoring.patch_tokens or 0,
+                   help="cap on the patched prompt's tokens (0: the whole medoid text)")
     p.add_argument("--episodes", type=int, default=4)
     p.add_argument("--medoids", type=int, default=4)
     p.add_argument("--window", type=int, default=4, help="utterances per clustering window")
@@ -433,6 +442,8 @@ def config_from_args(a: argparse.Namespace) -> BuildConfig:
         allocator=a.allocator, variance_temperature=a.variance_temperature,
         max_context_tokens=a.max_context_tokens,
         episodes=EpisodeConfig(window=a.window, episodes=a.episodes, medoids=a.medoids, seed=a.seed),
+        scoring=ScoringConfig.paper() if a.paper else replace(
+            ScoringConfig(), focus=a.focus, patch_tokens=a.patch_tokens or None),
         prefill=PrefillConfig(
             block=a.block, selection=a.selection, decode_positions=a.dapq,
             tristate=TriStateConfig(enabled=a.tristate or a.fp8, fp8=a.fp8, window=a.tri_window,

@@ -38,6 +38,7 @@ from jobs.build import _WORKER_ENV
 from pipeline import builder, evaluate, models
 from pipeline.calibrate import CalibrationConfig
 from pipeline.compress import MergeConfig, TriStateConfig
+from pipeline.config import BuildConfig
 from pipeline.corpus import Conversation, CorpusError, iter_corpus
 from pipeline.episodes import EpisodeConfig
 from pipeline.store import LocalStore, open_store
@@ -61,16 +62,30 @@ def cell_task(prep: evaluate.Prepared, method: str, budget: int | None,
     return evaluate.evaluate_cell(prep, method, budget, config, layer_budgets)
 
 
-def cells_folder(conv: Conversation, config: evaluate.EvalConfig) -> str:
-    """Where a conversation's finished cells are kept under --out: changing the conversation or
-    any knob of the configuration gives a new folder, so a kept cell is never reused by mistake."""
-    digest = hashlib.sha256(json.dumps([config.as_dict(), conv.to_record()], sort_keys=True,
-                                       default=str).encode()).hexdigest()[:16]
-    return f"cells/{conv.conversation_id}/{digest}"
+def conversation_digest(conv: Conversation) -> str:
+    return hashlib.sha256(json.dumps(conv.to_record(), sort_keys=True,
+                                     default=str).encode()).hexdigest()[:16]
 
 
-def cell_name(method: str, budget: int | None) -> str:
-    return f"{method.replace('+', '_')}.{budget or 'ref'}.parquet"
+def cell_key(conv: Conversation, digest: str, method: str, budget: int | None,
+             config: evaluate.EvalConfig, layer_budgets: list[int] | None) -> str:
+    """Where a finished cell is kept under --out: keyed by the conversation's content and by
+    what decides the cell's records (the method's effective build configuration, its layer
+    budgets, the measurement settings), not by the method's name, so `epicache` and the variant
+    it equals share one cell, and changing any knob gives a new key."""
+    base, _ = evaluate.parse_method(method)
+    what = {"base": base, "budget": budget, "layer_budgets": layer_budgets,
+            "build": config.build_config(method, budget).as_dict(),
+            "measure": {k: getattr(config, k) for k in (
+                "max_context_tokens", "questions_per_conversation", "generate", "max_new_tokens",
+                "recall_words", "recall_tokens")}}
+    if base == "epicache-paper":
+        what["base"] = "epicache"  # the same method under its paper recipe
+    if base not in evaluate.EPISODIC:  # knobs only EpiCache reads
+        for knob in ("scoring", "episodes", "encoder"):
+            what["build"].pop(knob)
+    cell = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return f"cells/{conv.conversation_id}/{digest}/{cell}.parquet"
 
 
 def _records_bytes(records: list[dict]) -> bytes:
@@ -88,7 +103,8 @@ def _fmt(x, pct: bool = False) -> str:
 def markdown_table(rows: list[dict]) -> str:
     cats = sorted({k for r in rows for k in r if k.startswith("f1_cat")})
     head = ["method", "budget", "questions", "retention", "retention (of means)", "evidence NLL",
-            "answer NLL", "F1", "kept", "bytes (tokens)", "quantized"] + \
+            "answer NLL", "F1", "kept", "bytes (tokens)", "quantized", "evidence kept",
+            "route hit"] + \
         [f"F1 {c.removeprefix('f1_')}" for c in cats]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -96,9 +112,27 @@ def markdown_table(rows: list[dict]) -> str:
                  _fmt(r["retention"], True), _fmt(r.get("retention_of_means"), True),
                  _fmt(r["evidence_nll"]), _fmt(r["answer_nll"]), _fmt(r["f1"]),
                  _fmt(r.get("kept_entries")), _fmt(r.get("bytes_tokens")),
-                 _fmt(r.get("quantized_share"), True)]
+                 _fmt(r.get("quantized_share"), True), _fmt(r.get("evidence_kept"), True),
+                 _fmt(r.get("route_hit"), True)]
         cells += [_fmt(r.get(c)) for c in cats]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def breakdown_table(groups: list[dict], title: str, keys: list) -> str:
+    """Retention of the mean NLLs per (method, budget) and per group (`evaluate.summarise_by`)."""
+    head = ["method", "budget"] + [f"{k} (n)" for k in keys]
+    lines = [f"Retention of the mean NLLs by {title}:", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows: dict[tuple, dict] = {}
+    for g in groups:
+        rows.setdefault((g["method"], g["budget"]), {})[g["group"]] = g
+    for (method, budget), by in rows.items():
+        if method in ("full", "none"):
+            continue
+        cells = [f"{_fmt(by[k]['retention_of_means'], True)} ({by[k]['questions']})" if k in by
+                 else "-" for k in keys]
+        lines.append("| " + " | ".join([method, str(budget)] + cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -134,12 +168,17 @@ def parse_args(argv):
     p.add_argument("--max-context-tokens", type=int, default=None)
     p.add_argument("--questions-per-conversation", type=int, default=None)
     p.add_argument("--limit-conversations", type=int, default=None)
+    p.add_argument("--conversations", default=None,
+                   help="comma-separated conversation ids to evaluate (LoCoMo's locomo-26 may be "
+                        "given as 26); default: all")
     p.add_argument("--episodes", type=int, default=4)
     p.add_argument("--medoids", type=int, default=4)
     p.add_argument("--window", type=int, default=4)
-    p.add_argument("--alpha", type=float, default=1.0)
+    p.add_argument("--alpha", type=float, default=BuildConfig.alpha)
     p.add_argument("--block", type=int, default=512)
     p.add_argument("--selection", default="headwise", choices=["headwise", "perhead"])
+    p.add_argument("--f1", action="store_true",
+                   help="also generate answers and score F1 (slow; at the floor for a 135M model)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--calibration-tokens", type=int, default=4096)
     p.add_argument("--calibration-window", type=int, default=1024)
@@ -181,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                                       sink=min(128, a.calibration_window // 4)),
         max_context_tokens=a.max_context_tokens,
         questions_per_conversation=a.questions_per_conversation, max_new_tokens=a.max_new_tokens,
+        generate=a.f1,
         tristate=TriStateConfig(enabled=True, window=a.tri_window, gamma=a.tri_gamma,
                                 original_scale=a.tri_original_scale, slack=a.tri_slack),
         merge=MergeConfig(enabled=True, beta=a.merge_beta),
@@ -192,12 +232,20 @@ def main(argv: list[str] | None = None) -> int:
                  **({} if os.environ.get("RAY_ADDRESS") else {"include_dashboard": False}))
     start = time.perf_counter()
     try:
-        convs = list(iter_corpus(a.corpus, a.on_bad_record))[:a.limit_conversations]
+        convs = list(iter_corpus(a.corpus, a.on_bad_record))
+        if a.conversations:
+            wanted = [c.strip() for c in a.conversations.split(",") if c.strip()]
+            ids = {c.conversation_id for c in convs}
+            missing = [w for w in wanted if w not in ids and f"locomo-{w}" not in ids]
+            if missing:
+                raise CorpusError(f"{a.corpus}: no conversation with id {', '.join(missing)}")
+            chosen = {w for w in wanted} | {f"locomo-{w}" for w in wanted}
+            convs = [c for c in convs if c.conversation_id in chosen]
+        convs = convs[:a.limit_conversations]
     except CorpusError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    allocated = [m for m in methods if evaluate.allocator_of(m) == "variance" or
-                 (evaluate.allocator_of(m) == "sensitivity" and a.alpha > 0)]
+    allocated = [m for m in methods if config.needs_profile(m)]
     profiles = {}  # one profile per allocator, measured by the first method that needs it
     for m in allocated:
         kind = evaluate.allocator_of(m)
@@ -206,17 +254,18 @@ def main(argv: list[str] | None = None) -> int:
     layer_budgets = {(m, b): config.build_config(m, b).allocator_strategy().allocate(
         profiles[evaluate.allocator_of(m)], b) for m in allocated for b in budgets}
     kept = LocalStore(out)  # finished cells (atomic writes: a cell is whole or absent)
-    pending, prep_refs, records, reused = {}, [], [], 0
+    pending, prep_refs, records, reused, failed = {}, [], [], 0, []
     for conv in convs:
         prep = prepare_task.remote(conv, config)
         prep_refs.append(prep)
-        folder = cells_folder(conv, config)  # hashes the whole conversation: once, not per cell
+        digest = conversation_digest(conv)  # hashes the whole conversation: once, not per cell
         cells = [("none", None), ("full", None)] + [(m, b) for m in methods if m != "full"
                                                     for b in budgets]
         for method, budget in cells:  # uniform layer budgets unless the method allocates
-            key = f"{folder}/{cell_name(method, budget)}"
+            key = cell_key(conv, digest, method, budget, config, layer_budgets.get((method, budget)))
             if kept.exists(key):
-                records.extend(pq.read_table(io.BytesIO(kept.get(key))).to_pylist())
+                records.extend(r | {"method": method} for r in
+                               pq.read_table(io.BytesIO(kept.get(key))).to_pylist())
                 reused += 1
                 continue
             ref = cell_task.remote(prep, method, budget, config, layer_budgets.get((method, budget)))
@@ -230,8 +279,10 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 cell_records = ray.get(ref)
             except Exception as e:
-                print(f"cell {cid}/{method}/{budget} failed: {str(e).splitlines()[-1]}",
-                      file=sys.stderr)
+                reason = str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
+                print(f"cell {cid}/{method}/{budget} failed: {reason}", file=sys.stderr)
+                failed.append({"conversation_id": cid, "method": method, "budget": budget,
+                               "error": reason})
             else:
                 kept.put(key, _records_bytes(cell_records))
                 records.extend(cell_records)
@@ -245,14 +296,24 @@ def main(argv: list[str] | None = None) -> int:
                                   "questions_dropped_by_cut": p.dropped_by_cut} for p in preps],
                "context": ("cut at a session boundary to fit" if a.max_context_tokens else
                            "whole conversations"), "seconds": time.perf_counter() - start,
-               "cells_reused": reused, "rows": rows}
+               "cells_reused": reused, "cells_failed": failed, "rows": rows,
+               "by_evidence_position": evaluate.summarise_by(records, "evidence_third"),
+               "by_route_hit": evaluate.summarise_by(records, "route_hit")}
     (out / "results.parquet").write_bytes(_records_bytes(records))
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-    (out / "table.md").write_text(markdown_table(rows))
+    table = markdown_table(rows) + "\n" + breakdown_table(
+        summary["by_evidence_position"], "evidence in the conversation's first / middle / last third",
+        ["first", "middle", "last"]) + "\n" + breakdown_table(
+        summary["by_route_hit"], "route hit (the routed episode holds an evidence turn)",
+        [True, False])
+    (out / "table.md").write_text(table)
     plot_retention(rows, out / "retention.png")
-    print(markdown_table(rows))
+    print(table)
     print(f"outputs: {out}/results.parquet, summary.json, table.md, retention.png "
           f"({len(records)} question records, {time.perf_counter() - start:.0f}s)")
+    if failed:
+        print(f"error: {len(failed)} cells failed (listed in {out}/summary.json)", file=sys.stderr)
+        return 1
     return 0
 
 

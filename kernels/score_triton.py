@@ -44,7 +44,7 @@ def _row_stats_kernel(q_ptr, kc_ptr, kp_ptr, valid_ptr, len_ptr, m_ptr, l_ptr,
                       qk_scale,
                       HAS_VALID: tl.constexpr, HAS_LENGTHS: tl.constexpr, DOT_FP32: tl.constexpr,
                       PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_D: tl.constexpr):
+                      BLOCK_D: tl.constexpr, INCLUDE_PATCH: tl.constexpr, MEAN: tl.constexpr):
     kv = tl.program_id(0)
     row_block = tl.program_id(1)
     split = tl.program_id(2)
@@ -83,7 +83,7 @@ def _row_stats_kernel(q_ptr, kc_ptr, kp_ptr, valid_ptr, len_ptr, m_ptr, l_ptr,
         s = tl.where(col_ok[None, :], s, float("-inf"))
         m_i, l_i = _online_update(m_i, l_i, s)
 
-    if split == 0:  # the patch's own keys, causally: only one split adds them
+    if INCLUDE_PATCH and split == 0:  # the patch's own keys, causally: only one split adds them
         for j0 in range(0, n_patch, BLOCK_N):
             cols = j0 + tl.arange(0, BLOCK_N)
             in_range = cols < n_patch
@@ -108,7 +108,7 @@ def _score_kernel(q_ptr, kc_ptr, valid_ptr, len_ptr, m_ptr, l_ptr, out_ptr,
                   qk_scale,
                   HAS_VALID: tl.constexpr, HAS_LENGTHS: tl.constexpr, DOT_FP32: tl.constexpr,
                   PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_D: tl.constexpr):
+                  BLOCK_D: tl.constexpr, INCLUDE_PATCH: tl.constexpr, MEAN: tl.constexpr):
     kv = tl.program_id(0)
     col_block = tl.program_id(1)
 
@@ -145,8 +145,13 @@ def _score_kernel(q_ptr, kc_ptr, valid_ptr, len_ptr, m_ptr, l_ptr, out_ptr,
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(row_ok[:, None], s, float("-inf"))
         p = tl.exp2(s - m[:, None]) / l[:, None]
-        best = tl.maximum(best, tl.max(p, axis=0))
+        if MEAN:
+            best += tl.sum(tl.where(row_ok[:, None], p, 0.0), axis=0)
+        else:
+            best = tl.maximum(best, tl.max(p, axis=0))
 
+    if MEAN:
+        best = best / n_rows
     best = tl.where(col_ok, best, 0.0)
     tl.store(out_ptr + kv * n_cached + cols, best, mask=cols < n_cached)
 
@@ -170,7 +175,8 @@ def patch_attention_scores_triton(patch_queries: torch.Tensor, cached_keys: torc
                                   scale: float, lengths: torch.Tensor | None = None,
                                   block_m: int = 64, block_n: int = 64,
                                   n_splits: int | None = None, num_warps: int = 4,
-                                  num_stages: int = 2) -> torch.Tensor:
+                                  num_stages: int = 2, reduce: str = "max",
+                                  include_patch: bool = True) -> torch.Tensor:
     """The fused kernel; same contract as `patch_attention_scores_reference` (any strides, e.g.
     views into the attention call's query/key tensors). `n_splits` (pass-1 split of the cached
     keys) defaults to enough programs for the device."""
@@ -181,6 +187,8 @@ def patch_attention_scores_triton(patch_queries: torch.Tensor, cached_keys: torc
     if patch_keys.shape != (n_kv_heads, n_patch, head_dim):
         raise ValueError(f"patch_keys {tuple(patch_keys.shape)} != "
                          f"{(n_kv_heads, n_patch, head_dim)}")
+    if reduce not in ("max", "mean"):
+        raise ValueError(f"reduce must be 'max' or 'mean', got {reduce!r}")
     group = n_q_heads // n_kv_heads
     device = patch_queries.device
     out = torch.empty(n_kv_heads, n_cached, dtype=torch.float32, device=device)
@@ -219,6 +227,7 @@ def patch_attention_scores_triton(patch_queries: torch.Tensor, cached_keys: torc
     qk_scale = float(scale) * _LOG2E
     flags = dict(HAS_VALID=has_valid, HAS_LENGTHS=has_lengths, DOT_FP32=dot_fp32,
                  PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+                 INCLUDE_PATCH=include_patch, MEAN=reduce == "mean",
                  num_warps=num_warps, num_stages=num_stages)
     q, kc, kp = patch_queries, cached_keys, patch_keys
     v_strides = (valid.stride(0), valid.stride(1)) if has_valid else (0, 0)

@@ -41,6 +41,12 @@ class AttentionRequest:
     patch_sum: torch.Tensor | None = None  # [Hkv, L_past + n_block]
     patch_sumsq: torch.Tensor | None = None
     patch_count: int = 0  # rows summed: (query heads of a KV group) x (patch queries)
+    # Packed sequences (batched probes): the new tokens are several independent sequences,
+    # segment ids [q_len] non-decreasing, each starting at `first_position`. A new token sees
+    # the cache and the earlier tokens of its own segment only.
+    segments: torch.Tensor | None = None
+    reduce: str = "max"  # patch scores: max or mean over the patch queries (and query heads)
+    include_patch: bool = True  # the patch's own keys share the scoring softmax
 
 
 def patch_attention_moments(patch_queries: torch.Tensor, cached_keys: torch.Tensor,
@@ -113,6 +119,15 @@ def _take_request(key: torch.Tensor) -> AttentionRequest | None:
     return None
 
 
+def segment_offsets(segments: torch.Tensor) -> torch.Tensor:
+    """[q] offset of each token within its segment (segment ids non-decreasing)."""
+    index = torch.arange(segments.shape[0], device=segments.device)
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[1:] = segments[1:] != segments[:-1]
+    first = torch.cummax(torch.where(starts, index, torch.zeros_like(index)), dim=0).values
+    return index - first
+
+
 def episodic_mask(request: AttentionRequest, q_len: int, group: int,
                   sliding_window: int | None = None) -> torch.Tensor:
     """[1, Hq, q, L_past + q] bool: valid cached slots per head, causal over the new tokens,
@@ -121,8 +136,13 @@ def episodic_mask(request: AttentionRequest, q_len: int, group: int,
     n_heads, n_past = past_valid.shape
     device = past_valid.device
     q_pos = torch.arange(request.first_position, request.first_position + q_len, device=device)
+    causal = q_pos[None, :] <= q_pos[:, None]
+    if request.segments is not None:  # packed: block-diagonal, positions restart per segment
+        seg = request.segments.to(device)
+        causal = causal & (seg[None, :] == seg[:, None])
+        q_pos = request.first_position + segment_offsets(seg)
     past = past_valid[:, None, :].expand(n_heads, q_len, n_past)
-    new = (q_pos[None, :] <= q_pos[:, None])[None].expand(n_heads, q_len, q_len)
+    new = causal[None].expand(n_heads, q_len, q_len)
     if sliding_window is not None:
         past = past & (q_pos[None, :, None] - request.past_positions[:, None, :] < sliding_window)
         new = new & (q_pos[:, None] - q_pos[None, :] < sliding_window)
@@ -159,7 +179,8 @@ def episodic_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
         valid = mask[0, ::group, -1, :n_cached]  # the last patch query sees every valid slot
         request.scores = patch_attention_scores(
             query[0, :, -p:], key[0, :, :n_cached], key[0, :, n_cached:], valid,
-            scale=scaling if scaling is not None else query.shape[-1] ** -0.5)
+            scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
+            reduce=request.reduce, include_patch=request.include_patch)
         if request.moments:
             request.patch_sum, request.patch_sumsq, request.patch_count = patch_attention_moments(
                 query[0, :, -p:], key[0, :, :n_cached], key[0, :, n_cached:], valid,

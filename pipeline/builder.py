@@ -22,10 +22,11 @@ import torch
 from pipeline import cache_io, models, prompts
 from pipeline.config import BuildConfig
 from pipeline.corpus import Conversation, cut_at_session, render_conversation
-from pipeline.episodes import EpisodeConfig, EpisodeSet, build_episodes
+from pipeline.episodes import Episode, EpisodeConfig, EpisodeSet, build_episodes, member_turn_ids
+from pipeline.layout import token_layout
 from pipeline.manifest import read_manifest, write_manifest
 from pipeline.prefill import block_prefill
-from pipeline.scorers import EpiCacheScorer, build_scorer
+from pipeline.scorers import EpiCacheScorer, Scorer, build_scorer, episodic_scorer
 from pipeline.store import Store, cache_key, profile_key
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,17 @@ def layer_budgets(store: Store, config: BuildConfig, n_layers: int) -> list[int]
 # Stage 3: one episode's cache
 # ---------------------------------------------------------------------------------------------
 
+def episode_scorer(tokenizer, conv: Conversation, ep: Episode, config: BuildConfig) -> Scorer:
+    """The scorer of one episode's build: EpiCache's, shaped by `config.scoring` (it may read
+    the conversation's token layout and the episode's own turns), or the configured baseline."""
+    encode = lambda text: prompts.patch_ids(tokenizer, text)  # noqa: E731
+    if not is_episodic(config):
+        return build_scorer(config.scorer, encode, ep.patch_text)
+    layout = token_layout(tokenizer, conv)
+    members = layout.turn_mask(member_turn_ids(conv, ep, config.episodes.window))
+    return episodic_scorer(encode(ep.patch_text), config.scoring, layout.line_ids, members)
+
+
 def build_episode(clustered: ClusterResult, episode: int, budgets: list[int] | None,
                   config: BuildConfig, store: Store) -> dict:
     """Block-prefill one episode's cache, store it, and return its manifest row."""
@@ -119,8 +131,7 @@ def build_episode(clustered: ClusterResult, episode: int, budgets: list[int] | N
     conv, episodes = clustered.conversation, clustered.episodes
     ep = episodes.episodes[episode]
     ids = prompts.context_ids(lm.tokenizer, render_conversation(conv).text)
-    scorer = build_scorer(config.scorer, lambda text: prompts.patch_ids(lm.tokenizer, text),
-                          ep.patch_text)
+    scorer = episode_scorer(lm.tokenizer, conv, ep, config)
     dtype = getattr(torch, config.store_dtype)
     element_size = torch.empty(0, dtype=dtype).element_size()
     # Tri-state: the budget of M entries reads as the bytes of M Original entries per KV head.

@@ -29,6 +29,8 @@ class EpisodicLayer(CacheLayerMixin):
         self.positions: torch.Tensor | None = None  # [Hkv, slots] original token positions
         self.tokens_seen = 0
         self.n_patch = 0  # while > 0, that many trailing new tokens are a patch: scored, not kept
+        self.patch_options: dict = {}  # how the patch's attention is scored (`Scorer.patch_options`)
+        self.segments: torch.Tensor | None = None  # while set: the new tokens are packed sequences
         self.last_request: AttentionRequest | None = None
         self.peak_entries = 0.0  # instrumentation: max valid entries per head seen
         self.peak_slots = 0  # instrumentation: max padded slots seen
@@ -64,7 +66,8 @@ class EpisodicLayer(CacheLayerMixin):
         self.last_request = AttentionRequest(key=keys, past_valid=self.valid,
                                              past_positions=self.positions,
                                              first_position=self.tokens_seen, n_patch=self.n_patch,
-                                             moments=self.moments)
+                                             moments=self.moments, segments=self.segments,
+                                             **self.patch_options)
         hand_off(self.last_request)
 
         n_heads, slots = self.valid.shape
@@ -237,15 +240,29 @@ class EpisodicCache(Cache):
             layer.moments = on
 
     @contextmanager
-    def patched(self, n_patch: int) -> Iterator[None]:
-        """During this forward, the last `n_patch` tokens are a patch: scored, never stored."""
+    def patched(self, n_patch: int, **options) -> Iterator[None]:
+        """During this forward, the last `n_patch` tokens are a patch: scored, never stored;
+        `options` (`reduce`, `include_patch`) say how its attention becomes scores."""
         for layer in self.layers:
-            layer.n_patch = n_patch
+            layer.n_patch, layer.patch_options = n_patch, options
         try:
             yield
         finally:
             for layer in self.layers:
-                layer.n_patch = 0
+                layer.n_patch, layer.patch_options = 0, {}
+
+    @contextmanager
+    def packed(self, segments: torch.Tensor) -> Iterator[None]:
+        """During this forward (inside `scratch()`), the new tokens are independent sequences
+        (segment ids [q], non-decreasing), each continuing the cache on its own: a block-diagonal
+        causal mask over them. The caller gives each segment positions from `tokens_seen` on."""
+        for layer in self.layers:
+            layer.segments = segments
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                layer.segments = None
 
     @contextmanager
     def scratch(self) -> Iterator[None]:

@@ -16,6 +16,7 @@ from pipeline.episodes import EpisodeConfig
 from pipeline.models import DEFAULT_ENCODER, DEFAULT_LLM
 from pipeline.compress import MergeConfig, TriStateConfig
 from pipeline.prefill import PrefillConfig
+from pipeline.scorers import ScoringConfig
 
 STORE_DTYPES = ("float16", "bfloat16", "float32")
 
@@ -26,12 +27,15 @@ class BuildConfig:
     encoder: str = DEFAULT_ENCODER
     scorer: str = "epicache"  # a name in pipeline.scorers.SCORERS
     budget: int | None = 1024  # mean entries per layer and KV head; None = full cache
-    alpha: float = 1.0  # sharpness of the sensitivity-aware layer allocation; 0 = uniform
+    # Sharpness of the sensitivity-aware layer allocation; 0 = uniform budgets, the default:
+    # with SmolLM2 uniform budgets beat the allocation (docs/quality.md). The paper used ~1-2.
+    alpha: float = 0.0
     allocator: str = "sensitivity"  # layer budgets: "sensitivity" (EpiCache) or "variance" (D2O)
     variance_temperature: float = 1.0  # D2O inverse-variance softmax temperature
     store_dtype: str = "float16"  # dtype of the stored keys and values
     max_context_tokens: int | None = None  # cut conversations at a session boundary to fit
     episodes: EpisodeConfig = field(default_factory=EpisodeConfig)
+    scoring: ScoringConfig = field(default_factory=ScoringConfig)  # EpiCache's scores
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
 
@@ -62,7 +66,9 @@ class BuildConfig:
         prefill = d.pop("prefill")
         prefill = PrefillConfig(tristate=TriStateConfig(**prefill.pop("tristate", {})),
                                 merge=MergeConfig(**prefill.pop("merge", {})), **prefill)
-        return cls(episodes=EpisodeConfig(**d.pop("episodes")), prefill=prefill,
+        # a configuration written before `scoring` existed scored as the paper does
+        scoring = ScoringConfig(**d.pop("scoring")) if "scoring" in d else ScoringConfig.paper()
+        return cls(episodes=EpisodeConfig(**d.pop("episodes")), prefill=prefill, scoring=scoring,
                    calibration=CalibrationConfig(**d.pop("calibration")), **d)
 
     def allocator_strategy(self):

@@ -41,6 +41,47 @@ def continuation_nll(model: torch.nn.Module, cache: EpisodicCache, prefix: torch
     return float(-log_probs.gather(1, target.to(device)[:, None]).mean())
 
 
+@torch.inference_mode()
+def continuation_nlls(model: torch.nn.Module, cache: EpisodicCache,
+                      pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                      pack_tokens: int = 1024) -> list[float]:
+    """`continuation_nll` of every (prefix, target) pair, several pairs per forward: the pairs
+    are packed into one sequence, each its own segment (block-diagonal causal mask) with
+    positions from the cache's next position, so each reads the cache exactly as alone. A pack
+    holds about `pack_tokens` new tokens (a longer pair goes alone)."""
+    if any(p.numel() == 0 or t.numel() == 0 for p, t in pairs):
+        raise ValueError("continuation_nlls needs non-empty prefixes and targets")
+    device = next(model.parameters()).device
+    seen = cache.tokens_seen
+    packs: list[list[int]] = []
+    size = 0
+    for i, (prefix, target) in enumerate(pairs):
+        n = prefix.numel() + target.numel()
+        if not packs or size + n > pack_tokens:
+            packs.append([])
+            size = 0
+        packs[-1].append(i)
+        size += n
+    nlls: list[float] = [float("nan")] * len(pairs)
+    for pack in packs:
+        seqs = [torch.cat([pairs[i][0], pairs[i][1]]) for i in pack]
+        ids = torch.cat(seqs).to(device)
+        segments = torch.cat([torch.full((s.numel(),), j) for j, s in enumerate(seqs)]).to(device)
+        positions = torch.cat([torch.arange(seen, seen + s.numel()) for s in seqs]).to(device)
+        with cache.scratch(), cache.packed(segments):
+            logits = model(input_ids=ids[None], past_key_values=cache, use_cache=True,
+                           position_ids=positions[None]).logits[0]
+        start = 0
+        for i, seq in zip(pack, seqs):
+            prefix, target = pairs[i]
+            # the logits at the last prefix token .. the next-to-last target token predict the target
+            rows = logits[start + prefix.numel() - 1:start + seq.numel() - 1].float()
+            log_probs = torch.log_softmax(rows, dim=-1)
+            nlls[i] = float(-log_probs.gather(1, target.to(device)[:, None]).mean())
+            start += seq.numel()
+    return nlls
+
+
 def evidence_probe(turn: Turn, max_words: int = 4) -> tuple[str, str]:
     """(line prefix, continuation) of an evidence turn: k = min(max_words, a third of the words)."""
     words = turn.text.split()

@@ -15,6 +15,7 @@ queries sit at the positions where decoding will start, after the whole conversa
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Literal
@@ -33,6 +34,7 @@ Selection = Literal["headwise", "perhead"]
 class PrefillConfig:
     block: int = 512  # tokens fed per step
     selection: Selection = "headwise"  # AdaKV head-wise non-uniform top-k, or a uniform per-head top-k
+    head_floor: float = 0.0  # head-wise: each head keeps at least this share of the budget (AdaKV)
     decode_positions: bool = False  # DapQ: patch queries at the decode positions (after the text)
     tristate: TriStateConfig = field(default_factory=TriStateConfig)  # ARKV
     merge: MergeConfig = field(default_factory=MergeConfig)  # D2O token merging
@@ -42,6 +44,8 @@ class PrefillConfig:
             raise ValueError(f"block must be positive, got {self.block}")
         if self.selection not in ("headwise", "perhead"):
             raise ValueError(f"selection must be 'headwise' or 'perhead', got {self.selection!r}")
+        if not 0 <= self.head_floor <= 1:
+            raise ValueError(f"head_floor must be in [0, 1], got {self.head_floor}")
 
 
 @dataclass
@@ -68,13 +72,19 @@ class PrefillStats:
 
 
 def select_keep(scores: torch.Tensor, valid: torch.Tensor, budget: int,
-                selection: Selection) -> torch.Tensor:
+                selection: Selection, head_floor: float = 0.0) -> torch.Tensor:
     """[Hkv, slots] bool: the entries to keep so that the layer holds `budget` per head.
 
-    head-wise: the top budget x Hkv entries across the layer's heads (heads get unequal shares);
+    head-wise: the top budget x Hkv entries across the layer's heads (heads get unequal shares),
+    each head first guaranteed its top `head_floor x budget` (AdaKV's safeguard);
     per-head: the top `budget` entries of each head."""
     scores = scores.float().masked_fill(~valid, float("-inf"))
     keep = torch.zeros_like(valid)
+    floor = min(int(head_floor * budget), valid.shape[1])
+    if selection == "headwise" and floor > 0:
+        top = torch.topk(scores, floor, dim=1).indices
+        scores = scores.scatter(1, top, torch.full_like(scores, float("inf"))).masked_fill(
+            ~valid, float("-inf"))
     if selection == "headwise":
         k = min(budget * valid.shape[0], int(valid.sum().item()))
         keep.view(-1)[torch.topk(scores.reshape(-1), k).indices] = True
@@ -116,7 +126,8 @@ def make_eviction(config: PrefillConfig, budgets: list[int] | None,
         return TriStateEviction(byte_budgets, config.selection, config.tristate, sizes, merger)
     if byte_budgets is not None:
         raise ValueError("byte budgets need tri-state compression (PrefillConfig.tristate)")
-    return None if budgets is None else TokenEviction(budgets, config.selection, select_keep, merger)
+    select = functools.partial(select_keep, head_floor=config.head_floor)
+    return None if budgets is None else TokenEviction(budgets, config.selection, select, merger)
 
 
 def token_byte_budgets(budgets: list[int], kv_heads: int, sizes: EntryBytes) -> list[int]:
@@ -166,7 +177,7 @@ def block_prefill(model: torch.nn.Module, input_ids: torch.Tensor, scorer: Score
         tokens = torch.cat([block, patch])
         positions = patch_positions(seen, block.shape[0], patch.shape[0], total,
                                     config.decode_positions).to(device)
-        with cache.patched(patch.shape[0]):
+        with cache.patched(patch.shape[0], **scorer.patch_options()):
             decoder(input_ids=tokens[None], position_ids=positions[None], past_key_values=cache,
                     use_cache=True)
         if eviction is not None:

@@ -49,6 +49,12 @@ class Scorer(ABC):
         """Token ids of the patched prompt to score with after this block, or None."""
         return None
 
+    def patch_options(self) -> dict:
+        """How the attention turns the patch's attention into `patch_scores`: `reduce` ("max"
+        or "mean" over the patch queries) and `include_patch` (the patch's own keys in the
+        softmax). Defaults: max, with the patch's keys."""
+        return {}
+
     @abstractmethod
     def score(self, layer: LayerState) -> torch.Tensor: ...
 
@@ -84,8 +90,16 @@ class PatchScorer(AttentionScorer):
 @register
 @dataclass
 class EpiCacheScorer(PatchScorer):
-    """EpiCache: the patch is the episode's medoid windows, rendered like the conversation."""
+    """EpiCache: the patch is the episode's medoid windows, rendered like the conversation.
+    `reduce` and `include_patch` choose how the patch's attention becomes a score (the paper's
+    text: max over the patch queries; whether the patch's own keys share the softmax is an
+    implementation choice, measured in docs/quality.md)."""
+    reduce: str = "max"
+    include_patch: bool = True
     name: ClassVar[str] = "epicache"
+
+    def patch_options(self) -> dict:
+        return {"reduce": self.reduce, "include_patch": self.include_patch}
 
 
 @register
@@ -131,17 +145,43 @@ class KVzipScorer(AttentionScorer):
         return torch.cat([self.instruction.to(block.block_ids.device), block.block_ids])
 
 
+def _anchor_distance(keys: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
+    """-cosine similarity of every key to the mean of the `members` keys, per head."""
+    keys = keys.float()
+    anchor = (keys * members[..., None]).sum(1) / members.sum(1, keepdim=True).clamp(min=1)
+    return -torch.nn.functional.cosine_similarity(keys, anchor[:, None, :], dim=-1)
+
+
 @register
 @dataclass
 class KeyDiffScorer(Scorer):
-    """KeyDiff: keep keys unlike the block's mean key (score = -cosine similarity)."""
+    """KeyDiff (the paper's and kvpress's anchor): keep keys unlike the mean of all the keys
+    being compressed, the kept ones and the block's (score = -cosine similarity)."""
     name: ClassVar[str] = "keydiff"
 
     def score(self, layer: LayerState) -> torch.Tensor:
-        keys = layer.keys.float()
-        in_block = (layer.positions >= layer.block_start) & layer.valid
-        anchor = (keys * in_block[..., None]).sum(1) / in_block.sum(1, keepdim=True).clamp(min=1)
-        return -torch.nn.functional.cosine_similarity(keys, anchor[:, None, :], dim=-1)
+        return _anchor_distance(layer.keys, layer.valid)
+
+
+@register
+@dataclass
+class KeyDiffBlockScorer(Scorer):
+    """KeyDiff anchored on the mean key of the block just fed only (this project's first
+    KeyDiff): the block's tokens look like their own mean, so it tends to keep the oldest."""
+    name: ClassVar[str] = "keydiff-block"
+
+    def score(self, layer: LayerState) -> torch.Tensor:
+        return _anchor_distance(layer.keys, (layer.positions >= layer.block_start) & layer.valid)
+
+
+@register
+@dataclass
+class OldestScorer(Scorer):
+    """A diagnostic: keep the first tokens of the conversation (score = -position)."""
+    name: ClassVar[str] = "oldest"
+
+    def score(self, layer: LayerState) -> torch.Tensor:
+        return -layer.positions.float()
 
 
 @register
@@ -174,6 +214,144 @@ class FullScorer(Scorer):
 
     def score(self, layer: LayerState) -> torch.Tensor:
         return torch.ones_like(layer.positions, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Score shaping: wrappers that reshape another scorer's scores (kvpress-style composition)
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class ShapedScorer(Scorer):
+    """A scorer that reshapes the scores of `inner` (its patch and patch options unchanged)."""
+    inner: Scorer
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return self.inner.name
+
+    def patch_ids(self, block: BlockContext) -> torch.Tensor | None:
+        return self.inner.patch_ids(block)
+
+    def patch_options(self) -> dict:
+        return self.inner.patch_options()
+
+
+@dataclass
+class PooledScorer(ShapedScorer):
+    """SnapKV's pooling: each entry scores the max of its neighbours' scores (`kernel` slots
+    wide, per head), so the tokens around an attended token survive with it."""
+    kernel: int = 7
+
+    def score(self, layer: LayerState) -> torch.Tensor:
+        scores = self.inner.score(layer).float().masked_fill(~layer.valid, float("-inf"))
+        pooled = torch.nn.functional.max_pool1d(scores[:, None], self.kernel, stride=1,
+                                                padding=self.kernel // 2)[:, 0]
+        return pooled[:, :scores.shape[1]]
+
+
+@dataclass
+class UtteranceScorer(ShapedScorer):
+    """Whole utterances: every held entry of a line (a turn) scores the mean of its line's
+    held scores in that head, with its own score as a tie-break inside the line, so eviction
+    keeps or drops turns whole and the model can still read (and copy) what it keeps."""
+    line_ids: torch.Tensor  # [N] long: the line of each token position (`TokenLayout.line_ids`)
+    tie_break: float = 1e-3
+
+    def score(self, layer: LayerState) -> torch.Tensor:
+        scores = self.inner.score(layer).float()
+        line_ids = self.line_ids.to(scores.device)
+        lines = line_ids[layer.positions.clamp(max=line_ids.shape[0] - 1)]
+        n_lines = int(line_ids.max()) + 1
+        valid = layer.valid.float()
+        total = torch.zeros(scores.shape[0], n_lines, device=scores.device).scatter_add_(
+            1, lines, torch.where(layer.valid, scores, 0.0))
+        count = torch.zeros_like(total).scatter_add_(1, lines, valid)
+        line_mean = (total / count.clamp(min=1)).gather(1, lines)
+        return line_mean + self.tie_break * scores
+
+
+@dataclass
+class FocusScorer(ShapedScorer):
+    """Weights the scores of the episode's own turns by (1 + `weight`): a cache that only
+    questions about this episode will read keeps this episode's turns first."""
+    member: torch.Tensor  # [N] bool: token positions inside the episode's windows
+    weight: float = 1.0
+
+    def score(self, layer: LayerState) -> torch.Tensor:
+        scores = self.inner.score(layer).float()
+        member = self.member.to(scores.device)
+        inside = member[layer.positions.clamp(max=member.shape[0] - 1)]
+        return torch.where(inside, scores * (1 + self.weight), scores)
+
+
+@dataclass
+class ProtectedScorer(ShapedScorer):
+    """Always keeps the first `sink` tokens and the `recent` most recent ones (StreamingLLM's
+    attention sinks and window, as a safeguard under any scorer)."""
+    sink: int = 0
+    recent: int = 0
+
+    def score(self, layer: LayerState) -> torch.Tensor:
+        scores = self.inner.score(layer).float()
+        newest = int(layer.positions.masked_fill(~layer.valid, -1).max()) + 1
+        protect = (layer.positions < self.sink) | (layer.positions >= newest - self.recent)
+        return scores.masked_fill(protect, float("inf"))
+
+
+@dataclass(frozen=True)
+class ScoringConfig:
+    """How an episode's patch attention becomes the scores its eviction ranks by (hashed into
+    the build configuration). `paper()` is EpiCache as the paper describes it: max attention
+    over the patch queries, token by token, the whole medoid patch. The default keeps the
+    episode's own turns first (`focus`), whole (`utterance`), ranked by the attention of the
+    patch's first 256 tokens: measured in docs/quality.md."""
+    reduce: str = "max"  # over the patch queries and the query heads of a KV group: max | mean
+    include_patch: bool = True  # the patch's own keys share the softmax with the cached keys
+    pool: int = 0  # max-pool the scores over this many neighbouring entries (SnapKV); 0: off
+    utterance: bool = True  # score whole lines (turns): keep or evict utterances whole
+    focus: float = 10.0  # weight the episode's own turns' scores by (1 + focus)
+    sink: int = 0  # always keep the first `sink` tokens
+    recent: int = 0  # always keep the `recent` most recent tokens
+    patch_tokens: int | None = 256  # cap on the patched prompt's length (its first tokens)
+
+    def __post_init__(self):
+        if self.reduce not in ("max", "mean"):
+            raise ValueError(f"reduce must be 'max' or 'mean', got {self.reduce!r}")
+        if self.pool < 0 or self.pool % 2 == 0 and self.pool:
+            raise ValueError(f"pool must be 0 or an odd width, got {self.pool}")
+        if min(self.focus, self.sink, self.recent) < 0:
+            raise ValueError("focus, sink and recent must be non-negative")
+        if self.patch_tokens is not None and self.patch_tokens < 1:
+            raise ValueError(f"patch_tokens must be positive, got {self.patch_tokens}")
+
+    @classmethod
+    def paper(cls) -> "ScoringConfig":
+        return cls(reduce="max", include_patch=True, pool=0, utterance=False, focus=0.0,
+                   sink=0, recent=0, patch_tokens=None)
+
+
+def episodic_scorer(patch: torch.Tensor, config: ScoringConfig, line_ids: torch.Tensor | None = None,
+                    member: torch.Tensor | None = None) -> Scorer:
+    """EpiCache's scorer for one episode: the patch's attention, shaped as `config` says.
+    `line_ids` ([N]: the line of each token) is needed for `utterance`, `member` ([N] bool:
+    the episode's own tokens) for `focus`."""
+    if config.patch_tokens is not None:
+        patch = patch[:config.patch_tokens]
+    scorer: Scorer = EpiCacheScorer(patch=patch, reduce=config.reduce,
+                                    include_patch=config.include_patch)
+    if config.pool:
+        scorer = PooledScorer(scorer, config.pool)
+    if config.utterance:
+        if line_ids is None:
+            raise ValueError("utterance scoring needs the token layout (line ids)")
+        scorer = UtteranceScorer(scorer, line_ids)
+    if config.focus:
+        if member is None:
+            raise ValueError("focus needs the episode's member tokens")
+        scorer = FocusScorer(scorer, member, config.focus)
+    if config.sink or config.recent:
+        scorer = ProtectedScorer(scorer, config.sink, config.recent)
+    return scorer
 
 
 def build_scorer(name: str, encode: Callable[[str], torch.Tensor], patch_text: str | None = None,

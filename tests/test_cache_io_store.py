@@ -272,7 +272,7 @@ def _changed(value):
     if isinstance(value, float):
         return value + 0.5
     if isinstance(value, str):
-        return {"float16": "bfloat16", "headwise": "perhead"}.get(value, value + "-x")
+        return {"float16": "bfloat16", "headwise": "perhead", "max": "mean"}.get(value, value + "-x")
     if value is None:
         return 7
     raise TypeError(value)
@@ -305,6 +305,7 @@ def test_build_config_hash_changes_with_every_field():
     variants = _variants(base)
     paths = [p for p, _ in variants]
     assert {"model", "budget", "alpha", "store_dtype", "episodes.window", "episodes.seed",
+            "scoring.focus", "scoring.utterance", "prefill.head_floor",
             "prefill.block", "prefill.selection", "calibration.sink"} <= set(paths)
     hashes = [v.hash for _, v in variants]
     assert base.hash not in hashes

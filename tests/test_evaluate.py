@@ -39,19 +39,32 @@ def test_patch_choices_of_the_baselines():
         build_scorer("epicache", _encode)
 
 
-def test_keydiff_scores_are_negative_cosine_to_the_block_mean_key():
+def test_keydiff_block_scores_are_negative_cosine_to_the_block_mean_key():
     torch.manual_seed(0)
     keys = torch.randn(2, 10, 8)
     positions = torch.arange(10).expand(2, -1)
     valid = torch.ones(2, 10, dtype=torch.bool)
     valid[1, 9] = False  # an empty slot does not enter the anchor
     state = LayerState(0, keys, keys, valid, positions, None, block_start=6)
-    scores = KeyDiffScorer().score(state)
+    scores = build_scorer("keydiff-block", _encode).score(state)
     for h in range(2):
         members = [i for i in range(6, 10) if valid[h, i]]
         anchor = keys[h, members].mean(0)
         expected = -torch.nn.functional.cosine_similarity(keys[h], anchor[None], dim=-1)
         torch.testing.assert_close(scores[h], expected)
+
+
+def test_keydiff_anchors_on_the_mean_of_every_key_being_compressed():
+    """KeyDiff as its paper and kvpress define it, by hand on 2-d keys: the anchor is the
+    mean of all valid keys (kept and new), the score minus the cosine to it."""
+    keys = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [5.0, 5.0]]])
+    valid = torch.tensor([[True, True, True, False]])  # the padded slot is not in the anchor
+    state = LayerState(0, keys, keys, valid, torch.arange(4)[None], None, block_start=2)
+    scores = KeyDiffScorer().score(state)
+    # anchor = mean of (1,0), (0,1), (1,1) = (2/3, 2/3): direction (1,1)/sqrt(2)
+    expected = torch.tensor([[-1 / 2 ** 0.5, -1 / 2 ** 0.5, -1.0, -1.0]])
+    torch.testing.assert_close(scores, expected)
+    assert KeyDiffScorer.name == "keydiff" and "keydiff" in evaluate.METHODS
 
 
 def test_random_scores_are_reproducible_per_layer_and_block_and_not_a_default_method():
@@ -160,16 +173,16 @@ def test_a_rerun_computes_only_the_cells_it_does_not_have(tmp_path, tiny_llm_dir
     assert _run_evaluate(corpus, out, tiny_llm_dir, "streamingllm,keydiff", "32") == 0
     first = pq.read_table(out / "results.parquet").to_pylist()
     kept = sorted(out.glob("cells/*/*/*.parquet"))
-    assert [p.name for p in kept] == ["full.ref.parquet", "keydiff.32.parquet",
-                                      "none.ref.parquet", "streamingllm.32.parquet"]
+    method_of = lambda p: pq.read_table(p).column("method")[0].as_py()  # noqa: E731
+    assert sorted(method_of(p) for p in kept) == ["full", "keydiff", "none", "streamingllm"]
     mtimes = {p: p.stat().st_mtime_ns for p in kept}
-    [keydiff] = [p for p in kept if p.name.startswith("keydiff")]
+    [keydiff] = [p for p in kept if method_of(p) == "keydiff"]
     keydiff.unlink()  # as if the run had stopped before this cell finished
     assert _run_evaluate(corpus, out, tiny_llm_dir, "streamingllm,keydiff,epicache", "32") == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["cells_reused"] == 3
     assert all(p.stat().st_mtime_ns == t for p, t in mtimes.items() if p != keydiff)
-    assert keydiff.exists() and (keydiff.parent / "epicache.32.parquet").exists()
+    assert keydiff.exists() and "epicache" in {method_of(p) for p in keydiff.parent.glob("*.parquet")}
     second = pq.read_table(out / "results.parquet").to_pylist()
     key = lambda r: (r["method"], r["question_index"])  # noqa: E731
     again = {key(r): r for r in second}

@@ -40,22 +40,29 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # --------------------------------------------------------------------------- plain computations
 
 def full_softmax_scores(q: torch.Tensor, kc: torch.Tensor, kp: torch.Tensor,
-                        valid: torch.Tensor | None, scale: float) -> torch.Tensor:
+                        valid: torch.Tensor | None, scale: float, reduce: str = "max",
+                        include_patch: bool = True) -> torch.Tensor:
     """The definition, materialised in float64: per query head, a softmax over [valid cached
-    keys ; the patch's keys, causal], its cached columns max over the patch queries, then max
-    over each KV group's query heads."""
+    keys ; the patch's keys, causal] (or the cached keys alone), its cached columns max (or
+    mean) over the patch queries and over each KV group's query heads."""
     n_q, n_patch, _ = q.shape
     n_kv, n_cached, _ = kc.shape
     group = n_q // n_kv
+    if not include_patch:  # the patch's keys fully masked: they take no softmax mass
+        kp = kp.new_zeros(n_kv, n_patch, kc.shape[-1])
     keys = torch.cat([kc, kp], dim=1).double().repeat_interleave(group, dim=0)
     logits = q.double() @ keys.transpose(1, 2) * scale  # [Hq, P, N + P]
     if valid is None:
         valid = torch.ones(n_kv, n_cached, dtype=torch.bool, device=q.device)
     allowed = torch.cat([
         valid.repeat_interleave(group, dim=0)[:, None, :].expand(n_q, n_patch, n_cached),
-        torch.ones(n_patch, n_patch, dtype=torch.bool, device=q.device).tril().expand(n_q, -1, -1),
+        torch.ones(n_patch, n_patch, dtype=torch.bool, device=q.device).tril().expand(n_q, -1, -1)
+        & include_patch,
     ], dim=2)
     probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)[..., :n_cached]
+    probs = torch.nan_to_num(probs)  # a row with nothing to see (no valid key) gives 0
+    if reduce == "mean":
+        return probs.mean(dim=1).reshape(n_kv, group, n_cached).mean(dim=1)
     return probs.amax(dim=1).reshape(n_kv, group, n_cached).amax(dim=1)
 
 
@@ -87,7 +94,8 @@ def assert_within_format_bound(x: torch.Tensor, deq: torch.Tensor, scales: torch
 def check_score(device: str, n_q: int, n_kv: int, n_patch: int, n_cached: int, dim: int = 32,
                 dtype: str = "fp32", mask: str = "valid", n_splits: int | None = None,
                 block_m: int = 64, block_n: int = 64, spread: float = 1.5,
-                strided: bool = False, seed: int = 0) -> None:
+                strided: bool = False, seed: int = 0, reduce: str = "max",
+                include_patch: bool = True) -> None:
     """Fused scoring kernel vs the torch reference and the float64 full softmax; invalid slots
     and slots past a head's length score exactly 0."""
     from kernels.score_triton import patch_attention_scores_triton
@@ -115,14 +123,16 @@ def check_score(device: str, n_q: int, n_kv: int, n_patch: int, n_cached: int, d
     got = patch_attention_scores_triton(
         q.to(**on), kc.to(**on), kp.to(**on), None if valid is None else valid.to(**on), scale,
         lengths=None if lengths is None else lengths.to(**on), n_splits=n_splits,
-        block_m=block_m, block_n=block_n).cpu()
-    reference = patch_attention_scores_reference(q, kc, kp, valid, scale, lengths=lengths)
+        block_m=block_m, block_n=block_n, reduce=reduce, include_patch=include_patch).cpu()
+    reference = patch_attention_scores_reference(q, kc, kp, valid, scale, lengths=lengths,
+                                                 reduce=reduce, include_patch=include_patch)
     assert got.shape == (n_kv, n_cached) and got.dtype == torch.float32
     torch.testing.assert_close(got, reference, rtol=RTOL, atol=ATOL)
     seen = torch.ones(n_kv, n_cached, dtype=torch.bool) if valid is None else valid.clone()
     if lengths is not None:
         seen &= torch.arange(n_cached)[None, :] < lengths[:, None]
-    torch.testing.assert_close(got.double(), full_softmax_scores(q, kc, kp, seen, scale),
+    torch.testing.assert_close(got.double(), full_softmax_scores(q, kc, kp, seen, scale, reduce,
+                                                                 include_patch),
                                rtol=RTOL, atol=ATOL)
     assert (got[~seen] == 0).all(), "a slot no query may see must score exactly 0"
     if seen.any():
@@ -265,6 +275,14 @@ CASES = [
          dict(n_q=8, n_kv=2, n_patch=11, n_cached=60, dtype="bf16", strided=True, seed=5)),
     Case("score-gqa3-fp32-tiles16x32", check_score,
          dict(n_q=6, n_kv=2, n_patch=23, n_cached=45, block_m=16, block_n=32, seed=6)),
+    Case("score-gqa3-fp32-mean", check_score,
+         dict(n_q=6, n_kv=2, n_patch=23, n_cached=75, reduce="mean", seed=8)),
+    Case("score-gqa3-fp16-past-only-splits2", check_score,
+         dict(n_q=6, n_kv=2, n_patch=19, n_cached=130, dtype="fp16", include_patch=False,
+              n_splits=2, seed=9)),
+    Case("score-gqa4-fp32-mean-past-only-lengths", check_score,
+         dict(n_q=8, n_kv=2, n_patch=7, n_cached=90, mask="both", reduce="mean",
+              include_patch=False, n_splits=3, seed=10)),
     Case("score-gqa3-bf16-P256-N150-d128", check_score,
          dict(n_q=3, n_kv=1, n_patch=256, n_cached=150, dim=128, dtype="bf16", n_splits=2,
               seed=7)),
