@@ -1,19 +1,21 @@
 """Evaluate cache-building methods on a corpus: retention, answer NLL and F1, per method and budget.
 
-    python -m jobs.evaluate --corpus ../shared/data/locomo --limit-conversations 3 \\
-        --max-context-tokens 7600 --questions-per-conversation 40 --budgets 256,512,1024 \\
-        --methods full,streamingllm,snapkv,infinipot,kvzip,keydiff,epicache,question --out eval-out
+    python -m jobs.evaluate --corpus ../shared/data/locomo --conversations 26,30,41 \\
+        --max-context-tokens 7600 --questions-per-conversation 40 --budgets 512,1024 \\
+        --methods full,streamingllm,snapkv,keydiff,epicache --out eval-out
 
 One Ray task per (conversation, method, budget) cell, plus the two references per
 conversation (full cache, no history), so the same command scales from this machine to a
 cluster. Writes results.parquet (per question), summary.json, table.md and retention.png.
 Each finished cell's records are kept under `--out` (cells/...), keyed by the conversation's
-content and the evaluation configuration, so a re-run after an interruption (or with more
-methods or budgets) computes only the cells it does not have.
+content and what decides the cell (the method's effective configuration, the measurement
+settings), so a re-run after an interruption (or with more methods or budgets) computes only
+the cells it does not have. A failed cell is listed in summary.json and the run exits 1.
 
 Methods take variants (see `pipeline.evaluate`): `epicache-tri` (ARKV tri-state, budget M =
 the bytes of M float16 tokens per layer and KV head), `epicache-dapq`, `epicache-merge`,
-`epicache-d2o`, or combined, `epicache+tri+dapq+merge`.
+`epicache-d2o`, or combined, `epicache+tri+dapq+merge`; EpiCache's recipe knobs one at a time,
+`epicache+alpha1`, `epicache+tok`, `epicache+focus0`, ... (docs/quality.md).
 """
 
 from __future__ import annotations
@@ -157,32 +159,67 @@ def plot_retention(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def collect_cells(pending: dict, kept: LocalStore) -> tuple[list[dict], list[dict]]:
+    """Wait for every cell task (`pending`: ref -> (conversation id, method, budget, key)); keep
+    each finished cell's records under `key`. Returns the records and the failed cells."""
+    records, failed = [], []
+    with tqdm(total=len(pending), unit="cell", desc="evaluate") as bar:
+        while pending:
+            [ref], _ = ray.wait(list(pending), num_returns=1)
+            cid, method, budget, key = pending.pop(ref)
+            try:
+                cell_records = ray.get(ref)
+            except Exception as e:
+                reason = str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
+                print(f"cell {cid}/{method}/{budget} failed: {reason}", file=sys.stderr)
+                failed.append({"conversation_id": cid, "method": method, "budget": budget,
+                               "error": reason})
+            else:
+                kept.put(key, _records_bytes(cell_records))
+                records.extend(cell_records)
+            bar.update(1)
+    return records, failed
+
+
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m jobs.evaluate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--corpus", required=True)
-    p.add_argument("--out", default="eval-out")
-    p.add_argument("--methods", default=",".join(evaluate.METHODS))
-    p.add_argument("--budgets", default="256,512,1024")
-    p.add_argument("--model", default=models.DEFAULT_LLM)
-    p.add_argument("--encoder", default=models.DEFAULT_ENCODER)
-    p.add_argument("--max-context-tokens", type=int, default=None)
-    p.add_argument("--questions-per-conversation", type=int, default=None)
-    p.add_argument("--limit-conversations", type=int, default=None)
+    p = argparse.ArgumentParser(prog="python -m jobs.evaluate", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--corpus", required=True, help="LoCoMo .json, the project's JSONL, or a folder")
+    p.add_argument("--out", default="eval-out", help="output folder (finished cells kept in cells/)")
+    p.add_argument("--methods", default=",".join(evaluate.METHODS),
+                   help=f"comma-separated methods: {', '.join(evaluate.METHODS)}; also "
+                        f"{', '.join(evaluate.EXTRA_METHODS)}; each with +variants (README)")
+    p.add_argument("--budgets", default="256,512,1024",
+                   help="comma-separated budgets: mean entries per layer and KV head (tri-state "
+                        "variants: the bytes of that many float16 entries)")
+    p.add_argument("--model", default=models.DEFAULT_LLM, help="LLM: packaged name or local folder")
+    p.add_argument("--encoder", default=models.DEFAULT_ENCODER, help="sentence encoder (routing)")
+    p.add_argument("--max-context-tokens", type=int, default=None,
+                   help="cut each conversation at a session boundary to fit (default: whole)")
+    p.add_argument("--questions-per-conversation", type=int, default=None,
+                   help="the first N questions of each conversation (default: all)")
+    p.add_argument("--limit-conversations", type=int, default=None,
+                   help="the first N conversations (default: all)")
     p.add_argument("--conversations", default=None,
                    help="comma-separated conversation ids to evaluate (LoCoMo's locomo-26 may be "
                         "given as 26); default: all")
-    p.add_argument("--episodes", type=int, default=4)
-    p.add_argument("--medoids", type=int, default=4)
-    p.add_argument("--window", type=int, default=4)
-    p.add_argument("--alpha", type=float, default=BuildConfig.alpha)
-    p.add_argument("--block", type=int, default=512)
-    p.add_argument("--selection", default="headwise", choices=["headwise", "perhead"])
+    p.add_argument("--episodes", type=int, default=4, help="EpiCache episodes per conversation")
+    p.add_argument("--medoids", type=int, default=4, help="medoid windows in an episode's patch")
+    p.add_argument("--window", type=int, default=4, help="utterances per clustering window")
+    p.add_argument("--alpha", type=float, default=BuildConfig.alpha,
+                   help="EpiCache layer-allocation sharpness (0: uniform budgets)")
+    p.add_argument("--block", type=int, default=512, help="block-prefill block (tokens)")
+    p.add_argument("--selection", default="headwise", choices=["headwise", "perhead"],
+                   help="top-k across a layer's heads (AdaKV) or per head")
     p.add_argument("--f1", action="store_true",
                    help="also generate answers and score F1 (slow; at the floor for a 135M model)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--calibration-tokens", type=int, default=4096)
-    p.add_argument("--calibration-window", type=int, default=1024)
-    p.add_argument("--on-bad-record", default="fail", choices=["fail", "skip"])
+    p.add_argument("--max-new-tokens", type=int, default=32, help="answer length with --f1")
+    p.add_argument("--calibration-tokens", type=int, default=4096,
+                   help="calibration text length (layer profiles)")
+    p.add_argument("--calibration-window", type=int, default=1024,
+                   help="calibration: the simulated budget (sink + recent tokens)")
+    p.add_argument("--on-bad-record", default="fail", choices=["fail", "skip"],
+                   help="a malformed corpus record stops the run, or is skipped")
     t = TriStateConfig()
     p.add_argument("--tri-window", type=int, default=t.window, help="ARKV protected recent window")
     p.add_argument("--tri-gamma", type=float, default=t.gamma, help="ARKV heavy-hitter gamma")
@@ -254,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     layer_budgets = {(m, b): config.build_config(m, b).allocator_strategy().allocate(
         profiles[evaluate.allocator_of(m)], b) for m in allocated for b in budgets}
     kept = LocalStore(out)  # finished cells (atomic writes: a cell is whole or absent)
-    pending, prep_refs, records, reused, failed = {}, [], [], 0, []
+    pending, prep_refs, records, reused = {}, [], [], 0
     for conv in convs:
         prep = prepare_task.remote(conv, config)
         prep_refs.append(prep)
@@ -272,21 +309,8 @@ def main(argv: list[str] | None = None) -> int:
             pending[ref] = (conv.conversation_id, method, budget, key)
     if reused:
         print(f"reusing {reused} finished cells from {out}/cells", file=sys.stderr)
-    with tqdm(total=len(pending), unit="cell", desc="evaluate") as bar:
-        while pending:
-            [ref], _ = ray.wait(list(pending), num_returns=1)
-            cid, method, budget, key = pending.pop(ref)
-            try:
-                cell_records = ray.get(ref)
-            except Exception as e:
-                reason = str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
-                print(f"cell {cid}/{method}/{budget} failed: {reason}", file=sys.stderr)
-                failed.append({"conversation_id": cid, "method": method, "budget": budget,
-                               "error": reason})
-            else:
-                kept.put(key, _records_bytes(cell_records))
-                records.extend(cell_records)
-            bar.update(1)
+    cell_records, failed = collect_cells(pending, kept)
+    records.extend(cell_records)
     records = evaluate.with_retention(records)
     rows = evaluate.summarise(records)
     preps = ray.get(prep_refs)

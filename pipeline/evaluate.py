@@ -177,7 +177,9 @@ class EvalConfig:
         """The build configuration of a cell (it decides the layer budgets)."""
         allocator = allocator_of(method)
         recipe = self.recipe(method)
-        return BuildConfig(model=self.model, encoder=self.encoder, scorer="epicache",
+        base, _ = parse_method(method)
+        scorer = "epicache" if base in EPISODIC else "full" if base == "none" else base
+        return BuildConfig(model=self.model, encoder=self.encoder, scorer=scorer,
                            budget=budget, alpha=recipe.alpha if allocator == "sensitivity" else 0.0,
                            allocator=allocator or "sensitivity",
                            variance_temperature=self.variance_temperature,

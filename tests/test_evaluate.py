@@ -207,3 +207,26 @@ def test_harness_end_to_end_with_smollm2(tmp_path, ray_local):
     full = [r["evidence_nll"] for r in records if r["method"] == "full"]
     none = [r["evidence_nll"] for r in records if r["method"] == "none"]
     assert sum(full) < sum(none)
+
+
+def test_a_failed_cell_is_reported_and_the_others_kept(tmp_path, ray_local):
+    """`collect_cells` over real Ray tasks: the failing cell is listed with its error, the
+    finished one is kept under its key and returned."""
+    import ray
+
+    from pipeline.store import LocalStore
+
+    @ray.remote(max_retries=0)
+    def cell(fail: bool) -> list[dict]:
+        if fail:
+            raise RuntimeError("out of memory in layer 3")
+        return [{"method": "keydiff", "evidence_nll": 1.5}]
+
+    kept = LocalStore(tmp_path)
+    pending = {cell.remote(False): ("c1", "keydiff", 32, "cells/c1/x/ok.parquet"),
+               cell.remote(True): ("c1", "snapkv", 32, "cells/c1/x/bad.parquet")}
+    records, failed = evaluate_job.collect_cells(pending, kept)
+    assert records == [{"method": "keydiff", "evidence_nll": 1.5}]
+    assert failed == [{"conversation_id": "c1", "method": "snapkv", "budget": 32,
+                       "error": "RuntimeError: out of memory in layer 3"}]
+    assert kept.exists("cells/c1/x/ok.parquet") and not kept.exists("cells/c1/x/bad.parquet")
