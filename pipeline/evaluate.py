@@ -78,11 +78,6 @@ def parse_method(name: str) -> tuple[str, frozenset[str]]:
     return base, frozenset(variants)
 
 
-def _number(variants: frozenset[str], key: str) -> float | None:
-    values = [n[1] for n in map(_numbered, variants) if n is not None and n[0] == key]
-    return values[-1] if values else None
-
-
 def _oq_scale(variant: str) -> float | None:
     """`oq25` -> 0.25 (the OQ-ratio scale variant), else None."""
     n = _numbered(variant)
@@ -143,19 +138,18 @@ class EvalConfig:
                  "qmean": ("reduce", "mean"), "qmax": ("reduce", "max"),
                  "utt": ("utterance", True), "tok": ("utterance", False)}
         changes = dict(flags[x] for x in v if x in flags)
-        for key in ("pool", "sink", "recent"):
-            if _number(v, key) is not None:
-                changes[key] = int(_number(v, key))
-        if _number(v, "focus") is not None:
-            changes["focus"] = _number(v, "focus") / 100
-        if _number(v, "cap") is not None:
-            changes["patch_tokens"] = int(_number(v, "cap")) or None
+        numbers = dict(n for n in map(_numbered, sorted(v)) if n is not None)
+        changes |= {key: int(numbers[key]) for key in ("pool", "sink", "recent") if key in numbers}
+        if "focus" in numbers:
+            changes["focus"] = numbers["focus"] / 100
+        if "cap" in numbers:
+            changes["patch_tokens"] = int(numbers["cap"]) or None
         scoring = replace(scoring, **changes)
-        alpha = _number(v, "alpha") if _number(v, "alpha") is not None else alpha
+        alpha = numbers.get("alpha", alpha)
         selection = "perhead" if "perhead" in v else "headwise" if "headwise" in v else selection
-        floor = _number(v, "floor") / 100 if _number(v, "floor") is not None else floor
-        ep_changes = {k: int(_number(v, key)) for key, k in (("med", "medoids"), ("ep", "episodes"))
-                      if _number(v, key) is not None}
+        floor = numbers["floor"] / 100 if "floor" in numbers else floor
+        ep_changes = {field_: int(numbers[key]) for key, field_ in
+                      (("med", "medoids"), ("ep", "episodes")) if key in numbers}
         return Recipe(scoring, alpha, selection, floor, replace(episodes, **ep_changes))
 
     def prefill_config(self, method: str) -> PrefillConfig:
