@@ -1,6 +1,7 @@
 """Answer questions about a built conversation from its episodic caches.
 
-    python -m jobs.answer --store DIR --conversation ID --question Q [--question Q2 ...] [--json]
+    python -m jobs.answer --store DIR|s3://bucket/prefix --conversation ID --question Q
+        [--question Q2 ...] [--json]
 
 Each question is routed to the nearest episode; consecutive questions routed to the same
 episode reuse the resident cache.
@@ -22,7 +23,9 @@ from pipeline.store import StoreError, open_store
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jobs.answer", description=__doc__.split("\n\n")[0])
-    p.add_argument("--store", required=True)
+    p.add_argument("--store", required=True, help="store folder, or s3://bucket/prefix")
+    p.add_argument("--s3-endpoint", default=None,
+                   help="S3-compatible endpoint URL (default: $EPICACHE_S3_ENDPOINT, else AWS)")
     p.add_argument("--conversation", required=True)
     p.add_argument("--question", action="append", required=True, help="may repeat")
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -31,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     try:
-        answerer = Answerer(open_store(a.store))
+        answerer = Answerer(open_store(a.store, endpoint_url=a.s3_endpoint, create=False))
         for q in a.question:
             r = answerer.answer(a.conversation, q, a.max_new_tokens, a.temperature)
             if a.json:

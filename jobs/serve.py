@@ -252,7 +252,7 @@ class Decoder:
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.store = open_store(store, endpoint_url=s3_endpoint)
+        self.store = open_store(store, endpoint_url=s3_endpoint, create=False)
         self.model_name = model
         self.lm = models.load_llm(model, self.device)
         self.caches = CacheLRU(cache_bytes)
@@ -344,7 +344,8 @@ class Router:
         self.decoder = decoder
         self.settings = ServeSettings(**settings)
         self.model_name, self.encoder_name = model, encoder
-        self.store = open_store(self.settings.store, endpoint_url=self.settings.s3_endpoint)
+        self.store = open_store(self.settings.store, endpoint_url=self.settings.s3_endpoint,
+                                create=False)
         self.encoder = models.load_encoder(encoder, "cpu")
         self.encoder_lock = threading.Lock()  # a tokenizer is not safe across threads
         self._conversations: dict[str, _Conversation] = {}
@@ -628,7 +629,7 @@ def app_builder(args: dict[str, str]):
     kwargs.setdefault("auth_token", os.environ.get(AUTH_ENV) or None)
     kwargs.setdefault("s3_endpoint", os.environ.get("EPICACHE_S3_ENDPOINT") or None)
     settings = ServeSettings(**kwargs)
-    store = open_store(settings.store, endpoint_url=settings.s3_endpoint)
+    store = open_store(settings.store, endpoint_url=settings.s3_endpoint, create=False)
     model, encoder = resolve_models(store, settings.model, settings.encoder)
     return build_app(settings, model, encoder)
 
@@ -689,7 +690,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         settings = settings_from_args(a)
-        store = open_store(settings.store, endpoint_url=settings.s3_endpoint)
+        store = open_store(settings.store, endpoint_url=settings.s3_endpoint, create=False)
         model, encoder = resolve_models(store, settings.model, settings.encoder)
     except (StoreError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

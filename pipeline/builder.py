@@ -24,7 +24,7 @@ from pipeline.config import BuildConfig
 from pipeline.corpus import Conversation, cut_at_session, render_conversation
 from pipeline.episodes import Episode, EpisodeConfig, EpisodeSet, build_episodes, member_turn_ids
 from pipeline.layout import token_layout
-from pipeline.manifest import read_manifest, write_manifest
+from pipeline.manifest import ManifestError, read_manifest, write_manifest
 from pipeline.prefill import block_prefill
 from pipeline.scorers import EpiCacheScorer, Scorer, build_scorer, episodic_scorer
 from pipeline.store import Store, cache_key, profile_key
@@ -174,7 +174,13 @@ def build_episode(clustered: ClusterResult, episode: int, budgets: list[int] | N
 # ---------------------------------------------------------------------------------------------
 
 def is_built(store: Store, conversation_id: str, config: BuildConfig) -> bool:
-    rows = read_manifest(store, conversation_id)
+    """Whether the conversation's manifest carries this configuration; a corrupt manifest is
+    not a build (rebuilding replaces it), so it is logged and the conversation rebuilt."""
+    try:
+        rows = read_manifest(store, conversation_id)
+    except ManifestError as e:
+        log.warning("%s; rebuilding the conversation", e)
+        return False
     return bool(rows) and all(r["config_hash"] == config.hash for r in rows)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.store import ObjectNotFound, Store, manifest_key
+from pipeline.store import ObjectNotFound, Store, StoreError, manifest_key
 
 MANIFEST_SCHEMA = pa.schema([
     ("conversation_id", pa.string()),
@@ -60,6 +60,23 @@ STATE_SCHEMA = pa.schema([
 ])
 
 
+# Every writer since the first has written these (node_id came later; the state columns later).
+REQUIRED_COLUMNS = tuple(name for name in MANIFEST_SCHEMA.names if name != "node_id")
+
+
+class ManifestError(StoreError):
+    """A manifest that exists but cannot be read as one (not Parquet, truncated, columns
+    missing, no rows). The message names the manifest, so every command that meets it can say
+    which one is broken; `key` and `reason` are kept for reports."""
+
+    def __init__(self, key: str, store_uri: str, reason: str):
+        super().__init__(key, store_uri, reason)  # args as given, so it pickles (Ray)
+        self.key, self.store_uri, self.reason = key, store_uri, reason
+
+    def __str__(self) -> str:
+        return f"manifest {self.key!r} in store {self.store_uri} is corrupt: {self.reason}"
+
+
 def write_manifest(store: Store, conversation_id: str, rows: list[dict]) -> None:
     rows = sorted(rows, key=lambda r: r["episode"])
     schema = pa.schema(list(MANIFEST_SCHEMA) + [f for f in STATE_SCHEMA
@@ -71,13 +88,38 @@ def write_manifest(store: Store, conversation_id: str, rows: list[dict]) -> None
 
 
 def read_manifest(store: Store, conversation_id: str) -> list[dict] | None:
-    """The manifest rows of a conversation, or None if it has not been built."""
+    """The manifest rows of a conversation, or None if it has not been built; a manifest that
+    cannot be read raises `ManifestError` naming it."""
+    key = manifest_key(conversation_id)
     try:
-        data = store.get(manifest_key(conversation_id))
+        data = store.get(key)
     except ObjectNotFound:
         return None
-    return pq.read_table(pa.BufferReader(data)).to_pylist()
+    return parse_manifest(data, key, store.uri)
+
+
+def parse_manifest(data: bytes, key: str, store_uri: str) -> list[dict]:
+    """Rows of a manifest's bytes, or `ManifestError` saying why they are not a manifest."""
+    def bad(reason: str) -> ManifestError:
+        return ManifestError(key, store_uri, reason)
+
+    try:
+        table = pq.read_table(pa.BufferReader(data))
+    except (pa.ArrowException, OSError, ValueError) as e:
+        cause = (str(e).splitlines() or [type(e).__name__])[0]
+        cause = cause.removeprefix("Could not open Parquet input source '<Buffer>': ")
+        raise bad(f"not a readable Parquet file ({cause})") from None
+    missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
+    if missing:
+        raise bad(f"missing column(s) {', '.join(missing)}")
+    rows = table.to_pylist()
+    if not rows:
+        raise bad("it has no rows")
+    if any(not isinstance(r["object_key"], str) or not r["object_key"] for r in rows):
+        raise bad("a row names no object_key")
+    return rows
 
 
 def list_conversations(store: Store) -> list[str]:
+    """Ids of the conversations with a manifest (built ones), sorted."""
     return [k.removeprefix("manifests/").removesuffix(".parquet") for k in store.list("manifests/")]

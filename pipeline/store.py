@@ -105,9 +105,17 @@ class Store(ABC):
 class LocalStore(Store):
     """A directory; atomic writes by write-to-temporary then rename in the same folder."""
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, *, create: bool = True):
+        """`create=False` refuses a folder that does not exist: a reader given a mistyped path
+        must fail, not create an empty store and report nothing built."""
         self.root = Path(root).expanduser().resolve()
         self.uri = str(self.root)
+        if not create:
+            if not self.root.exists():
+                raise StoreError(f"store folder {self.root} does not exist")
+            if not self.root.is_dir():
+                raise StoreError(f"store {self.root} is not a folder")
+            return
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -396,18 +404,22 @@ class S3Store(Store):
                    Bucket=self.bucket, Key=key, UploadId=upload_id)
 
 
-def open_store(uri: str, *, endpoint_url: str | None = None, region: str | None = None) -> Store:
+def open_store(uri: str, *, endpoint_url: str | None = None, region: str | None = None,
+               create: bool = True) -> Store:
     """A store from a URI: a local folder (path or file://) or `s3://bucket/prefix`.
 
     For S3, the endpoint is `endpoint_url`, else $EPICACHE_S3_ENDPOINT, else boto3's own
-    resolution (AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, or AWS). Opening checks the bucket.
+    resolution (AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, or AWS). Opening checks the bucket: a
+    missing bucket is a `StoreError` (buckets are never created; an empty prefix is an empty
+    store). A local folder is created unless `create=False`, which read-only commands pass so
+    that a store that does not exist is a `StoreError` naming it.
     """
     if uri.startswith("s3://"):
         bucket, prefix = parse_s3_uri(uri)
         return S3Store(bucket, prefix, region=region,
                        endpoint_url=endpoint_url or os.environ.get(S3_ENDPOINT_ENV) or None)
     if uri.startswith("file://"):
-        return LocalStore(uri.removeprefix("file://"))
+        return LocalStore(uri.removeprefix("file://"), create=create)
     if "://" in uri:
         raise StoreError(f"unsupported store URI {uri!r}: use a local folder or s3://bucket/prefix")
-    return LocalStore(uri)
+    return LocalStore(uri, create=create)
