@@ -10,7 +10,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.store import ObjectNotFound, Store, StoreError, manifest_key
+from pipeline.store import ObjectNotFound, Store, StoreError, check_key, manifest_key
 
 MANIFEST_SCHEMA = pa.schema([
     ("conversation_id", pa.string()),
@@ -115,8 +115,12 @@ def parse_manifest(data: bytes, key: str, store_uri: str) -> list[dict]:
     rows = table.to_pylist()
     if not rows:
         raise bad("it has no rows")
-    if any(not isinstance(r["object_key"], str) or not r["object_key"] for r in rows):
-        raise bad("a row names no object_key")
+    for r in rows:
+        try:
+            check_key(r["object_key"] if isinstance(r["object_key"], str) else "")
+        except StoreError:
+            raise bad(f"episode {r['episode']} names no valid object_key "
+                      f"({r['object_key']!r})") from None
     return rows
 
 

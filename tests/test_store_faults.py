@@ -114,6 +114,12 @@ def _parquet(table: pa.Table) -> bytes:
     return sink.getvalue()
 
 
+def _with_object_keys(good: bytes, keys: list) -> bytes:
+    table = pq.read_table(pa.BufferReader(good))
+    column = MANIFEST_SCHEMA.names.index("object_key")
+    return _parquet(table.set_column(column, "object_key", pa.array(keys, pa.string())))
+
+
 CORRUPT = {  # bytes under manifests/<id>.parquet, and what the error says
     "not parquet": (lambda good: b"<html>not a manifest</html>", "not a readable Parquet file"),
     "truncated": (lambda good: good[: len(good) // 2], "not a readable Parquet file"),
@@ -122,6 +128,8 @@ CORRUPT = {  # bytes under manifests/<id>.parquet, and what the error says
                         "missing column(s) episode, episodes_requested"),
     "no rows": (lambda good: _parquet(pq.read_table(pa.BufferReader(good)).slice(0, 0)),
                 "it has no rows"),
+    "unsafe object key": (lambda good: _with_object_keys(good, ["../../etc/passwd", None]),
+                          "episode 0 names no valid object_key ('../../etc/passwd')"),
 }
 
 
