@@ -160,6 +160,12 @@ class _Record:
             raise self.fail(path, f"must be {names}, got {type(value).__name__}")
         if nonempty and not (value.strip() if isinstance(value, str) else value):
             raise self.fail(path, "must not be empty")  # whitespace is empty too
+        if isinstance(value, str) and not value.isascii():
+            try:  # a JSON escape like \ud800 decodes to text no tokenizer or file can take
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise self.fail(path, f"is not valid text (unpaired surrogate "
+                                      f"{value[e.start]!a} at character {e.start + 1})") from None
         return value
 
 
@@ -538,8 +544,7 @@ def check_corpus(path: str | Path, on_bad_record: OnBadRecord = "fail",
     Each skip goes to `report` (one JSON object a line: the full `skipped.jsonl`) and the
     first `shown` to `out` (stderr). A corpus that yields no conversation raises."""
     out = out if out is not None else sys.stderr
-    sink = (lambda s: report.write(json.dumps(s.as_dict(), ensure_ascii=False) + "\n")) \
-        if report is not None else None
+    sink = (lambda s: report.write(json.dumps(s.as_dict()) + "\n")) if report is not None else None
     stats = ReadStats(keep=shown, sink=sink)
     for _ in iter_corpus(path, on_bad_record, stats, limits):
         pass

@@ -273,3 +273,18 @@ def test_skip_mode_build_counts_and_keeps_conversations_with_a_dropped_question(
     assert f"bad records skipped {n_records}; questions dropped {n_questions}" in summary.line()
     assert sorted(k.split("/")[1] for k in store.list("manifests/")) == \
         ["good-0.parquet", "q-0.parquet", "q-1.parquet", "q-2.parquet"]
+
+
+def test_unpaired_surrogate_escape_is_not_text(tmp_path):
+    """A JSON escape that decodes to an unpaired surrogate (valid JSON, not valid text: no
+    tokenizer or file could take it) fails its record naming the field, before any build."""
+    rec = record("a")
+    rec["turns"][2]["text"] = "caf\u00e9 \ud800"
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps(rec) + "\n" + json.dumps(record("b")) + "\n")  # ASCII escapes
+    with pytest.raises(CorpusError, match=r"record 1 \(conversation 'a'\): field 'turns\[2\]\.text'"
+                                          r": is not valid text \(unpaired surrogate '\\ud800' at "
+                                          r"character 6\)"):
+        read_corpus(corpus)
+    convs, stats = read_corpus(corpus, "skip")
+    assert [c.conversation_id for c in convs] == ["b"] and stats.records_skipped == 1
