@@ -35,7 +35,7 @@ import time  # noqa: E402
 from collections import deque  # noqa: E402
 from dataclasses import dataclass, field, replace  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Iterator  # noqa: E402
+from typing import IO, Any, Iterator  # noqa: E402
 
 import ray  # noqa: E402
 from tqdm import tqdm  # noqa: E402
@@ -44,7 +44,9 @@ from tqdm.contrib.logging import logging_redirect_tqdm  # noqa: E402
 from pipeline import builder, models  # noqa: E402
 from pipeline.calibrate import CalibrationConfig  # noqa: E402
 from pipeline.config import BuildConfig  # noqa: E402
-from pipeline.corpus import Conversation, CorpusError, ReadStats, iter_corpus  # noqa: E402
+from pipeline.corpus import (DEFAULT_LIMITS, SKIP_REPORT, Conversation, CorpusError,  # noqa: E402
+                             CorpusLimits, ReadStats, add_corpus_options, check_corpus,
+                             iter_corpus, limits_from_args)
 from pipeline.episodes import EpisodeConfig  # noqa: E402
 from pipeline.compress import MergeConfig, TriStateConfig  # noqa: E402
 from pipeline.prefill import PrefillConfig  # noqa: E402
@@ -163,6 +165,7 @@ class Summary:
     bytes: int = 0
     loads: dict[tuple[str, int], int] = field(default_factory=dict)  # (node, pid) -> model loads
     bad_records: int = 0
+    questions_dropped: int = 0  # bad questions dropped from kept conversations (skip mode)
     tasks: int = 0  # tasks submitted
     peak_in_flight: int = 0  # most tasks submitted and not yet collected at any time
     seconds: float = 0.0
@@ -176,7 +179,8 @@ class Summary:
         return (f"built {self.built} conversations ({self.episodes} episode caches, "
                 f"{self.tokens:,} tokens, {self.bytes / 2**20:.1f} MiB) in {seconds:.1f}s; "
                 f"skipped {self.skipped} up to date; failed {len(self.failed)}; "
-                f"bad records skipped {self.bad_records}; model loads {sum(self.loads.values())} "
+                f"bad records skipped {self.bad_records}; questions dropped "
+                f"{self.questions_dropped}; model loads {sum(self.loads.values())} "
                 f"in {_n(len(self.loads), 'worker')} on {_n(len(self.nodes), 'node')}; "
                 f"store {store}")
 
@@ -343,14 +347,15 @@ class _Driver:
 def run_build(corpus: str, store: str | Store, config: BuildConfig, *, force: bool = False,
               on_bad_record: str = "fail", max_in_flight: int = 16, num_cpus: float = 1,
               num_gpus: float = 0, max_retries: int = 2, progress: bool = True,
-              stages: Stages = MODEL_STAGES) -> Summary:
+              stages: Stages = MODEL_STAGES, limits: CorpusLimits = DEFAULT_LIMITS) -> Summary:
     """Drive the whole build on the connected Ray; returns the summary (the caller decides the
-    exit code). `corpus` is a local path or an s3:// URI; `store` a Store or its URI."""
+    exit code). `corpus` is a local path or an s3:// URI; `store` a Store or its URI. It reads
+    the corpus as it goes: `main` has validated it first (`check_corpus`)."""
     store = open_store(store) if isinstance(store, str) else store
     endpoint = store.endpoint_url if isinstance(store, S3Store) else None
     with local_corpus(corpus, endpoint) as path:
         stats = ReadStats()
-        conversations = iter_corpus(path, on_bad_record, stats)
+        conversations = iter_corpus(path, on_bad_record, stats, limits)
         resources = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_retries": max_retries}
         # log lines go above the bar, not through it
         redirect = logging_redirect_tqdm() if progress else contextlib.nullcontext()
@@ -359,7 +364,7 @@ def run_build(corpus: str, store: str | Store, config: BuildConfig, *, force: bo
             summary = _Driver(conversations, store, config, stages, force=force,
                               max_in_flight=max_in_flight, resources=resources,
                               max_retries=max_retries, bar=bar).run()
-    summary.bad_records = len(stats.skipped)
+    summary.bad_records, summary.questions_dropped = stats.records_skipped, stats.questions_dropped
     return summary
 
 
@@ -402,7 +407,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--store-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     p.add_argument("--calibration-tokens", type=int, default=4096)
     p.add_argument("--calibration-window", type=int, default=1024)
-    p.add_argument("--on-bad-record", default="fail", choices=["fail", "skip"])
+    add_corpus_options(p)
     t = TriStateConfig()
     p.add_argument("--tristate", action="store_true",
                    help="ARKV tri-state compression: --budget M = the bytes of M Original tokens "
@@ -466,6 +471,18 @@ def init_ray(address: str | None = None) -> None:
                  runtime_env={"env_vars": _WORKER_ENV})
 
 
+def put_skip_report(store: Store, report: IO[str]) -> str | None:
+    """Upload the run's skip report (spooled by `check_corpus`) to the store, under a folder of
+    its own per run (`reports/<UTC time>-<pid>/skipped.jsonl`: a re-run never overwrites an
+    earlier report, and manifests/ holds manifests only); None when nothing was skipped."""
+    if report.tell() == 0:
+        return None
+    report.seek(0)
+    key = f"reports/{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}/{SKIP_REPORT}"
+    store.put(key, report.read().encode("utf-8"))
+    return key
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -473,19 +490,26 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         config = config_from_args(a)
+        limits = limits_from_args(a)
         if a.max_in_flight < 1 or a.max_retries < 0:
             raise ValueError("--max-in-flight must be at least 1 and --max-retries at least 0")
-        store = open_store(a.store, endpoint_url=a.s3_endpoint, region=a.s3_region)
-        with local_corpus(a.corpus, a.s3_endpoint) as corpus:
-            if not Path(corpus).exists():
-                raise CorpusError(f"{corpus}: no such file or folder")
+        with local_corpus(a.corpus, a.s3_endpoint) as corpus, \
+                tempfile.TemporaryFile("w+", encoding="utf-8") as report:
+            # The whole corpus is validated before the store is opened (a local one would be
+            # created) and before Ray and the model start: a bad corpus fails in seconds and
+            # writes nothing. run_build then streams it a second time.
+            check_corpus(corpus, a.on_bad_record, limits, report)
+            store = open_store(a.store, endpoint_url=a.s3_endpoint, region=a.s3_region)
+            if (key := put_skip_report(store, report)) is not None:
+                print(f"skip report: {store.uri}/{key}", file=sys.stderr)
             init_ray(a.ray_address)
             gpus = a.gpus_per_task if a.gpus_per_task is not None else \
                 (1 if ray.cluster_resources().get("GPU", 0) > 0 else 0)
             summary = run_build(corpus, store, config, force=a.force,
                                 on_bad_record=a.on_bad_record, max_in_flight=a.max_in_flight,
                                 num_cpus=a.cpus_per_task, num_gpus=gpus,
-                                max_retries=a.max_retries, progress=not a.no_progress)
+                                max_retries=a.max_retries, progress=not a.no_progress,
+                                limits=limits)
     except (ValueError, CorpusError, StoreError, models.ModelNotFoundError, BuildError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -28,6 +28,7 @@ import logging
 import math
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,7 +42,8 @@ from pipeline import builder, evaluate, models
 from pipeline.calibrate import CalibrationConfig
 from pipeline.compress import MergeConfig, TriStateConfig
 from pipeline.config import BuildConfig
-from pipeline.corpus import Conversation, CorpusError, iter_corpus
+from pipeline.corpus import (SKIP_REPORT, Conversation, CorpusError, ReadStats,
+                             add_corpus_options, check_corpus, iter_corpus, limits_from_args)
 from pipeline.episodes import EpisodeConfig
 from pipeline.store import LocalStore, open_store
 
@@ -218,8 +220,7 @@ def parse_args(argv):
                    help="calibration text length (layer profiles)")
     p.add_argument("--calibration-window", type=int, default=1024,
                    help="calibration: the simulated budget (sink + recent tokens)")
-    p.add_argument("--on-bad-record", default="fail", choices=["fail", "skip"],
-                   help="a malformed corpus record stops the run, or is skipped")
+    add_corpus_options(p)
     t = TriStateConfig()
     p.add_argument("--tri-window", type=int, default=t.window, help="ARKV protected recent window")
     p.add_argument("--tri-gamma", type=float, default=t.gamma, help="ARKV heavy-hitter gamma")
@@ -263,25 +264,34 @@ def main(argv: list[str] | None = None) -> int:
         merge=MergeConfig(enabled=True, beta=a.merge_beta),
         variance_temperature=a.variance_temperature)
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    # The corpus is read whole before --out is written to and before Ray starts.
+    with tempfile.TemporaryFile("w+", encoding="utf-8") as report:
+        try:
+            limits = limits_from_args(a)
+            read = check_corpus(a.corpus, a.on_bad_record, limits, report)
+            convs = list(iter_corpus(a.corpus, a.on_bad_record, ReadStats(keep=0), limits))
+            if a.conversations:
+                wanted = [c.strip() for c in a.conversations.split(",") if c.strip()]
+                ids = {c.conversation_id for c in convs}
+                missing = [w for w in wanted if w not in ids and f"locomo-{w}" not in ids]
+                if missing:
+                    raise CorpusError(f"{a.corpus}: no conversation with id {', '.join(missing)}")
+                chosen = {w for w in wanted} | {f"locomo-{w}" for w in wanted}
+                convs = [c for c in convs if c.conversation_id in chosen]
+            convs = convs[:a.limit_conversations]
+        except (CorpusError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        out.mkdir(parents=True, exist_ok=True)
+        (out / SKIP_REPORT).unlink(missing_ok=True)  # no stale report from an earlier run
+        if report.tell():  # the run's skips, beside its summary
+            report.seek(0)
+            (out / SKIP_REPORT).write_text(report.read(), encoding="utf-8")
+            print(f"skip report: {out / SKIP_REPORT}", file=sys.stderr)
     if not ray.is_initialized():
         ray.init(logging_level=logging.WARNING, runtime_env={"env_vars": _WORKER_ENV},
                  **({} if os.environ.get("RAY_ADDRESS") else {"include_dashboard": False}))
     start = time.perf_counter()
-    try:
-        convs = list(iter_corpus(a.corpus, a.on_bad_record))
-        if a.conversations:
-            wanted = [c.strip() for c in a.conversations.split(",") if c.strip()]
-            ids = {c.conversation_id for c in convs}
-            missing = [w for w in wanted if w not in ids and f"locomo-{w}" not in ids]
-            if missing:
-                raise CorpusError(f"{a.corpus}: no conversation with id {', '.join(missing)}")
-            chosen = {w for w in wanted} | {f"locomo-{w}" for w in wanted}
-            convs = [c for c in convs if c.conversation_id in chosen]
-        convs = convs[:a.limit_conversations]
-    except CorpusError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     allocated = [m for m in methods if config.needs_profile(m)]
     profiles = {}  # one profile per allocator, measured by the first method that needs it
     for m in allocated:
@@ -321,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
                "context": ("cut at a session boundary to fit" if a.max_context_tokens else
                            "whole conversations"), "seconds": time.perf_counter() - start,
                "cells_reused": reused, "cells_failed": failed, "rows": rows,
+               "bad_records_skipped": read.records_skipped,
+               "questions_dropped": read.questions_dropped,
                "by_evidence_position": evaluate.summarise_by(records, "evidence_third"),
                "by_route_hit": evaluate.summarise_by(records, "route_hit")}
     (out / "results.parquet").write_bytes(_records_bytes(records))

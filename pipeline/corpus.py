@@ -2,16 +2,20 @@
 
 A corpus is read lazily, one conversation at a time, so a corpus of millions of conversations
 never sits in memory. Every malformed record is reported with its file, its record number and
-the offending field; `on_bad_record="skip"` counts it and goes on instead of failing.
+the offending field; `on_bad_record="skip"` reports it (a `Skip`) and goes on instead of failing.
+A bad question is a fault of that question only: skip mode drops it and keeps the conversation.
+`check_corpus` reads a whole corpus this way before any heavy work starts.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
-from dataclasses import dataclass, field
+import sys
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal
+from typing import IO, Any, BinaryIO, Callable, Iterator, Literal, TextIO
 
 OnBadRecord = Literal["fail", "skip"]
 
@@ -20,7 +24,34 @@ _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 class CorpusError(ValueError):
-    """A record that does not follow the schema; the message names file, record and field."""
+    """A record that does not follow the schema; the message names file, record and field.
+    `conversation_id` is set when the record's id was known, for the skip report."""
+
+    def __init__(self, message: str, conversation_id: str | None = None):
+        super().__init__(message)
+        self.conversation_id = conversation_id
+
+
+@dataclass(frozen=True)
+class CorpusLimits:
+    """Bounds on one record, so a single bad record cannot exhaust the driver's memory or
+    the model's context: a JSONL line over `max_record_bytes` is never held whole, and a
+    `.json` file (read whole) may not exceed it either; a turn's text or caption may hold at
+    most `max_turn_chars` characters."""
+    max_record_bytes: int = 16 * 2**20
+    max_turn_chars: int = 100_000
+
+    def __post_init__(self) -> None:
+        if self.max_record_bytes < 1 or self.max_turn_chars < 1:
+            raise ValueError("--max-record-bytes and --max-turn-chars must be at least 1")
+
+    def check_chars(self, rec: "_Record", path: str, value: str | None) -> None:
+        if value is not None and len(value) > self.max_turn_chars:
+            raise rec.fail(path, f"is {len(value):,} characters, over the limit of "
+                                 f"{self.max_turn_chars:,} (--max-turn-chars)")
+
+
+DEFAULT_LIMITS = CorpusLimits()
 
 
 class UnsafeIdError(CorpusError):
@@ -110,11 +141,12 @@ _CONVERSATION_KEYS = {"conversation_id", "speakers", "turns", "questions"}
 class _Record:
     """Field access that raises a `CorpusError` naming where the record came from."""
 
-    def __init__(self, where: str):
+    def __init__(self, where: str, conversation_id: str | None = None):
         self.where = where
+        self.conversation_id = conversation_id
 
     def fail(self, path: str, message: str) -> CorpusError:
-        return CorpusError(f"{self.where}: field '{path}': {message}")
+        return CorpusError(f"{self.where}: field '{path}': {message}", self.conversation_id)
 
     def get(self, obj: dict, key: str, path: str, kind: type | tuple, *, required: bool = True,
             nonempty: bool = False) -> Any:
@@ -126,13 +158,55 @@ class _Record:
         if isinstance(value, bool) or not isinstance(value, kind):
             names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
             raise self.fail(path, f"must be {names}, got {type(value).__name__}")
-        if nonempty and not value:
-            raise self.fail(path, "must not be empty")
+        if nonempty and not (value.strip() if isinstance(value, str) else value):
+            raise self.fail(path, "must not be empty")  # whitespace is empty too
+        if isinstance(value, str) and not value.isascii():
+            try:  # a JSON escape like \ud800 decodes to text no tokenizer or file can take
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise self.fail(path, f"is not valid text (unpaired surrogate "
+                                      f"{value[e.start]!a} at character {e.start + 1})") from None
         return value
 
 
-def parse_record(obj: Any, where: str) -> Conversation:
-    """Validate one JSONL record and build its `Conversation`."""
+# A question's fault: (its index, the error). A list of them is given in skip mode.
+QuestionFaults = list[tuple[int, CorpusError]]
+
+
+def _parse_questions(items: list, parse_one: Callable[[int, Any], Question],
+                     faults: QuestionFaults | None) -> tuple[Question, ...]:
+    """Each question through `parse_one(index, item)`. A bad question raises when `faults` is
+    None (fail mode); else it is dropped and noted, so one bad question does not cost its
+    conversation (questions are never used to build a cache)."""
+    questions = []
+    for i, item in enumerate(items):
+        try:
+            questions.append(parse_one(i, item))
+        except CorpusError as e:
+            if faults is None:
+                raise
+            faults.append((i, e))
+    return tuple(questions)
+
+
+_TRAILING_PUNCTUATION = ".,;:!?"
+
+
+def resolve_turn_id(raw: Any, known: set[str]) -> str | None:
+    """The turn id `raw` names: itself when it is one; else the id left once whitespace and
+    trailing punctuation are stripped (a public corpus writes 'D5:3.'), which is unambiguous
+    as only an exact turn id is accepted; None when it names no turn."""
+    text = str(raw)
+    if text in known:
+        return text
+    stripped = text.strip().rstrip(_TRAILING_PUNCTUATION).rstrip()
+    return stripped if stripped and stripped in known else None
+
+
+def parse_record(obj: Any, where: str, limits: CorpusLimits = DEFAULT_LIMITS,
+                 faults: QuestionFaults | None = None) -> Conversation:
+    """Validate one JSONL record and build its `Conversation`; bad questions raise, or with
+    `faults` given are dropped and noted there."""
     rec = _Record(where)
     if not isinstance(obj, dict):
         raise CorpusError(f"{where}: record must be a JSON object, got {type(obj).__name__}")
@@ -141,7 +215,7 @@ def parse_record(obj: Any, where: str) -> Conversation:
         check_safe_id(cid)
     except UnsafeIdError as e:
         raise CorpusError(f"{where}: field 'conversation_id': {e}") from None
-    rec.where = f"{where} (conversation {cid!r})"
+    rec.where, rec.conversation_id = f"{where} (conversation {cid!r})", cid
     speakers = rec.get(obj, "speakers", "speakers", list, nonempty=True)
     for i, s in enumerate(speakers):
         if not isinstance(s, str) or not s.strip():
@@ -162,6 +236,8 @@ def parse_record(obj: Any, where: str) -> Conversation:
             raise rec.fail(f"{p}.speaker", f"{speaker!r} is not one of speakers {speakers}")
         text = rec.get(t, "text", f"{p}.text", str)
         caption = rec.get(t, "caption", f"{p}.caption", str, required=False)
+        limits.check_chars(rec, f"{p}.text", text)
+        limits.check_chars(rec, f"{p}.caption", caption)
         if not text.strip() and not caption:
             raise rec.fail(f"{p}.text", "must not be empty (unless the turn has a caption)")
         session = rec.get(t, "session", f"{p}.session", int)
@@ -171,24 +247,26 @@ def parse_record(obj: Any, where: str) -> Conversation:
         meta = {k: v for k, v in t.items() if k not in _TURN_KEYS}
         turns.append(Turn(turn_id, speaker, text, session, timestamp, caption, meta))
 
-    questions = []
-    for i, q in enumerate(rec.get(obj, "questions", "questions", list, required=False) or []):
+    def question(i: int, q: Any) -> Question:
         p = f"questions[{i}]"
         if not isinstance(q, dict):
             raise rec.fail(p, "must be an object")
-        question = rec.get(q, "question", f"{p}.question", str, nonempty=True)
+        text = rec.get(q, "question", f"{p}.question", str, nonempty=True)
         answer = rec.get(q, "answer", f"{p}.answer", (str, int, float))
-        evidence = rec.get(q, "evidence", f"{p}.evidence", list, required=False) or []
-        for j, e in enumerate(evidence):
-            if str(e) not in seen:
+        evidence = []
+        for j, e in enumerate(rec.get(q, "evidence", f"{p}.evidence", list, required=False) or []):
+            turn_id = resolve_turn_id(e, seen)
+            if turn_id is None:
                 raise rec.fail(f"{p}.evidence[{j}]", f"turn id {e!r} is not a turn of this conversation")
+            evidence.append(turn_id)
         category = rec.get(q, "category", f"{p}.category", int, required=False)
         meta = {k: v for k, v in q.items() if k not in _QUESTION_KEYS}
-        questions.append(Question(question, str(answer), tuple(str(e) for e in evidence),
-                                  category, meta))
+        return Question(text, str(answer), tuple(evidence), category, meta)
 
+    questions = _parse_questions(
+        rec.get(obj, "questions", "questions", list, required=False) or [], question, faults)
     meta = {k: v for k, v in obj.items() if k not in _CONVERSATION_KEYS}
-    return Conversation(cid, tuple(speakers), tuple(turns), tuple(questions), meta)
+    return Conversation(cid, tuple(speakers), tuple(turns), questions, meta)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,12 +276,16 @@ def parse_record(obj: Any, where: str) -> Conversation:
 _SESSION_KEY = re.compile(r"^session_(\d+)$")
 
 
-def parse_locomo(obj: Any, conversation_id: str, where: str) -> Conversation:
-    """Build a `Conversation` from one LoCoMo sample (see shared/data/locomo/README.md)."""
-    rec = _Record(where)
+def parse_locomo(obj: Any, conversation_id: str, where: str, limits: CorpusLimits = DEFAULT_LIMITS,
+                 faults: QuestionFaults | None = None) -> Conversation:
+    """Build a `Conversation` from one LoCoMo sample (see shared/data/locomo/README.md); bad
+    questions raise, or with `faults` given are dropped and noted there."""
+    rec = _Record(where, conversation_id)
     if not isinstance(obj, dict):
-        raise CorpusError(f"{where}: a LoCoMo sample must be a JSON object")
+        raise CorpusError(f"{where}: a LoCoMo sample must be a JSON object", conversation_id)
     conv = obj.get("conversation", obj)  # the original locomo10.json nests the sessions
+    if not isinstance(conv, dict):
+        raise rec.fail("conversation", "must be an object")
     speakers = [rec.get(conv, "speaker_a", "speaker_a", str, nonempty=True),
                 rec.get(conv, "speaker_b", "speaker_b", str, nonempty=True)]
     sessions = sorted(int(m.group(1)) for k in conv if (m := _SESSION_KEY.match(k)))
@@ -216,42 +298,88 @@ def parse_locomo(obj: Any, conversation_id: str, where: str) -> Conversation:
             p = f"session_{n}[{i}]"
             if not isinstance(t, dict):
                 raise rec.fail(p, "must be an object")
-            turns.append(Turn(
-                turn_id=str(rec.get(t, "dia_id", f"{p}.dia_id", str, nonempty=True)),
-                speaker=rec.get(t, "speaker", f"{p}.speaker", str, nonempty=True),
-                text=rec.get(t, "text", f"{p}.text", str),
-                session=n, timestamp=str(date),
-                caption=t.get("blip_caption") or None))
+            turn = Turn(turn_id=str(rec.get(t, "dia_id", f"{p}.dia_id", str, nonempty=True)),
+                        speaker=rec.get(t, "speaker", f"{p}.speaker", str, nonempty=True),
+                        text=rec.get(t, "text", f"{p}.text", str),
+                        session=n, timestamp=str(date),
+                        caption=t.get("blip_caption") or None)
+            limits.check_chars(rec, f"{p}.text", turn.text)
+            limits.check_chars(rec, f"{p}.blip_caption", turn.caption)
+            turns.append(turn)
     known = {t.turn_id for t in turns}
-    questions = []
-    for i, q in enumerate(obj.get("qa", conv.get("qa", [])) or []):
+
+    def question(i: int, q: Any) -> Question:
         p = f"qa[{i}]"
+        if not isinstance(q, dict):
+            raise rec.fail(p, "must be an object")
         answer = q.get("answer", q.get("adversarial_answer"))
         if answer is None:
             raise rec.fail(f"{p}.answer", "is missing")
-        # LoCoMo has a few evidence entries like "D8:6; D9:17" and some that name no turn.
-        evidence = [e.strip() for raw in q.get("evidence", []) or []
-                    for e in re.split(r"[;,]", str(raw)) if e.strip()]
-        questions.append(Question(
-            question=rec.get(q, "question", f"{p}.question", str, nonempty=True),
-            answer=str(answer),
-            evidence=tuple(e for e in evidence if e in known),
-            category=q.get("category"),
-            meta={"unknown_evidence": [e for e in evidence if e not in known]}
-            if any(e not in known for e in evidence) else {}))
+        text = rec.get(q, "question", f"{p}.question", str, nonempty=True)
+        # LoCoMo has a few evidence entries like "D8:6; D9:17" and some that name no turn: those
+        # are kept aside in meta (the LoCoMo files are used as published), not a fault.
+        raw = [e.strip() for item in q.get("evidence", []) or []
+               for e in re.split(r"[;,]", str(item)) if e.strip()]
+        resolved = [resolve_turn_id(e, known) for e in raw]
+        unknown = [e for e, r in zip(raw, resolved) if r is None]
+        return Question(question=text, answer=str(answer),
+                        evidence=tuple(r for r in resolved if r is not None),
+                        category=q.get("category"),
+                        meta={"unknown_evidence": unknown} if unknown else {})
+
+    qa = obj.get("qa", conv.get("qa", [])) or []
+    if not isinstance(qa, list):
+        raise rec.fail("qa", f"must be list, got {type(qa).__name__}")
     return Conversation(check_safe_id(conversation_id), tuple(speakers), tuple(turns),
-                        tuple(questions), {"source": "locomo"})
+                        _parse_questions(qa, question, faults), {"source": "locomo"})
 
 
 # ---------------------------------------------------------------------------------------------
 # Reading a corpus: a JSONL file, a LoCoMo file, or a folder of either
 # ---------------------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class Skip:
+    """What a skip-mode read left out: a whole record (`question` None) or one question of a
+    kept conversation. `record` is the JSONL line number or the sample's position in a LoCoMo
+    list (None: the whole file); `reason` is the error, which names file, record and field."""
+    file: str
+    record: int | None
+    conversation_id: str | None
+    question: int | None
+    reason: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def line(self) -> str:
+        return f"{'dropped question' if self.question is not None else 'skipped'}: {self.reason}"
+
+
 @dataclass
 class ReadStats:
-    """What a read saw; `skipped` lists (where, error) for every record skipped."""
+    """What a read saw. Only the first `keep` skips are held (a corpus may have millions of
+    bad records); `sink` is told of every one as it happens (e.g. to write a report)."""
     read: int = 0
-    skipped: list[tuple[str, str]] = field(default_factory=list)
+    records_skipped: int = 0
+    questions_dropped: int = 0
+    skipped: list[Skip] = field(default_factory=list)
+    keep: int = 1000
+    sink: Callable[[Skip], None] | None = None
+
+    def add(self, skip: Skip) -> None:
+        if skip.question is None:
+            self.records_skipped += 1
+        else:
+            self.questions_dropped += 1
+        if len(self.skipped) < self.keep:
+            self.skipped.append(skip)
+        if self.sink is not None:
+            self.sink(skip)
+
+    @property
+    def total_skipped(self) -> int:
+        return self.records_skipped + self.questions_dropped
 
 
 def _corpus_files(path: Path) -> list[Path]:
@@ -265,29 +393,92 @@ def _corpus_files(path: Path) -> list[Path]:
     return [path]
 
 
-def _records(file: Path) -> Iterator[tuple[str, Any]]:
-    """(where, item) for each record of a file, lazily; item is ("jsonl", obj),
-    ("locomo", obj, default id) or the `CorpusError` met reading it."""
-    if file.suffix == ".jsonl":
-        with file.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    where = f"{file.name}, record {lineno}"
-                    try:
-                        yield where, ("jsonl", json.loads(line))
-                    except json.JSONDecodeError as e:
-                        yield where, CorpusError(f"{where}: not valid JSON ({e.msg}, column {e.colno})")
-        return
+@dataclass(frozen=True)
+class _Source:
+    """Where a record came from: the file, and its line (JSONL) or position (LoCoMo list)."""
+    file: str
+    record: int | None = None
+
+    def __str__(self) -> str:
+        return self.file if self.record is None else f"{self.file}, record {self.record}"
+
+
+NEWLINE = b"\n"
+
+
+def _jsonl_lines(f: BinaryIO, max_bytes: int) -> Iterator[tuple[int, bytes | int]]:
+    """(line number, the line's bytes) per line; a line over `max_bytes` gives its size
+    instead, read through in chunks so it is never held whole (memory stays bounded)."""
+    lineno = 0
+    while line := f.readline(max_bytes + 1):
+        lineno += 1
+        if line.endswith(NEWLINE) or len(line) <= max_bytes:
+            yield lineno, line
+            continue
+        size = len(line)
+        while not line.endswith(NEWLINE) and (line := f.readline(1 << 20)):
+            size += len(line)
+        yield lineno, size - line.endswith(NEWLINE)
+
+
+def _decode_json(data: bytes, where: _Source, line_of: Callable[[int], str]) -> Any:
+    """Parse one record's bytes; every way it can fail (not UTF-8, not JSON, nested past
+    Python's recursion limit, an integer too long to convert) is a `CorpusError` naming it."""
     try:
-        data = json.loads(file.read_text(encoding="utf-8"))
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CorpusError(f"{where}: not UTF-8 (byte 0x{data[e.start]:02x} at {line_of(e.start)})") \
+            from None
+    try:
+        return json.loads(text)
     except json.JSONDecodeError as e:
-        yield file.name, CorpusError(f"{file.name}: not valid JSON ({e.msg}, line {e.lineno})")
+        raise CorpusError(f"{where}: not valid JSON ({e.msg}, {line_of(e.pos)})") from None
+    except RecursionError:
+        raise CorpusError(f"{where}: JSON nested too deeply (over about "
+                          f"{sys.getrecursionlimit()} levels)") from None
+    except ValueError as e:  # e.g. an integer over Python's digit limit
+        raise CorpusError(f"{where}: not valid JSON ({e})") from None
+
+
+def _records(file: Path, limits: CorpusLimits) -> Iterator[tuple[_Source, Any]]:
+    """(source, item) for each record of a file, lazily; item is ("jsonl", obj),
+    ("locomo", obj, default id) or the `CorpusError` met reading it. JSONL is read as bytes
+    and decoded line by line, so a bad line costs that line only."""
+    name = file.name
+    if file.suffix == ".jsonl":
+        with file.open("rb") as f:
+            for lineno, line in _jsonl_lines(f, limits.max_record_bytes):
+                where = _Source(name, lineno)
+                if isinstance(line, int):
+                    yield where, CorpusError(
+                        f"{where}: the record is {line:,} bytes, over the limit of "
+                        f"{limits.max_record_bytes:,} (--max-record-bytes)")
+                    continue
+                if not line.strip():
+                    continue
+                try:
+                    yield where, ("jsonl", _decode_json(line, where, lambda i: f"column {i + 1}"))
+                except CorpusError as e:
+                    yield where, e
         return
-    if isinstance(data, list):  # locomo10.json: a list of samples
-        for i, sample in enumerate(data, 1):
-            yield f"{file.name}, record {i}", ("locomo", sample, f"{file.stem}-{i}")
+    where = _Source(name)
+    size = file.stat().st_size
+    if size > limits.max_record_bytes:  # a .json file is parsed whole
+        yield where, CorpusError(f"{where}: the file is {size:,} bytes, over the limit of "
+                                 f"{limits.max_record_bytes:,} (--max-record-bytes; a .json file "
+                                 "is read whole: give a large corpus as JSONL)")
+        return
+    data = file.read_bytes()
+    try:
+        obj = _decode_json(data, where, lambda i: f"line {data.count(NEWLINE, 0, i) + 1}")
+    except CorpusError as e:
+        yield where, e
+        return
+    if isinstance(obj, list):  # locomo10.json: a list of samples
+        for i, sample in enumerate(obj, 1):
+            yield _Source(name, i), ("locomo", sample, f"{file.stem}-{i}")
     else:
-        yield file.name, ("locomo", data, file.stem)
+        yield where, ("locomo", obj, file.stem)
 
 
 def _locomo_id(sample: Any, default: str) -> str:
@@ -297,40 +488,91 @@ def _locomo_id(sample: Any, default: str) -> str:
 
 
 def iter_corpus(path: str | Path, on_bad_record: OnBadRecord = "fail",
-                stats: ReadStats | None = None) -> Iterator[Conversation]:
-    """Yield the conversations of a corpus; bad records raise or are skipped and counted."""
+                stats: ReadStats | None = None,
+                limits: CorpusLimits = DEFAULT_LIMITS) -> Iterator[Conversation]:
+    """Yield the conversations of a corpus; a bad record raises or is skipped, a bad question
+    raises or is dropped (its conversation kept); each skip is added to `stats`."""
     if on_bad_record not in ("fail", "skip"):
         raise ValueError(f"on_bad_record must be 'fail' or 'skip', got {on_bad_record!r}")
     stats = stats if stats is not None else ReadStats()
+    skip = on_bad_record == "skip"
     seen_ids: set[str] = set()
     for file in _corpus_files(Path(path)):
-        for where, item in _records(file):
+        for src, item in _records(file, limits):
+            faults: QuestionFaults | None = [] if skip else None
+            where = str(src)
             try:
                 if isinstance(item, Exception):
                     raise item
                 if item[0] == "jsonl":
-                    conv = parse_record(item[1], where)
+                    conv = parse_record(item[1], where, limits, faults)
                 else:
+                    cid = _locomo_id(item[1], item[2])
                     try:
-                        conv = parse_locomo(item[1], _locomo_id(item[1], item[2]), where)
+                        conv = parse_locomo(item[1], cid, where, limits, faults)
                     except UnsafeIdError as e:
-                        raise CorpusError(f"{where}: {e}") from None
+                        raise CorpusError(f"{where}: {e}", cid) from None
                 if conv.conversation_id in seen_ids:
                     raise CorpusError(f"{where}: field 'conversation_id': duplicate id "
-                                      f"{conv.conversation_id!r}")
+                                      f"{conv.conversation_id!r}", conv.conversation_id)
             except CorpusError as e:
-                if on_bad_record == "fail":
+                if not skip:
                     raise
-                stats.skipped.append((where, str(e)))
+                stats.add(Skip(src.file, src.record, e.conversation_id, None, str(e)))
                 continue
+            for index, error in faults or ():
+                stats.add(Skip(src.file, src.record, conv.conversation_id, index, str(error)))
             seen_ids.add(conv.conversation_id)
             stats.read += 1
             yield conv
 
 
-def read_corpus(path: str | Path, on_bad_record: OnBadRecord = "fail") -> tuple[list[Conversation], ReadStats]:
+def read_corpus(path: str | Path, on_bad_record: OnBadRecord = "fail",
+                limits: CorpusLimits = DEFAULT_LIMITS) -> tuple[list[Conversation], ReadStats]:
     stats = ReadStats()
-    return list(iter_corpus(path, on_bad_record, stats)), stats
+    return list(iter_corpus(path, on_bad_record, stats, limits)), stats
+
+
+SKIP_REPORT = "skipped.jsonl"
+
+
+def check_corpus(path: str | Path, on_bad_record: OnBadRecord = "fail",
+                 limits: CorpusLimits = DEFAULT_LIMITS, report: IO[str] | None = None,
+                 out: TextIO | None = None, shown: int = 20) -> ReadStats:
+    """Read and validate the whole corpus, streaming (no conversation is held), before any
+    heavy work, so a bad corpus fails in seconds rather than after Ray and the model start.
+    Each skip goes to `report` (one JSON object a line: the full `skipped.jsonl`) and the
+    first `shown` to `out` (stderr). A corpus that yields no conversation raises."""
+    out = out if out is not None else sys.stderr
+    sink = (lambda s: report.write(json.dumps(s.as_dict()) + "\n")) if report is not None else None
+    stats = ReadStats(keep=shown, sink=sink)
+    for _ in iter_corpus(path, on_bad_record, stats, limits):
+        pass
+    for s in stats.skipped:
+        print(s.line(), file=out)
+    if stats.total_skipped > len(stats.skipped):
+        print(f"... and {stats.total_skipped - len(stats.skipped):,} more (all in {SKIP_REPORT})",
+              file=out)
+    if stats.read == 0:
+        raise CorpusError(f"{path}: every record was skipped ({stats.records_skipped:,} bad "
+                          "records): no conversation left" if stats.records_skipped else
+                          f"{path}: the corpus is empty (no records)")
+    return stats
+
+
+def add_corpus_options(p: argparse.ArgumentParser) -> None:
+    """The corpus options `jobs.build` and `jobs.evaluate` share."""
+    p.add_argument("--on-bad-record", default="fail", choices=["fail", "skip"],
+                   help="a malformed record (or question) stops the run, or is skipped (a "
+                        "question: dropped, its conversation kept) and listed in skipped.jsonl")
+    p.add_argument("--max-record-bytes", type=int, default=DEFAULT_LIMITS.max_record_bytes,
+                   help="largest JSONL line (or .json file) accepted, in bytes")
+    p.add_argument("--max-turn-chars", type=int, default=DEFAULT_LIMITS.max_turn_chars,
+                   help="longest turn text (or caption) accepted, in characters")
+
+
+def limits_from_args(a: argparse.Namespace) -> CorpusLimits:
+    return CorpusLimits(max_record_bytes=a.max_record_bytes, max_turn_chars=a.max_turn_chars)
 
 
 def write_jsonl(conversations: list[Conversation], path: str | Path) -> None:
