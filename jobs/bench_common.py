@@ -33,7 +33,7 @@ def bench_text(lm: models.LoadedModel, tokens: int, config: BuildConfig, seed: i
     ids = prompts.context_ids(lm.tokenizer, render_conversation(conv).text)
     if ids.shape[0] < tokens:
         raise RuntimeError(f"synthetic conversation too short: {ids.shape[0]} < {tokens} tokens")
-    clustered = cluster_conversation(conv, config)
+    clustered = cluster_conversation(conv, config, fit=False)
     episode = clustered.episodes.episodes[0]
     scorer = episode_scorer(lm.tokenizer, clustered.conversation, episode, config)
     return BenchText(ids[:tokens], episode.patch_text, scorer)

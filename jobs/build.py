@@ -49,6 +49,7 @@ from pipeline.corpus import (DEFAULT_LIMITS, SKIP_REPORT, Conversation, CorpusEr
                              iter_corpus, limits_from_args)
 from pipeline.episodes import EpisodeConfig  # noqa: E402
 from pipeline.compress import MergeConfig, TriStateConfig  # noqa: E402
+from pipeline.positions import POSITION_MODES  # noqa: E402
 from pipeline.prefill import PrefillConfig  # noqa: E402
 from pipeline.scorers import SCORERS, ScoringConfig  # noqa: E402
 from pipeline.store import (S3Store, S3_ENDPOINT_ENV, Store, StoreError, open_store,  # noqa: E402
@@ -404,6 +405,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-context-tokens", type=int, default=None,
                    help="cut each conversation at a session boundary to fit this many tokens")
+    p.add_argument("--positions", default="original", choices=list(POSITION_MODES),
+                   help="original: entries keep their token positions, so a conversation must "
+                        "fit the model's positions; compact: kept entries are re-rotated to "
+                        "positions 0, 1, 2, ... after every eviction, for histories of any length")
     p.add_argument("--store-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     p.add_argument("--calibration-tokens", type=int, default=4096)
     p.add_argument("--calibration-window", type=int, default=1024)
@@ -450,7 +455,7 @@ def config_from_args(a: argparse.Namespace) -> BuildConfig:
         scoring=ScoringConfig.paper() if a.paper else replace(
             ScoringConfig(), focus=a.focus, patch_tokens=a.patch_tokens or None),
         prefill=PrefillConfig(
-            block=a.block, selection=a.selection, decode_positions=a.dapq,
+            block=a.block, selection=a.selection, decode_positions=a.dapq, positions=a.positions,
             tristate=TriStateConfig(enabled=a.tristate or a.fp8, fp8=a.fp8, window=a.tri_window,
                                     gamma=a.tri_gamma, original_scale=a.tri_original_scale,
                                     slack=a.tri_slack) if (a.tristate or a.fp8) else TriStateConfig(),

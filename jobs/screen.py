@@ -42,7 +42,7 @@ def recall_nlls(lm, conv, questions, cache, config) -> list[float]:
 def patch_states(lm, cache, scorer):
     """Every layer's state with the patch's attention to the whole cache (cache unchanged)."""
     patch = scorer.patch_ids(None)
-    seen = cache.tokens_seen
+    seen = cache.next_position
     with cache.scratch(), cache.patched(patch.shape[0], **scorer.patch_options()):
         lm.model.base_model(input_ids=patch[None], past_key_values=cache, use_cache=True,
                             position_ids=torch.arange(seen, seen + patch.shape[0])[None])

@@ -198,7 +198,7 @@ def generate_from_cache(lm: models.LoadedModel, cache: EpisodicCache, question_i
     A transformers `streamer` receives the tokens as they come (its first put is the prompt)."""
     tokenizer = lm.tokenizer
     # generate() expects ids for the cached history too; it only feeds the uncached tail.
-    filler = torch.full((cache.tokens_seen,), tokenizer.pad_token_id or 0, dtype=torch.long)
+    filler = torch.full((cache.next_position,), tokenizer.pad_token_id or 0, dtype=torch.long)
     input_ids = torch.cat([filler, question_ids])[None].to(lm.model.device)
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else \
         {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}

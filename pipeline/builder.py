@@ -25,6 +25,7 @@ from pipeline.corpus import Conversation, cut_at_session, render_conversation
 from pipeline.episodes import Episode, EpisodeConfig, EpisodeSet, build_episodes, member_turn_ids
 from pipeline.layout import token_layout
 from pipeline.manifest import ManifestError, read_manifest, write_manifest
+from pipeline.positions import check_fits
 from pipeline.prefill import block_prefill
 from pipeline.scorers import EpiCacheScorer, Scorer, build_scorer, episodic_scorer
 from pipeline.store import Store, cache_key, profile_key
@@ -48,16 +49,24 @@ class ClusterResult:
 
 
 def fit_context(conv: Conversation, config: BuildConfig) -> Conversation:
-    if config.max_context_tokens is None:
-        return conv
+    """The conversation as built: cut at a session boundary to `max_context_tokens` when set;
+    refused (`ContextTooLongError`) when it does not fit the model's positions, unless the
+    cache keeps compact positions."""
     tokenizer = models.load_tokenizer(config.model)
-    return cut_at_session(conv, config.max_context_tokens,
-                          lambda text: len(prompts.context_ids(tokenizer, text)))
+    count = lambda text: len(prompts.context_ids(tokenizer, text))  # noqa: E731
+    if config.max_context_tokens is not None:
+        conv = cut_at_session(conv, config.max_context_tokens, count)
+    limit = models.max_positions(config.model)
+    if config.prefill.positions == "original" and limit is not None:
+        check_fits(conv.conversation_id, count(render_conversation(conv).text), limit)
+    return conv
 
 
-def cluster_conversation(conv: Conversation, config: BuildConfig) -> ClusterResult:
+def cluster_conversation(conv: Conversation, config: BuildConfig, fit: bool = True) -> ClusterResult:
+    """Episodes of the conversation as built (`fit_context`; `fit=False` keeps it whole, for
+    benchmarks that time lengths past the model's positions on purpose)."""
     start = time.perf_counter()
-    conv = fit_context(conv, config)
+    conv = fit_context(conv, config) if fit else conv
     episode_config = config.episodes if is_episodic(config) else EpisodeConfig(
         window=config.episodes.window, episodes=1, medoids=config.episodes.medoids,
         seed=config.episodes.seed)

@@ -17,6 +17,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kernels.quant import dequantize, quantize_fp8, quantize_int8
 from pipeline.attention import AttentionRequest, hand_off
+from pipeline.positions import KeyRotation
 
 
 class EpisodicLayer(CacheLayerMixin):
@@ -27,7 +28,11 @@ class EpisodicLayer(CacheLayerMixin):
         super().__init__()
         self.valid: torch.Tensor | None = None  # [Hkv, slots] bool
         self.positions: torch.Tensor | None = None  # [Hkv, slots] original token positions
-        self.tokens_seen = 0
+        # [Hkv, slots] the positions the keys are rotated at: the original ones, unless the
+        # cache was compacted (`compact()`), which re-rotates its entries to 0, 1, 2, ...
+        self.rope_positions: torch.Tensor | None = None
+        self.tokens_seen = 0  # tokens fed so far
+        self.next_position = 0  # the position the next token takes (tokens_seen unless compacted)
         self.n_patch = 0  # while > 0, that many trailing new tokens are a patch: scored, not kept
         self.patch_options: dict = {}  # how the patch's attention is scored (`Scorer.patch_options`)
         self.segments: torch.Tensor | None = None  # while set: the new tokens are packed sequences
@@ -54,6 +59,7 @@ class EpisodicLayer(CacheLayerMixin):
         self.values = value_states.new_zeros(1, n_heads, 0, value_states.shape[-1])
         self.valid = torch.zeros(n_heads, 0, dtype=torch.bool, device=key_states.device)
         self.positions = torch.zeros(n_heads, 0, dtype=torch.long, device=key_states.device)
+        self.rope_positions = self.positions
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -64,8 +70,8 @@ class EpisodicLayer(CacheLayerMixin):
         keys = torch.cat([self.keys, key_states.to(self.keys.dtype)], dim=-2)
         values = torch.cat([self.values, value_states.to(self.values.dtype)], dim=-2)
         self.last_request = AttentionRequest(key=keys, past_valid=self.valid,
-                                             past_positions=self.positions,
-                                             first_position=self.tokens_seen, n_patch=self.n_patch,
+                                             past_positions=self.rope_positions,
+                                             first_position=self.next_position, n_patch=self.n_patch,
                                              moments=self.moments, segments=self.segments,
                                              **self.patch_options)
         hand_off(self.last_request)
@@ -78,12 +84,15 @@ class EpisodicLayer(CacheLayerMixin):
                                      device=self.valid.device)
         self.valid = torch.cat([self.valid, self.valid.new_ones(n_heads, n_store)], dim=1)
         self.positions = torch.cat([self.positions, new_positions.expand(n_heads, -1)], dim=1)
+        self.rope_positions = torch.cat([self.rope_positions, (new_positions + self.next_position
+                                         - self.tokens_seen).expand(n_heads, -1)], dim=1)
         if self.quantized is not None:  # new tokens arrive Original
             self.quantized = torch.cat([self.quantized, self.quantized.new_zeros(n_heads, n_store)], 1)
             for name in ("key_codes", "value_codes", "key_scales", "value_scales"):
                 t = getattr(self, name)
                 setattr(self, name, torch.cat([t, t.new_zeros(n_heads, n_store, *t.shape[2:])], 1))
         self.tokens_seen += n_store
+        self.next_position += n_store
         self.peak_entries = max(self.peak_entries, self.entries)
         self.peak_slots = max(self.peak_slots, self.valid.shape[1])
         # The concatenation (held slots + block + patch) is the most this layer ever holds.
@@ -106,6 +115,7 @@ class EpisodicLayer(CacheLayerMixin):
         self.keys = self.keys.gather(2, index)
         self.values = self.values.gather(2, order[None, :, :, None].expand(1, -1, -1, self.values.shape[-1]))
         self.positions = self.positions.gather(1, order)
+        self.rope_positions = self.rope_positions.gather(1, order)
         self.valid = torch.arange(slots, device=keep.device)[None, :] < counts[:, None]
         if self.quantized is not None:
             self.quantized = self.quantized.gather(1, order) & self.valid
@@ -164,14 +174,31 @@ class EpisodicLayer(CacheLayerMixin):
         raw = self.key_codes if which == "keys" else self.value_codes
         return raw.view(self.code_dtype)
 
-    def snapshot(self) -> tuple[int, int]:
-        return (0 if self.valid is None else self.valid.shape[1], self.tokens_seen)
+    def compact(self, rotation: KeyRotation) -> None:
+        """Move every head's entries to positions 0, 1, 2, ... in token order, re-rotating
+        the keys that move, so the cache reads a history of any length within the model's
+        positions (StreamingLLM, kvpress's KeyRerotationPress). `next_position` is left to
+        the cache, which must keep it equal across layers."""
+        if self.quantized is not None and bool(self.quantized.any()):
+            raise ValueError("compact positions cannot re-rotate Quantized entries")
+        target = torch.arange(self.valid.shape[1], device=self.valid.device).expand_as(self.valid)
+        target = torch.where(self.valid, target, self.rope_positions)
+        shift = target - self.rope_positions
+        moved = shift != 0
+        if bool(moved.any()):
+            keys = self.keys[0]
+            keys[moved] = rotation.rotate(keys[moved], shift[moved])
+        self.rope_positions = target
 
-    def restore(self, snapshot: tuple[int, int]) -> None:
-        slots, self.tokens_seen = snapshot
+    def snapshot(self) -> tuple[int, int, int]:
+        return (0 if self.valid is None else self.valid.shape[1], self.tokens_seen, self.next_position)
+
+    def restore(self, snapshot: tuple[int, int, int]) -> None:
+        slots, self.tokens_seen, self.next_position = snapshot
         if self.is_initialized:
             self.keys, self.values = self.keys[:, :, :slots], self.values[:, :, :slots]
             self.valid, self.positions = self.valid[:, :slots], self.positions[:, :slots]
+            self.rope_positions = self.rope_positions[:, :slots]
             if self.quantized is not None:
                 self.quantized = self.quantized[:, :slots]
                 self.key_codes, self.value_codes = self.key_codes[:, :slots], self.value_codes[:, :slots]
@@ -182,7 +209,7 @@ class EpisodicLayer(CacheLayerMixin):
         return (0 if self.valid is None else self.valid.shape[1]) + query_length, 0
 
     def get_seq_length(self) -> int:
-        return self.tokens_seen
+        return self.next_position
 
     def get_max_length(self) -> int:
         return -1
@@ -204,6 +231,20 @@ class EpisodicCache(Cache):
     @property
     def tokens_seen(self) -> int:
         return self.layers[0].tokens_seen
+
+    @property
+    def next_position(self) -> int:
+        """The position the next token takes: `tokens_seen`, or less once compacted."""
+        return self.layers[0].next_position
+
+    def compact(self, rotation: KeyRotation) -> None:
+        """Every layer's entries at positions 0, 1, 2, ... (`EpisodicLayer.compact`); the next
+        token goes after the longest head of any layer, since all layers share its position."""
+        for layer in self.layers:
+            layer.compact(rotation)
+        following = max(layer.valid.shape[1] for layer in self.layers)
+        for layer in self.layers:
+            layer.next_position = following
 
     def entries_per_layer(self) -> list[float]:
         return [layer.entries for layer in self.layers]

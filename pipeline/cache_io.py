@@ -3,7 +3,9 @@
 Per layer: `layers.{i}.keys` and `.values` [entries, d] (the valid entries of every head,
 head after head, in token order), `.lengths` [Hkv] entries per head and `.positions` [entries]
 the original token positions. The header names the model, the build configuration hash, the
-conversation and episode, and the tokens seen. Reading checks the SHA-256 recorded in the
+conversation and episode, the tokens seen, the next position and the position mode
+(`positions`: "original", or "compact": each head's keys rotated at 0, 1, 2, ... and decoding
+continues at `next_position`). Reading checks the SHA-256 recorded in the
 manifest before parsing anything.
 
 Format 2 (tri-state caches, ARKV): the tensors above hold the Original entries only; the
@@ -58,7 +60,10 @@ def serialize(cache: EpisodicCache, header: dict, dtype: torch.dtype = torch.flo
             tensors[f"layers.{i}.qlengths"] = quantized.sum(dim=1).to(torch.int32)
             tensors[f"layers.{i}.qpositions"] = layer.positions[quantized].to(torch.int64)
     first = cache.layers[0]
-    header = dict(header, format=FORMAT, tokens_seen=cache.tokens_seen, num_layers=len(cache.layers),
+    compacted = any(not torch.equal(layer.rope_positions, layer.positions) for layer in cache.layers)
+    header = dict(header, format=FORMAT, tokens_seen=cache.tokens_seen,
+                  next_position=cache.next_position,
+                  positions="compact" if compacted else "original", num_layers=len(cache.layers),
                   kv_heads=int(first.valid.shape[0]), head_dim=int(first.keys.shape[-1]),
                   dtype=str(dtype).removeprefix("torch."), quant=quant)
     return st_save({k: v.cpu() for k, v in tensors.items()}, metadata={"header": json.dumps(header)})
@@ -154,6 +159,10 @@ def _rebuild(tensors: dict[str, torch.Tensor], header: dict, dtype: torch.dtype,
                 setattr(layer, name, full.to(device))
         layer.valid, layer.positions = valid.to(device), layer.positions.to(device)
         layer.tokens_seen = int(header["tokens_seen"])
+        layer.next_position = int(header.get("next_position", layer.tokens_seen))
+        # A compacted cache holds each head's entries at positions 0, 1, 2, ... in token order.
+        layer.rope_positions = layer.positions if header.get("positions") != "compact" else \
+            torch.arange(slots, device=device).expand(n_heads, -1)
         layer.is_initialized = True
     return cache
 

@@ -13,7 +13,7 @@ codes), `max` (tri-state ranked by the scorer's max attention instead of the hea
 score), `oq<P>` (tri-state with the OQ ratio scaled by P/100, e.g. `oq25`: a quarter of the
 paper's share of bytes for Original entries), `dapq` (patch queries at the decode positions),
 `merge` (D2O merging of evicted entries), `d2o` (D2O variance-based layer budgets instead of
-the method's own).
+the method's own), `compact` (compact positions: kept entries re-rotated to 0, 1, 2, ...).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from pipeline.metrics import (ADVERSARIAL_CATEGORY, continuation_nlls, evidence_
                               question_text, retention)
 from pipeline.answer import generate_from_cache
 from pipeline.compress import EntryBytes, MergeConfig, TriStateConfig
+from pipeline.positions import check_fits
 from pipeline.prefill import PrefillConfig, block_prefill, entry_bytes
 from pipeline.scorers import FullScorer, ScoringConfig, build_scorer, episodic_scorer
 
@@ -46,7 +47,7 @@ METHODS = ("full", "streamingllm", "snapkv", "infinipot", "kvzip", "keydiff", "e
 EXTRA_METHODS = ("epicache-paper", "keydiff-block", "random", "oldest")
 EPISODIC = ("epicache", "epicache-paper")  # one cache per episode, routed per question
 ALLOCATED = EPISODIC + ("question",)  # methods that use the sensitivity-aware layer budgets
-VARIANTS = ("tri", "fp8", "max", "dapq", "merge", "d2o",
+VARIANTS = ("tri", "fp8", "max", "dapq", "merge", "d2o", "compact",
             # EpiCache diagnosis knobs (docs/quality.md): one factor at a time
             "pastonly", "withpatch", "qmean", "qmax", "utt", "tok", "perhead", "headwise")
 # Variants with a number: `oq25`, `alpha0.5`, `pool7`, `focus100` (weight 1.0), `sink16`,
@@ -165,7 +166,8 @@ class EvalConfig:
         return PrefillConfig(block=self.block, selection=recipe.selection,
                              head_floor=recipe.head_floor,
                              decode_positions="dapq" in v, tristate=tristate,
-                             merge=self.merge if "merge" in v else MergeConfig())
+                             merge=self.merge if "merge" in v else MergeConfig(),
+                             positions="compact" if "compact" in v else "original")
 
     def build_config(self, method: str, budget: int | None) -> BuildConfig:
         """The build configuration of a cell (it decides the layer budgets)."""
@@ -275,6 +277,8 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
     base, _ = parse_method(method)
     recipe = config.recipe(method)
     prefill = config.prefill_config(method)
+    if prefill.positions == "original" and base != "none":
+        check_fits(conv.conversation_id, prep.tokens, lm.config.max_position_embeddings)
     sizes = entry_bytes(lm.model, ORIGINAL_ELEMENT_SIZE)
     layout = token_layout(lm.tokenizer, conv)
     merged: dict[int, int] = {}

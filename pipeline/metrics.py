@@ -32,7 +32,7 @@ def continuation_nll(model: torch.nn.Module, cache: EpisodicCache, prefix: torch
         raise ValueError("continuation_nll needs a non-empty prefix and target")
     device = next(model.parameters()).device
     ids = torch.cat([prefix, target]).to(device)
-    seen = cache.tokens_seen
+    seen = cache.next_position
     with cache.scratch():
         logits = model(input_ids=ids[None], past_key_values=cache, use_cache=True,
                        position_ids=torch.arange(seen, seen + ids.shape[0], device=device)[None],
@@ -52,7 +52,7 @@ def continuation_nlls(model: torch.nn.Module, cache: EpisodicCache,
     if any(p.numel() == 0 or t.numel() == 0 for p, t in pairs):
         raise ValueError("continuation_nlls needs non-empty prefixes and targets")
     device = next(model.parameters()).device
-    seen = cache.tokens_seen
+    seen = cache.next_position
     packs: list[list[int]] = []
     size = 0
     for i, (prefix, target) in enumerate(pairs):

@@ -159,6 +159,18 @@ def _load_llm(name: str, device: str, dtype: str | None) -> LoadedModel:
 
 
 @functools.lru_cache(maxsize=4)
+def max_positions(name: str = DEFAULT_LLM) -> int | None:
+    """How many positions the LLM was trained on (its config's `max_position_embeddings`)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(resolve_llm(name), local_files_only=True)
+    except OSError as e:
+        raise ModelNotFoundError(f"configuration of model {name!r} was not found locally ({e})") from None
+    return getattr(config, "max_position_embeddings", None)
+
+
+@functools.lru_cache(maxsize=4)
 def load_tokenizer(name: str = DEFAULT_LLM):
     """The LLM's tokenizer alone (for token counting where the model is not needed)."""
     from transformers import AutoTokenizer

@@ -10,7 +10,9 @@ length: peak memory is flat.
 What an eviction step does is a strategy (`pipeline.compress`): cut to a budget of entries
 (EpiCache), or ARKV's tri-state Original / Quantized / Evicted under a byte budget; either may
 merge what it evicts into similar kept entries (D2O). With `decode_positions` (DapQ) the patch
-queries sit at the positions where decoding will start, after the whole conversation.
+queries sit at the positions where decoding will start, after the whole conversation. With
+compact positions (`pipeline.positions`) every eviction is followed by moving the kept entries
+to positions 0, 1, 2, ..., so a history of any length stays within the model's positions.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from pipeline.cache import EpisodicCache, EpisodicLayer
 from pipeline.compress import (EntryBytes, Eviction, Merger, MergeConfig, TokenEviction,
                                TriStateConfig, TriStateEviction)
+from pipeline.positions import POSITION_MODES, KeyRotation, PositionMode
 from pipeline.scorers import BlockContext, LayerState, Scorer
 
 Selection = Literal["headwise", "perhead"]
@@ -38,6 +41,7 @@ class PrefillConfig:
     decode_positions: bool = False  # DapQ: patch queries at the decode positions (after the text)
     tristate: TriStateConfig = field(default_factory=TriStateConfig)  # ARKV
     merge: MergeConfig = field(default_factory=MergeConfig)  # D2O token merging
+    positions: PositionMode = "original"  # or "compact": entries re-rotated to 0, 1, 2, ...
 
     def __post_init__(self):
         if self.block < 1:
@@ -46,6 +50,12 @@ class PrefillConfig:
             raise ValueError(f"selection must be 'headwise' or 'perhead', got {self.selection!r}")
         if not 0 <= self.head_floor <= 1:
             raise ValueError(f"head_floor must be in [0, 1], got {self.head_floor}")
+        if self.positions not in POSITION_MODES:
+            raise ValueError(f"positions must be one of {POSITION_MODES}, got {self.positions!r}")
+        if self.positions == "compact" and (self.tristate.enabled or self.decode_positions):
+            raise ValueError("compact positions work with token eviction only: not with "
+                             "tri-state (Quantized keys cannot be re-rotated) nor DapQ (the "
+                             "decode positions are not known before the end)")
 
 
 @dataclass
@@ -168,6 +178,7 @@ def block_prefill(model: torch.nn.Module, input_ids: torch.Tensor, scorer: Score
     total = input_ids.shape[0]
     cache = EpisodicCache(n_layers)
     cache.collect_moments(isinstance(eviction, TriStateEviction))
+    rotation = KeyRotation.for_model(model) if config.positions == "compact" else None
     stats = PrefillStats()
     for begin in range(0, total, config.block):
         block = input_ids[begin:begin + config.block]
@@ -175,7 +186,7 @@ def block_prefill(model: torch.nn.Module, input_ids: torch.Tensor, scorer: Score
         patch = scorer.patch_ids(BlockContext(block_ids=block, tokens_seen=seen))
         patch = patch.to(device) if patch is not None else block.new_zeros(0)
         tokens = torch.cat([block, patch])
-        positions = patch_positions(seen, block.shape[0], patch.shape[0], total,
+        positions = patch_positions(cache.next_position, block.shape[0], patch.shape[0], total,
                                     config.decode_positions).to(device)
         with cache.patched(patch.shape[0], **scorer.patch_options()):
             decoder(input_ids=tokens[None], position_ids=positions[None], past_key_values=cache,
@@ -183,6 +194,8 @@ def block_prefill(model: torch.nn.Module, input_ids: torch.Tensor, scorer: Score
         if eviction is not None:
             states = [_layer_state(idx, layer, seen) for idx, layer in enumerate(cache.layers)]
             eviction.step(cache.layers, states, scorer, final=begin + config.block >= total)
+        if rotation is not None:
+            cache.compact(rotation)
         for layer in cache.layers:
             layer.last_request = None
         stats.blocks += 1
