@@ -38,6 +38,38 @@ def _online_update(m_i, l_i, s):
 
 
 @triton.jit
+def _n_keys(len_ptr, kv, n_cached, HAS_LENGTHS: tl.constexpr):
+    """How many cached keys KV head `kv` has: all of them, or its own length when given."""
+    n_end = n_cached
+    if HAS_LENGTHS:
+        n_end = tl.minimum(tl.load(len_ptr + kv).to(tl.int32), n_cached)
+    return n_end
+
+
+@triton.jit
+def _key_mask(valid_ptr, kv, cols, stop, s_vh, s_vn, HAS_VALID: tl.constexpr):
+    """For a tile of cached key positions: which exist (below `stop`, to load), and which may be
+    attended (those that exist and, given a validity mask, are marked valid)."""
+    in_range = cols < stop
+    col_ok = in_range
+    if HAS_VALID:
+        col_ok = col_ok & (tl.load(valid_ptr + kv * s_vh + cols * s_vn, mask=in_range,
+                                   other=0) != 0)
+    return in_range, col_ok
+
+
+@triton.jit
+def _load_tile(row_ptrs, row_ok, dims, dim_ok, s_d, DOT_FP32: tl.constexpr):
+    """A [rows, BLOCK_D] tile of query or key vectors starting at `row_ptrs`, zero outside the
+    masks; widened to fp32 when the dot runs in fp32."""
+    tile = tl.load(row_ptrs[:, None] + dims[None, :] * s_d,
+                   mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    if DOT_FP32:
+        tile = tile.to(tl.float32)
+    return tile
+
+
+@triton.jit
 def _row_stats_kernel(q_ptr, kc_ptr, kp_ptr, valid_ptr, len_ptr, m_ptr, l_ptr,
                       n_patch, n_cached, n_rows, group, head_dim, keys_per_split, n_kv_heads,
                       s_qh, s_qp, s_qd, s_kch, s_kcn, s_kcd, s_kph, s_kpp, s_kpd, s_vh, s_vn,
@@ -55,30 +87,18 @@ def _row_stats_kernel(q_ptr, kc_ptr, kp_ptr, valid_ptr, len_ptr, m_ptr, l_ptr,
     q_pos = rows % n_patch
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < head_dim
-    q = tl.load(q_ptr + q_head[:, None] * s_qh + q_pos[:, None] * s_qp + dims[None, :] * s_qd,
-                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-    if DOT_FP32:
-        q = q.to(tl.float32)
+    q = _load_tile(q_ptr + q_head * s_qh + q_pos * s_qp, row_ok, dims, dim_ok, s_qd, DOT_FP32)
 
     m_i = tl.full([BLOCK_M], _NEG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
 
-    n_end = n_cached
-    if HAS_LENGTHS:
-        n_end = tl.minimum(tl.load(len_ptr + kv).to(tl.int32), n_cached)
     start = split * keys_per_split
-    stop = tl.minimum(start + keys_per_split, n_end)
+    stop = tl.minimum(start + keys_per_split, _n_keys(len_ptr, kv, n_cached, HAS_LENGTHS))
     for n0 in range(start, stop, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
-        in_range = cols < stop
-        k = tl.load(kc_ptr + kv * s_kch + cols[:, None] * s_kcn + dims[None, :] * s_kcd,
-                    mask=in_range[:, None] & dim_ok[None, :], other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-        col_ok = in_range
-        if HAS_VALID:
-            col_ok = col_ok & (tl.load(valid_ptr + kv * s_vh + cols * s_vn, mask=in_range,
-                                       other=0) != 0)
+        in_range, col_ok = _key_mask(valid_ptr, kv, cols, stop, s_vh, s_vn, HAS_VALID)
+        k = _load_tile(kc_ptr + kv * s_kch + cols * s_kcn, in_range, dims, dim_ok, s_kcd,
+                       DOT_FP32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(col_ok[None, :], s, float("-inf"))
         m_i, l_i = _online_update(m_i, l_i, s)
@@ -87,10 +107,8 @@ def _row_stats_kernel(q_ptr, kc_ptr, kp_ptr, valid_ptr, len_ptr, m_ptr, l_ptr,
         for j0 in range(0, n_patch, BLOCK_N):
             cols = j0 + tl.arange(0, BLOCK_N)
             in_range = cols < n_patch
-            k = tl.load(kp_ptr + kv * s_kph + cols[:, None] * s_kpp + dims[None, :] * s_kpd,
-                        mask=in_range[:, None] & dim_ok[None, :], other=0.0)
-            if DOT_FP32:
-                k = k.to(tl.float32)
+            k = _load_tile(kp_ptr + kv * s_kph + cols * s_kpp, in_range, dims, dim_ok, s_kpd,
+                           DOT_FP32)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             seen = in_range[None, :] & (cols[None, :] <= q_pos[:, None])
             s = tl.where(seen, s, float("-inf"))
@@ -113,20 +131,11 @@ def _score_kernel(q_ptr, kc_ptr, valid_ptr, len_ptr, m_ptr, l_ptr, out_ptr,
     col_block = tl.program_id(1)
 
     cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_end = n_cached
-    if HAS_LENGTHS:
-        n_end = tl.minimum(tl.load(len_ptr + kv).to(tl.int32), n_cached)
-    in_range = cols < n_end
-    col_ok = in_range
-    if HAS_VALID:
-        col_ok = col_ok & (tl.load(valid_ptr + kv * s_vh + cols * s_vn, mask=in_range,
-                                   other=0) != 0)
+    n_end = _n_keys(len_ptr, kv, n_cached, HAS_LENGTHS)
+    in_range, col_ok = _key_mask(valid_ptr, kv, cols, n_end, s_vh, s_vn, HAS_VALID)
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < head_dim
-    k = tl.load(kc_ptr + kv * s_kch + cols[:, None] * s_kcn + dims[None, :] * s_kcd,
-                mask=in_range[:, None] & dim_ok[None, :], other=0.0)
-    if DOT_FP32:
-        k = k.to(tl.float32)
+    k = _load_tile(kc_ptr + kv * s_kch + cols * s_kcn, in_range, dims, dim_ok, s_kcd, DOT_FP32)
 
     best = tl.zeros([BLOCK_N], dtype=tl.float32)
     # A tile entirely past this head's length has nothing to score: skip the row loop.
@@ -136,10 +145,8 @@ def _score_kernel(q_ptr, kc_ptr, valid_ptr, len_ptr, m_ptr, l_ptr, out_ptr,
         row_ok = rows < n_rows
         q_head = kv * group + rows // n_patch
         q_pos = rows % n_patch
-        q = tl.load(q_ptr + q_head[:, None] * s_qh + q_pos[:, None] * s_qp + dims[None, :] * s_qd,
-                    mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-        if DOT_FP32:
-            q = q.to(tl.float32)
+        q = _load_tile(q_ptr + q_head * s_qh + q_pos * s_qp, row_ok, dims, dim_ok, s_qd,
+                       DOT_FP32)
         m = tl.load(m_ptr + kv * n_rows + rows, mask=row_ok, other=0.0)
         l = tl.load(l_ptr + kv * n_rows + rows, mask=row_ok, other=1.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
