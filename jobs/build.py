@@ -14,45 +14,37 @@ Alone it starts a local Ray; under `ray job submit` (RAY_ADDRESS set) it joins t
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import json
+import logging
 import os
+import socket
+import sys
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import IO, Any, Iterator
 
-# Quiet, offline model libraries in the driver and in every worker that imports this module
-# (set before they are imported).
-_WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error",
-               "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_OFFLINE": "1",
-               "PYTHONWARNINGS": "ignore"}
-for _k, _v in _WORKER_ENV.items():
-    os.environ.setdefault(_k, _v)
+import ray
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
-import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import json  # noqa: E402
-import logging  # noqa: E402
-import socket  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from collections import deque  # noqa: E402
-from dataclasses import dataclass, field, replace  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import IO, Any, Iterator  # noqa: E402
-
-import ray  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-from tqdm.contrib.logging import logging_redirect_tqdm  # noqa: E402
-
-from pipeline import builder, models  # noqa: E402
-from pipeline.calibrate import CalibrationConfig  # noqa: E402
-from pipeline.config import BuildConfig  # noqa: E402
-from pipeline.corpus import (DEFAULT_LIMITS, SKIP_REPORT, Conversation, CorpusError,  # noqa: E402
+from jobs.environment import init_ray
+from pipeline import builder, models
+from pipeline.calibrate import CalibrationConfig
+from pipeline.config import BuildConfig
+from pipeline.corpus import (DEFAULT_LIMITS, SKIP_REPORT, Conversation, CorpusError,
                              CorpusLimits, ReadStats, add_corpus_options, check_corpus,
                              iter_corpus, limits_from_args)
-from pipeline.episodes import EpisodeConfig  # noqa: E402
-from pipeline.compress import MergeConfig, TriStateConfig  # noqa: E402
-from pipeline.positions import POSITION_MODES  # noqa: E402
-from pipeline.prefill import PrefillConfig  # noqa: E402
-from pipeline.scorers import SCORERS, ScoringConfig  # noqa: E402
-from pipeline.store import (S3Store, S3_ENDPOINT_ENV, Store, StoreError, open_store,  # noqa: E402
+from pipeline.episodes import EpisodeConfig
+from pipeline.compress import MergeConfig, TriStateConfig
+from pipeline.positions import POSITION_MODES
+from pipeline.prefill import PrefillConfig
+from pipeline.scorers import SCORERS, ScoringConfig
+from pipeline.store import (S3Store, S3_ENDPOINT_ENV, Store, StoreError, open_store,
                             parse_s3_uri)
 
 log = logging.getLogger("jobs.build")
@@ -462,18 +454,6 @@ def config_from_args(a: argparse.Namespace) -> BuildConfig:
             merge=MergeConfig(enabled=True, beta=a.merge_beta) if a.merge else MergeConfig()),
         calibration=CalibrationConfig(tokens=a.calibration_tokens, window=a.calibration_window,
                                       sink=min(128, a.calibration_window // 4)))
-
-
-def init_ray(address: str | None = None) -> None:
-    """Join the cluster named by `address` / $RAY_ADDRESS, else start a local Ray."""
-    if ray.is_initialized():
-        return
-    address = address or os.environ.get("RAY_ADDRESS") or None
-    if address:  # the job's runtime env (working dir) comes from `ray job submit`
-        ray.init(address=address, logging_level=logging.WARNING)
-    else:
-        ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING,
-                 runtime_env={"env_vars": _WORKER_ENV})
 
 
 def put_skip_report(store: Store, report: IO[str]) -> str | None:

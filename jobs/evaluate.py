@@ -26,7 +26,6 @@ import io
 import json
 import logging
 import math
-import os
 import sys
 import tempfile
 import time
@@ -37,7 +36,7 @@ import pyarrow.parquet as pq
 import ray
 from tqdm import tqdm
 
-from jobs.build import _WORKER_ENV
+from jobs.environment import init_ray
 from pipeline import builder, evaluate, models
 from pipeline.calibrate import CalibrationConfig
 from pipeline.compress import MergeConfig, TriStateConfig
@@ -288,9 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             report.seek(0)
             (out / SKIP_REPORT).write_text(report.read(), encoding="utf-8")
             print(f"skip report: {out / SKIP_REPORT}", file=sys.stderr)
-    if not ray.is_initialized():
-        ray.init(logging_level=logging.WARNING, runtime_env={"env_vars": _WORKER_ENV},
-                 **({} if os.environ.get("RAY_ADDRESS") else {"include_dashboard": False}))
+    init_ray()
     start = time.perf_counter()
     allocated = [m for m in methods if config.needs_profile(m)]
     profiles = {}  # one profile per allocator, measured by the first method that needs it

@@ -118,6 +118,7 @@ def classify(e: BaseException) -> tuple[int, str]:
     from pipeline.answer import ConversationNotFound, ModelMismatchError
     from pipeline.cache_io import CacheCorruptError
     from pipeline.corpus import UnsafeIdError
+    from pipeline.manifest import ManifestError
     from pipeline.store import ObjectNotFound, StoreError
 
     if isinstance(e, ApiError):
@@ -132,6 +133,8 @@ def classify(e: BaseException) -> tuple[int, str]:
         return 503, f"{e}; not answering from it"
     if isinstance(e, ObjectNotFound):
         return 503, f"the manifest names a cache object that is missing: {e}"
+    if isinstance(e, ManifestError):  # the store answers; what it holds for this id is bad
+        return 503, f"{e}; not answering from it (jobs.gc --verify lists such faults)"
     if isinstance(e, StoreError):
         return 503, f"store unavailable: {e}"
     return 500, "internal error while answering (the server log has the details)"

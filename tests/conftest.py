@@ -16,10 +16,10 @@ def ray_local():
     """A real local Ray (2 CPUs), stopped after the session."""
     import ray
 
-    from jobs.build import _WORKER_ENV
+    from jobs.environment import WORKER_ENV
 
     ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING,
-             runtime_env={"env_vars": _WORKER_ENV})
+             runtime_env={"env_vars": WORKER_ENV})
     yield ray
     ray.shutdown()
 

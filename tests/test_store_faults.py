@@ -174,6 +174,12 @@ def test_answer_names_the_corrupt_manifest(store, capsys):
     assert f"manifest '{key}' in store {store.uri} is corrupt: not a readable Parquet" in line
 
 
+def test_serve_answers_a_corrupt_manifest_with_a_503_naming_it():
+    status, message = serve.classify(ManifestError("manifests/conv-1.parquet", "file:///s", "no rows"))
+    assert status == 503
+    assert message.startswith("manifest 'manifests/conv-1.parquet' in store file:///s is corrupt")
+
+
 def test_gc_reports_a_corrupt_manifest_and_keeps_its_objects(store, capsys):
     """Without --verify: the unreadable manifest is a fault (exit 1), and the objects of its
     conversation, which no readable manifest names, are not orphans: --delete keeps them."""

@@ -1,0 +1,31 @@
+"""Where the jobs start Ray, and the environment its workers get: quiet, offline model libraries.
+
+The variables go to the workers through Ray's runtime environment, set where Ray starts, so a
+worker has them before it imports anything; the driver's own environment is left as the user
+set it (importing a job module changes nothing). Under `ray job submit` they are merged with
+the job's own runtime environment (working dir, variables).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+
+WORKER_ENV: dict[str, str] = {
+    "TOKENIZERS_PARALLELISM": "false",  # workers are forked after tokenizers may have run
+    "TRANSFORMERS_VERBOSITY": "error",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "HF_HUB_OFFLINE": "1",  # models come from local packages: never reach for the hub
+}
+
+
+def init_ray(address: str | None = None) -> None:
+    """Join the cluster named by `address` / $RAY_ADDRESS, else start a local Ray."""
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    local = {} if address else {"include_dashboard": False}
+    ray.init(address=address or "local", logging_level=logging.WARNING,
+             runtime_env={"env_vars": WORKER_ENV}, **local)
