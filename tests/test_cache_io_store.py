@@ -15,12 +15,13 @@ from pipeline.answer import generate_from_cache
 from pipeline.cache_io import (FORMAT, CacheCorruptError, deserialize, read_header, serialize,
                                sha256)
 from pipeline.calibrate import CalibrationConfig
+from pipeline.compress import MergeConfig, TriStateConfig
 from pipeline.config import BuildConfig
 from pipeline.corpus import UnsafeIdError
 from pipeline.episodes import EpisodeConfig
 from pipeline.manifest import MANIFEST_SCHEMA, list_conversations, read_manifest, write_manifest
 from pipeline.prefill import PrefillConfig, block_prefill
-from pipeline.scorers import EpiCacheScorer
+from pipeline.scorers import EpiCacheScorer, ScoringConfig
 from pipeline.store import (LocalStore, StoreError, cache_key, check_key,
                             manifest_key, open_store)
 
@@ -297,6 +298,38 @@ def test_build_config_hash_is_stable():
     assert a.hash == b.hash
     assert len(a.hash) == 16 and int(a.hash, 16) >= 0
     assert BuildConfig.from_json(a.to_json()).hash == a.hash
+
+
+# Every field given explicitly, so a change of a default value does not move this hash, but a
+# change of what is hashed does: a field added, removed or renamed, FORMAT, the JSON encoding.
+PINNED_CONFIG = BuildConfig(
+    model="SmolLM2-135M-Instruct", encoder="all-MiniLM-L6-v2", scorer="epicache", budget=512,
+    alpha=1.5, allocator="sensitivity", variance_temperature=1.0, store_dtype="float16",
+    max_context_tokens=16000,
+    episodes=EpisodeConfig(window=4, episodes=3, medoids=2, seed=7, n_init=10),
+    scoring=ScoringConfig(reduce="max", include_patch=True, pool=0, utterance=True, focus=10.0,
+                          sink=4, recent=32, patch_tokens=256),
+    prefill=PrefillConfig(block=256, selection="headwise", head_floor=0.1, decode_positions=False,
+                          tristate=TriStateConfig(enabled=True, fp8=False, window=32, gamma=263.81,
+                                                  tau_entropy=7.774, tau_variance=5.407,
+                                                  tau_kurtosis=5.528, original_scale=1.0,
+                                                  slack=0.75, heavy_hitter=True),
+                          merge=MergeConfig(enabled=False, beta=0.7, min_threshold=-1.0)),
+    calibration=CalibrationConfig(tokens=2048, sink=64, window=512, seed=0))
+# CHANGE ON PURPOSE ONLY. Every stored manifest carries its configuration's hash, and a build
+# rebuilds every conversation whose hash differs: a new literal here means every existing store
+# is rebuilt. When the configuration's format changes on purpose (a field added to BuildConfig
+# or to one of its parts, cache_io.FORMAT bumped), set the new field in PINNED_CONFIG above and
+# put the new hash here, and say so in the change.
+PINNED_HASH = "b110ef222c313e5e"
+
+
+def test_build_config_hash_of_a_fixed_configuration_is_pinned():
+    """The hash of a fixed configuration is a literal: a change that would silently invalidate
+    every stored manifest fails here instead."""
+    assert PINNED_CONFIG.hash == PINNED_HASH, (
+        f"the configuration hash changed ({PINNED_CONFIG.hash}); every stored manifest would be "
+        f"rebuilt. If that is intended, update PINNED_HASH. Hashed JSON: {PINNED_CONFIG.to_json()}")
 
 
 def test_build_config_hash_changes_with_every_field():

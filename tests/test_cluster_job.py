@@ -224,6 +224,7 @@ def two_node_cluster(s3_server, tmp_path):
                     and p.status() != psutil.STATUS_ZOMBIE], "cluster processes left running"
 
 
+@pytest.mark.e2e
 def test_two_node_build_submitted_with_ray_job_submit(two_node_cluster, s3_server, s3_env,
                                                       tiny_llm, tmp_path):
     """`ray job submit --working-dir . -- python -m jobs.build` on a two-node cluster with token
@@ -289,6 +290,7 @@ class EpisodeKiller(threading.Thread):
             time.sleep(0.01)
 
 
+@pytest.mark.e2e
 def test_worker_killed_mid_build_does_not_stop_the_job(ray_local, tiny_llm, tmp_path):
     """SIGKILL a Ray worker while it runs an episode task: Ray retries the task, the build
     completes with every conversation, and every manifest names complete objects whose
@@ -313,6 +315,7 @@ def test_worker_killed_mid_build_does_not_stop_the_job(ray_local, tiny_llm, tmp_
     verify_store(LocalStore(store_dir), {f"synth-{i:04d}" for i in range(6)})
 
 
+@pytest.mark.e2e
 def test_interrupted_driver_resumes_without_rebuilding(ray_local, tiny_llm, tmp_path, capsys):
     """SIGINT a `python -m jobs.build` once its first manifest is committed: it exits 130 with
     one line and leaves no Ray process behind. Running the same command again builds only the
@@ -371,6 +374,7 @@ def test_interrupted_driver_resumes_without_rebuilding(ray_local, tiny_llm, tmp_
     verify_store(store, {f"synth-{i:04d}" for i in range(n)})
 
 
+@pytest.mark.e2e
 def test_failing_episode_fails_its_conversation_and_the_rest_completes(ray_local, tiny_llm,
                                                                        tmp_path, capsys):
     """A real, persistent failure (an episode whose object path is blocked by a folder): its

@@ -1,10 +1,12 @@
 """Reading corpora: JSONL validation errors that name file, record and field; skipping bad
-records; unsafe ids; the LoCoMo reader on the real files; rendering."""
+records; unsafe ids; the LoCoMo reader on a small fixture (and on the real files when
+present); rendering."""
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -12,11 +14,15 @@ import pytest
 from pipeline.corpus import (CorpusError, UnsafeIdError, check_safe_id, iter_corpus, read_corpus,
                              render_conversation, render_turn, write_jsonl)
 
-# LoCoMo lives beside the repository (../shared/data/locomo), not in it: its tests are skipped
-# on a clone without it.
-LOCOMO = Path(__file__).resolve().parents[2] / "shared" / "data" / "locomo"
+# The LoCoMo-format parsing tests read a small fixture written for the project (tests/data/locomo);
+# the real LoCoMo lives beside the repository (../shared/data/locomo, or $LOCOMO_DIR), not in it,
+# and its tests are skipped with the reason on a clone without it.
+FIXTURE = Path(__file__).resolve().parent / "data" / "locomo"
+LOCOMO = Path(os.environ.get("LOCOMO_DIR")
+              or Path(__file__).resolve().parents[2] / "shared" / "data" / "locomo")
 needs_locomo = pytest.mark.skipif(not (LOCOMO / "30.json").is_file(),
-                                  reason=f"LoCoMo data not found at {LOCOMO}")
+                                  reason=f"real LoCoMo data not found at {LOCOMO} "
+                                         f"(set LOCOMO_DIR to run these tests)")
 
 
 def good_record(cid: str = "conv-1") -> dict:
@@ -163,6 +169,102 @@ def test_safe_ids_pass():
 # --------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
+def mini():
+    """The hand-written LoCoMo-format sample (tests/data/locomo/mini.json)."""
+    convs, stats = read_corpus(FIXTURE / "mini.json")
+    assert stats.read == 1 and not stats.skipped
+    return convs[0]
+
+
+def test_locomo_fixture_turns_sessions_and_captions(mini):
+    """Speakers, turns in session order with their session's date, blip_caption kept as the
+    caption and rendered ' and shared <caption>.', other keys (img_url, events) ignored."""
+    assert mini.conversation_id == "locomo-mini" and mini.speakers == ("Maya", "Tomas")
+    assert mini.meta == {"source": "locomo"}
+    assert [t.turn_id for t in mini.turns] == ["D1:1", "D1:2", "D1:3", "D2:1", "D2:2", "D2:3",
+                                               "D3:1", "D3:2"]
+    assert [t.session for t in mini.turns] == [1, 1, 1, 2, 2, 2, 3, 3]
+    assert {t.session: t.timestamp for t in mini.turns} == {
+        1: "1:56 pm on 8 May, 2023", 2: "10:37 am on 27 June, 2023", 3: "7:10 pm on 3 August, 2023"}
+    captions = {t.turn_id: t.caption for t in mini.turns if t.caption}
+    assert captions == {"D1:2": "a photo of a brown dog running on a beach",
+                        "D3:2": "a photography of a blue ceramic vase on a table"}
+    turn = mini.turns[1]
+    assert render_turn(turn) == ('Tomas said, "Congratulations! Mine loves the beach, look." '
+                                 'and shared a photo of a brown dog running on a beach.')
+    assert render_turn(mini.turns[0]) == 'Maya said, "Hi Tomas! I finally adopted a dog last weekend."'
+
+
+def test_locomo_fixture_questions_and_odd_evidence(mini):
+    """'D2:1; D3:2' names two turns; an id naming no turn is dropped from the evidence and kept
+    in meta; empty evidence stays empty; an int answer becomes a string; a category-5 item
+    takes its adversarial_answer."""
+    got = [(q.answer, q.evidence, q.category, q.meta) for q in mini.questions]
+    assert got == [
+        ("Biscuit", ("D2:2",), 4, {}),
+        ("a blue vase", ("D2:1", "D3:2"), 1, {}),
+        ("the weekend before 8 May 2023", ("D1:1",), 2, {"unknown_evidence": ["D9:9"]}),
+        ("2023", ("D1:1",), 2, {}),
+        ("Likely yes", (), 3, {}),
+        ("Not mentioned in the conversation", ("D1:2",), 5, {}),
+    ]
+    assert mini.questions[0].question == "What is the name of Maya's dog?"
+
+
+def test_locomo10_layout_list_of_nested_samples():
+    """The original locomo10.json layout: a list of samples, sessions under 'conversation',
+    'qa' beside it, the id from sample_id."""
+    convs, stats = read_corpus(FIXTURE / "nested.json")
+    assert stats.read == 1 and len(convs) == 1
+    conv = convs[0]
+    assert conv.conversation_id == "locomo-conv-7" and conv.speakers == ("Lena", "Omar")
+    assert [(t.turn_id, t.session) for t in conv.turns] == [("D1:1", 1), ("D1:2", 1), ("D2:1", 2)]
+    assert [(q.answer, q.evidence) for q in conv.questions] == [("14 May", ("D1:1", "D2:1"))]
+
+
+def test_locomo_fixture_folder_reads_every_sample():
+    """A folder of LoCoMo files (other files, like its README, ignored) reads each sample once."""
+    convs, stats = read_corpus(FIXTURE)
+    assert sorted(c.conversation_id for c in convs) == ["locomo-conv-7", "locomo-mini"]
+    assert stats.read == 2 and not stats.skipped
+
+
+@pytest.mark.parametrize("mutate,field,why", [
+    (lambda s: s.pop("speaker_b"), "speaker_b", "is missing"),
+    (lambda s: s["session_2"][1].pop("dia_id"), r"session_2\[1\]\.dia_id", "is missing"),
+    (lambda s: s["qa"][5].pop("adversarial_answer"), r"qa\[5\]\.answer", "is missing"),
+], ids=["speaker_b", "dia_id", "answer"])
+def test_locomo_errors_name_file_and_field(tmp_path, mutate, field, why):
+    """A broken LoCoMo sample fails naming the file and the field."""
+    sample = json.loads((FIXTURE / "mini.json").read_text(encoding="utf-8"))
+    mutate(sample)
+    (tmp_path / "x.json").write_text(json.dumps(sample))
+    with pytest.raises(CorpusError, match=rf"x\.json.*field '{field}': {why}"):
+        read_corpus(tmp_path / "x.json")
+
+
+def test_rendering_spans_point_at_turn_lines(mini):
+    """The rendered text names both speakers, has a DATE line per session, and each turn span
+    is exactly its rendered line."""
+    _check_rendering(mini)
+
+
+def _check_rendering(conv):
+    rendered = render_conversation(conv)
+    assert rendered.text.startswith(f"Below is a conversation between {conv.speakers[0]} and "
+                                    f"{conv.speakers[1]}")
+    n_sessions = len({t.session for t in conv.turns})
+    assert rendered.text.count("DATE: ") == n_sessions
+    for t in conv.turns:
+        assert f"DATE: {t.timestamp}\nCONVERSATION:" in rendered.text
+    assert len(rendered.turn_spans) == len(conv.turns)
+    for turn, (start, end) in zip(conv.turns, rendered.turn_spans):
+        assert rendered.text[start:end] == render_turn(turn)
+
+
+# The real LoCoMo files, when present.
+
+@pytest.fixture(scope="module")
 def locomo30():
     convs, stats = read_corpus(LOCOMO / "30.json")
     assert stats.read == 1 and not stats.skipped
@@ -190,34 +292,19 @@ def test_locomo_reader(locomo30):
 
 
 @needs_locomo
-def test_rendering_spans_point_at_turn_lines(locomo30):
-    """The rendered text names both speakers, has a DATE line per session, and each turn span
-    is exactly its rendered line."""
-    rendered = render_conversation(locomo30)
-    assert rendered.text.startswith(f"Below is a conversation between {locomo30.speakers[0]} and "
-                                    f"{locomo30.speakers[1]}")
-    n_sessions = len({t.session for t in locomo30.turns})
-    assert rendered.text.count("DATE: ") == n_sessions
-    assert len(rendered.turn_spans) == len(locomo30.turns)
-    for turn, (start, end) in zip(locomo30.turns, rendered.turn_spans):
-        assert rendered.text[start:end] == render_turn(turn)
+def test_real_rendering_spans_point_at_turn_lines(locomo30):
+    """The fixture's rendering check, on a real conversation (31 sessions, captions)."""
+    _check_rendering(locomo30)
 
 
 @needs_locomo
 def test_locomo_folder_reads_ten_conversations():
+    """All ten real files parse; the odd evidence of 26.json ('D8:6; D9:17') names two turns."""
     convs, stats = read_corpus(LOCOMO)
     assert len(convs) == 10 and stats.read == 10 and not stats.skipped
     assert len({c.conversation_id for c in convs}) == 10
-
-
-@needs_locomo
-def test_locomo_missing_speaker_names_field(tmp_path):
-    sample = json.loads((LOCOMO / "30.json").read_text())
-    broken = copy.deepcopy(sample)
-    del broken["speaker_b"]
-    (tmp_path / "x.json").write_text(json.dumps(broken))
-    with pytest.raises(CorpusError, match=r"x\.json.*field 'speaker_b': is missing"):
-        read_corpus(tmp_path / "x.json")
+    [c26] = [c for c in convs if c.conversation_id == "locomo-26"]
+    assert any({"D8:6", "D9:17"} <= set(q.evidence) for q in c26.questions)
 
 
 def test_missing_path_is_a_corpus_error(tmp_path):

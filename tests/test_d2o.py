@@ -101,9 +101,19 @@ def test_merge_on_fixed_tensors_matches_the_weighted_average():
     assert layer.values[0, 0, 0].item() == pytest.approx((w0 * 1.0 + w2 * 3.0) / (w0 + w2))
     torch.testing.assert_close(layer.keys[0, 0, 1], keys[0, 1])  # untouched
     assert merger.merged == 1
-    # the EMA: a second step mixes the new mean with the previous threshold
-    merger.merge(0, FakeLayer(keys, values), keep, keep)
-    assert merger.threshold[0] == pytest.approx((s2 + s3) / 2)
+    # the EMA: a second step whose evictions have a different mean similarity gives
+    # beta * new mean + (1 - beta) * previous threshold (neither the old nor the new mean alone)
+    first = merger.threshold[0]
+    keep2 = torch.tensor([[True, False, True, False]])  # evict slots 1 and 3, keep 0 and 2
+    t1 = max(float(unit[1] @ unit[0]), float(unit[1] @ unit[2]))
+    t3 = max(float(unit[3] @ unit[0]), float(unit[3] @ unit[2]))
+    second = (t1 + t3) / 2
+    assert abs(second - first) > 0.1  # the inputs differ enough for the check to mean something
+    merger.merge(0, FakeLayer(keys, values), keep2, keep2)
+    assert merger.threshold[0] == pytest.approx(0.7 * second + 0.3 * first)
+    # each layer keeps its own threshold
+    merger.merge(1, FakeLayer(keys, values), keep2, keep2)
+    assert merger.threshold[1] == pytest.approx(second)
 
 
 @pytest.mark.parametrize("tristate", [False, True])

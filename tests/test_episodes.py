@@ -53,6 +53,24 @@ def test_clustering_is_deterministic(conversation):
         np.testing.assert_array_equal(x.centroid, y.centroid)
 
 
+def _partition(result) -> list[tuple[int, ...]]:
+    return sorted(e.windows for e in result.episodes)
+
+
+def test_clustering_depends_on_the_seed_and_the_input(conversation):
+    """Not a constant: another seed gives another K-Means partition of the same windows (the
+    seed reaches K-Means), and another conversation gives other episodes."""
+    base = build_episodes(conversation, BagOfWordsEncoder(), EpisodeConfig(seed=0))
+    reseeded = build_episodes(conversation, BagOfWordsEncoder(), EpisodeConfig(seed=1))
+    assert reseeded.n_windows == base.n_windows and len(reseeded.episodes) == 4
+    assert _partition(reseeded) != _partition(base)
+    other = build_episodes(make_conversation("synth-episodes", 4000, seed=4), BagOfWordsEncoder(),
+                           EpisodeConfig(seed=0))
+    assert {e.patch_text for e in other.episodes}.isdisjoint(e.patch_text for e in base.episodes)
+    assert not any(np.allclose(a.centroid, b.centroid)
+                   for a in other.episodes for b in base.episodes)
+
+
 def test_windows_partition_the_conversation(conversation):
     """Every window (of `window` consecutive turns) belongs to exactly one episode."""
     config = EpisodeConfig(window=4, episodes=4)

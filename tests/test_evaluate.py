@@ -118,6 +118,7 @@ def tiny_llm_dir(tmp_path_factory):
     return str(path)
 
 
+@pytest.mark.e2e
 def test_continuation_nll_equals_a_full_forward(tiny_llm_dir):
     lm = models.load_llm(tiny_llm_dir)
     ids = prompts.encode(lm.tokenizer, "Alice said hello to Bob and Bob said hello back to Alice.")
@@ -155,6 +156,7 @@ def _check_outputs(out, methods):
     return records
 
 
+@pytest.mark.e2e
 def test_harness_end_to_end_on_a_tiny_model(tmp_path, tiny_llm_dir, ray_local):
     corpus = tmp_path / "corpus.jsonl"
     write_jsonl(make_corpus(2, 500, seed=11), corpus)
@@ -166,6 +168,7 @@ def test_harness_end_to_end_on_a_tiny_model(tmp_path, tiny_llm_dir, ray_local):
     assert all(r["kept_entries"] == r["budget"] for r in records if r["budget"])
 
 
+@pytest.mark.e2e
 def test_a_rerun_computes_only_the_cells_it_does_not_have(tmp_path, tiny_llm_dir, ray_local):
     corpus = tmp_path / "corpus.jsonl"
     write_jsonl(make_corpus(1, 400, seed=13), corpus)

@@ -187,6 +187,7 @@ def _conversation() -> Conversation:
     return Conversation("known", ("Ann", "Ben"), turns, questions)
 
 
+@pytest.mark.e2e
 def test_token_layout_finds_every_turn_and_line():
     lm = models.load_llm(models.DEFAULT_LLM)
     conv = _conversation()
@@ -200,6 +201,7 @@ def test_token_layout_finds_every_turn_and_line():
     assert layout.turn_mask(["D1:1"]).sum() == layout.span_of("D1:1")[1] - layout.span_of("D1:1")[0]
 
 
+@pytest.mark.e2e
 def test_route_hit_and_evidence_kept_on_known_evidence():
     """A cache that holds exactly turn D1:1 (every layer and head) and half of D2:4: the
     diagnostics say so; an episode whose windows hold the evidence is a route hit."""

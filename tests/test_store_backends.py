@@ -306,6 +306,7 @@ def twin_builds(s3_server, ray_local, tmp_path_factory):
     return corpus, local_dir, s3_uri, config
 
 
+@pytest.mark.e2e
 def test_same_build_into_s3_and_a_folder_gives_equivalent_manifests(twin_builds, s3_env):
     corpus, local_dir, s3_uri, config = twin_builds
     local, s3 = LocalStore(local_dir), open_store(s3_uri)
@@ -326,6 +327,7 @@ def test_same_build_into_s3_and_a_folder_gives_equivalent_manifests(twin_builds,
             assert rb["node_id"] and ra["node_id"]
 
 
+@pytest.mark.e2e
 def test_answers_read_caches_back_from_both_backends(twin_builds, s3_env):
     corpus, local_dir, s3_uri, _ = twin_builds
     conv = read_corpus(corpus)[0][0]

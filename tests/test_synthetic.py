@@ -118,11 +118,11 @@ def test_topics_come_in_stretches_and_recur():
     assert all(len(s) >= 2 for s in sessions_per_topic.values())
 
 
-def test_long_conversation_is_fast_and_rich():
-    import time
-    start = time.perf_counter()
+def test_long_conversation_is_rich():
+    """A 100K-token conversation keeps planting questions and rarely repeats a turn verbatim.
+    (Its generation time is not asserted: a wall-clock bound belongs in a benchmark, not in a
+    test run on a shared machine.)"""
     conv = make_conversation("synth-0000", 100_000, seed=0)
-    assert time.perf_counter() - start < 3
     assert len(conv.questions) >= 100_000 / 600
     # Finite templates do repeat over ~3000 turns, but rarely verbatim.
     assert len({t.text for t in conv.turns}) > 0.75 * len(conv.turns)
