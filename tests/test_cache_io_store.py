@@ -273,7 +273,8 @@ def _changed(value):
     if isinstance(value, float):
         return value + 0.5
     if isinstance(value, str):
-        return {"float16": "bfloat16", "headwise": "perhead", "max": "mean"}.get(value, value + "-x")
+        return {"float16": "bfloat16", "headwise": "perhead", "max": "mean",
+                "original": "compact"}.get(value, value + "-x")
     if value is None:
         return 7
     raise TypeError(value)
@@ -310,6 +311,7 @@ PINNED_CONFIG = BuildConfig(
     scoring=ScoringConfig(reduce="max", include_patch=True, pool=0, utterance=True, focus=10.0,
                           sink=4, recent=32, patch_tokens=256),
     prefill=PrefillConfig(block=256, selection="headwise", head_floor=0.1, decode_positions=False,
+                          positions="original",
                           tristate=TriStateConfig(enabled=True, fp8=False, window=32, gamma=263.81,
                                                   tau_entropy=7.774, tau_variance=5.407,
                                                   tau_kurtosis=5.528, original_scale=1.0,
@@ -321,7 +323,7 @@ PINNED_CONFIG = BuildConfig(
 # is rebuilt. When the configuration's format changes on purpose (a field added to BuildConfig
 # or to one of its parts, cache_io.FORMAT bumped), set the new field in PINNED_CONFIG above and
 # put the new hash here, and say so in the change.
-PINNED_HASH = "b110ef222c313e5e"
+PINNED_HASH = "3930c653d0aa42f3"  # prefill.positions added (compact positions)
 
 
 def test_build_config_hash_of_a_fixed_configuration_is_pinned():
@@ -339,7 +341,7 @@ def test_build_config_hash_changes_with_every_field():
     paths = [p for p, _ in variants]
     assert {"model", "budget", "alpha", "store_dtype", "episodes.window", "episodes.seed",
             "scoring.focus", "scoring.utterance", "prefill.head_floor",
-            "prefill.block", "prefill.selection", "calibration.sink"} <= set(paths)
+            "prefill.block", "prefill.selection", "prefill.positions", "calibration.sink"} <= set(paths)
     hashes = [v.hash for _, v in variants]
     assert base.hash not in hashes
     assert len(set(hashes)) == len(hashes)

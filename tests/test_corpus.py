@@ -114,7 +114,8 @@ def test_record_numbers_are_line_numbers(tmp_path):
 
 def test_skip_mode_skips_and_counts(tmp_path):
     """on_bad_record='skip': every bad record (schema error, bad JSON, duplicate id) is skipped
-    and listed in ReadStats.skipped with where it was; good ones are read."""
+    and listed in ReadStats.skipped with where it was; a bad question drops only itself; good
+    ones are read."""
     records = [good_record("a")]
     for i, (mutate, _, _) in enumerate(BAD):
         r = good_record(f"bad-{i}")
@@ -123,11 +124,14 @@ def test_skip_mode_skips_and_counts(tmp_path):
     records += ["not json at all", good_record("a"), good_record("z")]
     path = write_lines(tmp_path / "mixed.jsonl", records)
     convs, stats = read_corpus(path, on_bad_record="skip")
-    assert [c.conversation_id for c in convs] == ["a", "z"]
-    assert stats.read == 2 and len(stats.skipped) == len(BAD) + 2
-    wheres = [w for w, _ in stats.skipped]
-    assert wheres == [f"mixed.jsonl, record {n}" for n in range(2, len(records))]
-    assert "duplicate id" in stats.skipped[-1][1]
+    # the record with bad evidence (bad-3) loses that question only: it is kept
+    assert [c.conversation_id for c in convs] == ["a", "bad-3", "z"]
+    assert stats.read == 3 and stats.records_skipped == len(BAD) + 1 and stats.questions_dropped == 1
+    wheres = [f"{s.file}, record {s.record}" for s in stats.skipped if s.question is None]
+    assert wheres == [f"mixed.jsonl, record {n}" for n in range(2, len(records)) if n != 5]
+    assert [(s.record, s.conversation_id, s.question) for s in stats.skipped
+            if s.question is not None] == [(5, "bad-3", 0)]
+    assert "duplicate id" in stats.skipped[-1].reason
     with pytest.raises(ValueError, match="on_bad_record"):
         list(iter_corpus(path, on_bad_record="ignore"))
 
