@@ -14,6 +14,7 @@ import json
 import logging
 import sys
 
+from jobs.cli import add_store_options, make_parser
 from pipeline.answer import Answerer, ConversationNotFound, ModelMismatchError
 from pipeline.cache_io import CacheCorruptError
 from pipeline.corpus import UnsafeIdError
@@ -21,17 +22,21 @@ from pipeline.models import ModelNotFoundError
 from pipeline.store import StoreError, open_store
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jobs.answer", description=__doc__.split("\n\n")[0])
-    p.add_argument("--store", required=True, help="store folder, or s3://bucket/prefix")
-    p.add_argument("--s3-endpoint", default=None,
-                   help="S3-compatible endpoint URL (default: $EPICACHE_S3_ENDPOINT, else AWS)")
-    p.add_argument("--conversation", required=True)
-    p.add_argument("--question", action="append", required=True, help="may repeat")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
+def build_parser() -> argparse.ArgumentParser:
+    p = make_parser("jobs.answer", __doc__)
+    add_store_options(p)
+    p.add_argument("--conversation", required=True, help="the conversation id, as in its manifest")
+    p.add_argument("--question", action="append", required=True,
+                   help="a question about it (may repeat: answered in order)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="answer length at most (tokens)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature (0: greedy)")
     p.add_argument("--json", action="store_true", help="one JSON object per question")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     try:
         answerer = Answerer(open_store(a.store, endpoint_url=a.s3_endpoint, create=False))

@@ -22,25 +22,27 @@ import sys
 
 import torch
 
-from jobs.bench_common import bench_text, first_layers, full_prefill, print_table
+from jobs.bench_common import (add_model_options, add_prefill_options, bench_text, first_layers,
+                               full_prefill, print_table)
+from jobs.cli import make_parser
 from pipeline import models
 from pipeline.config import BuildConfig
 from pipeline.prefill import PrefillConfig, block_prefill
 from pipeline.scorers import ScoringConfig
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jobs.bench_build_speed", description=__doc__.split("\n\n")[0])
-    p.add_argument("--lengths", default="8192,16384,32768")
-    p.add_argument("--budget", type=int, default=1024)
-    p.add_argument("--block", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--layers", type=int, default=None, help="run the first N decoder layers only")
-    p.add_argument("--model", default=models.DEFAULT_LLM)
-    p.add_argument("--threads", type=int, default=None)
+def build_parser() -> argparse.ArgumentParser:
+    p = make_parser("jobs.bench_build_speed", __doc__)
+    add_prefill_options(p, lengths="8192,16384,32768")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each side; the best is kept")
+    add_model_options(p)
     p.add_argument("--paper", action="store_true",
                    help="score with the paper's recipe (ScoringConfig.paper(): the whole patch)")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     config = BuildConfig(model=a.model, scoring=ScoringConfig.paper()) if a.paper else \
         BuildConfig(model=a.model)
     if a.threads:

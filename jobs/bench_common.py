@@ -1,9 +1,11 @@
 """What the build benchmarks share: a synthetic conversation of an exact length, the episode
-patch a real build would use for it, a stock full prefill to compare with, and a table printer.
+patch a real build would use for it, a stock full prefill to compare with, a table printer and
+their common options.
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import time
 from dataclasses import dataclass
@@ -17,6 +19,29 @@ from pipeline.config import BuildConfig
 from pipeline.corpus import render_conversation
 from pipeline.scorers import Scorer
 from pipeline.synthetic import make_conversation
+
+
+def add_threads_option(p: argparse.ArgumentParser) -> None:
+    """`--threads`: pinning torch's threads gives steadier timings on a busy machine."""
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    """`--model` and `--threads`, as every benchmark that loads the model takes them."""
+    p.add_argument("--model", default=models.DEFAULT_LLM,
+                   help="LLM: packaged name or local HF folder")
+    add_threads_option(p)
+
+
+def add_prefill_options(p: argparse.ArgumentParser, lengths: str) -> None:
+    """The options of one episode's block prefill at growing lengths (bench_memory,
+    bench_build_speed), `lengths` being the default lengths."""
+    p.add_argument("--lengths", default=lengths, help="comma-separated conversation lengths (tokens)")
+    p.add_argument("--budget", type=int, default=1024,
+                   help="mean entries kept per layer and KV head")
+    p.add_argument("--block", type=int, default=512, help="block-prefill block size (tokens)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="run the first N decoder layers only (default: all)")
 
 
 @dataclass(frozen=True)

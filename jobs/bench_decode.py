@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from jobs.bench_common import print_table
+from jobs.bench_common import add_model_options, print_table
+from jobs.cli import make_parser
 from pipeline import builder, models
 from pipeline.answer import Answerer
 from pipeline.config import BuildConfig
@@ -56,18 +57,23 @@ def summarise(name: str, turns: list[dict], entries: float) -> dict:
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jobs.bench_decode", description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=int, default=8000)
-    p.add_argument("--budget", type=int, default=1024)
-    p.add_argument("--episodes", type=int, default=4)
-    p.add_argument("--alpha", type=float, default=BuildConfig.alpha)
-    p.add_argument("--questions", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=32)
+def build_parser() -> argparse.ArgumentParser:
+    p = make_parser("jobs.bench_decode", __doc__)
+    p.add_argument("--tokens", type=int, default=8000, help="length of the synthetic conversation")
+    p.add_argument("--budget", type=int, default=1024,
+                   help="mean entries kept per layer and KV head")
+    p.add_argument("--episodes", type=int, default=4, help="EpiCache episodes")
+    p.add_argument("--alpha", type=float, default=BuildConfig.alpha,
+                   help="layer-allocation sharpness (0: uniform budgets)")
+    p.add_argument("--questions", type=int, default=8, help="planted questions answered (turns)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="answer length at most (tokens)")
     p.add_argument("--store", default=None, help="a local folder to build into (default: a temp dir)")
-    p.add_argument("--model", default=models.DEFAULT_LLM)
-    p.add_argument("--threads", type=int, default=None)
-    a = p.parse_args(argv)
+    add_model_options(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     conv = make_conversation("bench-decode", target_tokens=a.tokens, seed=0)

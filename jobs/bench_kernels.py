@@ -38,6 +38,7 @@ from typing import Callable
 
 import torch
 
+from jobs.cli import make_parser
 from kernels import quant
 from kernels.score import patch_attention_scores_reference
 
@@ -249,18 +250,21 @@ def print_table(rows: list[dict]) -> None:
               f"{fmt(r['max_abs_diff_vs_reference'], '.1e'):>11}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jobs.bench_kernels",
-                                description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = make_parser("jobs.bench_kernels", __doc__)
     p.add_argument("--shapes", default="smollm2,3b", help=f"comma-separated of {list(SHAPES)}")
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions (the median is kept)")
     p.add_argument("--dtype", choices=list(DTYPES), default=None,
                    help="input dtype (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(),
                    help="CPU threads for the torch paths")
     p.add_argument("--json", action="store_true", help="also print the rows as JSON")
     p.add_argument("--memory-probe", nargs=2, metavar=("SHAPE", "IMPL"), help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     if a.memory_probe:
         print(cpu_memory_probe(*a.memory_probe, dtype=a.dtype or "fp32", threads=a.threads))
         return 0

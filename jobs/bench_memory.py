@@ -22,7 +22,9 @@ import sys
 
 import torch
 
-from jobs.bench_common import bench_text, dynamic_cache_bytes, first_layers, full_prefill, print_table
+from jobs.bench_common import (add_model_options, add_prefill_options, bench_text,
+                               dynamic_cache_bytes, first_layers, full_prefill, print_table)
+from jobs.cli import make_parser
 from pipeline import models, prompts
 from pipeline.config import BuildConfig
 from pipeline.prefill import PrefillConfig, block_prefill
@@ -44,19 +46,19 @@ def measure(model: torch.nn.Module, ids: torch.Tensor, patch: torch.Tensor, budg
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jobs.bench_memory", description=__doc__.split("\n\n")[0])
-    p.add_argument("--lengths", default="4096,8192,16384,32768,65536")
-    p.add_argument("--budget", type=int, default=1024)
-    p.add_argument("--block", type=int, default=512)
+def build_parser() -> argparse.ArgumentParser:
+    p = make_parser("jobs.bench_memory", __doc__)
+    add_prefill_options(p, lengths="4096,8192,16384,32768,65536")
     p.add_argument("--patch-tokens", type=int, default=256,
                    help="cut the medoid patch to this length, the same at every length")
-    p.add_argument("--layers", type=int, default=None, help="run the first N decoder layers only")
     p.add_argument("--full-max-tokens", type=int, default=65536,
                    help="skip the full prefill above this length")
-    p.add_argument("--model", default=models.DEFAULT_LLM)
-    p.add_argument("--threads", type=int, default=None)
-    a = p.parse_args(argv)
+    add_model_options(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     lengths = sorted(int(x) for x in a.lengths.split(","))

@@ -23,6 +23,8 @@ import sys
 import time
 from dataclasses import replace
 
+from jobs.bench_common import add_threads_option
+from jobs.cli import make_parser
 from pipeline import evaluate, models
 from pipeline.corpus import CorpusError, iter_corpus
 from pipeline.metrics import retention
@@ -53,9 +55,8 @@ def measure(conv, config: evaluate.EvalConfig, budget: int) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    p = make_parser("jobs.bench_positions", __doc__)
     p.add_argument("--corpus", required=True, help="LoCoMo folder or file (or project JSONL)")
     p.add_argument("--conversations", default="26",
                    help="conversation ids, comma-separated (matches locomo-<id>)")
@@ -64,8 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=int, default=1024, help="entries per layer and KV head")
     p.add_argument("--questions", type=int, default=0,
                    help="questions per conversation (0: every question inside the cut)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    a = p.parse_args(argv)
+    add_threads_option(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     if a.threads:
         import torch
         torch.set_num_threads(a.threads)

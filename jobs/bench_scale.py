@@ -35,6 +35,7 @@ import torch
 from safetensors.torch import save as st_save
 
 from jobs.build import Stages, init_ray, run_build, worker_stamp
+from jobs.cli import make_parser
 from pipeline import cache_io
 from pipeline.builder import ClusterResult
 from pipeline.config import BuildConfig
@@ -262,20 +263,25 @@ def bench(corpus: Path, store: Store, *, max_in_flight: int = 64, num_cpus: floa
         rerun_s=rerun_s, rerun_skipped=again.skipped)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jobs.bench_scale", description=__doc__.split("\n\n")[0])
-    p.add_argument("--conversations", type=int, default=10_000)
+def build_parser() -> argparse.ArgumentParser:
+    p = make_parser("jobs.bench_scale", __doc__)
+    p.add_argument("--conversations", type=int, default=10_000, help="synthetic conversations")
     p.add_argument("--large", action="store_true", help="100,000 conversations")
     p.add_argument("--store", default=None, help="store URI (default: a temporary folder, removed)")
-    p.add_argument("--s3-endpoint", default=None)
-    p.add_argument("--max-in-flight", type=int, default=64)
-    p.add_argument("--cpus-per-task", type=float, default=1)
+    p.add_argument("--s3-endpoint", default=None,
+                   help="S3-compatible endpoint URL (default: $EPICACHE_S3_ENDPOINT, else AWS)")
+    p.add_argument("--max-in-flight", type=int, default=64, help="tasks submitted at most")
+    p.add_argument("--cpus-per-task", type=float, default=1, help="Ray CPUs per task")
     p.add_argument("--fail-every", type=int, default=0,
                    help="every Nth conversation's last episode raises (rehearses failures)")
     p.add_argument("--tracemalloc", action="store_true",
                    help="also trace the driver's Python heap (slows the driver)")
-    p.add_argument("--no-progress", action="store_true")
-    a = p.parse_args(argv)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     n = 100_000 if a.large else a.conversations
     work = Path(tempfile.mkdtemp(prefix="epicache-bench-"))
     try:

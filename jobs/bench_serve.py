@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import requests
 
+from jobs.cli import make_parser
+
 STAGES = ("embed", "route", "fetch", "decode")
 GENERIC_QUESTIONS = ("What did they talk about most?", "Where did they go last weekend?",
                      "What is the name of the pet?", "What did they cook for the party?")
@@ -151,22 +153,29 @@ def format_table(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jobs.bench_serve",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", default="http://127.0.0.1:8000")
-    p.add_argument("--corpus", help="JSONL corpus the store was built from (for its questions)")
-    p.add_argument("--conversation", action="append", default=[], help="may repeat")
-    p.add_argument("--conversations", type=int, default=3, help="at most this many")
-    p.add_argument("--questions-per-conversation", type=int, default=4)
-    p.add_argument("--requests", type=int, default=200)
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--no-warmup", action="store_true")
+def build_parser() -> argparse.ArgumentParser:
+    p = make_parser("jobs.bench_serve", __doc__)
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the running jobs.serve app")
+    p.add_argument("--corpus", help="JSONL corpus the store was built from, for its questions "
+                                    "(default: none; generic questions to each --conversation)")
+    p.add_argument("--conversation", action="append", default=[],
+                   help="a conversation id to ask about (may repeat; default: the corpus's)")
+    p.add_argument("--conversations", type=int, default=3, help="conversations asked, at most")
+    p.add_argument("--questions-per-conversation", type=int, default=4,
+                   help="questions asked of each conversation, at most")
+    p.add_argument("--requests", type=int, default=200, help="requests measured")
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="answer length at most (tokens)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="measure from the first request (no warm-up pass over the questions)")
     p.add_argument("--token", default=os.environ.get("EPICACHE_SERVE_TOKEN"),
-                   help="bearer token (default $EPICACHE_SERVE_TOKEN)")
-    p.add_argument("--json", help="also write the figures to this file")
-    a = p.parse_args(argv)
+                   help="bearer token (default: $EPICACHE_SERVE_TOKEN)")
+    p.add_argument("--json", help="also write the figures to this file (default: not written)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     try:
         pairs = load_questions(a.corpus, a.conversation, a.conversations,
                                a.questions_per_conversation)

@@ -32,6 +32,7 @@ import ray
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from jobs.cli import make_parser
 from jobs.environment import init_ray
 from pipeline import builder, models
 from pipeline.calibrate import CalibrationConfig
@@ -365,22 +366,29 @@ def run_build(corpus: str, store: str | Store, config: BuildConfig, *, force: bo
 # The command line
 # ---------------------------------------------------------------------------------------------
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m jobs.build", description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = make_parser("jobs.build", __doc__)
     p.add_argument("--corpus", required=True,
                    help="JSONL file, LoCoMo .json, or a folder of them; local or s3://bucket/key")
     p.add_argument("--store", required=True, help="store folder (or file://), or s3://bucket/prefix")
     p.add_argument("--s3-endpoint", default=None,
                    help=f"S3-compatible endpoint URL (default: ${S3_ENDPOINT_ENV}, else AWS)")
     p.add_argument("--s3-region", default=None, help="S3 region (default: the AWS chain)")
-    p.add_argument("--model", default=models.DEFAULT_LLM, help="LLM: packaged name or local HF folder")
+    p.add_argument("--model", default=models.DEFAULT_LLM,
+                   help="LLM: packaged name or local HF folder")
     p.add_argument("--encoder", default=models.DEFAULT_ENCODER, help="sentence encoder")
     p.add_argument("--scorer", default="epicache", choices=sorted(set(SCORERS) - {"question"}),
-                   help="epicache builds one cache per episode; the others one per conversation")
-    p.add_argument("--budget", type=int, default=1024, help="mean entries per layer and KV head")
+                   metavar="SCORER",
+                   help="how entries are scored for eviction, one of %(choices)s (the README's "
+                        "'Scorers'); epicache builds one cache per episode, the others one per "
+                        "conversation")
+    p.add_argument("--budget", type=int, default=1024,
+                   help="mean entries kept per layer and KV head (--tristate: the bytes of that "
+                        "many Original entries)")
     p.add_argument("--full", action="store_true", help="no eviction: store the full cache")
     p.add_argument("--block", type=int, default=512, help="block-prefill block size (tokens)")
-    p.add_argument("--selection", default="headwise", choices=["headwise", "perhead"])
+    p.add_argument("--selection", default="headwise", choices=["headwise", "perhead"],
+                   help="top-k across a layer's heads (AdaKV) or per head")
     p.add_argument("--alpha", type=float, default=BuildConfig.alpha,
                    help="sensitivity-aware layer allocation sharpness (0: uniform budgets)")
     scoring = ScoringConfig()
@@ -391,19 +399,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="weight the episode's own turns' scores by 1 + FOCUS (0: off)")
     p.add_argument("--patch-tokens", type=int, default=scoring.patch_tokens or 0,
                    help="cap on the patched prompt's tokens (0: the whole medoid text)")
-    p.add_argument("--episodes", type=int, default=4)
-    p.add_argument("--medoids", type=int, default=4)
+    p.add_argument("--episodes", type=int, default=4,
+                   help="episodes (K-Means clusters) per conversation")
+    p.add_argument("--medoids", type=int, default=4, help="medoid windows in an episode's patch")
     p.add_argument("--window", type=int, default=4, help="utterances per clustering window")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="K-Means seed")
     p.add_argument("--max-context-tokens", type=int, default=None,
-                   help="cut each conversation at a session boundary to fit this many tokens")
+                   help="cut each conversation at a session boundary to fit this many tokens "
+                        "(default: whole)")
     p.add_argument("--positions", default="original", choices=list(POSITION_MODES),
                    help="original: entries keep their token positions, so a conversation must "
                         "fit the model's positions; compact: kept entries are re-rotated to "
                         "positions 0, 1, 2, ... after every eviction, for histories of any length")
-    p.add_argument("--store-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
-    p.add_argument("--calibration-tokens", type=int, default=4096)
-    p.add_argument("--calibration-window", type=int, default=1024)
+    p.add_argument("--store-dtype", default="float16", choices=["float16", "bfloat16", "float32"],
+                   help="dtype of the stored keys and values")
+    p.add_argument("--calibration-tokens", type=int, default=4096,
+                   help="calibration text length (layer profiles, with --alpha > 0 or "
+                        "--allocator variance)")
+    p.add_argument("--calibration-window", type=int, default=1024,
+                   help="calibration: the simulated budget (sink + recent tokens)")
     add_corpus_options(p)
     t = TriStateConfig()
     p.add_argument("--tristate", action="store_true",
@@ -421,20 +435,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--merge-beta", type=float, default=MergeConfig().beta, help="D2O EMA beta")
     p.add_argument("--allocator", default="sensitivity", choices=["sensitivity", "variance"],
                    help="layer budgets: EpiCache sensitivity or D2O attention variance")
-    p.add_argument("--variance-temperature", type=float, default=1.0)
+    p.add_argument("--variance-temperature", type=float, default=1.0,
+                   help="D2O inverse-variance softmax temperature (--allocator variance)")
     p.add_argument("--force", action="store_true", help="rebuild conversations already built")
     p.add_argument("--max-in-flight", type=int, default=16, help="tasks submitted at most")
-    p.add_argument("--cpus-per-task", type=float, default=1)
+    p.add_argument("--cpus-per-task", type=float, default=1, help="Ray CPUs per task")
     p.add_argument("--gpus-per-task", type=float, default=None,
-                   help="default: 1 when the cluster has GPUs now, else 0 (give 1 on an "
-                        "autoscaling cluster whose GPU workers start at zero)")
+                   help="Ray GPUs per task (default: 1 when the cluster has GPUs now, else 0; "
+                        "give 1 on an autoscaling cluster whose GPU workers start at zero)")
     p.add_argument("--max-retries", type=int, default=2, help="Ray retries per task on worker death")
     p.add_argument("--ray-address", default=None,
                    help="Ray cluster to join (default: $RAY_ADDRESS, set by `ray job submit`; "
                         "else a local Ray is started)")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    p.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="the driver's log level")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (e.g. in a job's log)")
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def config_from_args(a: argparse.Namespace) -> BuildConfig:

@@ -13,21 +13,28 @@ import json
 from pathlib import Path
 
 from jobs import build
+from jobs.cli import make_parser
 from pipeline.answer import Answerer
 from pipeline.corpus import read_corpus, write_jsonl
 from pipeline.store import open_store
 from pipeline.synthetic import make_corpus
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jobs.demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="demo-out")
-    p.add_argument("--conversations", type=int, default=2)
-    p.add_argument("--target-tokens", type=int, default=3000)
-    p.add_argument("--budget", type=int, default=512)
-    p.add_argument("--block", type=int, default=256)
+def build_parser() -> argparse.ArgumentParser:
+    p = make_parser("jobs.demo", __doc__)
+    p.add_argument("--out", default="demo-out", help="folder for the corpus and the store")
+    p.add_argument("--conversations", type=int, default=2, help="synthetic conversations")
+    p.add_argument("--target-tokens", type=int, default=3000,
+                   help="length of each conversation (estimated tokens)")
+    p.add_argument("--budget", type=int, default=512,
+                   help="mean entries kept per layer and KV head")
+    p.add_argument("--block", type=int, default=256, help="block-prefill block size (tokens)")
     p.add_argument("--questions", type=int, default=3, help="questions answered per conversation")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -36,6 +36,7 @@ import pyarrow.parquet as pq
 import ray
 from tqdm import tqdm
 
+from jobs.cli import make_parser
 from jobs.environment import init_ray
 from pipeline import builder, evaluate, models
 from pipeline.calibrate import CalibrationConfig
@@ -182,17 +183,18 @@ def collect_cells(pending: dict, kept: LocalStore) -> tuple[list[dict], list[dic
     return records, failed
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m jobs.evaluate", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    p = make_parser("jobs.evaluate", __doc__)
     p.add_argument("--corpus", required=True, help="LoCoMo .json, the project's JSONL, or a folder")
     p.add_argument("--out", default="eval-out", help="output folder (finished cells kept in cells/)")
-    p.add_argument("--methods", default=",".join(evaluate.METHODS),
-                   help=f"comma-separated methods: {', '.join(evaluate.METHODS)}; also "
-                        f"{', '.join(evaluate.EXTRA_METHODS)}; each with +variants (README)")
+    p.add_argument("--methods", default=", ".join(evaluate.METHODS),
+                   help="comma-separated, each <method>, <method>-<variant> or "
+                        f"<method>+<variant>+... ({evaluate.describe_methods()}; what each does: "
+                        "the README's 'Evaluation')")
     p.add_argument("--budgets", default="256,512,1024",
-                   help="comma-separated budgets: mean entries per layer and KV head (tri-state "
-                        "variants: the bytes of that many float16 entries)")
+                   help="comma-separated budgets, one cell each; a budget is the mean entries "
+                        "kept per layer and KV head (tri-state variants: the bytes of that many "
+                        "Original float16 entries)")
     p.add_argument("--model", default=models.DEFAULT_LLM, help="LLM: packaged name or local folder")
     p.add_argument("--encoder", default=models.DEFAULT_ENCODER, help="sentence encoder (routing)")
     p.add_argument("--max-context-tokens", type=int, default=None,
@@ -229,11 +231,11 @@ def parse_args(argv):
     p.add_argument("--merge-beta", type=float, default=MergeConfig().beta, help="D2O EMA beta")
     p.add_argument("--variance-temperature", type=float, default=1.0,
                    help="D2O inverse-variance softmax temperature")
-    return p.parse_args(argv)
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
+    a = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     unknown = set()

@@ -22,6 +22,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from jobs.cli import add_store_options, make_parser
 from pipeline.cache_io import sha256
 from pipeline.manifest import ManifestError, list_conversations, read_manifest
 from pipeline.store import (ObjectNotFound, Partial, Store, StoreError, manifest_key,
@@ -132,19 +133,21 @@ def remove(store: Store, garbage: Garbage) -> None:
         store.delete_partial(partial)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jobs.gc", description=__doc__.split("\n\n")[0])
-    p.add_argument("--store", required=True, help="store folder, or s3://bucket/prefix")
-    p.add_argument("--s3-endpoint", default=None,
-                   help="S3-compatible endpoint URL (default: $EPICACHE_S3_ENDPOINT, else AWS)")
-    p.add_argument("--s3-region", default=None)
+def build_parser() -> argparse.ArgumentParser:
+    p = make_parser("jobs.gc", __doc__)
+    add_store_options(p)
+    p.add_argument("--s3-region", default=None, help="S3 region (default: the AWS chain)")
     p.add_argument("--verify", action="store_true",
                    help="read every object a manifest names and check its size and SHA-256")
     p.add_argument("--delete", action="store_true", help="remove the orphans and unfinished "
                    "writes listed (never a manifest or an object a manifest names)")
     p.add_argument("--min-age-seconds", type=float, default=3600.0,
                    help="leave anything younger alone (a build may be writing it)")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     try:
         store = open_store(a.store, endpoint_url=a.s3_endpoint, region=a.s3_region, create=False)
         g = find_garbage(store, a.min_age_seconds, verify=a.verify)

@@ -10,22 +10,27 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from jobs.cli import make_parser
 from pipeline.corpus import render_conversation, write_jsonl
 from pipeline.synthetic import TOPICS, estimate_tokens, make_corpus
 
 
+def build_parser() -> argparse.ArgumentParser:
+    p = make_parser("jobs.make_corpus", __doc__)
+    p.add_argument("--out", type=Path, required=True, help="the JSONL file to write")
+    p.add_argument("--conversations", type=int, required=True, metavar="N",
+                   help="how many conversations")
+    p.add_argument("--target-tokens", type=int, required=True, metavar="T",
+                   help="length of each conversation, in estimated tokens (chars/4)")
+    p.add_argument("--seed", type=int, default=0, metavar="S",
+                   help="the same seed always writes the same corpus")
+    p.add_argument("--topics", type=int, default=4, metavar="K",
+                   help=f"topics per conversation, 1-{len(TOPICS)}")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jobs.make_corpus", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True, help="the JSONL file to write")
-    parser.add_argument("--conversations", type=int, required=True, metavar="N",
-                        help="how many conversations")
-    parser.add_argument("--target-tokens", type=int, required=True, metavar="T",
-                        help="length of each conversation, in estimated tokens (chars/4)")
-    parser.add_argument("--seed", type=int, default=0, metavar="S",
-                        help="the same seed always writes the same corpus (default 0)")
-    parser.add_argument("--topics", type=int, default=4, metavar="K",
-                        help=f"topics per conversation, 1-{len(TOPICS)} (default 4)")
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.conversations < 1:
         parser.error("--conversations must be at least 1")

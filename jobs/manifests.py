@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 
+from jobs.cli import add_store_options, make_parser
 from pipeline.corpus import UnsafeIdError
 from pipeline.manifest import ManifestError, list_conversations, read_manifest
 from pipeline.store import StoreError, open_store
@@ -36,14 +37,17 @@ def _cell(value, spec: str) -> str:
     return format(value, spec)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    p = make_parser("jobs.manifests", __doc__)
+    add_store_options(p)
+    p.add_argument("--conversation", action="append",
+                   help="show this conversation (may repeat; default: every conversation)")
+    p.add_argument("--json", action="store_true", help="one JSON object per episode, not a table")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jobs.manifests", description=__doc__.split("\n\n")[0])
-    p.add_argument("--store", required=True, help="store folder, or s3://bucket/prefix")
-    p.add_argument("--s3-endpoint", default=None,
-                   help="S3-compatible endpoint URL (default: $EPICACHE_S3_ENDPOINT, else AWS)")
-    p.add_argument("--conversation", action="append", help="default: every conversation")
-    p.add_argument("--json", action="store_true")
-    a = p.parse_args(argv)
+    a = build_parser().parse_args(argv)
     rows, corrupt = [], []
     try:
         store = open_store(a.store, endpoint_url=a.s3_endpoint, create=False)

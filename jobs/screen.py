@@ -21,6 +21,7 @@ import sys
 import numpy as np
 import torch
 
+from jobs.cli import make_parser
 from pipeline import evaluate, models, prompts
 from pipeline.calibrate import CalibrationConfig
 from pipeline.corpus import CorpusError, iter_corpus, render_conversation, render_header
@@ -117,17 +118,25 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jobs.screen", description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = make_parser("jobs.screen", __doc__)
     p.add_argument("--corpus", required=True, help="LoCoMo file or folder, or the project's JSONL")
-    p.add_argument("--conversations", default=None, help="comma-separated ids (26 = locomo-26)")
+    p.add_argument("--conversations", default=None,
+                   help="comma-separated ids, 26 = locomo-26 (default: all)")
     p.add_argument("--methods", default="epicache-paper,epicache",
-                   help="epicache / epicache-paper with jobs.evaluate's variants")
-    p.add_argument("--budgets", default="512,1024", help="entries per layer and KV head")
+                   help="comma-separated EpiCache recipes: epicache or epicache-paper, with "
+                        "jobs.evaluate's variants (python -m jobs.evaluate --help)")
+    p.add_argument("--budgets", default="512,1024",
+                   help="comma-separated budgets: mean entries kept per layer and KV head")
     p.add_argument("--max-context-tokens", type=int, default=7600,
                    help="cut each conversation at a session boundary to fit")
-    p.add_argument("--questions-per-conversation", type=int, default=40)
-    a = p.parse_args(argv)
+    p.add_argument("--questions-per-conversation", type=int, default=40,
+                   help="the first N questions of each conversation")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     config = evaluate.EvalConfig(max_context_tokens=a.max_context_tokens,
                                  questions_per_conversation=a.questions_per_conversation)
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]

@@ -27,9 +27,10 @@ import logging  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
+import textwrap  # noqa: E402
 import time  # noqa: E402
 import uuid  # noqa: E402
-from dataclasses import asdict, dataclass, field  # noqa: E402
+from dataclasses import asdict, dataclass, field, fields  # noqa: E402
 from typing import Any, AsyncIterator, Iterator  # noqa: E402
 
 from fastapi import FastAPI, Request  # noqa: E402
@@ -39,6 +40,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from pydantic import ValidationError  # noqa: E402
 from ray import serve  # noqa: E402
 from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa: E402
+
+from jobs.cli import make_parser  # noqa: E402
 
 log = logging.getLogger("epicache.serve")
 
@@ -641,35 +644,65 @@ def app_builder(args: dict[str, str]):
 # Command line
 # ---------------------------------------------------------------------------------------------
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m jobs.serve", description=__doc__.split("\n\n")[0])
+def _builder_help() -> str:
+    """The `serve run` builder arguments, named from `ServeSettings` itself."""
+    keys = ", ".join(f.name for f in fields(ServeSettings))
+    return textwrap.fill(
+        "Under Serve's own CLI, `serve run jobs.serve:app_builder store=URI [key=value ...]`, "
+        f"the keys are the ServeSettings fields: {keys}. Each is the option of the same name "
+        "above (- for _), except manifest_ttl_s (--manifest-ttl) and default_max_new_tokens (the "
+        "answer length when a request names none; no option). auth_token defaults to "
+        f"${AUTH_ENV}, s3_endpoint to $EPICACHE_S3_ENDPOINT; --host, --port and --ray-address "
+        "are this command's own.", width=88)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = make_parser("jobs.serve", __doc__, epilog=_builder_help())
     p.add_argument("--store", required=True, help="local folder or s3://bucket/prefix")
-    p.add_argument("--s3-endpoint", default=os.environ.get("EPICACHE_S3_ENDPOINT") or None)
-    p.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1 (loopback only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--model", help="default: the model named in the store's manifests")
-    p.add_argument("--encoder", help="default: the encoder named in the store's manifests")
+    p.add_argument("--s3-endpoint", default=os.environ.get("EPICACHE_S3_ENDPOINT") or None,
+                   help="S3-compatible endpoint URL (default: $EPICACHE_S3_ENDPOINT, else AWS)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (loopback only; bind elsewhere only behind your own "
+                        "proxy)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--model", help="LLM (default: the model named in the store's manifests)")
+    p.add_argument("--encoder", help="sentence encoder (default: the encoder named in the store's "
+                                     "manifests)")
     p.add_argument("--auth-token", default=None,
-                   help=f"require 'Authorization: Bearer <token>' on /v1 (or ${AUTH_ENV})")
-    p.add_argument("--ray-address", default=None, help="join this cluster (or $RAY_ADDRESS)")
-    p.add_argument("--router-replicas", type=int, default=1)
-    p.add_argument("--router-cpus", type=float, default=0.5)
-    p.add_argument("--decoder-replicas", type=int, default=1)
+                   help=f"require 'Authorization: Bearer <token>' on /v1 (default: ${AUTH_ENV}, "
+                        "else no token)")
+    p.add_argument("--ray-address", default=None,
+                   help="Ray cluster to join (default: $RAY_ADDRESS; else a local Ray is started)")
+    p.add_argument("--router-replicas", type=int, default=1, help="router (HTTP ingress) replicas")
+    p.add_argument("--router-cpus", type=float, default=0.5, help="Ray CPUs per router replica")
+    p.add_argument("--decoder-replicas", type=int, default=1,
+                   help="decoder replicas (fixed; see --decoder-autoscale)")
     p.add_argument("--decoder-autoscale", default=None, metavar="MIN:MAX",
-                   help="autoscale the decoder between MIN and MAX replicas instead")
+                   help="autoscale the decoder between MIN and MAX replicas instead (default: "
+                        "fixed --decoder-replicas)")
     p.add_argument("--decoder-target-ongoing", type=float, default=2.0,
                    help="autoscaling target: ongoing requests per decoder replica")
-    p.add_argument("--decoder-cpus", type=float, default=1.0)
-    p.add_argument("--decoder-gpus", type=float, default=0.0, help="e.g. 1 to decode on a GPU")
-    p.add_argument("--decoder-max-ongoing", type=int, default=16)
+    p.add_argument("--decoder-cpus", type=float, default=1.0, help="Ray CPUs per decoder replica")
+    p.add_argument("--decoder-gpus", type=float, default=0.0,
+                   help="Ray GPUs per decoder replica, e.g. 1 to decode on a GPU")
+    p.add_argument("--decoder-max-ongoing", type=int, default=16,
+                   help="requests queued or running per decoder replica (decoding itself is one "
+                        "at a time; fetches overlap)")
     p.add_argument("--cache-bytes", type=int, default=2 * 2**30,
-                   help="resident caches per decoder replica (default 2 GiB)")
+                   help="bytes of resident caches per decoder replica (default: 2 GiB)")
     p.add_argument("--manifest-ttl", type=float, default=5.0,
                    help="seconds a manifest is trusted before the store is checked for changes")
-    p.add_argument("--max-question-chars", type=int, default=2000)
-    p.add_argument("--max-new-tokens-limit", type=int, default=512)
-    p.add_argument("--torch-threads", type=int, default=None)
-    return p.parse_args(argv)
+    p.add_argument("--max-question-chars", type=int, default=2000,
+                   help="longest question accepted (longer: 422)")
+    p.add_argument("--max-new-tokens-limit", type=int, default=512,
+                   help="largest max_new_tokens a request may ask for (larger: 422)")
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="decoder torch threads (default: Ray's assignment)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def settings_from_args(a: argparse.Namespace) -> ServeSettings:

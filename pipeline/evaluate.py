@@ -53,7 +53,10 @@ VARIANTS = ("tri", "fp8", "max", "dapq", "merge", "d2o", "compact",
 # Variants with a number: `oq25`, `alpha0.5`, `pool7`, `focus100` (weight 1.0), `sink16`,
 # `recent64`, `cap256` (patch tokens), `floor20` (head floor 20% of the budget), `med2`
 # (medoid windows), `ep8` (episodes).
-_NUMBERED = re.compile(r"^(oq|alpha|pool|focus|sink|recent|cap|floor|med|ep)(\d+(?:\.\d+)?)$")
+NUMBERED_VARIANTS = ("oq<P>", "alpha<x>", "pool<k>", "focus<P>", "sink<n>", "recent<n>", "cap<n>",
+                     "floor<P>", "med<n>", "ep<n>")
+_NUMBERED = re.compile(rf"^({'|'.join(v.split('<')[0] for v in NUMBERED_VARIANTS)})"
+                       r"(\d+(?:\.\d+)?)$")
 ORIGINAL_ELEMENT_SIZE = 2  # Original entries counted as stored by default (float16)
 
 
@@ -72,11 +75,14 @@ def parse_method(name: str) -> tuple[str, frozenset[str]]:
         variants.insert(0, variant)
     unknown = [v for v in variants if v not in VARIANTS and _numbered(v) is None]
     if base not in known or unknown or (variants and base == "full"):
-        raise ValueError(f"unknown method {name!r} (methods: "
-                         f"{', '.join(METHODS + EXTRA_METHODS)}; variants: {', '.join(VARIANTS)}, "
-                         f"or numbered: oq<P> alpha<x> pool<k> focus<P> sink<n> recent<n> "
-                         f"cap<n> floor<P> med<n> ep<n>)")
+        raise ValueError(f"unknown method {name!r} ({describe_methods()})")
     return base, frozenset(variants)
+
+
+def describe_methods() -> str:
+    """The methods and variants `parse_method` accepts, as its error and `--methods` name them."""
+    return (f"methods: {', '.join(METHODS + EXTRA_METHODS)}; variants: {', '.join(VARIANTS)}, "
+            f"or numbered: {' '.join(NUMBERED_VARIANTS)}")
 
 
 def _oq_scale(variant: str) -> float | None:

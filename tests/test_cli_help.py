@@ -1,0 +1,156 @@
+"""Every `jobs.*` command documents itself, and the README's examples name only real options.
+
+Each command module exposes `build_parser()` (made by `jobs.cli.make_parser`); these tests
+import every module of `jobs/` (never running its main) and read the parsers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import pkgutil
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+import jobs
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+_COMMAND = re.compile(r"(?:^|\s)(?:\S*/)?python -m (jobs\.\w+)(.*)")
+
+
+def _modules() -> list[str]:
+    return sorted(f"jobs.{m.name}" for m in pkgutil.iter_modules(jobs.__path__))
+
+
+def _parsers() -> dict[str, argparse.ArgumentParser]:
+    """Every command's parser; a module with a main() but no build_parser() fails the test."""
+    parsers = {}
+    for name in _modules():
+        module = importlib.import_module(name)
+        if hasattr(module, "build_parser"):
+            parsers[name] = module.build_parser()
+        else:
+            assert not hasattr(module, "main"), f"{name} has main() but no build_parser()"
+    return parsers
+
+
+@pytest.fixture(scope="module")
+def parsers() -> dict[str, argparse.ArgumentParser]:
+    return _parsers()
+
+
+def _options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The options a user sees: every action but --help and the ones hidden on purpose."""
+    return [a for a in parser._actions
+            if not isinstance(a, argparse._HelpAction) and a.help != argparse.SUPPRESS]
+
+
+def test_every_command_has_a_parser(parsers):
+    commands = {name for name in _modules() if hasattr(importlib.import_module(name), "main")}
+    assert commands == set(parsers) and len(parsers) >= 15
+
+
+def test_every_option_has_help_and_shows_its_default(parsers):
+    missing = []
+    for name, parser in parsers.items():
+        assert parser.description, f"{name}: no description"
+        for action in _options(parser):
+            flag = f"{name} {'/'.join(action.option_strings)}"
+            if not (action.help or "").strip():
+                missing.append(f"{flag}: no help")
+            # a None default shows nothing by itself: the help must say what it falls back to
+            elif (action.default is None and not action.required and action.nargs != 0
+                  and "default" not in action.help):
+                missing.append(f"{flag}: default None, not explained")
+        parser.format_help()  # every help string formats (no stray %)
+    assert not missing, "\n".join(missing)
+
+
+def test_help_lists_methods_scorers_and_serve_builder_keys(parsers):
+    from jobs.serve import ServeSettings
+    from pipeline import evaluate
+    from pipeline.scorers import SCORERS
+
+    methods = parsers["jobs.evaluate"].format_help().replace("\n", " ")
+    for name in evaluate.METHODS + evaluate.EXTRA_METHODS + evaluate.VARIANTS:
+        assert name in methods
+    assert "oq<P>" in methods and "entries" in methods
+    scorer = next(a for a in parsers["jobs.build"]._actions if a.dest == "scorer")
+    assert set(scorer.choices) == set(SCORERS) - {"question"}
+    build_help = " ".join(parsers["jobs.build"].format_help().split())
+    assert all(name in build_help for name in scorer.choices)
+    serve_help = " ".join(parsers["jobs.serve"].format_help().split())
+    assert all(f.name in serve_help for f in dataclasses.fields(ServeSettings))
+
+
+_CODE_BLOCK = re.compile(r"```[a-z]*\n(.*?)```", flags=re.S)
+
+
+def test_readme_names_every_method_variant_and_scorer():
+    from pipeline import evaluate
+    from pipeline.scorers import SCORERS
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    names = (evaluate.METHODS + evaluate.EXTRA_METHODS + evaluate.VARIANTS
+             + evaluate.NUMBERED_VARIANTS + tuple(SCORERS))
+    assert [name for name in names if f"`{name}`" not in text] == []
+
+
+def _examples() -> list[tuple[str, str, list[str]]]:
+    """(where, module, arguments) of every `python -m jobs.X ...` in the docs: code-block lines
+    (continuations joined) and inline code spans (which may wrap)."""
+    found = []
+    for doc in DOCS:
+        text = doc.read_text(encoding="utf-8")
+        blocks = _CODE_BLOCK.findall(text)
+        lines = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
+        prose = _CODE_BLOCK.sub("", text).replace("\n", " ")
+        lines += re.findall(r"`([^`]*python -m jobs\.[^`]*)`", prose)
+        for line in lines:
+            match = _COMMAND.search(line)
+            if match:
+                found.append((f"{doc.name}: {line.strip()}", match.group(1),
+                              shlex.split(match.group(2), comments=True)))
+    return found
+
+
+def test_readme_examples_use_real_options(parsers):
+    examples = _examples()
+    assert len(examples) >= 15
+    wrong = []
+    for where, module, args in examples:
+        assert module in parsers, f"{where}: no command {module}"
+        options = parsers[module]._option_string_actions
+        tokens = [t.strip("[]") for t in args]
+        for i, token in enumerate(tokens):
+            if not token.startswith("--"):
+                continue
+            flag = token.split("=")[0]
+            action = options.get(flag)
+            if action is None:
+                wrong.append(f"{where}: {flag} is not an option of {module}")
+            elif action.choices and i + 1 < len(tokens):
+                # `--scorer a|b|c` lists every choice; a single value must be one of them
+                given = set(tokens[i + 1].split("|"))
+                choices = set(action.choices)
+                if not given <= choices or (len(given) > 1 and given != choices):
+                    wrong.append(f"{where}: {flag} {sorted(given)}, choices {sorted(choices)}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_readme_names_the_serve_run_keys():
+    """`serve run` takes the ServeSettings fields: the README's example uses only those, and
+    its serve section names every one of them, as `jobs.serve --help` does."""
+    from jobs.serve import ServeSettings
+
+    names = {f.name for f in dataclasses.fields(ServeSettings)}
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    runs = re.findall(r"serve run jobs\.serve:app_builder([^\n`]*)", text)
+    keys = {word.split("=")[0] for run in runs for word in run.split() if "=" in word}
+    assert keys and keys <= names, keys - names
+    assert {name for name in names if f"`{name}`" not in text} == set()
