@@ -13,35 +13,31 @@ decoder through a `DeploymentHandle`, so each scales on its own (`--decoder-repl
 ("Serving").
 """
 
+import argparse
+import asyncio
+import hmac
+import json
+import logging
 import os
+import signal
+import sys
+import threading
+import textwrap
+import time
+import uuid
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, AsyncIterator, Iterator
 
-for _k, _v in {"TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error",
-               "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_OFFLINE": "1"}.items():
-    os.environ.setdefault(_k, _v)
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import ValidationError
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import hmac  # noqa: E402
-import json  # noqa: E402
-import logging  # noqa: E402
-import signal  # noqa: E402
-import sys  # noqa: E402
-import threading  # noqa: E402
-import textwrap  # noqa: E402
-import time  # noqa: E402
-import uuid  # noqa: E402
-from dataclasses import asdict, dataclass, field, fields  # noqa: E402
-from typing import Any, AsyncIterator, Iterator  # noqa: E402
-
-from fastapi import FastAPI, Request  # noqa: E402
-from fastapi.exceptions import RequestValidationError  # noqa: E402
-from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr  # noqa: E402
-from pydantic import ValidationError  # noqa: E402
-from ray import serve  # noqa: E402
-from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa: E402
-
-from jobs.cli import make_parser  # noqa: E402
+from jobs.cli import make_parser
+from jobs.environment import WORKER_ENV
 
 log = logging.getLogger("epicache.serve")
 
@@ -593,7 +589,8 @@ def build_app(settings: ServeSettings, model: str, encoder: str):
     """The Serve application: a router ingress bound to a decoder deployment."""
     decoder_options: dict = {
         "ray_actor_options": {"num_cpus": settings.decoder_cpus,
-                              "num_gpus": settings.decoder_gpus},
+                              "num_gpus": settings.decoder_gpus,
+                              "runtime_env": {"env_vars": WORKER_ENV}},
         "max_ongoing_requests": settings.decoder_max_ongoing}
     if settings.decoder_autoscale is not None:
         lo, hi = settings.decoder_autoscale
@@ -606,7 +603,8 @@ def build_app(settings: ServeSettings, model: str, encoder: str):
         settings.store, settings.s3_endpoint, model, settings.cache_bytes, settings.torch_threads)
     return Router.options(
         num_replicas=settings.router_replicas, max_ongoing_requests=256,
-        ray_actor_options={"num_cpus": settings.router_cpus},
+        ray_actor_options={"num_cpus": settings.router_cpus,
+                           "runtime_env": {"env_vars": WORKER_ENV}},
     ).bind(decoder, asdict(settings), model, encoder)
 
 
@@ -733,7 +731,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import ray
 
-    from jobs.build import init_ray
+    from jobs.environment import init_ray
 
     joined = bool(a.ray_address or os.environ.get("RAY_ADDRESS"))
     init_ray(a.ray_address)
