@@ -5,7 +5,7 @@ fetched, checksum-verified and kept resident, so a follow-up question routed to 
 episode decodes at once. Nothing of the history is prefilled: only the question is.
 
 The steps are separate functions so that one process can do them all (`Answerer`, the CLI)
-while the Serve application (`jobs/serve.py`) splits them: a router embeds and routes, a
+while the Serve application (`serving/`) splits them: a router embeds and routes, a
 decoder fetches into a byte-bounded LRU (`CacheLRU`) and decodes (`decode_answer`,
 `stream_answer`).
 """

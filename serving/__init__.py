@@ -1,0 +1,15 @@
+"""The Ray Serve decode endpoint, one concern a module; `jobs/serve.py` is its command.
+
+    settings.py     ServeSettings: everything the deployments need; MIN:MAX autoscale parsing
+    errors.py       ApiError, the OpenAI-style error body, classify (exception -> status),
+                    the FastAPI exception handlers
+    schemas.py      the request bodies (pydantic) and parse_body (400 / 422 naming the field)
+    openai_chat.py  the OpenAI chat wire format: completion objects, server-sent event chunks
+    decoder.py      the Decoder deployment: the model and the LRU of episodic caches
+    router.py       the Router deployment: the HTTP ingress (the FastAPI app), the encoder and
+                    the manifests
+    app.py          resolve_models, build_app (router bound to decoder), app_builder
+
+Importing this package imports none of them; the HTTP API is documented in the README
+("Serving").
+"""

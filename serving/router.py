@@ -1,0 +1,226 @@
+"""The router deployment: the HTTP ingress (the FastAPI app and its endpoints), the encoder and,
+per conversation, the manifest's centroids (read on first use, re-read when the manifest object
+changes). It embeds the question, picks the episode, and asks the decoder (a `DeploymentHandle`)
+for the answer."""
+
+import asyncio
+import hmac
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from ray import serve
+
+from serving import openai_chat
+from serving.errors import ApiError, add_exception_handlers, classify
+from serving.schemas import AnswerRequest, ChatRequest, parse_body
+from serving.settings import ServeSettings
+
+app = FastAPI(title="EpiCache decode endpoint", docs_url=None, redoc_url=None)
+add_exception_handlers(app)
+
+
+@dataclass
+class _Conversation:
+    rows: list[dict]
+    centroids: Any  # np.ndarray [episodes, dim]
+    stamp: tuple[int, float]  # (size, modified) of the manifest object when read
+    checked: float  # time.monotonic() of the last check against the store
+
+
+@serve.deployment(name="EpiCacheRouter")
+@serve.ingress(app)
+class Router:
+    """Embeds the question, routes it to an episode, and asks the decoder for the answer."""
+
+    def __init__(self, decoder, settings: dict, model: str, encoder: str):
+        from pipeline import models
+        from pipeline.store import open_store
+
+        self.decoder = decoder
+        self.settings = ServeSettings(**settings)
+        self.model_name, self.encoder_name = model, encoder
+        self.store = open_store(self.settings.store, endpoint_url=self.settings.s3_endpoint,
+                                create=False)
+        self.encoder = models.load_encoder(encoder, "cpu")
+        self.encoder_lock = threading.Lock()  # a tokenizer is not safe across threads
+        self._conversations: dict[str, _Conversation] = {}
+        token = self.settings.auth_token
+        self._token = token.encode() if token else None
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _authorize(self, request: Request) -> None:
+        if self._token is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
+                                                                 self._token):
+            raise ApiError(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
+
+    def _load_conversation(self, conversation_id: str) -> _Conversation:
+        """Blocking: the cached manifest, re-read if the object changed since it was read."""
+        from pipeline.answer import centroid_matrix, check_models, load_manifest
+        from pipeline.corpus import check_safe_id
+        from pipeline.store import ObjectNotFound, manifest_key
+
+        check_safe_id(conversation_id)
+        now = time.monotonic()
+        known = self._conversations.get(conversation_id)
+        if known is not None and now - known.checked < self.settings.manifest_ttl_s:
+            return known
+        try:
+            info = self.store.info(manifest_key(conversation_id))
+        except ObjectNotFound:
+            self._conversations.pop(conversation_id, None)
+            load_manifest(self.store, conversation_id)  # raises ConversationNotFound
+            raise
+        stamp = (info.size, info.modified)
+        if known is not None and known.stamp == stamp:
+            known.checked = now
+            return known
+        rows = load_manifest(self.store, conversation_id)
+        check_models(rows, self.model_name, self.encoder_name)
+        conv = _Conversation(rows, centroid_matrix(rows), stamp, now)
+        self._conversations[conversation_id] = conv
+        return conv
+
+    def _embed(self, question: str):
+        from pipeline.answer import embed_question
+
+        with self.encoder_lock:
+            return embed_question(self.encoder, question)
+
+    def _check_question(self, question: str) -> str:
+        if not question.strip():
+            raise ApiError(422, "the question is empty")
+        if len(question) > self.settings.max_question_chars:
+            raise ApiError(422, f"the question is {len(question)} characters long; the limit is "
+                                f"{self.settings.max_question_chars}")
+        return question
+
+    def _max_new_tokens(self, value: int | None, name: str) -> int:
+        value = self.settings.default_max_new_tokens if value is None else value
+        if not 1 <= value <= self.settings.max_new_tokens_limit:
+            raise ApiError(422, f"field '{name}': must be between 1 and "
+                                f"{self.settings.max_new_tokens_limit}, got {value}")
+        return value
+
+    async def _route(self, conversation_id: str, question: str) -> tuple[dict, float, dict]:
+        """(manifest row, similarity, timings) for a question; manifest lookup counts as route."""
+        from pipeline.answer import route_question
+
+        t0 = time.perf_counter()
+        conv = await asyncio.to_thread(self._load_conversation, conversation_id)
+        t1 = time.perf_counter()
+        emb = await asyncio.to_thread(self._embed, question)
+        t2 = time.perf_counter()
+        row, similarity = route_question(emb, conv.rows, conv.centroids)
+        t3 = time.perf_counter()
+        return row, similarity, {"embed": (t2 - t1) * 1000, "route": (t1 - t0 + t3 - t2) * 1000}
+
+    @staticmethod
+    def _decoder_row(row: dict) -> dict:
+        keys = ("conversation_id", "episode", "object_key", "sha256", "object_bytes", "model_id",
+                "encoder_id")
+        return {k: row[k] for k in keys}
+
+    @staticmethod
+    def _raise_if_error(result: dict) -> None:
+        if "error" in result:
+            raise ApiError(result["error"]["status"], result["error"]["message"])
+
+    # -- endpoints ----------------------------------------------------------------------------
+    @app.get("/healthz")
+    async def healthz(self) -> dict:
+        stats = await self.decoder.stats.remote()
+        return {"status": "ok", "model": self.model_name, "encoder": self.encoder_name,
+                "conversations_loaded": len(self._conversations), "decoder": stats}
+
+    @app.get("/v1/conversations/{conversation_id}")
+    async def conversation(self, conversation_id: str, request: Request) -> dict:
+        self._authorize(request)
+        try:
+            conv = await asyncio.to_thread(self._load_conversation, conversation_id)
+        except Exception as e:
+            raise ApiError(*classify(e)) from None
+        first = conv.rows[0]
+        return {
+            "conversation_id": conversation_id, "model_id": first["model_id"],
+            "encoder_id": first["encoder_id"], "config_hash": first["config_hash"],
+            "scorer": first["scorer"], "tokens": first["tokens"],
+            "episodes_requested": first["episodes_requested"],
+            "episodes_built": first["episodes_built"], "episode_note": first["episode_note"],
+            "episodes": [{
+                "episode": r["episode"], "medoid_text": r["medoid_text"],
+                "medoid_turn_ids": r["medoid_turn_ids"], "n_windows": r["n_windows"],
+                "layer_budgets": r["layer_budgets"],
+                "mean_budget": sum(r["layer_budgets"]) / max(1, len(r["layer_budgets"])),
+                "object_key": r["object_key"], "object_bytes": r["object_bytes"],
+                "kv_bytes": r["kv_bytes"], "built_at": r["built_at"]} for r in conv.rows]}
+
+    @app.post("/v1/conversations/{conversation_id}/answer")
+    async def answer(self, conversation_id: str, request: Request) -> dict:
+        self._authorize(request)
+        body = await parse_body(request, AnswerRequest)
+        question = self._check_question(body.question)
+        max_new = self._max_new_tokens(body.max_new_tokens, "max_new_tokens")
+        try:
+            row, similarity, timings = await self._route(conversation_id, question)
+        except ApiError:
+            raise
+        except Exception as e:
+            raise ApiError(*classify(e)) from None
+        result = await self.decoder.answer.remote(self._decoder_row(row), question, max_new,
+                                                  body.temperature or 0.0)
+        self._raise_if_error(result)
+        timings |= {"fetch": result["fetch_ms"], "decode": result["decode_ms"]}
+        return {"conversation_id": conversation_id, "answer": result["answer"],
+                "episode": int(row["episode"]), "similarity": round(similarity, 6),
+                "cache_hit": result["cache_hit"], "tokens": result["tokens"],
+                "finish_reason": result["finish_reason"],
+                "decoder_queue_ms": result["queue_ms"],
+                "timings_ms": {k: round(timings[k], 3)
+                               for k in ("embed", "route", "fetch", "decode")}}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        self._authorize(request)
+        body = await parse_body(request, ChatRequest)
+        if body.n not in (None, 1):
+            raise ApiError(422, "field 'n': only n=1 is supported")
+        users = [m for m in body.messages if m.role == "user"]
+        if not users:
+            raise ApiError(422, "field 'messages': no message with role 'user' (the last one is "
+                                "the question)")
+        question = self._check_question(openai_chat.message_text(users[-1]))
+        max_new = self._max_new_tokens(
+            body.max_completion_tokens if body.max_completion_tokens is not None
+            else body.max_tokens, "max_tokens")
+        temperature = body.temperature or 0.0
+        try:
+            row, similarity, timings = await self._route(body.conversation_id, question)
+        except ApiError:
+            raise
+        except Exception as e:
+            raise ApiError(*classify(e)) from None
+        meta = {"conversation_id": body.conversation_id, "episode": int(row["episode"]),
+                "similarity": round(similarity, 6)}
+        base = openai_chat.completion_base(self.model_name)
+        if not body.stream:
+            result = await self.decoder.answer.remote(self._decoder_row(row), question, max_new,
+                                                      temperature)
+            self._raise_if_error(result)
+            timings |= {"fetch": result["fetch_ms"], "decode": result["decode_ms"]}
+            return openai_chat.completion(base, question, result, meta, timings)
+
+        gen = self.decoder.options(stream=True).stream.remote(
+            self._decoder_row(row), question, max_new, temperature)
+        first = await gen.__anext__()  # the fetch: a bad cache is an HTTP error, not a stream
+        if "error" in first:
+            gen.cancel()
+            raise ApiError(first["error"]["status"], first["error"]["message"])
+        timings["fetch"] = first["fetch_ms"]
+        meta |= {"cache_hit": first["cache_hit"]}
+        return openai_chat.stream_response(gen, base, meta, timings)
