@@ -218,6 +218,13 @@ def prepare(conv: Conversation, config: EvalConfig) -> Prepared:
     return Prepared(cut, tuple(questions), dropped, count(render_conversation(cut).text))
 
 
+def history_ids(tokenizer, conv: Conversation, turns: bool = True) -> torch.Tensor:
+    """The model's input for a cache of the conversation; without `turns`, the no-history
+    reference: the same template opening and header, so only the turns differ."""
+    text = render_conversation(conv).text if turns else render_header(conv)
+    return prompts.context_ids(tokenizer, text)
+
+
 def probe_pairs(lm: models.LoadedModel, conv: Conversation, q: Question,
                 config: EvalConfig) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
     """(prefix, target) pairs of a question: one evidence-recall probe per evidence turn with
@@ -302,9 +309,9 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
     questions = list(prep.questions)
     routes: list[tuple[int, float]] = [(0, float("nan"))] * len(questions)
     members: list[set[str]] | None = None
-    ids = prompts.context_ids(lm.tokenizer, render_conversation(conv).text)
-    if base == "none":  # the same template opening and header, no turns
-        caches = [build(prompts.context_ids(lm.tokenizer, render_header(conv)), FullScorer())]
+    ids = history_ids(lm.tokenizer, conv)
+    if base == "none":
+        caches = [build(history_ids(lm.tokenizer, conv, turns=False), FullScorer())]
     elif base in EPISODIC:
         encoder = models.load_encoder(config.encoder)
         episodes = build_episodes(conv, encoder, recipe.episodes).episodes

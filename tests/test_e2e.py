@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from jobs import demo
 from jobs.build import run_build
 from pipeline import cache_io, models, prompts
 from pipeline.answer import Answerer, generate_from_cache
@@ -102,6 +103,28 @@ def test_answers_route_fetch_once_and_decode(built):
     again = answerer.answer(conv.conversation_id, q + " ", max_new_tokens=8)
     assert first.answer and set(first.timings_ms) == {"embed", "route", "load", "decode"}
     assert not first.cache_hit and again.cache_hit and again.episode == first.episode
+
+
+def test_demo_compares_the_episodic_cache_with_the_full_history(built, capsys):
+    """jobs.demo's comparison on a built store: the full cache reads the same tokens as the
+    build (no eviction), the episodic cache is smaller, and the summary and next commands print."""
+    corpus, store_uri, _ = built
+    conv = read_corpus(corpus)[0][0]
+    answerer = Answerer(open_store(store_uri))
+    rows = answerer.manifest(conv.conversation_id)
+    config = BuildConfig.from_json(rows[0]["config_json"])
+    full, none = demo.reference_caches(models.load_llm(), conv, config)
+    assert full.tokens_seen == rows[0]["tokens"] > none.tokens_seen
+    assert full.entries_per_layer() == pytest.approx([rows[0]["tokens"]] * len(full.layers))
+    records = demo.compare(answerer, conv, 2, max_new_tokens=4)
+    assert len(records) == 2
+    for r in records:
+        assert 0 <= r["episode"] < len(rows) and r["bytes"]["episodic"] < r["bytes"]["full"]
+        assert all(np.isfinite(v) for v in r["nll"].values())
+        assert all(1 <= r[c]["tokens"] <= 4 and r[c]["seconds"] > 0 for c in demo.CACHES)
+    demo.print_summary(records, models.DEFAULT_LLM, "cpu")
+    out = capsys.readouterr().out
+    assert "summary: retention" in out and "ms/token" in out and "small sample" in out
 
 
 def test_identical_rerun_does_no_work_and_changed_config_rebuilds(built, ray_local):
