@@ -28,7 +28,7 @@ from pipeline.manifest import ManifestError, read_manifest, write_manifest
 from pipeline.positions import check_fits
 from pipeline.prefill import block_prefill
 from pipeline.scorers import EpiCacheScorer, Scorer, build_scorer, episodic_scorer
-from pipeline.store import Store, cache_key, profile_key
+from pipeline.store import ObjectNotFound, Store, cache_key, profile_key
 
 log = logging.getLogger(__name__)
 
@@ -151,9 +151,8 @@ def build_episode(clustered: ClusterResult, episode: int, budgets: list[int] | N
     data = cache_io.serialize(cache, header, dtype)
     key = cache_key(conv.conversation_id, config.hash, episode)
     store.put(key, data)
+    check_stored(store, key, len(data))
     checksum = cache_io.sha256(data)
-    if cache_io.sha256(store.get(key)) != checksum:  # verify what landed before referencing it
-        raise cache_io.CacheCorruptError(f"cache object {key} changed while being stored")
     return {
         "conversation_id": conv.conversation_id, "episode": episode,
         "episodes_requested": episodes.requested if is_episodic(config) else 1,
@@ -193,12 +192,24 @@ def is_built(store: Store, conversation_id: str, config: BuildConfig) -> bool:
     return bool(rows) and all(r["config_hash"] == config.hash for r in rows)
 
 
+def check_stored(store: Store, key: str, size: int) -> None:
+    """The object is in the store with the size written: one HEAD, no download. Its content
+    is trusted to the write (a local store renames a complete file into place; S3 checks the
+    upload's checksum), the SHA-256 the worker computed of what it wrote goes in the manifest,
+    and every reader verifies it (a full re-read is `jobs.gc --verify`)."""
+    try:
+        stored = store.info(key).size
+    except ObjectNotFound:
+        raise cache_io.CacheCorruptError(f"cache object {key} is missing from the store") from None
+    if stored != size:
+        raise cache_io.CacheCorruptError(f"cache object {key} holds {stored} bytes, "
+                                         f"{size} were written")
+
+
 def commit_manifest(store: Store, conversation_id: str, rows: list[dict]) -> None:
-    """Write the manifest last, once every object it names exists with its checksum."""
+    """Write the manifest last, once every object it names is in the store at its size."""
     for row in rows:
-        if cache_io.sha256(store.get(row["object_key"])) != row["sha256"]:
-            raise cache_io.CacheCorruptError(f"cache object {row['object_key']} failed its "
-                                             "checksum before the manifest commit")
+        check_stored(store, row["object_key"], row["object_bytes"])
     write_manifest(store, conversation_id, rows)
 
 

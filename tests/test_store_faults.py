@@ -255,3 +255,26 @@ def test_gc_verify_finds_each_planted_fault(fault, store, capsys):
     assert (f"{fault:<17} {key}: " in out) == found_without_verify
     planted = ["bad"] if fault == "corrupt manifest" else []
     assert list_conversations(store) == planted + ["conv-1", "conv-2"]  # gc removed no manifest
+
+
+def test_commit_checks_the_objects_without_downloading_them(store, monkeypatch):
+    """The manifest commit trusts the worker's SHA-256 and checks each object with one HEAD
+    (present, at the size written): no GET of a cache object; a missing or short object is
+    refused, so the manifest never names it."""
+    from pipeline.builder import commit_manifest
+
+    rows = put_conversation(store, "conv-1")
+    gets: list[str] = []
+    real_get = store.get
+    monkeypatch.setattr(store, "get", lambda key: gets.append(key) or real_get(key))
+    commit_manifest(store, "conv-1", rows)
+    assert [k for k in gets if k.startswith("caches/")] == []
+    assert read_manifest(store, "conv-1")[0]["sha256"] == rows[0]["sha256"]
+
+    store.put(rows[0]["object_key"], b"short")
+    with pytest.raises(cache_io.CacheCorruptError, match=r"holds 5 bytes, \d+ were written"):
+        commit_manifest(store, "conv-2", rows)
+    store.delete(rows[1]["object_key"])
+    with pytest.raises(cache_io.CacheCorruptError, match="is missing from the store"):
+        commit_manifest(store, "conv-2", rows[1:])
+    assert "conv-2" not in list_conversations(store)
