@@ -4,7 +4,6 @@ present); rendering."""
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 from pathlib import Path
