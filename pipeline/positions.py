@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+from transformers.models.llama.modeling_llama import rotate_half
 
 PositionMode = Literal["original", "compact"]
 POSITION_MODES: tuple[str, ...] = ("original", "compact")
@@ -60,6 +61,4 @@ class KeyRotation:
         angles = shift.float()[:, None] * self.inv_freq.to(keys.device)[None, :]
         angles = torch.cat([angles, angles], dim=-1)
         k = keys.float()
-        half = k.shape[-1] // 2
-        rotated_half = torch.cat([-k[:, half:], k[:, :half]], dim=-1)
-        return (k * angles.cos() + rotated_half * angles.sin()).to(keys.dtype)
+        return (k * angles.cos() + rotate_half(k) * angles.sin()).to(keys.dtype)
