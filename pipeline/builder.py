@@ -150,8 +150,7 @@ def build_episode(clustered: ClusterResult, episode: int, budgets: list[int] | N
               "conversation_id": conv.conversation_id, "episode": episode}
     data = cache_io.serialize(cache, header, dtype)
     key = cache_key(conv.conversation_id, config.hash, episode)
-    store.put(key, data)
-    check_stored(store, key, len(data))
+    store.put(key, data)  # checked at the commit (`check_stored`), not read back here
     checksum = cache_io.sha256(data)
     return {
         "conversation_id": conv.conversation_id, "episode": episode,
