@@ -26,7 +26,7 @@ from dataclasses import replace
 from jobs.bench_common import add_threads_option
 from jobs.cli import make_parser
 from pipeline import evaluate, models
-from pipeline.corpus import CorpusError, iter_corpus
+from pipeline.corpus import CorpusError, iter_corpus, select_conversations
 from pipeline.metrics import retention
 
 ROWS = (("cut", "epicache", False), ("cut+compact", "epicache+compact", False),
@@ -74,17 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.threads:
         import torch
         torch.set_num_threads(a.threads)
-    wanted = {c.strip() for c in a.conversations.split(",") if c.strip()}
     config = evaluate.EvalConfig(max_context_tokens=a.cut_tokens,
                                  questions_per_conversation=a.questions or None)
     try:
-        conversations = [c for c in iter_corpus(a.corpus)
-                         if c.conversation_id.removeprefix("locomo-") in wanted]
+        conversations = select_conversations(iter_corpus(a.corpus), a.conversations, a.corpus)
     except CorpusError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    if not conversations:
-        print(f"error: no conversation {sorted(wanted)} in {a.corpus}", file=sys.stderr)
         return 2
     rows = [row for conv in conversations for row in measure(conv, config, a.budget)]
     print(f"\nmodel {models.DEFAULT_LLM}, budget {a.budget}, retention of the mean evidence NLLs "

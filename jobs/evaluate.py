@@ -43,7 +43,8 @@ from pipeline.calibrate import CalibrationConfig
 from pipeline.compress import MergeConfig, TriStateConfig
 from pipeline.config import BuildConfig
 from pipeline.corpus import (SKIP_REPORT, Conversation, CorpusError, ReadStats,
-                             add_corpus_options, check_corpus, iter_corpus, limits_from_args)
+                             add_corpus_options, check_corpus, iter_corpus, limits_from_args,
+                             select_conversations)
 from pipeline.episodes import EpisodeConfig
 from pipeline.store import LocalStore, open_store
 
@@ -272,13 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             read = check_corpus(a.corpus, a.on_bad_record, limits, report)
             convs = list(iter_corpus(a.corpus, a.on_bad_record, ReadStats(keep=0), limits))
             if a.conversations:
-                wanted = [c.strip() for c in a.conversations.split(",") if c.strip()]
-                ids = {c.conversation_id for c in convs}
-                missing = [w for w in wanted if w not in ids and f"locomo-{w}" not in ids]
-                if missing:
-                    raise CorpusError(f"{a.corpus}: no conversation with id {', '.join(missing)}")
-                chosen = {w for w in wanted} | {f"locomo-{w}" for w in wanted}
-                convs = [c for c in convs if c.conversation_id in chosen]
+                convs = select_conversations(convs, a.conversations, a.corpus)
             convs = convs[:a.limit_conversations]
         except (CorpusError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)

@@ -24,7 +24,8 @@ import torch
 from jobs.cli import make_parser
 from pipeline import evaluate, models, prompts
 from pipeline.calibrate import CalibrationConfig
-from pipeline.corpus import CorpusError, iter_corpus, render_conversation, render_header
+from pipeline.corpus import (CorpusError, iter_corpus, render_conversation, render_header,
+                             select_conversations)
 from pipeline.episodes import build_episodes, member_turn_ids, route
 from pipeline.layout import kept_share, token_layout
 from pipeline.metrics import continuation_nlls
@@ -145,12 +146,11 @@ def main(argv: list[str] | None = None) -> int:
             if evaluate.parse_method(m)[0] not in evaluate.EPISODIC:
                 raise ValueError(f"{m!r}: the screen runs EpiCache recipes only")
         convs = list(iter_corpus(a.corpus))
+        if a.conversations:
+            convs = select_conversations(convs, a.conversations, a.corpus)
     except (ValueError, CorpusError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if a.conversations:
-        wanted = {c.strip() for c in a.conversations.split(",")}
-        convs = [c for c in convs if c.conversation_id in wanted | {f"locomo-{w}" for w in wanted}]
     lm, encoder = models.load_llm(config.model), models.load_encoder(config.encoder)
     profile_cache: list[list[float]] = []
 

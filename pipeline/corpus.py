@@ -15,7 +15,7 @@ import re
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Any, BinaryIO, Callable, Iterator, Literal, TextIO
+from typing import IO, Any, BinaryIO, Callable, Iterable, Iterator, Literal, TextIO
 
 OnBadRecord = Literal["fail", "skip"]
 
@@ -573,6 +573,20 @@ def add_corpus_options(p: argparse.ArgumentParser) -> None:
 
 def limits_from_args(a: argparse.Namespace) -> CorpusLimits:
     return CorpusLimits(max_record_bytes=a.max_record_bytes, max_turn_chars=a.max_turn_chars)
+
+
+def select_conversations(conversations: Iterable[Conversation], ids: str,
+                         where: str) -> list[Conversation]:
+    """The conversations named in `ids` (comma-separated; `26` also names `locomo-26`), in
+    corpus order; a name that matches none is a `CorpusError` naming the corpus `where`."""
+    wanted = [w.strip() for w in ids.split(",") if w.strip()]
+    chosen = set(wanted) | {f"locomo-{w}" for w in wanted}
+    picked = [c for c in conversations if c.conversation_id in chosen]
+    found = {c.conversation_id for c in picked}
+    missing = [w for w in wanted if w not in found and f"locomo-{w}" not in found]
+    if missing:
+        raise CorpusError(f"{where}: no conversation with id {', '.join(missing)}")
+    return picked
 
 
 def write_jsonl(conversations: list[Conversation], path: str | Path) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.corpus import (CorpusError, UnsafeIdError, check_safe_id, iter_corpus, read_corpus,
-                             render_conversation, render_turn, write_jsonl)
+                             render_conversation, render_turn, select_conversations, write_jsonl)
 
 # The LoCoMo-format parsing tests read a small fixture written for the project (tests/data/locomo);
 # the real LoCoMo lives beside the repository (../shared/data/locomo, or $LOCOMO_DIR), not in it,
@@ -313,3 +313,15 @@ def test_locomo_folder_reads_ten_conversations():
 def test_missing_path_is_a_corpus_error(tmp_path):
     with pytest.raises(CorpusError, match="no such file"):
         read_corpus(tmp_path / "nope.jsonl")
+
+
+def test_select_conversations_by_id_or_locomo_number(tmp_path):
+    """`--conversations 30,x`: a bare LoCoMo number names locomo-<n>; corpus order is kept; an
+    id that names nothing is an error naming the corpus and the id."""
+    path = write_lines(tmp_path / "c.jsonl",
+                       [good_record(c) for c in ("locomo-26", "x", "locomo-30", "y")])
+    convs, _ = read_corpus(path)
+    picked = select_conversations(convs, " 30, x ,", "c.jsonl")
+    assert [c.conversation_id for c in picked] == ["x", "locomo-30"]
+    with pytest.raises(CorpusError, match="c.jsonl: no conversation with id 41, z"):
+        select_conversations(convs, "26,41,z", "c.jsonl")
