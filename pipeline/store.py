@@ -16,6 +16,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from pipeline.corpus import check_safe_id
 
@@ -90,6 +91,12 @@ class Store(ABC):
         """Copy an object to a local file (backends stream it rather than hold it in memory)."""
         Path(path).write_bytes(self.get(key))
 
+    def open(self, key: str) -> BinaryIO:
+        """A buffered binary stream of the object, read as it is consumed (a large corpus object
+        is never held whole; a cache object can be checksummed as it arrives). Close it: use
+        `with store.open(key) as f`. A missing object raises `ObjectNotFound` here."""
+        return io.BytesIO(self.get(key))
+
     @abstractmethod
     def info(self, key: str) -> ObjectInfo:
         """Size and modification time, without reading the object."""
@@ -148,6 +155,12 @@ class LocalStore(Store):
     def download(self, key: str, path: str | Path) -> None:
         try:
             shutil.copyfile(self._path(key), path)
+        except FileNotFoundError:
+            raise ObjectNotFound(f"no object {key!r} in store {self.uri}") from None
+
+    def open(self, key: str) -> BinaryIO:
+        try:
+            return self._path(key).open("rb")
         except FileNotFoundError:
             raise ObjectNotFound(f"no object {key!r} in store {self.uri}") from None
 
@@ -357,6 +370,11 @@ class S3Store(Store):
                    Config=self._transfer_config())
         return buf.getvalue()
 
+    def open(self, key: str) -> BinaryIO:
+        response = self._call("get", key, self.client.get_object, Bucket=self.bucket,
+                              Key=self._key(key))
+        return io.BufferedReader(_S3Body(self, key, response["Body"]), buffer_size=1 << 20)
+
     def download(self, key: str, path: str | Path) -> None:
         self._call("get", key, self.client.download_file, self.bucket, self._key(key), str(path),
                    Config=self._transfer_config())
@@ -402,6 +420,27 @@ class S3Store(Store):
         key, _, upload_id = partial.name.partition("?uploadId=")
         self._call("abort upload", partial.key, self.client.abort_multipart_upload,
                    Bucket=self.bucket, Key=key, UploadId=upload_id)
+
+
+class _S3Body(io.RawIOBase):
+    """A GetObject body as a raw stream (so `io.BufferedReader` can give `readline` and
+    iteration); a failure mid-stream is the store's one-line `StoreError`, as for `get`."""
+
+    def __init__(self, store: S3Store, key: str, body):
+        self.store, self.key, self.body = store, key, body
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        data = self.store._call("get", self.key, self.body.read, len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.body.close()
+        super().close()
 
 
 def open_store(uri: str, *, endpoint_url: str | None = None, region: str | None = None,

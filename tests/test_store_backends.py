@@ -68,6 +68,8 @@ def test_missing_object(store):
         store.get("manifests/none.parquet")
     with pytest.raises(ObjectNotFound):
         store.info("manifests/none.parquet")
+    with pytest.raises(ObjectNotFound):
+        store.open("manifests/none.parquet")
     assert not store.exists("manifests/none.parquet")
 
 
@@ -87,6 +89,21 @@ def test_info_and_download(store, tmp_path):
     assert info.size == 3000 and abs(info.modified - before) < 120
     store.download("caches/c/h/episode-0.safetensors", tmp_path / "copy")
     assert (tmp_path / "copy").read_bytes() == data
+
+
+def test_open_streams_lines_and_chunks(store):
+    lines = [f'{{"conversation_id": "c{i}"}}\n'.encode() for i in range(20000)]
+    store.put("corpus/big.jsonl", b"".join(lines))
+    with store.open("corpus/big.jsonl") as f:
+        assert next(iter(f)) == lines[0]
+        assert f.read(5) == lines[1][:5]
+        rest = f.read()
+    assert lines[1][5:] + rest == b"".join(lines[1:])
+    with store.open("corpus/big.jsonl") as f:
+        assert sum(1 for _ in f) == 20000
+    for call in (lambda: store.open("a/../b"),):
+        with pytest.raises(StoreError, match="unsafe object key"):
+            call()
 
 
 def test_manifest_round_trip_and_checksum_verified_on_read(store):
