@@ -98,7 +98,7 @@ def test_open_streams_lines_and_chunks(store):
         assert next(iter(f)) == lines[0]
         assert f.read(5) == lines[1][:5]
         rest = f.read()
-    assert lines[1][5:] + rest == b"".join(lines[1:])
+    assert rest == b"".join(lines[1:])[5:]
     with store.open("corpus/big.jsonl") as f:
         assert sum(1 for _ in f) == 20000
     for call in (lambda: store.open("a/../b"),):
