@@ -1,6 +1,7 @@
 """Scale rehearsal: the real driver, Ray scheduler, store and manifests, with no model.
 
     python -m jobs.bench_scale [--conversations 10000 | --large] [--store DIR|s3://...]
+    python -m jobs.bench_scale --index-rows 1000000
 
 A synthetic corpus of tiny conversations goes through `jobs.build.run_build` exactly as a real
 build does (clustering task, one task per episode, manifest commit, bounded in-flight tasks),
@@ -9,6 +10,12 @@ tiny random cache in the real safetensors format. What it measures is the machin
 the driver's memory (it should stay flat in the corpus size), the time to list and read every
 manifest, and the time of a re-run that finds everything built. A conversation record may ask
 for a rehearsed failure (`"rehearse_failure": "raise"` or `"crash"`, see --fail-every).
+
+`--index-rows N` times the manifest table instead (no Ray, no manifests): N conversations x 4
+episodes of synthetic rows written straight into a Delta table in a temporary folder, as a
+build's flushes write them, then a scan (count, filter by configuration hash, sum bytes over
+every row) and point lookups of one conversation, each from a freshly opened table as
+`jobs.manifests` does.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ from pathlib import Path
 
 import numpy as np
 import psutil
+import pyarrow as pa
+import pyarrow.compute as pc
 import ray
 import torch
 from safetensors.torch import save as st_save
@@ -41,8 +50,10 @@ from pipeline.builder import ClusterResult
 from pipeline.config import BuildConfig
 from pipeline.corpus import Conversation
 from pipeline.episodes import Episode, EpisodeConfig, EpisodeSet
+from pipeline import manifest_table
 from pipeline.manifest import list_conversations, read_manifest
-from pipeline.store import Store, StoreError, cache_key, open_store
+from pipeline.manifest_table import TABLE_SCHEMA, ManifestTable
+from pipeline.store import LocalStore, Store, StoreError, cache_key, open_store
 
 LAYERS, KV_HEADS, HEAD_DIM, DIM = 2, 2, 8, 8
 
@@ -263,6 +274,107 @@ def bench(corpus: Path, store: Store, *, max_in_flight: int = 64, num_cpus: floa
         rerun_s=rerun_s, rerun_skipped=again.skipped)
 
 
+# ---------------------------------------------------------------------------------------------
+# The manifest table at scale (--index-rows)
+# ---------------------------------------------------------------------------------------------
+
+INDEX_EPISODES = 4
+INDEX_HASHES = ("5f1e2d3c4b5a6978", "a1b2c3d4e5f60718")  # 3 conversations in 4 have the first
+INDEX_COMMIT = 4_000  # conversations per commit (16,000 rows: a build flushes 10,000 rows)
+
+
+def _hex_strings(rng: np.random.Generator, n: int, nbytes: int = 32) -> pa.StringArray:
+    """n random lowercase hex strings (SHA-256 lookalikes), built without a Python loop."""
+    lut = np.array([f"{i:02x}".encode() for i in range(256)], dtype="S2").view(np.uint16)
+    data = lut[rng.integers(0, 256, n * nbytes, dtype=np.uint8)].tobytes()
+    offsets = np.arange(0, (n + 1) * 2 * nbytes, 2 * nbytes, dtype=np.int32)
+    return pa.StringArray.from_buffers(n, pa.py_buffer(offsets.tobytes()), pa.py_buffer(data))
+
+
+def synthetic_index_rows(start: int, count: int) -> pa.Table:
+    """Manifest-table rows of conversations `bench-<start>` .. (4 episodes each), vectorised:
+    a million conversations take seconds, not the minutes of a million dicts."""
+    rng = np.random.default_rng(start)
+    conv = np.repeat(np.arange(start, start + count), INDEX_EPISODES)
+    episode = np.tile(np.arange(INDEX_EPISODES, dtype=np.int32), count)
+    n = len(conv)
+    ids = pc.binary_join_element_wise(
+        "bench-", pc.utf8_lpad(pa.array(conv).cast(pa.string()), 7, "0"), "")
+    hashes = pa.array(np.where(conv % 4 == 3, INDEX_HASHES[1], INDEX_HASHES[0]))
+    keys = pc.binary_join_element_wise("caches/", ids, "/", hashes, "/episode-",
+                                       pa.array(episode).cast(pa.string()), ".safetensors", "")
+    ints = lambda lo, hi: pa.array(rng.integers(lo, hi, n), pa.int64())  # noqa: E731
+    const = lambda v, t=pa.string(): pa.repeat(pa.scalar(v, t), n)  # noqa: E731
+    columns = {
+        "conversation_id": ids, "episode": pa.array(episode),
+        "episodes_requested": const(INDEX_EPISODES, pa.int32()),
+        "episodes_built": const(INDEX_EPISODES, pa.int32()), "episode_note": const(""),
+        "object_key": keys, "sha256": _hex_strings(rng, n),
+        "object_bytes": ints(1 << 20, 1 << 24), "kv_bytes": ints(1 << 20, 1 << 24),
+        "n_windows": pa.array(rng.integers(1, 40, n), pa.int32()), "tokens": ints(2_000, 30_000),
+        "scorer": const("epicache"), "model_id": const("SmolLM2-135M-Instruct"),
+        "encoder_id": const("all-MiniLM-L6-v2"), "config_hash": hashes,
+        "cluster_seconds": pa.array(rng.random(n)), "build_seconds": pa.array(10 * rng.random(n)),
+        "worker": const("10.0.0.7:4242"), "node_id": const("f" * 56),
+        "built_at": const("2026-11-25T10:00:00+00:00"), "merged_entries": const(0, pa.int64())}
+    for state in ("original", "quantized", "evicted"):
+        columns[f"{state}_entries"] = ints(0, 1 << 20)
+        columns[f"{state}_bytes"] = ints(0, 1 << 24)
+    return pa.table({name: columns[name] for name in TABLE_SCHEMA.names}, schema=TABLE_SCHEMA)
+
+
+def index_bench(conversations: int) -> int:
+    """Write `conversations` x 4 synthetic rows into a manifest table (commits of
+    `INDEX_COMMIT` conversations through `ManifestTable.replace`, the build's path), then time
+    the scan and point lookups on a freshly opened table each time; ends with the one-line
+    figure."""
+    work = Path(tempfile.mkdtemp(prefix="epicache-index-"))
+    try:
+        table = ManifestTable(LocalStore(work / "store"))
+        start = time.perf_counter()
+        for first in range(0, conversations, INDEX_COMMIT):
+            rows = synthetic_index_rows(first, min(INDEX_COMMIT, conversations - first))
+            table.replace(pc.unique(rows["conversation_id"]).to_pylist(), rows)
+        write_s = time.perf_counter() - start
+        files = table.delta().file_uris()
+        size = sum(f.stat().st_size for f in (work / "store").rglob("*") if f.is_file())
+        rows_total = conversations * INDEX_EPISODES
+        print(f"table: {rows_total:,} rows ({conversations:,} conversations x {INDEX_EPISODES} "
+              f"episodes) written in {write_s:.1f} s, in commits of {INDEX_COMMIT:,} "
+              f"conversations; {len(files)} files, {size / 2**20:.0f} MiB")
+
+        start = time.perf_counter()
+        con = manifest_table.connect(ManifestTable(table.store))
+        count, selected, selected_bytes, all_bytes = con.execute(
+            "SELECT count(*), count(*) FILTER (WHERE config_hash = ?), "
+            "sum(object_bytes) FILTER (WHERE config_hash = ?), sum(object_bytes) FROM episodes",
+            [INDEX_HASHES[0]] * 2).fetchone()
+        scan_s = time.perf_counter() - start
+        if count != rows_total:
+            raise RuntimeError(f"the table holds {count} rows, {rows_total} were written")
+        print(f"scan (open, count, filter by configuration hash, sum bytes): {count:,} rows, "
+              f"{selected:,} of configuration {INDEX_HASHES[0]} ({selected_bytes / 2**40:.2f} "
+              f"of {all_bytes / 2**40:.2f} TiB) in {scan_s:.2f} s (goal < 10 s)")
+
+        lookups = []
+        for i in np.random.default_rng(0).integers(0, conversations, 5):
+            cid = f"bench-{i:07d}"
+            start = time.perf_counter()
+            got = manifest_table.select(ManifestTable(table.store), TABLE_SCHEMA.names,
+                                        conversations=[cid]).read_all()
+            lookups.append(time.perf_counter() - start)
+            if got.num_rows != INDEX_EPISODES:
+                raise RuntimeError(f"lookup of {cid}: {got.num_rows} rows")
+        lookup_ms = 1000 * float(np.median(lookups))
+        print(f"point lookup (open, all columns of one conversation): median {lookup_ms:.0f} ms "
+              f"of {len(lookups)} conversations (min {1000 * min(lookups):.0f}, max "
+              f"{1000 * max(lookups):.0f}; goal < 100 ms)")
+        print(f"index scan: {count} rows in {scan_s:.1f} s; point lookup {lookup_ms:.0f} ms")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = make_parser("jobs.bench_scale", __doc__)
     p.add_argument("--conversations", type=int, default=10_000, help="synthetic conversations")
@@ -277,11 +389,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tracemalloc", action="store_true",
                    help="also trace the driver's Python heap (slows the driver)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--index-rows", type=int, default=0, metavar="CONVERSATIONS",
+                   help="instead: time the manifest table with this many synthetic "
+                        "conversations x 4 episodes written straight into it (no Ray); "
+                        "1000000 is the goal's size (0: off)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    if a.index_rows:
+        return index_bench(a.index_rows)
     n = 100_000 if a.large else a.conversations
     work = Path(tempfile.mkdtemp(prefix="epicache-bench-"))
     try:

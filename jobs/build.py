@@ -42,6 +42,7 @@ from pipeline.corpus import (DEFAULT_LIMITS, SKIP_REPORT, Conversation, CorpusEr
                              iter_corpus, limits_from_args)
 from pipeline.episodes import EpisodeConfig
 from pipeline.compress import MergeConfig, TriStateConfig
+from pipeline.manifest_table import IndexWriter
 from pipeline.positions import POSITION_MODES
 from pipeline.prefill import PrefillConfig
 from pipeline.scorers import SCORERS, ScoringConfig
@@ -209,10 +210,11 @@ class _Driver:
 
     def __init__(self, conversations: Iterator[Conversation], store: Store, config: BuildConfig,
                  stages: Stages, *, force: bool, max_in_flight: int, resources: dict,
-                 max_retries: int, bar: tqdm):
+                 max_retries: int, bar: tqdm, index: IndexWriter | None = None):
         self.conversations, self.store, self.config, self.stages = conversations, store, config, stages
         self.force, self.max_in_flight, self.bar = force, max(1, max_in_flight), bar
         self.resources, self.max_retries = resources, max_retries
+        self.index = index  # the manifest table: told before and after each commit
         self.summary = Summary()
         self.in_flight: dict[ray.ObjectRef, tuple[str, str, int]] = {}  # ref -> (kind, id, ep)
         self.pending: deque[tuple[str, int]] = deque()  # episodes waiting for a slot
@@ -316,11 +318,16 @@ class _Driver:
         del self.convs[cid]  # drops the clustering reference: Ray frees the object
         if conv.error is None:
             try:
+                if self.index is not None:
+                    self.index.begin(cid)
                 builder.commit_manifest(self.store, cid, conv.rows)
                 self.summary.built += 1
                 log.info("committed %s: %d episodes", cid, len(conv.rows))
             except Exception as exc:  # a commit that fails marks the conversation failed
                 conv.error = f"manifest commit: {type(exc).__name__}: {exc}"
+            else:
+                if self.index is not None:
+                    self.index.add(cid, conv.rows)
         if conv.error is not None:
             self.summary.failed[cid] = conv.error
             log.error("conversation %s failed: %s", cid, conv.error)
@@ -341,10 +348,12 @@ class _Driver:
 def run_build(corpus: str, store: str | Store, config: BuildConfig, *, force: bool = False,
               on_bad_record: str = "fail", max_in_flight: int = 16, num_cpus: float = 1,
               num_gpus: float = 0, max_retries: int = 2, progress: bool = True,
-              stages: Stages = MODEL_STAGES, limits: CorpusLimits = DEFAULT_LIMITS) -> Summary:
+              stages: Stages = MODEL_STAGES, limits: CorpusLimits = DEFAULT_LIMITS,
+              index_flush_rows: int = 10_000) -> Summary:
     """Drive the whole build on the connected Ray; returns the summary (the caller decides the
     exit code). `corpus` is a local path or an s3:// URI; `store` a Store or its URI. It reads
-    the corpus as it goes: `main` has validated it first (`check_corpus`)."""
+    the corpus as it goes: `main` has validated it first (`check_corpus`). Committed rows go
+    to the store's manifest table every `index_flush_rows` rows (or minute) and at the end."""
     store = open_store(store) if isinstance(store, str) else store
     endpoint = store.endpoint_url if isinstance(store, S3Store) else None
     with local_corpus(corpus, endpoint) as path:
@@ -353,11 +362,12 @@ def run_build(corpus: str, store: str | Store, config: BuildConfig, *, force: bo
         resources = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_retries": max_retries}
         # log lines go above the bar, not through it
         redirect = logging_redirect_tqdm() if progress else contextlib.nullcontext()
-        with redirect, tqdm(total=count_records(path), unit="conv", desc="build",
-                            disable=not progress, dynamic_ncols=True, file=sys.stderr) as bar:
+        with IndexWriter(store, index_flush_rows) as index, redirect, tqdm(
+                total=count_records(path), unit="conv", desc="build", disable=not progress,
+                dynamic_ncols=True, file=sys.stderr) as bar:
             summary = _Driver(conversations, store, config, stages, force=force,
                               max_in_flight=max_in_flight, resources=resources,
-                              max_retries=max_retries, bar=bar).run()
+                              max_retries=max_retries, bar=bar, index=index).run()
     summary.bad_records, summary.questions_dropped = stats.records_skipped, stats.questions_dropped
     return summary
 

@@ -1,6 +1,18 @@
 """Show what a store holds: per conversation and episode, the build's figures.
 
-    python -m jobs.manifests --store DIR|s3://bucket/prefix [--conversation ID] [--json]
+    python -m jobs.manifests --store DIR|s3://bucket/prefix [--conversation ID] [--config-hash H]
+        [--model M] [--totals] [--json] [--manifests]
+    python -m jobs.manifests --store ... --sql "SELECT config_hash, sum(object_bytes) FROM episodes GROUP BY 1"
+    python -m jobs.manifests --store ... --compact | --rebuild
+
+It reads the store's manifest table (`<store>/index/episodes`, Delta Lake, kept by every build)
+when there is one, and ends with the totals of episodes, conversations, tokens and bytes;
+without one (or with --manifests) it reads the per-conversation manifests, as stores built
+before the table were read. --sql runs a DuckDB query over the table, which is the view
+`episodes` (the query reads nothing else: no files, no network). --compact brings the table up
+to date with manifests an interrupted build committed, rewrites it sorted by conversation and
+removes old files; --rebuild recreates it from the manifests. Run those two when no build is
+writing to the store (the build's driver is the table's one writer).
 
 A store that does not exist is an error (never created); a manifest that cannot be read is
 named on stderr and the others are still shown (exit code 2).
@@ -9,15 +21,21 @@ named on stderr and the others are still shown (exit code 2).
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import sys
 
 from jobs.cli import add_store_options, make_parser
+from pipeline import manifest_table
 from pipeline.corpus import UnsafeIdError
 from pipeline.manifest import ManifestError, list_conversations, read_manifest
-from pipeline.store import StoreError, open_store
+from pipeline.manifest_table import PENDING_PREFIX, ManifestTable
+from pipeline.store import Store, StoreError, open_store
 
 _COLUMNS = ("episode", "tokens", "build_seconds", "kv_bytes", "object_bytes", "n_windows")
+# What the table view shows per episode (the per-layer columns live in the manifests only).
+_TABLE_COLUMNS = ("conversation_id", "episode", "tokens", "build_seconds", "kv_bytes",
+                  "object_bytes", "scorer", "config_hash", "episode_note")
 
 
 def summarise(row: dict) -> dict:
@@ -37,45 +55,175 @@ def _cell(value, spec: str) -> str:
     return format(value, spec)
 
 
+def _mib(value) -> float | None:
+    return value / 2**20 if value is not None else None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = make_parser("jobs.manifests", __doc__)
     add_store_options(p)
     p.add_argument("--conversation", action="append",
                    help="show this conversation (may repeat; default: every conversation)")
-    p.add_argument("--json", action="store_true", help="one JSON object per episode, not a table")
+    p.add_argument("--config-hash", action="append",
+                   help="only episodes built with this configuration hash (may repeat; "
+                        "default: any)")
+    p.add_argument("--model", action="append",
+                   help="only episodes built with this model id (may repeat; default: any)")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object per episode (or per --sql result row), not a table")
+    p.add_argument("--totals", action="store_true",
+                   help="from the table: print only the totals line (episodes, conversations, "
+                        "tokens, bytes), not one line per episode")
+    p.add_argument("--manifests", action="store_true",
+                   help="read the per-conversation manifests even where the store has a table "
+                        "(they also hold the per-layer budgets and peaks)")
+    action = p.add_mutually_exclusive_group()
+    action.add_argument("--sql", metavar="QUERY", default=None,
+                        help="run a DuckDB query over the table, the view `episodes`, and print "
+                             "its rows as CSV (--json: JSON lines); default: no query")
+    action.add_argument("--compact", action="store_true",
+                        help="bring the table up to date with manifests an interrupted build "
+                             "committed, rewrite it sorted by conversation, remove old files "
+                             "(creates it from the manifests where there is none)")
+    action.add_argument("--rebuild", action="store_true",
+                        help="recreate the table from every per-conversation manifest")
+    p.add_argument("--retain-hours", type=float, default=168.0,
+                   help="--compact: keep the files older table versions need for this long")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    rows, corrupt = [], []
+    filters = {"conversations": a.conversation, "config_hashes": a.config_hash,
+               "models": a.model}
     try:
         store = open_store(a.store, endpoint_url=a.s3_endpoint, create=False)
-        for cid in a.conversation or list_conversations(store):
-            try:
-                rows.extend(summarise(r) for r in (read_manifest(store, cid) or []))
-            except ManifestError as e:
-                corrupt.append(e)
-    except (StoreError, UnsafeIdError) as e:
+        if a.rebuild or a.compact:
+            return maintain(store, a.rebuild, a.retain_hours)
+        table = ManifestTable(store)
+        if a.sql is not None:
+            if any(filters.values()) or a.manifests or a.totals:
+                raise ValueError("--sql queries the whole table: put the conditions in the "
+                                 "query (columns conversation_id, config_hash, model_id, ...)")
+            return run_sql(table, a.sql, a.json)
+        if not a.manifests and table.exists():
+            return from_table(store, table, filters, a.json, a.totals)
+        if a.totals:
+            raise ValueError("--totals reads the manifest table, and this store has none "
+                             "(`--rebuild` makes it)")
+        return from_manifests(store, filters, a.json)
+    except (StoreError, UnsafeIdError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def from_manifests(store: Store, filters: dict, as_json: bool) -> int:
+    """The per-conversation manifests, read one by one (stores without a table)."""
+    rows, corrupt = [], []
+    keep = lambda r: all(  # noqa: E731
+        not values or r[column] in values for column, values in
+        (("config_hash", filters["config_hashes"]), ("model_id", filters["models"])))
+    for cid in filters["conversations"] or list_conversations(store):
+        try:
+            rows.extend(summarise(r) for r in (read_manifest(store, cid) or []) if keep(r))
+        except ManifestError as e:
+            corrupt.append(e)
     for e in corrupt:
         print(f"error: {e}", file=sys.stderr)
     code = 2 if corrupt else 0
-    if a.json:
+    if as_json:
         for r in rows:
             print(json.dumps(r))
         return code
     print(f"{'conversation':<16} {'ep':>2} {'tokens':>7} {'build s':>8} {'KV MiB':>7} "
           f"{'budget':>7} {'peak':>7} {'peak-budget':>11} {'scorer':<12} note")
     for r in rows:
-        mib = r["kv_bytes"] / 2**20 if r["kv_bytes"] is not None else None
         print(f"{r['conversation_id']:<16} {_cell(r['episode'], '>2')} {_cell(r['tokens'], '>7')} "
-              f"{_cell(r['build_seconds'], '>8.1f')} {_cell(mib, '>7.2f')} "
+              f"{_cell(r['build_seconds'], '>8.1f')} {_cell(_mib(r['kv_bytes']), '>7.2f')} "
               f"{_cell(r['mean_budget'], '>7.0f')} {_cell(r['max_peak_entries'], '>7.0f')} "
               f"{_cell(r['max_peak_over_budget'], '>11')} {_cell(r['scorer'], '<12')} "
               f"{r['episode_note'] or ''}")
     return code
+
+
+def from_table(store: Store, table: ManifestTable, filters: dict, as_json: bool,
+               only_totals: bool) -> int:
+    """The table's rows (streamed), then the totals; warns when a build left rows pending."""
+    if pending := len(store.list(PENDING_PREFIX)):
+        print(f"warning: {pending} conversation(s) committed since the table's last append (an "
+              "interrupted build): `python -m jobs.manifests --compact` brings it up to date",
+              file=sys.stderr)
+    if not only_totals:
+        columns = manifest_table.TABLE_SCHEMA.names if as_json else _TABLE_COLUMNS
+        if not as_json:
+            print(f"{'conversation':<16} {'ep':>2} {'tokens':>7} {'build s':>8} {'KV MiB':>7} "
+                  f"{'obj MiB':>7} {'scorer':<12} {'config':<16} note")
+        for batch in manifest_table.select(table, columns, **filters):
+            for r in batch.to_pylist():
+                if as_json:
+                    print(json.dumps(r))
+                    continue
+                print(f"{r['conversation_id']:<16} {_cell(r['episode'], '>2')} "
+                      f"{_cell(r['tokens'], '>7')} {_cell(r['build_seconds'], '>8.1f')} "
+                      f"{_cell(_mib(r['kv_bytes']), '>7.2f')} "
+                      f"{_cell(_mib(r['object_bytes']), '>7.2f')} {_cell(r['scorer'], '<12')} "
+                      f"{_cell(r['config_hash'], '<16')} {r['episode_note'] or ''}")
+    t = manifest_table.totals(table, **filters)
+    if as_json:
+        if only_totals:
+            print(json.dumps({"totals": t.__dict__}))
+        return 0
+    print(f"total: {t.episodes:,} episodes of {t.conversations:,} conversations; "
+          f"{t.tokens:,} tokens; objects {t.object_bytes / 2**30:.3f} GiB "
+          f"({t.object_bytes:,} bytes); KV {t.kv_bytes / 2**30:.3f} GiB; table {table.uri}")
+    return 0
+
+
+def run_sql(table: ManifestTable, query: str, as_json: bool) -> int:
+    """The query's rows as CSV with a header (or JSON lines), streamed."""
+    import duckdb
+
+    con = manifest_table.connect(table)
+    try:
+        result = con.sql(query)
+        if result is None:  # a statement without rows
+            return 0
+        columns = result.columns
+        reader = result.to_arrow_reader(10_000)
+        writer = csv.writer(sys.stdout, lineterminator="\n")
+        if not as_json:
+            writer.writerow(columns)
+        for batch in reader:
+            for row in batch.to_pylist():
+                if as_json:
+                    print(json.dumps(row, default=str))
+                else:
+                    writer.writerow(row[c] for c in columns)
+    except duckdb.Error as e:
+        raise ValueError(f"--sql: {(str(e).strip().splitlines() or [type(e).__name__])[0]}") \
+            from None
+    return 0
+
+
+def maintain(store: Store, rebuild: bool, retain_hours: float) -> int:
+    """--rebuild, or --compact (repair, then sort and vacuum); corrupt manifests are named and
+    left out (exit code 2)."""
+    table = ManifestTable(store)
+    if rebuild or not table.exists():
+        done = manifest_table.rebuild(store, table)
+        line = (f"rebuilt the manifest table from {done.conversations:,} manifests "
+                f"({done.rows:,} episodes)")
+    else:
+        done = manifest_table.repair(store, table)
+        stats = table.compact(retain_hours)
+        line = (f"compacted the manifest table: {done.conversations:,} pending conversation(s) "
+                f"brought up to date; {stats['files_before']} files -> {stats['files_after']} "
+                f"sorted by conversation; {stats['vacuumed']} old files removed "
+                f"(version {stats['version']})")
+    for e in done.corrupt:
+        print(f"error: {e}", file=sys.stderr)
+    print(f"{line}; table {table.uri}")
+    return 2 if done.corrupt else 0
 
 
 if __name__ == "__main__":

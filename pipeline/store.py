@@ -175,8 +175,13 @@ class LocalStore(Store):
         return ObjectInfo(st.st_size, st.st_mtime)
 
     def list(self, prefix: str = "") -> list[str]:
+        folder = prefix.rpartition("/")[0]  # walk only under it, not a million caches
+        try:
+            base = self._path(folder) if folder else self.root
+        except StoreError:  # not a key's folder: no key has this prefix
+            return []
         keys = []
-        for path in self.root.rglob("*"):
+        for path in base.rglob("*"):
             if path.is_file() and not path.name.startswith(".tmp-"):
                 key = path.relative_to(self.root).as_posix()
                 if key.startswith(prefix):

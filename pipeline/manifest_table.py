@@ -1,0 +1,525 @@
+"""The manifest table: every committed episode of a store in one Delta Lake table.
+
+The per-conversation manifests stay the commit point; this table is an index over them, so
+"what was built" is one scan instead of a million small reads, and any engine that reads Delta
+(DuckDB, Spark, Polars, delta-rs) can query it. It lives at `<store>/index/episodes` (a folder,
+or `s3://bucket/prefix/index/episodes`) and holds the manifests' scalar columns (see
+`TABLE_SCHEMA`); it can always be recreated from the manifests (`rebuild`).
+
+Keeping it equal to the manifests: the build's driver, its only writer, writes a small pending
+marker (`index/pending/<conversation_id>`) before it commits a manifest, and removes it once the
+conversation's rows are in the table (`IndexWriter`, which flushes in batches). A crash in
+between leaves the marker, and `repair` (run by the next build and by `jobs.manifests
+--compact`) re-reads only the marked conversations' manifests: nothing lists a million of them.
+A batch replaces the earlier rows of its conversations in one Delta commit (an overwrite with a
+predicate on their ids), so a rebuilt conversation (`--force`, another configuration) never
+shows twice.
+
+On S3, credentials, region and endpoint are resolved from boto3's standard chain each time the
+table is opened (so expiring role credentials refresh), are handed to delta-rs in memory only,
+and never appear in a log line or an error. Commits are put-if-absent (`AWS_CONDITIONAL_PUT=etag`:
+AWS S3 and SeaweedFS refuse a second writer of the same log version with 412), so a second
+writer can never overwrite a commit; keeping the pending markers right still needs one writer
+at a time (a build, or `jobs.manifests --compact/--rebuild`, not both).
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as pads
+
+from pipeline.corpus import check_safe_id
+from pipeline.manifest import ManifestError, list_conversations, read_manifest
+from pipeline.store import LocalStore, S3Store, Store, StoreError
+
+log = logging.getLogger(__name__)
+
+TABLE_KEY = "index/episodes"
+PENDING_PREFIX = "index/pending/"
+VIEW = "episodes"  # the DuckDB view name of `jobs.manifests --sql`
+
+# The manifest's scalar columns: what an index answers (which objects, their checksums and sizes,
+# tokens, who built them with which configuration, when). Left out, and read from a manifest when
+# needed: centroid (384 floats a row, ~1.5 KB: routing reads one conversation's manifest anyway),
+# medoid_text and medoid_turn_ids (the patched prompt, KBs), config_json (the same ~1 KB on every
+# row of a configuration; config_hash names it), and the per-layer lists.
+TABLE_SCHEMA = pa.schema([
+    ("conversation_id", pa.string()),
+    ("episode", pa.int32()),
+    ("episodes_requested", pa.int32()),
+    ("episodes_built", pa.int32()),
+    ("episode_note", pa.string()),
+    ("object_key", pa.string()),
+    ("sha256", pa.string()),
+    ("object_bytes", pa.int64()),
+    ("kv_bytes", pa.int64()),
+    ("n_windows", pa.int32()),
+    ("tokens", pa.int64()),
+    ("scorer", pa.string()),
+    ("model_id", pa.string()),
+    ("encoder_id", pa.string()),
+    ("config_hash", pa.string()),
+    ("cluster_seconds", pa.float64()),
+    ("build_seconds", pa.float64()),
+    ("worker", pa.string()),
+    ("node_id", pa.string()),
+    ("built_at", pa.string()),
+    ("original_entries", pa.int64()),
+    ("original_bytes", pa.int64()),
+    ("quantized_entries", pa.int64()),
+    ("quantized_bytes", pa.int64()),
+    ("evicted_entries", pa.int64()),
+    ("evicted_bytes", pa.int64()),
+    ("merged_entries", pa.int64()),
+])
+
+# Parquet as written into the table: zstd, and row groups small enough that a point lookup
+# reads one of them (statistics on conversation_id prune the rest).
+_ROW_GROUP = 65_536
+_READ_THREADS = 16  # manifests read at once by repair and rebuild (S3 GETs are latency-bound)
+_REBUILD_CHUNK = 2_000  # conversations per record batch of a rebuild
+# A checkpoint every 10 commits: opening the table replays at most 10 JSON log entries (a build
+# commits every flush, hundreds of times in a million conversations).
+_TABLE_CONFIG = {"delta.checkpointInterval": "10"}
+# Conversations per replacing commit: delta-rs recurses over a predicate's IN list, and one of
+# ~25,000 ids overflows an 8 MiB stack (measured; 20,000 passed).
+_MAX_IDS = 4_000
+_SORT_MEMORY = "1GB"  # DuckDB's memory for the compaction's sort (it spills past it)
+
+
+class TableError(StoreError):
+    """The manifest table cannot be read or written; the message names the table, never a
+    credential."""
+
+
+def pending_key(conversation_id: str) -> str:
+    return PENDING_PREFIX + check_safe_id(conversation_id)
+
+
+def table_rows(rows: Iterable[dict]) -> pa.Table:
+    """Manifest rows as table rows (its columns only; state counts null for older manifests),
+    sorted by conversation and episode so files and row groups cover narrow id ranges."""
+    table = pa.Table.from_pylist([{k: r.get(k) for k in TABLE_SCHEMA.names} for r in rows],
+                                 schema=TABLE_SCHEMA)
+    return table.sort_by([("conversation_id", "ascending"), ("episode", "ascending")])
+
+
+def _id_predicate(ids: Sequence[str]) -> str:
+    """A Delta predicate selecting these conversations' rows; the range lets delta-rs skip the
+    files whose conversation_id statistics lie outside it (an IN list alone does not prune)."""
+    quoted = [f"'{check_safe_id(i)}'" for i in ids]  # safe ids hold no quote
+    return (f"conversation_id >= {quoted[0]} AND conversation_id <= {quoted[-1]} AND "
+            f"conversation_id IN ({', '.join(quoted)})")
+
+
+class ManifestTable:
+    """The Delta table of one store's episodes; every call reopens the latest version."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        if isinstance(store, LocalStore):
+            self.uri = str(store.root / "index" / "episodes")
+        elif isinstance(store, S3Store):
+            self.uri = f"{store.uri}/{TABLE_KEY}"
+        else:
+            raise TableError(f"store {store.uri} has no manifest table (local or S3 only)")
+
+    # -- where and how -------------------------------------------------------------------------
+    def _options(self) -> dict[str, str] | None:
+        """delta-rs storage options of an S3 store, from boto3's chain now (never stored)."""
+        if not isinstance(self.store, S3Store):
+            return None
+        import os
+
+        import boto3
+
+        s = self.store
+        session = boto3.session.Session(profile_name=s.profile, region_name=s.region)
+        credentials = session.get_credentials()
+        if credentials is None:
+            raise TableError(f"no usable AWS credentials for the manifest table {self.uri}: set "
+                             "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or run "
+                             "with an instance role")
+        frozen = credentials.get_frozen_credentials()
+        endpoint = (s.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3")
+                    or os.environ.get("AWS_ENDPOINT_URL"))
+        options = {"AWS_ACCESS_KEY_ID": frozen.access_key,
+                   "AWS_SECRET_ACCESS_KEY": frozen.secret_key,
+                   "AWS_REGION": session.region_name or "us-east-1",
+                   "AWS_CONDITIONAL_PUT": "etag"}  # commits are put-if-absent
+        if frozen.token:
+            options["AWS_SESSION_TOKEN"] = frozen.token
+        if endpoint:  # an S3-compatible server: path-style, http allowed for a local one
+            options |= {"AWS_ENDPOINT_URL": endpoint, "AWS_VIRTUAL_HOSTED_STYLE_REQUEST": "false",
+                        "AWS_ALLOW_HTTP": "true" if endpoint.startswith("http://") else "false"}
+        return options
+
+    def _call(self, what: str, fn, *args, **kwargs):
+        """Run a delta-rs call; its failure becomes one line naming the table (any credential
+        the message might quote is masked)."""
+        options = kwargs.get("storage_options") or {}
+        try:
+            return fn(*args, **kwargs)
+        except (StoreError, KeyboardInterrupt):
+            raise
+        except Exception as e:
+            text = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+                if options.get(key):
+                    text = text.replace(options[key], "***")
+            raise TableError(f"manifest table {self.uri}: {what} failed: "
+                             f"{type(e).__name__}: {text}") from None
+
+    def exists(self) -> bool:
+        from deltalake import DeltaTable
+
+        return self._call("open", DeltaTable.is_deltatable, self.uri,
+                          storage_options=self._options())
+
+    def delta(self):
+        """The table at its latest version; `TableError` when there is none."""
+        from deltalake import DeltaTable
+        from deltalake.exceptions import TableNotFoundError
+
+        options = self._options()
+        try:
+            return DeltaTable(self.uri, storage_options=options)
+        except TableNotFoundError:
+            raise TableError(f"no manifest table at {self.uri}: `python -m jobs.manifests "
+                             "--rebuild` makes one from the manifests") from None
+        except Exception:  # any other failure: one line, as every call gives it
+            return self._call("open", DeltaTable, self.uri, storage_options=options)
+
+    def dataset(self, conversation_ids: Sequence[str] | None = None) -> pads.Dataset:
+        """A pyarrow dataset of the table (DuckDB scans it as a view); with ids, only the files
+        whose statistics may hold them."""
+        table = self.delta()
+        pruning = None
+        if conversation_ids:
+            pruning = [("conversation_id", "in", sorted(set(conversation_ids)))]
+        return self._call("read", table.to_pyarrow_dataset, file_pruning_predicate=pruning)
+
+    # -- writing ---------------------------------------------------------------------------------
+    def _write(self, what: str, data, **kwargs) -> None:
+        from deltalake import WriterProperties, write_deltalake
+
+        props = WriterProperties(compression="ZSTD", max_row_group_size=_ROW_GROUP)
+        self._call(what, write_deltalake, self.uri, data, writer_properties=props,
+                   configuration=_TABLE_CONFIG, storage_options=self._options(), **kwargs)
+
+    def replace(self, conversation_ids: Sequence[str], rows: list[dict] | pa.Table) -> None:
+        """These conversations' rows become `rows` (manifest rows, or a table of `TABLE_SCHEMA`;
+        none: they are removed): one commit per `_MAX_IDS` conversations, so each
+        conversation's rows change in one commit."""
+        ids = sorted(set(conversation_ids))
+        data = rows if isinstance(rows, pa.Table) else table_rows(rows)
+        for start in range(0, len(ids), _MAX_IDS):
+            part = ids[start:start + _MAX_IDS]
+            if len(part) < len(ids):
+                data_part = data.filter(pc.is_in(data["conversation_id"], pa.array(part)))
+            else:
+                data_part = data
+            self._replace(part, data_part)
+
+    def _replace(self, ids: list[str], data: pa.Table) -> None:
+        try:
+            table = self.delta()
+        except TableError:
+            if not self.exists():  # none yet (any other failure is raised again below)
+                self._write("create", data, mode="append")
+                return
+            table = self.delta()
+        if not self._holds_any(table, ids):  # new conversations only: a plain append
+            if data.num_rows:
+                self._write("append rows", data, mode="append")
+        elif data.num_rows:
+            self._write("replace rows", data, mode="overwrite", predicate=_id_predicate(ids))
+        else:
+            self._call("delete rows", table.delete, _id_predicate(ids))
+
+    def _holds_any(self, table, ids: list[str]) -> bool:
+        """Whether the table has rows of any of these conversations: the files' id ranges
+        first (a build in id order never reads a row), then those files' ids."""
+        files = pa.table(self._call("read", table.get_add_actions, flatten=True))
+        if not files.num_rows:
+            return False
+        low, high = files["min.conversation_id"], files["max.conversation_id"]
+        overlap = pc.and_(pc.less_equal(low, ids[-1]), pc.greater_equal(high, ids[0]))
+        if not pc.any(overlap).as_py():
+            return False
+        dataset = self._call("read", table.to_pyarrow_dataset,
+                             file_pruning_predicate=[("conversation_id", "in", ids)])
+        found = self._call("read", dataset.to_table, columns=["conversation_id"],
+                           filter=pc.field("conversation_id").isin(ids))
+        return found.num_rows > 0
+
+    def overwrite(self, batches: Iterable[pa.RecordBatch]) -> None:
+        """Replace the whole table by these batches, streamed, in one commit (readers see the
+        old table until it lands)."""
+        reader = pa.RecordBatchReader.from_batches(TABLE_SCHEMA, iter(batches))
+        self._write("rewrite", reader, mode="overwrite", schema_mode="overwrite")
+
+    def compact(self, retain_hours: float = 168.0) -> dict:
+        """Rewrite the table sorted by conversation_id, in one commit (DuckDB sorts it, spilling
+        to a temporary folder past `_SORT_MEMORY`): few large files whose id ranges do not
+        overlap, so a point lookup opens one file and one row group. Then vacuum the files no
+        version younger than `retain_hours` needs. (Delta's own Z-order keys strings on their
+        first bytes, which ids with a common prefix share: it does not sort them.)"""
+        import duckdb
+
+        before = len(self.delta().file_uris())
+        with tempfile.TemporaryDirectory(prefix="epicache-compact-") as spill:
+            con = duckdb.connect(config={"memory_limit": _SORT_MEMORY, "temp_directory": spill})
+            con.register("episodes", self.dataset())
+            sorted_rows = con.sql("SELECT * FROM episodes ORDER BY conversation_id, episode")
+            self._write("compact", sorted_rows.to_arrow_reader(_ROW_GROUP), mode="overwrite")
+            con.close()
+        table = self.delta()
+        removed = self._call("vacuum", table.vacuum, retention_hours=int(retain_hours),
+                             dry_run=False, enforce_retention_duration=False)
+        table = self.delta()
+        return {"files_before": before, "files_after": len(table.file_uris()),
+                "vacuumed": len(removed), "version": table.version()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading: DuckDB over the table
+# ---------------------------------------------------------------------------------------------
+
+def connect(table: ManifestTable, conversation_ids: Sequence[str] | None = None):
+    """A DuckDB connection where the table is the view `episodes` (`VIEW`); it may not touch
+    files or the network (`enable_external_access` off), so a query reads the table only."""
+    import duckdb
+
+    con = duckdb.connect(config={"enable_external_access": False})
+    con.register(VIEW, table.dataset(conversation_ids))
+    return con
+
+
+def where(conversations: Sequence[str] | None = None, config_hashes: Sequence[str] | None = None,
+          models: Sequence[str] | None = None) -> tuple[str, list[str]]:
+    """A WHERE clause with parameters for the filters of `jobs.manifests` ('' for none)."""
+    clauses, params = [], []
+    for column, values in (("conversation_id", conversations), ("config_hash", config_hashes),
+                           ("model_id", models)):
+        if values:
+            clauses.append(f"{column} IN ({', '.join('?' * len(values))})")
+            params.extend(values)
+    return (" WHERE " + " AND ".join(clauses) if clauses else ""), params
+
+
+@dataclass(frozen=True)
+class Totals:
+    episodes: int
+    conversations: int
+    tokens: int
+    object_bytes: int
+    kv_bytes: int
+
+
+def totals(table: ManifestTable, conversations: Sequence[str] | None = None,
+           config_hashes: Sequence[str] | None = None,
+           models: Sequence[str] | None = None) -> Totals:
+    """Episodes, conversations, tokens and bytes of the rows the filters select."""
+    clause, params = where(conversations, config_hashes, models)
+    con = connect(table, conversations)
+    row = con.execute("SELECT count(*), count(DISTINCT conversation_id), sum(tokens), "
+                      f"sum(object_bytes), sum(kv_bytes) FROM {VIEW}{clause}", params).fetchone()
+    return Totals(*(int(v or 0) for v in row))
+
+
+def select(table: ManifestTable, columns: Sequence[str], conversations: Sequence[str] | None = None,
+           config_hashes: Sequence[str] | None = None,
+           models: Sequence[str] | None = None) -> pa.RecordBatchReader:
+    """The filtered rows' columns, by conversation and episode, streamed in batches. Named
+    conversations are a point lookup: pyarrow reads the few files and row groups whose
+    statistics may hold them (no DuckDB start-up); otherwise DuckDB sorts, spilling if need be."""
+    unknown = set(columns) - set(TABLE_SCHEMA.names)
+    if unknown:
+        raise ValueError(f"not columns of the manifest table: {', '.join(sorted(unknown))}")
+    if conversations:
+        expr = None
+        for column, values in (("conversation_id", conversations), ("config_hash", config_hashes),
+                               ("model_id", models)):
+            if values:
+                term = pc.field(column).isin(list(values))
+                expr = term if expr is None else expr & term
+        found = table.dataset(conversations).to_table(filter=expr).sort_by(
+            [("conversation_id", "ascending"), ("episode", "ascending")]).select(list(columns))
+        return pa.RecordBatchReader.from_batches(found.schema, found.to_batches())
+    clause, params = where(conversations, config_hashes, models)
+    con = connect(table)
+    query = (f"SELECT {', '.join(columns)} FROM {VIEW}{clause} "
+             "ORDER BY conversation_id, episode")
+    return con.sql(query, params=params).to_arrow_reader(_ROW_GROUP)
+
+
+# ---------------------------------------------------------------------------------------------
+# Keeping the table equal to the manifests
+# ---------------------------------------------------------------------------------------------
+
+def _read_many(store: Store, ids: Sequence[str]) -> Iterator[tuple[str, list[dict] | ManifestError]]:
+    """(id, rows or the ManifestError) per conversation, read by a few threads, in order; an
+    absent manifest gives no rows."""
+    def read(cid: str):
+        try:
+            return cid, read_manifest(store, cid) or []
+        except ManifestError as e:
+            return cid, e
+
+    with ThreadPoolExecutor(_READ_THREADS) as pool:
+        yield from pool.map(read, ids)
+
+
+@dataclass
+class RepairResult:
+    conversations: int = 0  # pending conversations brought up to date
+    rows: int = 0
+    corrupt: list[ManifestError] = field(default_factory=list)  # their rows are left out
+
+
+def repair(store: Store, table: ManifestTable | None = None, chunk: int = 1_000) -> RepairResult:
+    """Bring the conversations with a pending marker up to date from their manifests (a build
+    stopped between a manifest commit and the table append), then remove the markers."""
+    table = table or ManifestTable(store)
+    result = RepairResult()
+    keys = store.list(PENDING_PREFIX)
+    for start in range(0, len(keys), chunk):
+        part = keys[start:start + chunk]
+        ids = [k.removeprefix(PENDING_PREFIX) for k in part]
+        rows = []
+        for cid, got in _read_many(store, ids):
+            if isinstance(got, ManifestError):
+                result.corrupt.append(got)  # not a build: no rows, as `builder.is_built` says
+            else:
+                rows.extend(got)
+        table.replace(ids, rows)
+        _delete_all(store, part)
+        result.conversations += len(ids)
+        result.rows += len(rows)
+    return result
+
+
+@dataclass
+class RebuildResult:
+    conversations: int = 0
+    rows: int = 0
+    corrupt: list[ManifestError] = field(default_factory=list)
+
+
+def rebuild(store: Store, table: ManifestTable | None = None) -> RebuildResult:
+    """Recreate the table from every per-conversation manifest (one streamed commit, memory
+    flat: the manifests are read `_REBUILD_CHUNK` at a time); a corrupt manifest is left out and
+    reported. Pending markers seen before the rebuild are cleared."""
+    table = table or ManifestTable(store)
+    result = RebuildResult()
+    pending = store.list(PENDING_PREFIX)
+    ids = list_conversations(store)
+
+    def batches() -> Iterator[pa.RecordBatch]:
+        for start in range(0, len(ids), _REBUILD_CHUNK):
+            rows = []
+            for _, got in _read_many(store, ids[start:start + _REBUILD_CHUNK]):
+                if isinstance(got, ManifestError):
+                    result.corrupt.append(got)
+                elif got:
+                    rows.extend(got)
+                    result.conversations += 1
+            result.rows += len(rows)
+            yield from table_rows(rows).to_batches()
+
+    table.overwrite(batches())
+    _delete_all(store, pending)
+    return result
+
+
+def _delete_all(store: Store, keys: Sequence[str]) -> None:
+    if len(keys) < 8:
+        for key in keys:
+            store.delete(key)
+        return
+    with ThreadPoolExecutor(_READ_THREADS) as pool:
+        list(pool.map(store.delete, keys))
+
+
+class IndexWriter:
+    """The driver's side of the table: a marker before each manifest commit (`begin`), the
+    committed rows buffered (`add`) and appended every `flush_rows` rows or `flush_seconds`
+    (checked at each commit) and at the end, then their markers removed. Memory holds one
+    batch of scalar rows whatever the corpus size.
+
+    Opening it makes the table equal to the manifests first: a store without one (built before
+    the table existed) gets it rebuilt, and pending markers of an interrupted build are
+    repaired. A table that cannot be written never fails the build: it is logged, the markers
+    stay, and the next build or `jobs.manifests --compact` repairs them."""
+
+    def __init__(self, store: Store, flush_rows: int = 10_000, flush_seconds: float = 60.0):
+        self.store, self.flush_rows, self.flush_seconds = store, flush_rows, flush_seconds
+        self.table = ManifestTable(store)
+        self.ids: list[str] = []
+        self.rows: list[dict] = []
+        self.last_flush = time.monotonic()
+        self.appended = self.commits = 0
+        self.healthy = True
+
+    def open(self) -> None:
+        try:
+            if not self.table.exists():
+                done = rebuild(self.store, self.table)
+                log.info("manifest table created at %s from %d manifests (%d episodes)",
+                         self.table.uri, done.conversations, done.rows)
+            else:
+                done = repair(self.store, self.table)
+                if done.conversations:
+                    log.warning("manifest table: repaired %d conversations an earlier build left "
+                                "pending", done.conversations)
+            for e in done.corrupt:
+                log.warning("%s; left out of the manifest table", e)
+        except StoreError as e:
+            self.healthy = False
+            log.error("%s; the build goes on, the table is repaired by the next build or "
+                      "`python -m jobs.manifests --compact`", e)
+
+    def begin(self, conversation_id: str) -> None:
+        """Before the manifest commit: a marker saying the table may lag this conversation."""
+        self.store.put(pending_key(conversation_id), b"")
+
+    def add(self, conversation_id: str, rows: list[dict]) -> None:
+        """After the manifest commit: buffer its rows (scalar columns only)."""
+        self.ids.append(conversation_id)
+        self.rows.extend({k: r.get(k) for k in TABLE_SCHEMA.names} for r in rows)
+        if (len(self.rows) >= self.flush_rows
+                or time.monotonic() - self.last_flush >= self.flush_seconds):
+            self.flush()
+
+    def flush(self) -> None:
+        ids, rows = self.ids, self.rows
+        self.ids, self.rows, self.last_flush = [], [], time.monotonic()
+        if not ids or not self.healthy:
+            return
+        try:
+            self.table.replace(ids, rows)
+            _delete_all(self.store, [pending_key(cid) for cid in ids])
+            self.appended += len(rows)
+            self.commits += 1
+        except StoreError as e:  # the markers stay: repaired later
+            log.error("%s; %d conversations stay pending for the next build or "
+                      "`python -m jobs.manifests --compact`", e, len(ids))
+
+    def __enter__(self) -> "IndexWriter":
+        self.open()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.flush()
+        if self.appended:
+            log.info("manifest table: %d episodes appended in %d commits (%s)", self.appended,
+                     self.commits, self.table.uri)
