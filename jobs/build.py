@@ -9,6 +9,8 @@ episode is stored): the manifest is the only commit point. The layer sensitivity
 measured once per model (or read from the store). The driver keeps at most `--max-in-flight`
 tasks submitted (`ray.wait`) and streams the corpus, so its memory does not grow with the
 corpus. Conversations whose manifest already carries this configuration's hash are skipped.
+Committed rows are also appended, in batches, to the store's manifest table
+(`pipeline.manifest_table`), which the driver keeps equal to the manifests.
 Alone it starts a local Ray; under `ray job submit` (RAY_ADDRESS set) it joins the cluster.
 """
 

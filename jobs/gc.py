@@ -7,7 +7,9 @@ Manifests are the only commit point, so a cache object that no manifest names is
 an episode of a conversation whose build failed or was interrupted, or of a configuration
 that was rebuilt since. So are temporary files of a local store and incomplete multipart
 uploads in S3. Anything younger than --min-age-seconds is left alone, so running this beside a
-build does not take the objects it is about to commit. Calibration profiles are kept.
+build does not take the objects it is about to commit. Calibration profiles are kept. gc never
+changes a committed manifest, so the manifest table (`index/`, an index of the manifests) needs
+no update; `jobs.manifests --compact` removes the table's own old files.
 
 Every manifest is read: one that cannot be read is a fault (and its conversation's objects are
 never orphans, so --delete cannot take them), and so is an object a manifest names that is not

@@ -26,6 +26,7 @@ at a time (a build, or `jobs.manifests --compact/--rebuild`, not both).
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -125,6 +126,7 @@ class ManifestTable:
 
     def __init__(self, store: Store):
         self.store = store
+        self._session = None  # boto3's, for S3 credentials (never pickled: not shipped to Ray)
         if isinstance(store, LocalStore):
             self.uri = str(store.root / "index" / "episodes")
         elif isinstance(store, S3Store):
@@ -137,12 +139,12 @@ class ManifestTable:
         """delta-rs storage options of an S3 store, from boto3's chain now (never stored)."""
         if not isinstance(self.store, S3Store):
             return None
-        import os
-
-        import boto3
-
         s = self.store
-        session = boto3.session.Session(profile_name=s.profile, region_name=s.region)
+        if self._session is None:  # kept: it refreshes expiring credentials itself
+            import boto3
+
+            self._session = boto3.session.Session(profile_name=s.profile, region_name=s.region)
+        session = self._session
         credentials = session.get_credentials()
         if credentials is None:
             raise TableError(f"no usable AWS credentials for the manifest table {self.uri}: set "
