@@ -167,13 +167,13 @@ class ManifestTable:
     def _call(self, what: str, fn, *args, **kwargs):
         """Run a delta-rs call; its failure becomes one line naming the table (any credential
         the message might quote is masked)."""
-        options = kwargs.get("storage_options") or {}
         try:
             return fn(*args, **kwargs)
         except (StoreError, KeyboardInterrupt):
             raise
         except Exception as e:
             text = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            options = kwargs.get("storage_options") or self._options() or {}
             for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
                 if options.get(key):
                     text = text.replace(options[key], "***")
@@ -253,6 +253,8 @@ class ManifestTable:
         files = pa.table(self._call("read", table.get_add_actions, flatten=True))
         if not files.num_rows:
             return False
+        if "min.conversation_id" not in files.column_names:  # files without statistics
+            return True
         low, high = files["min.conversation_id"], files["max.conversation_id"]
         overlap = pc.and_(pc.less_equal(low, ids[-1]), pc.greater_equal(high, ids[0]))
         if not pc.any(overlap).as_py():

@@ -336,3 +336,24 @@ def test_index_bench_prints_the_figure_line(capsys):
     assert f"{6_000 * INDEX_EPISODES:,} rows" in out[0]
     assert re.fullmatch(rf"index scan: {6_000 * INDEX_EPISODES} rows in \d+\.\d s; "
                         r"point lookup \d+ ms", out[-1]), out[-1]
+
+
+def test_replace_splits_large_batches_and_replaces_only_named_conversations(filled, monkeypatch):
+    """A batch larger than one predicate may hold goes in several commits (delta-rs recurses
+    over an IN list: ~25,000 ids overflow the stack), each replacing its conversations whole."""
+    store = filled
+    manifest_table.rebuild(store)
+    table = ManifestTable(store)
+    before = table_rows(store)
+    monkeypatch.setattr(manifest_table, "_MAX_IDS", 2)
+    version = table.delta().version()
+    new = [dict(r, tokens=99) for r in before if r["conversation_id"] in ("conv-0", "conv-2")]
+    new += [dict(before[0], conversation_id="conv-new", episode=e) for e in range(3)]
+    table.replace(["conv-0", "conv-2", "conv-new", "conv-3"], new)  # conv-3: removed
+    assert table.delta().version() == version + 2
+    after = table_rows(store)
+    assert [r for r in after if r["conversation_id"] == "conv-1"] == \
+        [r for r in before if r["conversation_id"] == "conv-1"]
+    assert {r["tokens"] for r in after if r["conversation_id"] in ("conv-0", "conv-2")} == {99}
+    assert [r["episode"] for r in after if r["conversation_id"] == "conv-new"] == [0, 1, 2]
+    assert not [r for r in after if r["conversation_id"] == "conv-3"]
