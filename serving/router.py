@@ -131,6 +131,20 @@ class Router:
         if "error" in result:
             raise ApiError(result["error"]["status"], result["error"]["message"])
 
+    async def _ask_decoder(self, row: dict, question: str, max_new: int,
+                           temperature: float) -> dict:
+        """The decoder's whole answer; a replica that died (503) or did not answer within
+        `decoder_timeout_s` (504) is an error, never a hang."""
+        response = self.decoder.answer.remote(self._decoder_row(row), question, max_new,
+                                              temperature)
+        try:
+            result = await asyncio.wait_for(response, self.settings.decoder_timeout_s)
+        except Exception as e:
+            response.cancel()
+            raise ApiError(*classify(e)) from None
+        self._raise_if_error(result)
+        return result
+
     # -- endpoints ----------------------------------------------------------------------------
     @app.get("/healthz")
     async def healthz(self) -> dict:
@@ -172,9 +186,7 @@ class Router:
             raise
         except Exception as e:
             raise ApiError(*classify(e)) from None
-        result = await self.decoder.answer.remote(self._decoder_row(row), question, max_new,
-                                                  body.temperature or 0.0)
-        self._raise_if_error(result)
+        result = await self._ask_decoder(row, question, max_new, body.temperature or 0.0)
         timings |= {"fetch": result["fetch_ms"], "decode": result["decode_ms"]}
         return {"conversation_id": conversation_id, "answer": result["answer"],
                 "episode": int(row["episode"]), "similarity": round(similarity, 6),
@@ -209,18 +221,21 @@ class Router:
                 "similarity": round(similarity, 6)}
         base = openai_chat.completion_base(self.model_name)
         if not body.stream:
-            result = await self.decoder.answer.remote(self._decoder_row(row), question, max_new,
-                                                      temperature)
-            self._raise_if_error(result)
+            result = await self._ask_decoder(row, question, max_new, temperature)
             timings |= {"fetch": result["fetch_ms"], "decode": result["decode_ms"]}
             return openai_chat.completion(base, question, result, meta, timings)
 
         gen = self.decoder.options(stream=True).stream.remote(
             self._decoder_row(row), question, max_new, temperature)
-        first = await gen.__anext__()  # the fetch: a bad cache is an HTTP error, not a stream
+        try:  # the fetch: a bad cache (or a dead replica) is an HTTP error, not a stream
+            first = await asyncio.wait_for(gen.__anext__(), self.settings.decoder_timeout_s)
+        except Exception as e:
+            gen.cancel()
+            raise ApiError(*classify(e)) from None
         if "error" in first:
             gen.cancel()
             raise ApiError(first["error"]["status"], first["error"]["message"])
         timings["fetch"] = first["fetch_ms"]
         meta |= {"cache_hit": first["cache_hit"]}
-        return openai_chat.stream_response(gen, base, meta, timings)
+        return openai_chat.stream_response(gen, base, meta, timings,
+                                           self.settings.decoder_timeout_s)
