@@ -77,9 +77,10 @@ def _packed_greedy(model, caches, questions, n_new):
     return out
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "llama-mha"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "llama-mha", "mistral-sliding"])
 def test_packed_greedy_decode_equals_generate_alone(family):
-    model = tiny_model(family)
+    model = tiny_model("mistral", sliding_window=24) if family == "mistral-sliding" else \
+        tiny_model(family)
     caches = _caches(model)
     question = random_ids(5, seed=20)
     questions = [question, random_ids(7, seed=21), question]  # the same question twice
@@ -199,3 +200,38 @@ def _job(batcher, cache, question, n, temperature=0.0):
     from serving.batcher import DecodeJob
 
     return DecodeJob(cache, question, n, temperature)
+
+
+@pytest.mark.e2e
+def test_smollm2_batched_greedy_answers_equal_decode_answer_alone():
+    """The real model (float32 on CPU): three synthetic conversations of different lengths
+    and budgets, asked together (and one joining mid-way) answer as each does alone."""
+    from pipeline import models, prompts
+    from pipeline.corpus import render_conversation
+    from pipeline.synthetic import make_corpus
+
+    lm = models.load_llm()
+    caches, questions = [], []
+    for conv, budget in zip(make_corpus(3, 500, seed=5), (48, 96, 64)):
+        ids = prompts.context_ids(lm.tokenizer, render_conversation(conv).text)
+        n_layers = lm.config.num_hidden_layers
+        cache, _ = block_prefill(lm.model, ids, EpiCacheScorer(ids[-16:]), [budget] * n_layers,
+                                 PrefillConfig(block=128))
+        caches.append(cache)
+        questions.append(conv.questions[0].question)
+    alone = [decode_answer(lm, c, q, 12) for c, q in zip(caches, questions)]
+    alone.append(decode_answer(lm, caches[2], questions[0], 12))  # a question of another one
+    batcher = DecodeBatcher(lm, max_batch=8)
+    try:
+        first = batcher.submit(caches[0], questions[0], 12)
+        while len(first.ids) < 3 and not first.future.done():
+            time.sleep(0.005)
+        jobs = [first] + [batcher.submit(c, q, 12) for c, q in
+                          ((caches[1], questions[1]), (caches[2], questions[2]),
+                           (caches[2], questions[0]))]
+        got = [j.future.result(timeout=300) for j in jobs]
+        assert batcher.stats()["peak_batch"] >= 3
+    finally:
+        batcher.close()
+    assert [g.text for g in got] == [a.text for a in alone]
+    assert got == alone
