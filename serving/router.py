@@ -148,7 +148,12 @@ class Router:
     # -- endpoints ----------------------------------------------------------------------------
     @app.get("/healthz")
     async def healthz(self) -> dict:
-        stats = await self.decoder.stats.remote()
+        response = self.decoder.stats.remote()
+        try:
+            stats = await asyncio.wait_for(response, min(30.0, self.settings.decoder_timeout_s))
+        except Exception as e:  # no decoder replica answering: not healthy
+            response.cancel()
+            raise ApiError(*classify(e)) from None
         return {"status": "ok", "model": self.model_name, "encoder": self.encoder_name,
                 "conversations_loaded": len(self._conversations), "decoder": stats}
 
