@@ -4,14 +4,15 @@ batch sizes over an episodic cache, side by side with the unbatched `generate()`
     python -m jobs.bench_batch [--tokens 4000] [--budget 512] [--batches 1,2,4,8] \
         [--new-tokens 16] [--threads N]
 
-One synthetic conversation is block-prefilled once (budget `--budget`); B requests (its
-questions, cycled) are then decoded together (`pipeline.batching.packed_step`): the first step
-prefills the B question prompts, each later step decodes one token per request. Prints per
-batch size the joining step and the mean decode step (ms), answer tokens/s and their ratio to
-batch 1, and the memory each request holds while it decodes (its private copy of the cache
-plus room for the prompt and the answer); and the unbatched path's ms per token. Greedy answers
-are checked against `generate()`'s answers to the same questions alone (the run fails if any
-differs).
+One synthetic conversation is block-prefilled once (budget `--budget`); B requests (generic
+questions, cycled) are then decoded together (`pipeline.batching.packed_step`), each starting
+from the cache and the question instruction's entries (computed once per cache, as the server
+does): the joining step prefills the rest of the B prompts, each later step decodes one token
+per request. Prints per batch size the joining step and the mean decode step (ms), answer
+tokens/s and their ratio to batch 1, and the memory each request holds while it decodes (its
+private copy of the cache plus room for the prompt and the answer); and the unbatched path's ms
+per token. Greedy answers are checked against `generate()`'s answers to the same questions
+alone (the run fails if any differs).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from jobs.bench_common import add_model_options, bench_text, print_table
 from jobs.cli import make_parser
 from pipeline import models, prompts
 from pipeline.answer import generate_from_cache
-from pipeline.batching import DecodeRow, packed_step
+from pipeline.batching import DecodeRow, Prefix, packed_step
 from pipeline.config import BuildConfig
 from pipeline.prefill import PrefillConfig, block_prefill
 
@@ -43,14 +44,17 @@ def row_bytes(row: DecodeRow) -> int:
 
 
 @torch.inference_mode()
-def run_batch(lm: models.LoadedModel, cache, questions: list[torch.Tensor], new_tokens: int
-              ) -> dict:
+def run_batch(lm: models.LoadedModel, cache, questions: list[torch.Tensor], new_tokens: int,
+              prefix: Prefix) -> dict:
+    """As the server's batcher does: each row starts from the cache and the instruction's
+    entries (`prefix`), and the joining step prefills the rest of each prompt."""
     heads = lm.model.config.num_attention_heads
+    n = len(prefix.ids)
     start = time.perf_counter()
-    rows = [DecodeRow(cache, len(q) + new_tokens, heads) for q in questions]
+    rows = [DecodeRow(cache, len(q) + new_tokens, heads, prefix) for q in questions]
     fork_s = time.perf_counter() - start
     start = time.perf_counter()
-    logits = packed_step(lm.model, rows, questions)
+    logits = packed_step(lm.model, rows, [q[n:] for q in questions])
     join_s = time.perf_counter() - start
     answers: list[list[int]] = [[] for _ in rows]
     steps = []
@@ -95,10 +99,15 @@ def main(argv: list[str] | None = None) -> int:
     reference = [generate_from_cache(lm, cache, q, max_new_tokens=a.new_tokens).tolist()
                  for q in questions[:max(batches)]]
     generate_ms = 1000 * (time.perf_counter() - start) / sum(len(r) for r in reference)
+    start = time.perf_counter()
+    prefix = Prefix(lm.model, cache, prompts.question_prefix_ids(lm.tokenizer))
+    prefix_ms = 1000 * (time.perf_counter() - start)
+    if any(not torch.equal(q[:len(prefix.ids)], prefix.ids) for q in questions):
+        raise RuntimeError("a question prompt does not open with the instruction's tokens")
     rows, mismatches = [], 0
     for b in batches:
         qs = [questions[i % len(questions)] for i in range(b)]
-        result = run_batch(lm, cache, qs, a.new_tokens)
+        result = run_batch(lm, cache, qs, a.new_tokens, prefix)
         for i, answer in enumerate(result.pop("answers")):
             # generate() stops at end-of-sequence; the bench decodes on: compare up to there
             want = reference[i % len(questions)]
@@ -109,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         r["speedup"] = r["tokens_per_s"] / base if base and r["tokens_per_s"] else None
     print(f"{lm.model_id}, {a.tokens}-token conversation, budget {a.budget}, "
           f"{torch.get_num_threads()} torch threads; unbatched generate(): "
-          f"{generate_ms:.1f} ms per answer token (prompt included)")
+          f"{generate_ms:.1f} ms per answer token (prompt included); the instruction's "
+          f"{len(prefix.ids)} tokens prefilled once per cache in {prefix_ms:.0f} ms")
     print_table(rows, [("batch", "batch", "d"), ("fork_ms", "fork ms/request", ".1f"),
                        ("join_ms", "joining step ms", ".0f"), ("step_ms", "decode step ms", ".1f"),
                        ("tokens_per_s", "tokens/s", ".1f"), ("speedup", "vs batch 1", ".2f"),

@@ -62,17 +62,36 @@ class _RowLayer:
                             self.additive[..., :n + q] if q == 1 else None)
 
 
+class Prefix:
+    """The cache entries of tokens that open every prompt over one cache (the question
+    instruction), computed once and copied into each row over that cache."""
+
+    def __init__(self, model: torch.nn.Module, cache: EpisodicCache, ids: torch.Tensor) -> None:
+        row = DecodeRow(cache, len(ids), model.config.num_attention_heads)
+        start = [layer.slots for layer in row.layers]
+        packed_step(model, [row], [ids])
+        self.ids = ids
+        self.keys = [layer.keys[:, :, s:].clone() for layer, s in zip(row.layers, start)]
+        self.values = [layer.values[:, :, s:].clone() for layer, s in zip(row.layers, start)]
+
+
 class DecodeRow:
     """One request's private view of an episodic cache, with room for `extra` new tokens.
 
-    Copies the cache's entries once (it is never written); holds `slots + extra` key and value
-    slots per layer, the memory a request costs while it decodes."""
+    Copies the cache's entries once (it is never written), then `prefix`'s if given (which
+    then counts in `extra`); holds `slots + extra` key and value slots per layer, the memory a
+    request costs while it decodes."""
 
-    def __init__(self, cache: EpisodicCache, extra: int, n_query_heads: int) -> None:
+    def __init__(self, cache: EpisodicCache, extra: int, n_query_heads: int,
+                 prefix: Prefix | None = None) -> None:
         n_kv_heads = cache.layers[0].keys.shape[1] if cache.layers[0].is_initialized else 1
         self.layers = [_RowLayer(layer, extra, n_query_heads // n_kv_heads)
                        for layer in cache.layers]
         self.next_position = cache.next_position
+        if prefix is not None:
+            for i, layer in enumerate(self.layers):
+                layer.append(prefix.keys[i], prefix.values[i], self.next_position, 0)
+            self.next_position += len(prefix.ids)
 
     @staticmethod
     def slots_needed(cache: EpisodicCache, extra: int) -> int:

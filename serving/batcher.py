@@ -17,6 +17,7 @@ import logging
 import secrets
 import threading
 import time
+import weakref
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ import torch
 
 from pipeline import models, prompts
 from pipeline.answer import Decoded, finish_reason
-from pipeline.batching import DecodeRow, packed_step
+from pipeline.batching import DecodeRow, Prefix, packed_step
 from pipeline.cache import EpisodicCache
 
 log = logging.getLogger("epicache.serve")
@@ -76,6 +77,9 @@ class DecodeBatcher:
         eos = gen.eos_token_id
         self._eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
         self._top_k, self._top_p = gen.top_k, gen.top_p
+        self._prefix_ids = prompts.question_prefix_ids(lm.tokenizer)
+        # the instruction's cache entries per resident cache, dropped with the cache
+        self._prefixes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._queue: deque[DecodeJob] = deque()
         self._active: list[DecodeJob] = []
         self._wake = threading.Condition()
@@ -112,7 +116,8 @@ class DecodeBatcher:
                     "tokens_in_flight": sum(j.cost for j in self._active), "steps": self.steps,
                     "mean_batch": round(self.rows_stepped / self.steps, 3) if self.steps else None,
                     "peak_batch": self.peak_batch, "peak_tokens_in_flight": self.peak_tokens,
-                    "completed": self.completed, "failed": self.failed}
+                    "completed": self.completed, "failed": self.failed,
+                    "prefixes": len(self._prefixes)}
 
     # -- the scheduler thread -----------------------------------------------------------------
     def _run(self) -> None:
@@ -166,14 +171,28 @@ class DecodeBatcher:
         job.started = time.perf_counter()
         try:
             prompt = job.next_ids
+            prefix = self._prefix(job.cache, prompt)
             job.row = DecodeRow(job.cache, len(prompt) + job.max_new_tokens,
-                                self.lm.model.config.num_attention_heads)
+                                self.lm.model.config.num_attention_heads, prefix)
+            if prefix is not None:
+                job.next_ids = prompt[len(prefix.ids):]
             if job.temperature > 0:
                 job.generator = torch.Generator().manual_seed(secrets.randbits(63))
             if job.streamer is not None:
                 job.streamer.put(prompt[None])  # as generate() does: the prompt comes first
         except Exception as e:
             self._fail(job, e)
+
+    def _prefix(self, cache: EpisodicCache, prompt: torch.Tensor) -> Prefix | None:
+        """The instruction's entries over `cache` (made on first use), if `prompt` opens with
+        it and goes on after it; a request then prefills only its question."""
+        n = len(self._prefix_ids)
+        if len(prompt) <= n or not torch.equal(prompt[:n], self._prefix_ids):
+            return None
+        prefix = self._prefixes.get(cache)
+        if prefix is None:
+            prefix = self._prefixes[cache] = Prefix(self.lm.model, cache, self._prefix_ids)
+        return prefix
 
     def _settled(self, job: DecodeJob) -> bool:
         if job.future.done():

@@ -5,6 +5,7 @@ the resident cache is never written; the caps hold; a bad request fails alone.""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -112,24 +113,41 @@ def lm_and_caches():
 QUESTIONS = ("Where did they go hiking?", "What is the pet called?", "Who cooked?")
 
 
+class PauseAfter:
+    """A streamer that holds the scheduler after `n` answer tokens until `go` is set."""
+
+    def __init__(self, n: int):
+        self.n, self.puts = n, 0
+        self.reached, self.go = threading.Event(), threading.Event()
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == self.n + 1:  # the first put is the prompt
+            self.reached.set()
+            self.go.wait(60)
+
+    def end(self) -> None:
+        pass
+
+
 def test_batcher_answers_equal_decode_answer_also_when_joining_midway(lm_and_caches):
     lm, caches = lm_and_caches
     before = [_state(c) for c in caches]
     alone = [decode_answer(lm, c, q, 24) for c, q in zip(caches, QUESTIONS)]
     batcher = DecodeBatcher(lm, max_batch=8)
     try:
-        first = batcher.submit(caches[0], QUESTIONS[0], 24)
-        deadline = time.monotonic() + 60
-        while len(first.ids) < 6 and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert 6 <= len(first.ids) < 24  # the others join a batch already decoding
+        pause = PauseAfter(6)
+        first = batcher.submit(caches[0], QUESTIONS[0], 24, streamer=pause)
+        assert pause.reached.wait(60)
         later = [batcher.submit(c, q, 24) for c, q in zip(caches[1:], QUESTIONS[1:])]
+        pause.go.set()  # the others join a batch already 6 tokens into its answer
         got = [job.future.result(timeout=60) for job in (first, *later)]
         stats = batcher.stats()
     finally:
         batcher.close()
     assert got == alone
     assert stats["peak_batch"] == 3 and stats["completed"] == 3 and stats["failed"] == 0
+    assert stats["prefixes"] == 3
     assert all(_same_state(b, _state(c)) for b, c in zip(before, caches))
     assert all(j.queue_ms >= 0 and j.decode_ms > 0 for j in (first, *later))
 
@@ -230,7 +248,8 @@ def test_smollm2_batched_greedy_answers_equal_decode_answer_alone():
                           ((caches[1], questions[1]), (caches[2], questions[2]),
                            (caches[2], questions[0]))]
         got = [j.future.result(timeout=300) for j in jobs]
-        assert batcher.stats()["peak_batch"] >= 3
+        stats = batcher.stats()
+        assert stats["peak_batch"] >= 3 and stats["prefixes"] == 3  # instruction entries reused
     finally:
         batcher.close()
     assert [g.text for g in got] == [a.text for a in alone]
