@@ -5,6 +5,7 @@ for the answer."""
 
 import asyncio
 import hmac
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from serving import openai_chat
 from serving.errors import ApiError, add_exception_handlers, classify
 from serving.schemas import AnswerRequest, ChatRequest, parse_body
 from serving.settings import ServeSettings
+
+log = logging.getLogger("epicache.serve")
 
 app = FastAPI(title="EpiCache decode endpoint", docs_url=None, redoc_url=None)
 add_exception_handlers(app)
@@ -133,15 +136,27 @@ class Router:
 
     async def _ask_decoder(self, row: dict, question: str, max_new: int,
                            temperature: float) -> dict:
-        """The decoder's whole answer; a replica that died (503) or did not answer within
-        `decoder_timeout_s` (504) is an error, never a hang."""
-        response = self.decoder.answer.remote(self._decoder_row(row), question, max_new,
-                                              temperature)
-        try:
-            result = await asyncio.wait_for(response, self.settings.decoder_timeout_s)
-        except Exception as e:
-            response.cancel()
-            raise ApiError(*classify(e)) from None
+        """The decoder's whole answer, asked again once if the replica died meanwhile (an
+        answer has no side effect; Serve sends the retry to a live or replacement replica); a
+        second death (503) or no answer within `decoder_timeout_s` in all (504) is an error,
+        never a hang."""
+        from ray.exceptions import RayActorError
+
+        deadline = time.monotonic() + self.settings.decoder_timeout_s
+        for attempt in (1, 2):
+            response = self.decoder.answer.remote(self._decoder_row(row), question, max_new,
+                                                  temperature)
+            try:
+                result = await asyncio.wait_for(response, max(0.0, deadline - time.monotonic()))
+                break
+            except RayActorError as e:
+                response.cancel()
+                if attempt == 2:
+                    raise ApiError(*classify(e)) from None
+                log.warning("the decoder replica died while answering; asking again once")
+            except Exception as e:
+                response.cancel()
+                raise ApiError(*classify(e)) from None
         self._raise_if_error(result)
         return result
 
