@@ -6,8 +6,9 @@ episode decodes at once. Nothing of the history is prefilled: only the question 
 
 The steps are separate functions so that one process can do them all (`Answerer`, the CLI)
 while the Serve application (`serving/`) splits them: a router embeds and routes, a
-decoder fetches into a byte-bounded LRU (`CacheLRU`) and decodes (`decode_answer`,
-`stream_answer`).
+decoder fetches into a byte-bounded LRU (`CacheLRU`) and decodes the requests in flight
+together (`serving.batcher`, whose greedy answers are `decode_answer`'s; its stream is cut into
+pieces as `stream_answer`'s, by `AnswerPieces`).
 """
 
 from __future__ import annotations
