@@ -41,7 +41,8 @@ def _builder_help() -> str:
     return textwrap.fill(
         "Under Serve's own CLI, `serve run jobs.serve:app_builder store=URI [key=value ...]`, "
         f"the keys are the ServeSettings fields: {keys}. Each is the option of the same name "
-        "above (- for _), except manifest_ttl_s (--manifest-ttl) and default_max_new_tokens (the "
+        "above (- for _), except manifest_ttl_s (--manifest-ttl), decoder_timeout_s "
+        "(--decoder-timeout) and default_max_new_tokens (the "
         "answer length when a request names none; no option). auth_token defaults to "
         f"${AUTH_ENV}, s3_endpoint to $EPICACHE_S3_ENDPOINT; --host, --port and --ray-address "
         "are this command's own.", width=88)
@@ -77,8 +78,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decoder-gpus", type=float, default=0.0,
                    help="Ray GPUs per decoder replica, e.g. 1 to decode on a GPU")
     p.add_argument("--decoder-max-ongoing", type=int, default=16,
-                   help="requests queued or running per decoder replica (decoding itself is one "
-                        "at a time; fetches overlap)")
+                   help="requests queued or running per decoder replica (up to --max-batch of "
+                        "them decode together; fetches overlap)")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="requests a decoder replica decodes together (continuous batching; 1: "
+                        "one at a time)")
+    p.add_argument("--max-batch-tokens", type=int, default=32768,
+                   help="tokens in flight per decoder replica, summed over the batch: each "
+                        "request's cache slots + prompt + max_new_tokens (bounds the memory of "
+                        "the batch; a larger request runs alone)")
+    p.add_argument("--decoder-timeout", type=float, default=300.0,
+                   help="seconds the router waits for a decoder answer or the next streamed "
+                        "piece before answering 504")
     p.add_argument("--cache-bytes", type=int, default=2 * 2**30,
                    help="bytes of resident caches per decoder replica (default: 2 GiB)")
     p.add_argument("--manifest-ttl", type=float, default=5.0,
@@ -107,7 +118,8 @@ def settings_from_args(a: argparse.Namespace) -> ServeSettings:
         decoder_gpus=a.decoder_gpus, decoder_max_ongoing=a.decoder_max_ongoing,
         cache_bytes=a.cache_bytes, manifest_ttl_s=a.manifest_ttl,
         max_question_chars=a.max_question_chars, max_new_tokens_limit=a.max_new_tokens_limit,
-        torch_threads=a.torch_threads)
+        torch_threads=a.torch_threads, max_batch=a.max_batch,
+        max_batch_tokens=a.max_batch_tokens, decoder_timeout_s=a.decoder_timeout)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,8 +6,9 @@ episode decodes at once. Nothing of the history is prefilled: only the question 
 
 The steps are separate functions so that one process can do them all (`Answerer`, the CLI)
 while the Serve application (`serving/`) splits them: a router embeds and routes, a
-decoder fetches into a byte-bounded LRU (`CacheLRU`) and decodes (`decode_answer`,
-`stream_answer`).
+decoder fetches into a byte-bounded LRU (`CacheLRU`) and decodes the requests in flight
+together (`serving.batcher`, whose greedy answers are `decode_answer`'s; its stream is cut into
+pieces as `stream_answer`'s, by `AnswerPieces`).
 """
 
 from __future__ import annotations
@@ -217,7 +218,8 @@ class Decoded:
     finish_reason: str  # "stop" (end of sequence) or "length" (max_new_tokens reached)
 
 
-def _finish_reason(lm: models.LoadedModel, ids: torch.Tensor, max_new_tokens: int) -> str:
+def finish_reason(lm: models.LoadedModel, ids: torch.Tensor, max_new_tokens: int) -> str:
+    """"stop" if the answer ended with an end-of-sequence token (or early), else "length"."""
     eos = lm.model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
     if len(ids) >= max_new_tokens and not (len(ids) and int(ids[-1]) in eos):
@@ -231,7 +233,27 @@ def decode_answer(lm: models.LoadedModel, cache: EpisodicCache, question: str,
     ids = generate_from_cache(lm, cache, prompts.question_ids(lm.tokenizer, question),
                               max_new_tokens, temperature)
     text = lm.tokenizer.decode(ids, skip_special_tokens=True).strip()
-    return Decoded(text, int(len(ids)), _finish_reason(lm, ids, max_new_tokens))
+    return Decoded(text, int(len(ids)), finish_reason(lm, ids, max_new_tokens))
+
+
+class AnswerPieces:
+    """Turns a streamer's text into the pieces of an answer that join to `decode_answer`'s
+    stripped text: leading whitespace dropped, trailing whitespace held back until more text
+    follows it."""
+
+    def __init__(self) -> None:
+        self.pending, self.started = "", False
+
+    def feed(self, text: str) -> str:
+        """The next piece to send ("" for none yet)."""
+        if not self.started:
+            text = text.lstrip()
+        text = self.pending + text
+        body = text.rstrip()
+        if body:
+            self.started = True
+        self.pending = text[len(body):]
+        return body
 
 
 def stream_answer(lm: models.LoadedModel, cache: EpisodicCache, question: str,
@@ -260,24 +282,19 @@ def stream_answer(lm: models.LoadedModel, cache: EpisodicCache, question: str,
 
     thread = threading.Thread(target=run, name="stream-answer", daemon=True)
     thread.start()
-    pending, started = "", False
+    pieces = AnswerPieces()
     try:
-        for piece in streamer:
-            if not started:
-                piece = piece.lstrip()
-            text = pending + piece
-            body = text.rstrip()  # trailing whitespace waits: the final text is stripped
-            if body:
-                started = True
-                yield body
-            pending = text[len(body):]
+        for text in streamer:
+            piece = pieces.feed(text)
+            if piece:
+                yield piece
     finally:
         thread.join()
     if "error" in outcome:
         raise outcome["error"]
     if info is not None:
         ids = outcome["ids"]
-        info.update(tokens=int(len(ids)), finish_reason=_finish_reason(lm, ids, max_new_tokens))
+        info.update(tokens=int(len(ids)), finish_reason=finish_reason(lm, ids, max_new_tokens))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,6 +8,11 @@ trailing queries are patch queries whose attention must be scored. The attention
 mask from that (valid cached slots + causal over the new tokens). Any other cache falls through
 to transformers' stock SDPA path with the stock mask, so one model serves both.
 
+A batched decode (`pipeline.batching`) packs several conversations' new tokens into one
+forward: its cache hands a `PackedRequest` instead, and each segment attends over its own
+conversation's keys, values and mask exactly as it would alone, while the projections, MLPs and
+the LM head run once over all the tokens.
+
 Attention weights are computed only for the patch queries, through `kernels.score`.
 """
 
@@ -47,6 +52,27 @@ class AttentionRequest:
     segments: torch.Tensor | None = None
     reduce: str = "max"  # patch scores: max or mean over the patch queries (and query heads)
     include_patch: bool = True  # the patch's own keys share the scoring softmax
+
+
+@dataclass
+class RowAttention:
+    """One conversation's segment of a packed forward (continuous batching): its queries are
+    `length` tokens from `start`, its keys and values its own cache's, request as alone."""
+    request: AttentionRequest
+    keys: torch.Tensor  # [1, Hkv, slots + length, d]
+    values: torch.Tensor
+    start: int
+    length: int
+    # [1, Hq, 1, slots + 1] 0 / -inf: a ready-made mask for a one-token step (no sliding window)
+    additive: torch.Tensor | None = None
+
+
+@dataclass
+class PackedRequest:
+    """What a batched cache layer hands the attention: the new tokens are the segments of
+    several conversations, one after another, each attending over its own cache only."""
+    key: torch.Tensor  # the key tensor the layer returned; identifies the matching attention call
+    rows: list[RowAttention]
 
 
 def patch_attention_moments(patch_queries: torch.Tensor, cached_keys: torch.Tensor,
@@ -107,11 +133,11 @@ def _probed_attention(module, query, key, value, scaling, sums, chunk: int = 256
     return out.to(query.dtype)[None].transpose(1, 2).contiguous(), None
 
 
-def hand_off(request: AttentionRequest) -> None:
+def hand_off(request: AttentionRequest | PackedRequest) -> None:
     _handoff.request = request
 
 
-def _take_request(key: torch.Tensor) -> AttentionRequest | None:
+def _take_request(key: torch.Tensor) -> AttentionRequest | PackedRequest | None:
     request = getattr(_handoff, "request", None)
     if request is not None and request.key is key:
         _handoff.request = None
@@ -150,6 +176,34 @@ def episodic_mask(request: AttentionRequest, q_len: int, group: int,
     return mask.repeat_interleave(group, dim=0)[None]
 
 
+def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            request: AttentionRequest, scaling: float | None, sliding_window: int | None,
+            additive: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """SDPA of one conversation's queries [1, Hq, q, d] over its keys and values: the output
+    [1, Hq, q, d] and the boolean mask it used (None when `additive` was given ready-made)."""
+    group = query.shape[1] // key.shape[1]
+    mask = None
+    if additive is None:
+        mask = episodic_mask(request, query.shape[2], group, sliding_window)
+        # An additive float mask takes SDPA's fused CPU kernel (a boolean one is ~1.7x slower).
+        additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
+        additive.masked_fill_(~mask, float("-inf"))
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=additive, scale=scaling,
+                                         enable_gqa=group > 1)
+    return out, mask
+
+
+def _packed_attention(query: torch.Tensor, request: PackedRequest, scaling: float | None,
+                      sliding_window: int | None):
+    """Each segment of the packed queries attends over its own conversation's cache, exactly
+    as it would alone (same keys, values and mask); the outputs are packed back in order."""
+    outs = [_attend(query[:, :, row.start:row.start + row.length], row.keys, row.values,
+                    row.request, scaling, sliding_window,
+                    None if sliding_window is not None else row.additive)[0]
+            for row in request.rows]
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
 def episodic_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                        value: torch.Tensor, attention_mask: torch.Tensor | None,
                        scaling: float | None = None, dropout: float = 0.0,
@@ -162,17 +216,12 @@ def episodic_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, sliding_window=sliding_window, **kwargs)
+    if isinstance(request, PackedRequest):
+        return _packed_attention(query, request, scaling, sliding_window)
     if query.shape[0] != 1:
         raise ValueError("episodic caches hold one conversation: batch size must be 1")
-    n_q_heads, n_kv_heads = query.shape[1], key.shape[1]
-    group = n_q_heads // n_kv_heads
-    q_len = query.shape[2]
-    mask = episodic_mask(request, q_len, group, sliding_window)
-    # An additive float mask takes SDPA's fused CPU kernel (a boolean one is ~1.7x slower).
-    additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
-    additive.masked_fill_(~mask, float("-inf"))
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=additive, scale=scaling,
-                                         enable_gqa=group > 1)
+    group = query.shape[1] // key.shape[1]
+    out, mask = _attend(query, key, value, request, scaling, sliding_window)
     if request.n_patch:
         p = request.n_patch
         n_cached = key.shape[2] - p  # cached slots plus the new block: all that may be kept

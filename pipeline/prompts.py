@@ -49,6 +49,12 @@ def patch_ids(tokenizer, patch_text: str) -> torch.Tensor:
     return encode(tokenizer, "\n" + patch_text)
 
 
+def question_prefix_ids(tokenizer) -> torch.Tensor:
+    """[P] token ids every question's prompt starts with (the instruction), as far as they
+    tokenise the same on their own: a decoder computes their cache entries once per cache."""
+    return encode(tokenizer, f"\n\n{QA_INSTRUCTION}\n\nQuestion:")
+
+
 def question_ids(tokenizer, question: str) -> torch.Tensor:
     """[Q] token ids appended after the cached history to ask `question`."""
     fmt = prompt_format(tokenizer)

@@ -1,12 +1,14 @@
 """The decoder deployment: the model and a byte-bounded LRU of episodic caches fetched from the
 store (checksum verified; the previous turn's cache always stays resident; concurrent requests
-for one cache fetch it once). It answers the router with plain dicts: an error is
+for one cache fetch it once), and a `DecodeBatcher` that decodes the requests in flight together
+(continuous batching, `serving.batcher`). It answers the router with plain dicts: an error is
 {"error": {"status", "message"}}, classified here, never an exception across the handle."""
 
+import asyncio
 import logging
-import threading
+import os
 import time
-from typing import Iterator
+from typing import AsyncIterator
 
 from ray import serve
 
@@ -24,11 +26,12 @@ def _decoder_error(e: BaseException) -> dict:
 
 @serve.deployment(name="EpiCacheDecoder")
 class Decoder:
-    """Holds the model and the resident caches; decodes one answer at a time per replica
-    (a loaded cache is extended in place while decoding), fetching concurrently."""
+    """Holds the model and the resident caches; fetches concurrently and decodes the requests in
+    flight in one batch (each from its own view of its cache: a resident cache is never written)."""
 
     def __init__(self, store: str, s3_endpoint: str | None, model: str, cache_bytes: int,
-                 torch_threads: int | None = None):
+                 torch_threads: int | None = None, max_batch: int = 8,
+                 max_batch_tokens: int = 32768):
         import torch
 
         from pipeline import models
@@ -42,8 +45,10 @@ class Decoder:
         self.model_name = model
         self.lm = models.load_llm(model, self.device)
         self.caches = CacheLRU(cache_bytes)
-        self.decode_lock = threading.Lock()
         self.fetched_bytes = 0
+        from serving.batcher import DecodeBatcher
+
+        self.batcher = DecodeBatcher(self.lm, max_batch, max_batch_tokens)
 
     def _cache(self, row: dict):
         from pipeline.answer import check_models, fetch_cache
@@ -59,48 +64,63 @@ class Decoder:
         cache, hit = self.caches.get_or_load((row["object_key"], row["sha256"]), load)
         return cache, hit, (time.perf_counter() - t) * 1000
 
-    def answer(self, row: dict, question: str, max_new_tokens: int, temperature: float) -> dict:
-        """{"answer", "tokens", "finish_reason", "cache_hit", "fetch_ms", "decode_ms"} or
-        {"error": {"status", "message"}}."""
-        from pipeline.answer import decode_answer
-
+    async def answer(self, row: dict, question: str, max_new_tokens: int,
+                     temperature: float) -> dict:
+        """{"answer", "tokens", "finish_reason", "cache_hit", "fetch_ms", "decode_ms",
+        "queue_ms"} or {"error": {"status", "message"}}."""
         try:
-            cache, hit, fetch_ms = self._cache(row)
-            t = time.perf_counter()
-            with self.decode_lock:
-                t_start = time.perf_counter()
-                decoded = decode_answer(self.lm, cache, question, max_new_tokens, temperature)
-            done = time.perf_counter()
+            cache, hit, fetch_ms = await asyncio.to_thread(self._cache, row)
+            job = self.batcher.submit(cache, question, max_new_tokens, temperature)
         except Exception as e:
             return _decoder_error(e)
+        try:
+            decoded = await asyncio.wrap_future(job.future)
+        except Exception as e:
+            return _decoder_error(e)
+        finally:
+            job.cancel()  # no-op once done; a request the router cancelled leaves the batch
         return {"answer": decoded.text, "tokens": decoded.tokens,
                 "finish_reason": decoded.finish_reason, "cache_hit": hit,
-                "fetch_ms": round(fetch_ms, 3), "decode_ms": round((done - t_start) * 1000, 3),
-                "queue_ms": round((t_start - t) * 1000, 3)}
+                "fetch_ms": round(fetch_ms, 3), "decode_ms": round(job.decode_ms, 3),
+                "queue_ms": round(job.queue_ms, 3)}
 
-    def stream(self, row: dict, question: str, max_new_tokens: int,
-               temperature: float) -> Iterator[dict]:
+    async def stream(self, row: dict, question: str, max_new_tokens: int,
+                     temperature: float) -> AsyncIterator[dict]:
         """First {"cache_hit", "fetch_ms"} (or {"error": ...}), then {"text": piece}s, then
-        {"done": {"tokens", "finish_reason", "decode_ms"}} (or {"error": ...})."""
-        from pipeline.answer import stream_answer
+        {"done": {"tokens", "finish_reason", "decode_ms", "queue_ms"}} (or {"error": ...})."""
+        from transformers import AsyncTextIteratorStreamer
+
+        from pipeline.answer import AnswerPieces
 
         try:
-            cache, hit, fetch_ms = self._cache(row)
+            cache, hit, fetch_ms = await asyncio.to_thread(self._cache, row)
         except Exception as e:
             yield _decoder_error(e)
             return
         yield {"cache_hit": hit, "fetch_ms": round(fetch_ms, 3)}
-        info: dict = {}
-        t = time.perf_counter()
+        streamer = AsyncTextIteratorStreamer(self.lm.tokenizer, skip_prompt=True,
+                                             skip_special_tokens=True)
+        pieces = AnswerPieces()
         try:
-            for piece in stream_answer(self.lm, cache, question, max_new_tokens, temperature,
-                                       lock=self.decode_lock, info=info):
-                yield {"text": piece}
+            job = self.batcher.submit(cache, question, max_new_tokens, temperature, streamer)
         except Exception as e:
             yield _decoder_error(e)
             return
-        yield {"done": {**info, "decode_ms": round((time.perf_counter() - t) * 1000, 3)}}
+        try:
+            async for text in streamer:  # ends when the job ends, answered or failed
+                piece = pieces.feed(text)
+                if piece:
+                    yield {"text": piece}
+            decoded = await asyncio.wrap_future(job.future)
+        except Exception as e:
+            yield _decoder_error(e)
+            return
+        finally:
+            job.cancel()  # no-op once done; a client that went away leaves the batch
+        yield {"done": {"tokens": decoded.tokens, "finish_reason": decoded.finish_reason,
+                        "decode_ms": round(job.decode_ms, 3), "queue_ms": round(job.queue_ms, 3)}}
 
     def stats(self) -> dict:
-        return {"model": self.model_name, "device": self.device,
-                "fetched_bytes": self.fetched_bytes, **self.caches.stats()}
+        return {"model": self.model_name, "device": self.device, "pid": os.getpid(),
+                "fetched_bytes": self.fetched_bytes, **self.caches.stats(),
+                "batch": self.batcher.stats()}

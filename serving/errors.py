@@ -23,7 +23,8 @@ class ApiError(Exception):
 
 _KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 409: "model_mismatch_error",
-          422: "invalid_request_error", 500: "internal_error", 503: "cache_unavailable_error"}
+          422: "invalid_request_error", 500: "internal_error", 503: "cache_unavailable_error",
+          504: "timeout_error"}
 
 
 def error_body(status: int, message: str, kind: str | None = None) -> dict:
@@ -45,8 +46,18 @@ def classify(e: BaseException) -> tuple[int, str]:
     from pipeline.manifest import ManifestError
     from pipeline.store import ObjectNotFound, StoreError
 
+    from ray.exceptions import RayActorError
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
     if isinstance(e, ApiError):
         return e.status, e.message
+    if isinstance(e, RayActorError):  # died or unreachable (ActorDiedError, ActorUnavailable...)
+        return 503, ("the decoder replica answering this request died or is unreachable; Serve "
+                     "replaces it: retry shortly")
+    if isinstance(e, (BackPressureError, DeploymentUnavailableError)):
+        return 503, f"the decoder is unavailable or overloaded ({type(e).__name__}): retry shortly"
+    if isinstance(e, TimeoutError):
+        return 504, "the decoder did not answer in time (the server's --decoder-timeout)"
     if isinstance(e, ConversationNotFound):
         return 404, str(e)
     if isinstance(e, UnsafeIdError):

@@ -2,6 +2,7 @@
 server-sent event chunks of a streamed answer (each object with an `epicache` extra: episode,
 similarity, cache hit, timings)."""
 
+import asyncio
 import json
 import time
 import uuid
@@ -9,7 +10,7 @@ from typing import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
-from serving.errors import error_body
+from serving.errors import classify, error_body
 from serving.schemas import ChatMessage
 
 
@@ -53,9 +54,26 @@ def _error_args(err: dict) -> dict:
     return {"status": err["status"], "message": err["message"]}
 
 
-async def _events(gen, base: dict, meta: dict, timings: dict) -> AsyncIterator[str]:
+async def _items(gen, timeout: float | None) -> AsyncIterator[dict]:
+    """The decoder's stream, each item awaited at most `timeout` s; a failure (the replica
+    died, no piece in time) ends it with an error item."""
+    while True:
+        try:
+            item = await asyncio.wait_for(gen.__anext__(), timeout)
+        except StopAsyncIteration:
+            return
+        except Exception as e:
+            gen.cancel()
+            status, message = classify(e)
+            yield {"error": {"status": status, "message": message}}
+            return
+        yield item
+
+
+async def _events(gen, base: dict, meta: dict, timings: dict,
+                  timeout: float | None) -> AsyncIterator[str]:
     yield chunk(base, {"role": "assistant", "content": ""}, epicache=meta)
-    async for item in gen:
+    async for item in _items(gen, timeout):
         if "text" in item:
             yield chunk(base, {"content": item["text"]})
         elif "done" in item:
@@ -69,9 +87,12 @@ async def _events(gen, base: dict, meta: dict, timings: dict) -> AsyncIterator[s
     yield "data: [DONE]\n\n"
 
 
-def stream_response(gen, base: dict, meta: dict, timings: dict) -> StreamingResponse:
+def stream_response(gen, base: dict, meta: dict, timings: dict,
+                    timeout: float | None = None) -> StreamingResponse:
     """The decoder's stream (`gen`, past its first item, the fetch) as server-sent events: a
     first chunk with the role, a chunk per piece, a last one with the finish reason and the
-    timings (an error mid-stream is an error object), then `[DONE]`."""
-    return StreamingResponse(_events(gen, base, meta, timings), media_type="text/event-stream",
+    timings (an error mid-stream, or no piece within `timeout` s, is an error object), then
+    `[DONE]`."""
+    return StreamingResponse(_events(gen, base, meta, timings, timeout),
+                             media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})

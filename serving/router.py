@@ -5,6 +5,7 @@ for the answer."""
 
 import asyncio
 import hmac
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from serving import openai_chat
 from serving.errors import ApiError, add_exception_handlers, classify
 from serving.schemas import AnswerRequest, ChatRequest, parse_body
 from serving.settings import ServeSettings
+
+log = logging.getLogger("epicache.serve")
 
 app = FastAPI(title="EpiCache decode endpoint", docs_url=None, redoc_url=None)
 add_exception_handlers(app)
@@ -131,10 +134,41 @@ class Router:
         if "error" in result:
             raise ApiError(result["error"]["status"], result["error"]["message"])
 
+    async def _ask_decoder(self, row: dict, question: str, max_new: int,
+                           temperature: float) -> dict:
+        """The decoder's whole answer, asked again once if the replica died meanwhile (an
+        answer has no side effect; Serve sends the retry to a live or replacement replica); a
+        second death (503) or no answer within `decoder_timeout_s` in all (504) is an error,
+        never a hang."""
+        from ray.exceptions import RayActorError
+
+        deadline = time.monotonic() + self.settings.decoder_timeout_s
+        for attempt in (1, 2):
+            response = self.decoder.answer.remote(self._decoder_row(row), question, max_new,
+                                                  temperature)
+            try:
+                result = await asyncio.wait_for(response, max(0.0, deadline - time.monotonic()))
+                break
+            except RayActorError as e:
+                response.cancel()
+                if attempt == 2:
+                    raise ApiError(*classify(e)) from None
+                log.warning("the decoder replica died while answering; asking again once")
+            except Exception as e:
+                response.cancel()
+                raise ApiError(*classify(e)) from None
+        self._raise_if_error(result)
+        return result
+
     # -- endpoints ----------------------------------------------------------------------------
     @app.get("/healthz")
     async def healthz(self) -> dict:
-        stats = await self.decoder.stats.remote()
+        response = self.decoder.stats.remote()
+        try:
+            stats = await asyncio.wait_for(response, min(30.0, self.settings.decoder_timeout_s))
+        except Exception as e:  # no decoder replica answering: not healthy
+            response.cancel()
+            raise ApiError(*classify(e)) from None
         return {"status": "ok", "model": self.model_name, "encoder": self.encoder_name,
                 "conversations_loaded": len(self._conversations), "decoder": stats}
 
@@ -172,9 +206,7 @@ class Router:
             raise
         except Exception as e:
             raise ApiError(*classify(e)) from None
-        result = await self.decoder.answer.remote(self._decoder_row(row), question, max_new,
-                                                  body.temperature or 0.0)
-        self._raise_if_error(result)
+        result = await self._ask_decoder(row, question, max_new, body.temperature or 0.0)
         timings |= {"fetch": result["fetch_ms"], "decode": result["decode_ms"]}
         return {"conversation_id": conversation_id, "answer": result["answer"],
                 "episode": int(row["episode"]), "similarity": round(similarity, 6),
@@ -209,18 +241,21 @@ class Router:
                 "similarity": round(similarity, 6)}
         base = openai_chat.completion_base(self.model_name)
         if not body.stream:
-            result = await self.decoder.answer.remote(self._decoder_row(row), question, max_new,
-                                                      temperature)
-            self._raise_if_error(result)
+            result = await self._ask_decoder(row, question, max_new, temperature)
             timings |= {"fetch": result["fetch_ms"], "decode": result["decode_ms"]}
             return openai_chat.completion(base, question, result, meta, timings)
 
         gen = self.decoder.options(stream=True).stream.remote(
             self._decoder_row(row), question, max_new, temperature)
-        first = await gen.__anext__()  # the fetch: a bad cache is an HTTP error, not a stream
+        try:  # the fetch: a bad cache (or a dead replica) is an HTTP error, not a stream
+            first = await asyncio.wait_for(gen.__anext__(), self.settings.decoder_timeout_s)
+        except Exception as e:
+            gen.cancel()
+            raise ApiError(*classify(e)) from None
         if "error" in first:
             gen.cancel()
             raise ApiError(first["error"]["status"], first["error"]["message"])
         timings["fetch"] = first["fetch_ms"]
         meta |= {"cache_hit": first["cache_hit"]}
-        return openai_chat.stream_response(gen, base, meta, timings)
+        return openai_chat.stream_response(gen, base, meta, timings,
+                                           self.settings.decoder_timeout_s)

@@ -27,6 +27,9 @@ class ServeSettings:
     max_new_tokens_limit: int = 512
     default_max_new_tokens: int = 32
     torch_threads: int | None = None  # decoder torch threads (default: Ray's assignment)
+    max_batch: int = 8  # requests decoded together per decoder replica
+    max_batch_tokens: int = 32768  # tokens in flight per replica: cache slots + prompt + answer
+    decoder_timeout_s: float = 300.0  # the router's wait for a decoder answer (or stream piece)
 
     def __post_init__(self) -> None:
         if self.decoder_autoscale is not None:
@@ -34,9 +37,12 @@ class ServeSettings:
             if not 0 <= lo <= hi or hi < 1:
                 raise ValueError(f"decoder autoscale needs 0 <= min <= max, max >= 1; got {lo}:{hi}")
         for name in ("router_replicas", "decoder_replicas", "max_question_chars",
-                     "max_new_tokens_limit", "default_max_new_tokens", "decoder_max_ongoing"):
+                     "max_new_tokens_limit", "default_max_new_tokens", "decoder_max_ongoing",
+                     "max_batch", "max_batch_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.decoder_timeout_s <= 0:
+            raise ValueError(f"decoder_timeout_s must be > 0, got {self.decoder_timeout_s}")
         if self.cache_bytes < 0 or self.manifest_ttl_s < 0:
             raise ValueError("cache_bytes and manifest_ttl_s must be >= 0")
 

@@ -87,6 +87,19 @@ def test_lru_loads_a_key_once_under_concurrency_and_never_keeps_a_failed_load():
     assert "bad" not in lru and lru.get_or_load("bad", lambda: b"ok")[1] is False
 
 
+def test_a_dead_decoder_replica_is_a_503_and_no_answer_in_time_a_504():
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+    from ray.serve.exceptions import BackPressureError
+
+    from serving.errors import classify
+
+    for error in (ActorDiedError(), ActorUnavailableError("gone", None), BackPressureError(
+            num_queued_requests=9, max_queued_requests=8)):
+        status, message = classify(error)
+        assert status == 503 and "retry" in message
+    assert classify(TimeoutError())[0] == 504
+
+
 # ---------------------------------------------------------------------------------------------
 # One small store with the real models
 # ---------------------------------------------------------------------------------------------
@@ -427,6 +440,39 @@ def test_concurrent_requests_all_succeed(local_app, built):
         results = list(pool.map(one, enumerate(jobs)))
     assert [s for s, _ in results] == [200] * 32, results
     assert all(text.strip() for _, text in results)
+
+
+@e2e
+def test_answers_decoded_in_a_batch_equal_those_decoded_alone(local_app, built):
+    """Greedy answers asked one at a time, then all at once (the replica batches them: JSON
+    and streamed requests over different conversations and episodes), are the same."""
+    url, _ = local_app
+    pairs = _questions(built[2], 3)
+
+    def chat_stream(cid, q):
+        r = requests.post(f"{url}/v1/chat/completions", headers=AUTH, stream=True, timeout=300,
+                          json={"conversation_id": cid, "stream": True, "max_tokens": MAX_NEW,
+                                "messages": [{"role": "user", "content": q}]})
+        assert r.status_code == 200, r.text
+        chunks = [json.loads(line.removeprefix("data: ")) for line in
+                  r.iter_lines(decode_unicode=True) if line and line != "data: [DONE]"]
+        return "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+
+    def one(i_pair):
+        i, (cid, q) = i_pair
+        if i % 2:
+            return chat_stream(cid, q)
+        r = _answer(url, cid, q)
+        assert r.status_code == 200, r.text
+        return r.json()["answer"]
+
+    alone = [one(p) for p in enumerate(pairs)]
+    before = _stats(url)["batch"]
+    with ThreadPoolExecutor(len(pairs)) as pool:
+        together = list(pool.map(one, enumerate(pairs)))
+    after = _stats(url)["batch"]
+    assert after["peak_batch"] >= 2 and after["mean_batch"] > before["mean_batch"]
+    assert together == alone and all(a.strip() for a in alone)
 
 
 @e2e

@@ -1,0 +1,167 @@
+"""Decoding several conversations in one forward (continuous batching), each from its own
+episodic cache.
+
+A `DecodeRow` is one request's private view of a resident cache: the cache's entries are copied
+once into buffers with room for the question and the answer, so the shared cache is never
+written (two requests may route to the same resident object) and the answer's tokens are
+written in place (the single-request path, `generate()`, concatenates the whole cache again at
+every token). `packed_step` runs one forward over the new tokens of every row, one segment per
+row (the question prompt of a row that just joined, one token for the others): the
+projections, MLPs, norms and LM head run once over all of them (one read of the weights),
+while the episodic attention (`pipeline.attention.PackedRequest`) gives each segment its own
+row's keys, values and mask, exactly as if it were decoded alone.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from pipeline.attention import AttentionRequest, PackedRequest, RowAttention, hand_off
+from pipeline.cache import EpisodicCache
+
+
+class _RowLayer:
+    """One layer of a `DecodeRow`: the cached entries, then room for `extra` new tokens."""
+
+    def __init__(self, layer, extra: int, group: int) -> None:
+        if not layer.is_initialized:
+            raise ValueError("the episodic cache has an empty layer: it was never prefilled")
+        _, n_heads, slots, dim = layer.keys.shape
+        capacity = slots + extra
+        self.keys = layer.keys.new_empty(1, n_heads, capacity, dim)
+        self.values = layer.values.new_empty(1, n_heads, capacity, layer.values.shape[-1])
+        self.keys[:, :, :slots], self.values[:, :, :slots] = layer.keys, layer.values
+        self.valid = torch.ones(n_heads, capacity, dtype=torch.bool, device=layer.valid.device)
+        self.valid[:, :slots] = layer.valid
+        self.rope_positions = torch.zeros(n_heads, capacity, dtype=torch.long,
+                                          device=layer.valid.device)
+        self.rope_positions[:, :slots] = layer.rope_positions
+        # The mask of a one-token step, made once: 0 where a slot holds an entry, -inf where not
+        # (new tokens always see each other's slots); per query head, as SDPA takes it.
+        self.additive = torch.zeros(1, n_heads * group, 1, capacity, dtype=layer.keys.dtype,
+                                    device=layer.keys.device)
+        hidden = ~self.valid.repeat_interleave(group, dim=0)[None, :, None]
+        self.additive.masked_fill_(hidden, float("-inf"))
+        self.slots = slots
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, first_position: int,
+               start: int) -> RowAttention:
+        n, q = self.slots, keys.shape[2]
+        if n + q > self.keys.shape[2]:
+            raise ValueError(f"a decode row has room for {self.keys.shape[2]} slots, not {n + q}")
+        self.keys[:, :, n:n + q] = keys
+        self.values[:, :, n:n + q] = values
+        self.rope_positions[:, n:n + q] = torch.arange(first_position, first_position + q,
+                                                       device=self.rope_positions.device)
+        request = AttentionRequest(key=self.keys, past_valid=self.valid[:, :n],
+                                   past_positions=self.rope_positions[:, :n],
+                                   first_position=first_position)
+        self.slots = n + q
+        return RowAttention(request, self.keys[:, :, :n + q], self.values[:, :, :n + q], start, q,
+                            self.additive[..., :n + q] if q == 1 else None)
+
+
+class Prefix:
+    """The cache entries of tokens that open every prompt over one cache (the question
+    instruction), computed once and copied into each row over that cache."""
+
+    def __init__(self, model: torch.nn.Module, cache: EpisodicCache, ids: torch.Tensor) -> None:
+        row = DecodeRow(cache, len(ids), model.config.num_attention_heads)
+        start = [layer.slots for layer in row.layers]
+        packed_step(model, [row], [ids])
+        self.ids = ids
+        self.keys = [layer.keys[:, :, s:].clone() for layer, s in zip(row.layers, start)]
+        self.values = [layer.values[:, :, s:].clone() for layer, s in zip(row.layers, start)]
+
+
+class DecodeRow:
+    """One request's private view of an episodic cache, with room for `extra` new tokens.
+
+    Copies the cache's entries once (it is never written), then `prefix`'s if given (which
+    then counts in `extra`); holds `slots + extra` key and value slots per layer, the memory a
+    request costs while it decodes."""
+
+    def __init__(self, cache: EpisodicCache, extra: int, n_query_heads: int,
+                 prefix: Prefix | None = None) -> None:
+        n_kv_heads = cache.layers[0].keys.shape[1] if cache.layers[0].is_initialized else 1
+        self.layers = [_RowLayer(layer, extra, n_query_heads // n_kv_heads)
+                       for layer in cache.layers]
+        self.next_position = cache.next_position
+        if prefix is not None:
+            for i, layer in enumerate(self.layers):
+                layer.append(prefix.keys[i], prefix.values[i], self.next_position, 0)
+            self.next_position += len(prefix.ids)
+
+    @staticmethod
+    def slots_needed(cache: EpisodicCache, extra: int) -> int:
+        """Key/value slots a row over `cache` holds per layer at most (its tokens in flight)."""
+        return max((layer.valid.shape[1] for layer in cache.layers if layer.valid is not None),
+                   default=0) + extra
+
+    def snapshot(self) -> tuple[int, list[int]]:
+        return self.next_position, [layer.slots for layer in self.layers]
+
+    def restore(self, snapshot: tuple[int, list[int]]) -> None:
+        """Forget what a failed step appended (its slots are simply overwritten later)."""
+        self.next_position, slots = snapshot
+        for layer, n in zip(self.layers, slots):
+            layer.slots = n
+
+
+class _PackedLayer(CacheLayerMixin):
+    """A layer of `PackedCache`: appends each segment to its row, hands the attention the rows."""
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, cache: "PackedCache", index: int) -> None:
+        super().__init__()
+        self.cache, self.index, self.is_initialized = cache, index, True
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # rows hold the tensors
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        rows, starts, lengths = self.cache.rows, self.cache.starts, self.cache.lengths
+        segments = [row.layers[self.index].append(key_states[:, :, s:s + q],
+                                                  value_states[:, :, s:s + q],
+                                                  row.next_position, s)
+                    for row, s, q in zip(rows, starts, lengths)]
+        hand_off(PackedRequest(key=key_states, rows=segments))
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0  # the stock mask is not used; keep it as small as possible
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class PackedCache(Cache):
+    """The cache of one packed forward: segment i (of `lengths[i]` tokens) belongs to rows[i]."""
+
+    def __init__(self, rows: list[DecodeRow], lengths: list[int]) -> None:
+        self.rows, self.lengths = rows, lengths
+        self.starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        super().__init__(layers=[_PackedLayer(self, i) for i in range(len(rows[0].layers))])
+
+
+@torch.inference_mode()
+def packed_step(model: torch.nn.Module, rows: list[DecodeRow],
+                new_ids: list[torch.Tensor]) -> torch.Tensor:
+    """One forward over the new tokens of every row (each continuing its own cache at its own
+    positions); returns the float32 next-token logits of each row, [rows, vocab]."""
+    lengths = [int(ids.shape[0]) for ids in new_ids]
+    device = model.device
+    input_ids = torch.cat(new_ids).to(device)[None]
+    positions = torch.cat([torch.arange(r.next_position, r.next_position + q)
+                           for r, q in zip(rows, lengths)]).to(device)[None]
+    last = torch.tensor(lengths, device=device).cumsum(0) - 1
+    out = model(input_ids=input_ids, position_ids=positions,
+                past_key_values=PackedCache(rows, lengths), use_cache=True, logits_to_keep=last)
+    for row, q in zip(rows, lengths):
+        row.next_position += q
+    return out.logits[0].to(dtype=torch.float32)

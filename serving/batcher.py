@@ -1,0 +1,271 @@
+"""Continuous batching for a decoder replica: one scheduler thread decodes every request in
+flight together (`pipeline.batching.packed_step`), admitting queued requests between steps and
+dropping finished ones.
+
+A request joins the batch with its question prompt (prefilled in the same forward as the other
+rows' next token) and leaves at its end-of-sequence token or `max_new_tokens`. Admission is
+first come, first served, up to `max_batch` rows and `max_batch_tokens` tokens in flight (each
+row's cache slots + prompt + max_new_tokens: what its private buffers hold); a request larger
+than the token cap on its own still runs, alone. Greedy rows take the arg-max, as `generate()`
+does, so their answers are the same as decoded alone; sampled rows draw from their own
+generator. A step that fails is retried row by row, so a bad request fails alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+import weakref
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from pipeline import models, prompts
+from pipeline.answer import Decoded, finish_reason
+from pipeline.batching import DecodeRow, Prefix, packed_step
+from pipeline.cache import EpisodicCache
+
+log = logging.getLogger("epicache.serve")
+
+
+@dataclass
+class DecodeJob:
+    """One request: its result (`future`: a `Decoded`) and timings; `cancel()` drops it."""
+    cache: EpisodicCache
+    question: str
+    max_new_tokens: int
+    temperature: float
+    streamer: object | None = None  # a transformers streamer: put(prompt), put(token)..., end()
+    future: Future = field(default_factory=Future)
+    submitted: float = field(default_factory=time.perf_counter)
+    started: float | None = None  # admitted into the batch
+    finished: float | None = None
+    cancelled: bool = False
+    # scheduler state
+    cost: int = 0
+    row: DecodeRow | None = None
+    next_ids: torch.Tensor | None = None
+    ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    @property
+    def queue_ms(self) -> float:
+        return ((self.started or self.finished or self.submitted) - self.submitted) * 1000
+
+    @property
+    def decode_ms(self) -> float:
+        return ((self.finished or time.perf_counter()) - (self.started or self.submitted)) * 1000
+
+
+class DecodeBatcher:
+    """Decodes the requests submitted to it in batches, on its own thread."""
+
+    def __init__(self, lm: models.LoadedModel, max_batch: int = 8,
+                 max_batch_tokens: int = 32768) -> None:
+        if max_batch < 1 or max_batch_tokens < 1:
+            raise ValueError(f"max_batch and max_batch_tokens must be >= 1, got {max_batch} and "
+                             f"{max_batch_tokens}")
+        self.lm, self.max_batch, self.max_batch_tokens = lm, max_batch, max_batch_tokens
+        gen = lm.model.generation_config
+        eos = gen.eos_token_id
+        self._eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+        self._top_k, self._top_p = gen.top_k, gen.top_p
+        self._prefix_ids = prompts.question_prefix_ids(lm.tokenizer)
+        # the instruction's cache entries per resident cache, dropped with the cache
+        self._prefixes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._queue: deque[DecodeJob] = deque()
+        self._active: list[DecodeJob] = []
+        self._wake = threading.Condition()
+        self._closed = False
+        self.steps = self.rows_stepped = self.completed = self.failed = 0
+        self.peak_batch = self.peak_tokens = 0
+        self._thread = threading.Thread(target=self._run, name="decode-batcher", daemon=True)
+        self._thread.start()
+
+    # -- the callers' side --------------------------------------------------------------------
+    def submit(self, cache: EpisodicCache, question: str, max_new_tokens: int,
+               temperature: float = 0.0, streamer=None) -> DecodeJob:
+        """Queue a request; its `future` gets the `Decoded` answer (or the error)."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        job = DecodeJob(cache, question, max_new_tokens, float(temperature or 0.0), streamer)
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("the decode batcher is closed")
+            self._queue.append(job)
+            self._wake.notify()
+        return job
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join(timeout=60)
+
+    def stats(self) -> dict:
+        with self._wake:
+            return {"max_batch": self.max_batch, "max_batch_tokens": self.max_batch_tokens,
+                    "batch": len(self._active), "queued": len(self._queue),
+                    "tokens_in_flight": sum(j.cost for j in self._active), "steps": self.steps,
+                    "mean_batch": round(self.rows_stepped / self.steps, 3) if self.steps else None,
+                    "peak_batch": self.peak_batch, "peak_tokens_in_flight": self.peak_tokens,
+                    "completed": self.completed, "failed": self.failed,
+                    "prefixes": len(self._prefixes)}
+
+    # -- the scheduler thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._closed and not self._queue and not self._active:
+                    self._wake.wait()
+                if self._closed:
+                    break
+                joining = self._admit()
+            for job in joining:
+                self._start(job)
+            with self._wake:
+                self._active = [j for j in self._active if not self._settled(j)]
+            if self._active:
+                self._step(list(self._active))
+        for job in [*self._active, *self._queue]:
+            self._fail(job, RuntimeError("the decoder is shutting down"))
+
+    def _admit(self) -> list[DecodeJob]:
+        """Queued jobs that fit (first come, first served), moved into the batch."""
+        joining = []
+        in_flight = sum(j.cost for j in self._active)
+        while self._queue and len(self._active) < self.max_batch:
+            job = self._queue[0]
+            if job.cancelled:
+                self._queue.popleft()
+                self._fail(job, RuntimeError("cancelled"))
+                continue
+            if job.next_ids is None:
+                try:
+                    job.next_ids = prompts.question_ids(self.lm.tokenizer, job.question)
+                    job.cost = DecodeRow.slots_needed(job.cache,
+                                                      len(job.next_ids) + job.max_new_tokens)
+                except Exception as e:  # a malformed cache: this request fails, not the batch
+                    self._queue.popleft()
+                    self._fail(job, e)
+                    continue
+            if self._active and in_flight + job.cost > self.max_batch_tokens:
+                break
+            self._queue.popleft()
+            in_flight += job.cost
+            self._active.append(job)
+            joining.append(job)
+        self.peak_batch = max(self.peak_batch, len(self._active))
+        self.peak_tokens = max(self.peak_tokens, in_flight)
+        return joining
+
+    def _start(self, job: DecodeJob) -> None:
+        """Make the job's private view of its cache (its prompt is tokenised already)."""
+        job.started = time.perf_counter()
+        try:
+            prompt = job.next_ids
+            prefix = self._prefix(job.cache, prompt)
+            job.row = DecodeRow(job.cache, len(prompt) + job.max_new_tokens,
+                                self.lm.model.config.num_attention_heads, prefix)
+            if prefix is not None:
+                job.next_ids = prompt[len(prefix.ids):]
+            if job.temperature > 0:
+                job.generator = torch.Generator().manual_seed(secrets.randbits(63))
+            if job.streamer is not None:
+                job.streamer.put(prompt[None])  # as generate() does: the prompt comes first
+        except Exception as e:
+            self._fail(job, e)
+
+    def _prefix(self, cache: EpisodicCache, prompt: torch.Tensor) -> Prefix | None:
+        """The instruction's entries over `cache` (made on first use), if `prompt` opens with
+        it and goes on after it; a request then prefills only its question."""
+        n = len(self._prefix_ids)
+        if len(prompt) <= n or not torch.equal(prompt[:n], self._prefix_ids):
+            return None
+        prefix = self._prefixes.get(cache)
+        if prefix is None:
+            prefix = self._prefixes[cache] = Prefix(self.lm.model, cache, self._prefix_ids)
+        return prefix
+
+    def _settled(self, job: DecodeJob) -> bool:
+        if job.future.done():
+            return True
+        if job.cancelled:
+            self._fail(job, RuntimeError("cancelled"))
+            return True
+        return False
+
+    def _step(self, jobs: list[DecodeJob]) -> None:
+        """One forward over every active job; on an error, each job alone (a bad one fails)."""
+        snapshots = [job.row.snapshot() for job in jobs]
+        try:
+            logits = packed_step(self.lm.model, [j.row for j in jobs], [j.next_ids for j in jobs])
+        except Exception as e:
+            for job, snap in zip(jobs, snapshots):
+                job.row.restore(snap)
+            if len(jobs) == 1:
+                self._fail(jobs[0], e)
+                return
+            for job in jobs:
+                self._step([job])
+            return
+        self.steps += 1
+        self.rows_stepped += len(jobs)
+        for job, row_logits in zip(jobs, logits):
+            try:
+                self._emit(job, self._choose(job, row_logits))
+            except Exception as e:
+                self._fail(job, e)
+
+    def _choose(self, job: DecodeJob, logits: torch.Tensor) -> int:
+        if job.temperature <= 0:
+            return int(torch.argmax(logits))
+        from transformers import (LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
+                                  TopPLogitsWarper)
+
+        warpers = LogitsProcessorList([TemperatureLogitsWarper(job.temperature)])
+        if self._top_k:
+            warpers.append(TopKLogitsWarper(self._top_k))
+        if self._top_p is not None and self._top_p < 1.0:
+            warpers.append(TopPLogitsWarper(self._top_p))
+        scores = warpers(None, logits[None])
+        probs = torch.softmax(scores, dim=-1)
+        return int(torch.multinomial(probs[0], 1, generator=job.generator))
+
+    def _emit(self, job: DecodeJob, token: int) -> None:
+        job.ids.append(token)
+        if job.streamer is not None:
+            job.streamer.put(torch.tensor([token]))
+        if token in self._eos or len(job.ids) >= job.max_new_tokens:
+            ids = torch.tensor(job.ids, dtype=torch.long)
+            text = self.lm.tokenizer.decode(ids, skip_special_tokens=True).strip()
+            job.finished = time.perf_counter()
+            job.row = None  # its buffers go now, not when the caller drops the job
+            if job.streamer is not None:
+                job.streamer.end()
+            self.completed += 1
+            job.future.set_result(Decoded(text, len(job.ids),
+                                          finish_reason(self.lm, ids, job.max_new_tokens)))
+        else:
+            job.next_ids = torch.tensor([token], dtype=torch.long)
+
+    def _fail(self, job: DecodeJob, error: BaseException) -> None:
+        if job.future.done():
+            return
+        job.finished = time.perf_counter()
+        job.row = None
+        self.failed += 1
+        if job.streamer is not None:
+            try:
+                job.streamer.end()
+            except Exception:
+                log.exception("streamer end failed")
+        job.future.set_exception(error)
+
