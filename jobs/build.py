@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import IO, Any, Iterable
 
@@ -195,8 +196,9 @@ class _Driver:
     `.options()` are made once, the configuration, store and budgets go to the object store
     once (tasks get them by reference, not pickled per task), one `ray.wait` collects a batch
     of finished tasks (up to a quarter of the bound, or what is done within `WAIT_S`) and one
-    `ray.get` fetches the batch, and a conversation is looked up in the store (`is_built`)
-    only when the manifest listing made at the start names it."""
+    `ray.get` fetches the batch, a conversation is looked up in the store (`is_built`) only
+    when the manifest listing made at the start names it, and manifests are committed by a
+    thread of their own (`finish`)."""
 
     WAIT_S = 0.02  # how long a wait may hold finished tasks to collect them in one batch
     POSTFIX_S = 0.5  # the progress bar's postfix is refreshed at most this often
@@ -216,6 +218,8 @@ class _Driver:
         self.corpus_error: CorpusError | None = None
         self.budgets: list[int] | None = None
         self.built_before: set[str] = set()  # ids with a manifest when the build started
+        self.committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commit")
+        self.commits: deque[Future] = deque()
         self.batch = max(1, self.max_in_flight // 4)
         self.start = self._postfix_at = time.perf_counter()
 
@@ -235,17 +239,23 @@ class _Driver:
                                                       num_returns=2)
         self.config_ref, self.store_ref = ray.put(self.config), ray.put(self.store)
         self.budgets_ref = ray.put(self.budgets)
-        while True:
-            self.fill()
-            if not self.in_flight:
-                break
-            refs = list(self.in_flight)
-            waited = time.perf_counter()
-            ready, _ = ray.wait(refs, num_returns=min(self.batch, len(refs)), timeout=self.WAIT_S)
-            if not ready:
-                ready, _ = ray.wait(refs, num_returns=1)
-            self.summary.wait_seconds += time.perf_counter() - waited
-            self.collect_all(ready)
+        try:
+            while True:
+                self.fill()
+                if not self.in_flight:
+                    break
+                refs = list(self.in_flight)
+                waited = time.perf_counter()
+                ready, _ = ray.wait(refs, num_returns=min(self.batch, len(refs)),
+                                    timeout=self.WAIT_S)
+                if not ready:
+                    ready, _ = ray.wait(refs, num_returns=1)
+                self.summary.wait_seconds += time.perf_counter() - waited
+                self.collect_all(ready)
+            while self.commits:
+                self.commits.popleft().result()
+        finally:  # the commits handed over are finished (also on an interrupt)
+            self.committer.shutdown(wait=True)
         self.summary.seconds = time.perf_counter() - self.start
         if self.corpus_error is not None:
             raise self.corpus_error
@@ -264,7 +274,7 @@ class _Driver:
                 conv = self.convs[cid]
                 if conv.error is not None:  # a sibling failed: do not spend work on it
                     conv.outstanding -= 1
-                    self.maybe_finish(cid)
+                    self.finish(cid)
                     continue
                 self.submit(self.episode_fn.remote(conv.clustered, e, self.budgets_ref,
                                                    self.config_ref, self.store_ref),
@@ -335,7 +345,20 @@ class _Driver:
                       result["node_id"][:12], result["worker"], result["tokens"],
                       result["build_seconds"])
             self._postfix()
-        self.maybe_finish(cid)
+        self.finish(cid)
+
+    def finish(self, cid: str) -> None:
+        """Hand a conversation whose tasks are all done to the commit thread, which runs
+        `maybe_finish` (a manifest write costs the loop milliseconds: PUTs and HEADs on S3, an
+        fsync on a local store). One thread: commits and their bookkeeping stay in order and
+        single-threaded. At most `max_in_flight` commits wait; a commit's own exception is
+        re-raised here."""
+        if self.convs[cid].outstanding > 0:
+            return
+        while self.commits and (self.commits[0].done() or
+                                len(self.commits) >= self.max_in_flight):
+            self.commits.popleft().result()
+        self.commits.append(self.committer.submit(self.maybe_finish, cid))
 
     def maybe_finish(self, cid: str) -> None:
         conv = self.convs[cid]
