@@ -4,7 +4,9 @@ A corpus is read lazily, one conversation at a time, so a corpus of millions of 
 never sits in memory. Every malformed record is reported with its file, its record number and
 the offending field; `on_bad_record="skip"` reports it (a `Skip`) and goes on instead of failing.
 A bad question is a fault of that question only: skip mode drops it and keeps the conversation.
-`check_corpus` reads a whole corpus this way before any heavy work starts.
+A corpus is a list of objects (`CorpusObject`: local files, or S3 objects read as streams);
+`check_corpus` reads a whole corpus this way before any heavy work starts, and `CorpusStream`
+(the build's reader) checks each object just before its conversations are handed out.
 """
 
 from __future__ import annotations
