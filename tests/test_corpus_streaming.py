@@ -9,6 +9,10 @@ from __future__ import annotations
 import functools
 import io
 import json
+import os
+import re
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -20,6 +24,8 @@ from jobs.bench_scale import SYNTHETIC_CONFIG, SYNTHETIC_STAGES, S3Requests, syn
 from pipeline.corpus import CorpusError, CorpusObject, CorpusStream, ReadStats
 from pipeline.manifest import list_conversations
 from pipeline.store import LocalStore, S3Store, open_store
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _bad(line: str) -> str:
@@ -182,3 +188,27 @@ def test_skips_in_a_later_object_reach_stderr_and_the_report(ray_local, tmp_path
     rows = [json.loads(ln) for ln in (store / reports[0]).read_text().splitlines()]
     assert [(r["file"], r["record"]) for r in rows] == [("b.jsonl", 2)]
     assert len(list_conversations(open_store(str(store)))) == 5
+
+
+
+def test_bench_large_counts_no_get_of_cache_objects_in_the_commit(s3_server, tmp_path):
+    """`jobs.bench_scale --large` on a small corpus against the test's S3 (its own process, so
+    that its Ray workers get the credentials): the corpus is streamed from S3, the driver's
+    RSS is read at both marks, and the build into an S3 store makes one HEAD per cache object
+    and no GET (counted on the driver's S3 client)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("AWS_") and k not in ("RAY_ADDRESS", "EPICACHE_S3_ENDPOINT")}
+    env |= s3_server.env()
+    out = subprocess.run([sys.executable, "-m", "jobs.bench_scale", "--large",
+                          "--conversations", "120", "--s3-prefix", s3_server.uri("benchlarge"),
+                          "--s3-endpoint", s3_server.endpoint, "--max-in-flight", "8",
+                          "--no-progress"], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("corpus: 120 conversations in 1 JSONL objects")
+    assert "large build: 120 conversations, 240 episodes, 360 tasks" in lines[1]
+    assert re.search(r"at conversation 12: \d+ MiB; at 120: \d+ MiB; growth [+-]", lines[3])
+    assert "120 conversations, 240 episodes committed; the driver's requests for cache " \
+           "objects: 0 GetObject, 240 HeadObject" in lines[4]
+    assert lines[5] == "commit GETs per episode: 0"
