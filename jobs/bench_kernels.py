@@ -264,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    parser = build_parser()
+    a = parser.parse_args(argv)
     if a.memory_probe:
         print(cpu_memory_probe(*a.memory_probe, dtype=a.dtype or "fp32", threads=a.threads))
         return 0
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [s.strip() for s in a.shapes.split(",") if s.strip()]
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
-        p.error(f"unknown shapes {unknown}; choose from {list(SHAPES)}")
+        parser.error(f"unknown shapes {unknown}; choose from {list(SHAPES)}")
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     dtype = a.dtype or ("bf16" if cuda else "fp32")

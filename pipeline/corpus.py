@@ -4,12 +4,15 @@ A corpus is read lazily, one conversation at a time, so a corpus of millions of 
 never sits in memory. Every malformed record is reported with its file, its record number and
 the offending field; `on_bad_record="skip"` reports it (a `Skip`) and goes on instead of failing.
 A bad question is a fault of that question only: skip mode drops it and keeps the conversation.
-`check_corpus` reads a whole corpus this way before any heavy work starts.
+A corpus is a list of objects (`CorpusObject`: local files, or S3 objects read as streams);
+`check_corpus` reads a whole corpus this way before any heavy work starts, and `CorpusStream`
+(the build's reader) checks each object just before its conversations are handed out.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import re
 import sys
@@ -382,6 +385,24 @@ class ReadStats:
         return self.records_skipped + self.questions_dropped
 
 
+@dataclass(frozen=True)
+class CorpusObject:
+    """One file or object of a corpus: the name its records are reported under, and how to
+    read it (a fresh binary stream each call: a local file, or an S3 GetObject body read as it
+    is consumed) and its size (called only when needed: an S3 HEAD)."""
+    name: str
+    open: Callable[[], BinaryIO]
+    size: Callable[[], int]
+
+    @property
+    def jsonl(self) -> bool:
+        return self.name.endswith(".jsonl")
+
+
+def _file_object(file: Path) -> CorpusObject:
+    return CorpusObject(file.name, lambda: file.open("rb"), lambda: file.stat().st_size)
+
+
 def _corpus_files(path: Path) -> list[Path]:
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".json"))
@@ -391,6 +412,11 @@ def _corpus_files(path: Path) -> list[Path]:
     if not path.exists():
         raise CorpusError(f"{path}: no such file or folder")
     return [path]
+
+
+def local_objects(path: str | Path) -> list[CorpusObject]:
+    """The objects of a local corpus: a file, or a folder's .jsonl/.json files in name order."""
+    return [_file_object(f) for f in _corpus_files(Path(path))]
 
 
 @dataclass(frozen=True)
@@ -440,13 +466,14 @@ def _decode_json(data: bytes, where: _Source, line_of: Callable[[int], str]) -> 
         raise CorpusError(f"{where}: not valid JSON ({e})") from None
 
 
-def _records(file: Path, limits: CorpusLimits) -> Iterator[tuple[_Source, Any]]:
-    """(source, item) for each record of a file, lazily; item is ("jsonl", obj),
-    ("locomo", obj, default id) or the `CorpusError` met reading it. JSONL is read as bytes
-    and decoded line by line, so a bad line costs that line only."""
-    name = file.name
-    if file.suffix == ".jsonl":
-        with file.open("rb") as f:
+def _records(obj: CorpusObject, limits: CorpusLimits) -> Iterator[tuple[_Source, Any]]:
+    """(source, item) for each record of an object, lazily; item is ("jsonl", obj),
+    ("locomo", obj, default id) or the `CorpusError` met reading it. JSONL is streamed as bytes
+    and decoded line by line, so a bad line costs that line only and memory stays bounded
+    whatever the object's size; a .json (LoCoMo) object is parsed whole (they are small)."""
+    name = obj.name
+    if obj.jsonl:
+        with obj.open() as f:
             for lineno, line in _jsonl_lines(f, limits.max_record_bytes):
                 where = _Source(name, lineno)
                 if isinstance(line, int):
@@ -462,23 +489,25 @@ def _records(file: Path, limits: CorpusLimits) -> Iterator[tuple[_Source, Any]]:
                     yield where, e
         return
     where = _Source(name)
-    size = file.stat().st_size
+    size = obj.size()
     if size > limits.max_record_bytes:  # a .json file is parsed whole
         yield where, CorpusError(f"{where}: the file is {size:,} bytes, over the limit of "
                                  f"{limits.max_record_bytes:,} (--max-record-bytes; a .json file "
                                  "is read whole: give a large corpus as JSONL)")
         return
-    data = file.read_bytes()
+    with obj.open() as f:
+        data = f.read(limits.max_record_bytes + 1)
     try:
-        obj = _decode_json(data, where, lambda i: f"line {data.count(NEWLINE, 0, i) + 1}")
+        parsed = _decode_json(data, where, lambda i: f"line {data.count(NEWLINE, 0, i) + 1}")
     except CorpusError as e:
         yield where, e
         return
-    if isinstance(obj, list):  # locomo10.json: a list of samples
-        for i, sample in enumerate(obj, 1):
-            yield _Source(name, i), ("locomo", sample, f"{file.stem}-{i}")
+    stem = Path(name).stem
+    if isinstance(parsed, list):  # locomo10.json: a list of samples
+        for i, sample in enumerate(parsed, 1):
+            yield _Source(name, i), ("locomo", sample, f"{stem}-{i}")
     else:
-        yield where, ("locomo", obj, file.stem)
+        yield where, ("locomo", parsed, stem)
 
 
 def _locomo_id(sample: Any, default: str) -> str:
@@ -487,44 +516,125 @@ def _locomo_id(sample: Any, default: str) -> str:
     return base if base.startswith("locomo") else f"locomo-{base}"
 
 
-def iter_corpus(path: str | Path, on_bad_record: OnBadRecord = "fail",
-                stats: ReadStats | None = None,
-                limits: CorpusLimits = DEFAULT_LIMITS) -> Iterator[Conversation]:
-    """Yield the conversations of a corpus; a bad record raises or is skipped, a bad question
-    raises or is dropped (its conversation kept); each skip is added to `stats`."""
+def _conversations(obj: CorpusObject, skip: bool, stats: ReadStats, limits: CorpusLimits,
+                   seen_ids: set[str], new_ids: set[str]) -> Iterator[Conversation]:
+    """The conversations of one object; an id in `seen_ids` or `new_ids` is a duplicate, and
+    each id read is added to `new_ids` (a check pass gives a set of its own, so that the build
+    pass of the same object does not find its ids taken)."""
+    for src, item in _records(obj, limits):
+        faults: QuestionFaults | None = [] if skip else None
+        where = str(src)
+        try:
+            if isinstance(item, Exception):
+                raise item
+            if item[0] == "jsonl":
+                conv = parse_record(item[1], where, limits, faults)
+            else:
+                cid = _locomo_id(item[1], item[2])
+                try:
+                    conv = parse_locomo(item[1], cid, where, limits, faults)
+                except UnsafeIdError as e:
+                    raise CorpusError(f"{where}: {e}", cid) from None
+            cid = conv.conversation_id
+            if cid in new_ids or cid in seen_ids:
+                raise CorpusError(f"{where}: field 'conversation_id': duplicate id {cid!r}", cid)
+        except CorpusError as e:
+            if not skip:
+                raise
+            stats.add(Skip(src.file, src.record, e.conversation_id, None, str(e)))
+            continue
+        for index, error in faults or ():
+            stats.add(Skip(src.file, src.record, conv.conversation_id, index, str(error)))
+        new_ids.add(conv.conversation_id)
+        stats.read += 1
+        yield conv
+
+
+def _check_mode(on_bad_record: str) -> bool:
     if on_bad_record not in ("fail", "skip"):
         raise ValueError(f"on_bad_record must be 'fail' or 'skip', got {on_bad_record!r}")
+    return on_bad_record == "skip"
+
+
+def iter_corpus(path: str | Path | list[CorpusObject], on_bad_record: OnBadRecord = "fail",
+                stats: ReadStats | None = None,
+                limits: CorpusLimits = DEFAULT_LIMITS) -> Iterator[Conversation]:
+    """Yield the conversations of a corpus (a local path, or its objects); a bad record raises
+    or is skipped, a bad question raises or is dropped (its conversation kept); each skip is
+    added to `stats`. One pass, no validation ahead: see `CorpusStream` for that."""
+    skip = _check_mode(on_bad_record)
     stats = stats if stats is not None else ReadStats()
-    skip = on_bad_record == "skip"
+    objects = path if isinstance(path, list) else local_objects(path)
     seen_ids: set[str] = set()
-    for file in _corpus_files(Path(path)):
-        for src, item in _records(file, limits):
-            faults: QuestionFaults | None = [] if skip else None
-            where = str(src)
-            try:
-                if isinstance(item, Exception):
-                    raise item
-                if item[0] == "jsonl":
-                    conv = parse_record(item[1], where, limits, faults)
-                else:
-                    cid = _locomo_id(item[1], item[2])
-                    try:
-                        conv = parse_locomo(item[1], cid, where, limits, faults)
-                    except UnsafeIdError as e:
-                        raise CorpusError(f"{where}: {e}", cid) from None
-                if conv.conversation_id in seen_ids:
-                    raise CorpusError(f"{where}: field 'conversation_id': duplicate id "
-                                      f"{conv.conversation_id!r}", conv.conversation_id)
-            except CorpusError as e:
-                if not skip:
-                    raise
-                stats.add(Skip(src.file, src.record, e.conversation_id, None, str(e)))
+    for obj in objects:
+        yield from _conversations(obj, skip, stats, limits, seen_ids, seen_ids)
+
+
+# An object up to this size is read once into the driver's memory, checked, then built from
+# memory; a larger one is streamed twice (check, then build), or once in skip mode.
+HOLD_BYTES = 64 * 2**20
+
+
+class CorpusStream:
+    """The conversations of a corpus, object by object, each object checked whole before any
+    of its conversations is yielded: a bad record (fail mode) stops the read before anything
+    of its object is built, naming object, record and field. Nothing is written to disk and
+    memory stays bounded: an object of at most `hold_bytes` is read once and checked and built
+    from memory; a larger one is streamed twice (or once in skip mode, where a bad record is
+    reported and left out as the build meets it). A bad record in a later object therefore
+    stops the build after earlier objects were built; their commits are kept, and the same
+    command re-run skips them. Skips go to `stats` (its sink writes the report) once each."""
+
+    def __init__(self, objects: list[CorpusObject], on_bad_record: OnBadRecord = "fail",
+                 stats: ReadStats | None = None, limits: CorpusLimits = DEFAULT_LIMITS,
+                 hold_bytes: int = HOLD_BYTES, where: str = "corpus"):
+        self.skip = _check_mode(on_bad_record)
+        self.objects, self.limits, self.hold_bytes, self.where = objects, limits, hold_bytes, where
+        self.stats = stats if stats is not None else ReadStats()
+        self.objects_started = 0  # objects whose reading has begun
+        self._seen: set[str] = set()
+        self._it = self._read()
+        self._primed: list[Conversation] = []
+
+    def _held(self, obj: CorpusObject) -> CorpusObject | None:
+        """The object read once into memory when it is small enough, else None."""
+        if obj.size() > self.hold_bytes:
+            return None
+        with obj.open() as f:
+            data = f.read()
+        return CorpusObject(obj.name, lambda: io.BytesIO(data), lambda: len(data))
+
+    def _read(self) -> Iterator[Conversation]:
+        for obj in self.objects:
+            self.objects_started += 1
+            held = self._held(obj)
+            source = held or obj
+            if held is None and self.skip:  # one streamed pass: skips are met as they come
+                yield from _conversations(source, True, self.stats, self.limits, self._seen,
+                                          self._seen)
                 continue
-            for index, error in faults or ():
-                stats.add(Skip(src.file, src.record, conv.conversation_id, index, str(error)))
-            seen_ids.add(conv.conversation_id)
-            stats.read += 1
-            yield conv
+            for _ in _conversations(source, self.skip, self.stats, self.limits, self._seen, set()):
+                pass  # the check: raises in fail mode; records the skips in skip mode
+            yield from _conversations(source, self.skip, ReadStats(keep=0), self.limits,
+                                      self._seen, self._seen)
+
+    def prime(self) -> None:
+        """Read up to the first conversation (checking the objects before it, and its own),
+        so that a bad or empty corpus fails before anything starts; raises `CorpusError`."""
+        if not self._primed:
+            self._primed = [next(self._it, None)]
+        if self._primed[0] is None:
+            s = self.stats
+            raise CorpusError(f"{self.where}: every record was skipped ({s.records_skipped:,} "
+                              "bad records): no conversation left" if s.records_skipped else
+                              f"{self.where}: the corpus is empty (no records)")
+
+    def __iter__(self) -> Iterator[Conversation]:
+        for conv in self._primed:
+            if conv is not None:
+                yield conv
+        self._primed = []
+        yield from self._it
 
 
 def read_corpus(path: str | Path, on_bad_record: OnBadRecord = "fail",
