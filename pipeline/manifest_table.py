@@ -38,7 +38,8 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 
 from pipeline.corpus import check_safe_id
-from pipeline.manifest import ManifestError, list_conversations, read_manifest
+from pipeline.manifest import (MANIFEST_SCHEMA, STATE_SCHEMA, ManifestError,
+                               list_conversations, read_manifest)
 from pipeline.store import LocalStore, S3Store, Store, StoreError
 
 log = logging.getLogger(__name__)
@@ -52,35 +53,10 @@ VIEW = "episodes"  # the DuckDB view name of `jobs.manifests --sql`
 # needed: centroid (384 floats a row, ~1.5 KB: routing reads one conversation's manifest anyway),
 # medoid_text and medoid_turn_ids (the patched prompt, KBs), config_json (the same ~1 KB on every
 # row of a configuration; config_hash names it), and the per-layer lists.
-TABLE_SCHEMA = pa.schema([
-    ("conversation_id", pa.string()),
-    ("episode", pa.int32()),
-    ("episodes_requested", pa.int32()),
-    ("episodes_built", pa.int32()),
-    ("episode_note", pa.string()),
-    ("object_key", pa.string()),
-    ("sha256", pa.string()),
-    ("object_bytes", pa.int64()),
-    ("kv_bytes", pa.int64()),
-    ("n_windows", pa.int32()),
-    ("tokens", pa.int64()),
-    ("scorer", pa.string()),
-    ("model_id", pa.string()),
-    ("encoder_id", pa.string()),
-    ("config_hash", pa.string()),
-    ("cluster_seconds", pa.float64()),
-    ("build_seconds", pa.float64()),
-    ("worker", pa.string()),
-    ("node_id", pa.string()),
-    ("built_at", pa.string()),
-    ("original_entries", pa.int64()),
-    ("original_bytes", pa.int64()),
-    ("quantized_entries", pa.int64()),
-    ("quantized_bytes", pa.int64()),
-    ("evicted_entries", pa.int64()),
-    ("evicted_bytes", pa.int64()),
-    ("merged_entries", pa.int64()),
-])
+_LEFT_OUT = {"centroid", "medoid_text", "medoid_turn_ids", "config_json", "layer_budgets",
+             "entries_per_layer", "peak_entries_per_layer", "layer_byte_budgets", "oq_ratios"}
+TABLE_SCHEMA = pa.schema([f for f in list(MANIFEST_SCHEMA) + list(STATE_SCHEMA)
+                          if f.name not in _LEFT_OUT])
 
 # Parquet as written into the table: zstd, and row groups small enough that a point lookup
 # reads one of them (statistics on conversation_id prune the rest).
