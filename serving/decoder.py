@@ -1,11 +1,14 @@
 """The decoder deployment: the model and a byte-bounded LRU of episodic caches fetched from the
-store (checksum verified; the previous turn's cache always stays resident; concurrent requests
-for one cache fetch it once). It answers the router with plain dicts: an error is
+store (checksum verified as the object streams in; the previous turn's cache always stays
+resident; concurrent requests for one cache fetch it once), with an optional bounded local-disk
+tier under it (a restart or an eviction reads the disk, not the store) and a background prefetch
+of a conversation's other episodes. It answers the router with plain dicts: an error is
 {"error": {"status", "message"}}, classified here, never an exception across the handle."""
 
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 from ray import serve
@@ -28,11 +31,13 @@ class Decoder:
     (a loaded cache is extended in place while decoding), fetching concurrently."""
 
     def __init__(self, store: str, s3_endpoint: str | None, model: str, cache_bytes: int,
-                 torch_threads: int | None = None):
+                 torch_threads: int | None = None, disk_cache: str | None = None,
+                 disk_cache_bytes: int = 0, prefetch_workers: int = 1):
         import torch
 
         from pipeline import models
         from pipeline.answer import CacheLRU
+        from pipeline.disk_tier import DiskTier
         from pipeline.store import open_store
 
         if torch_threads:
@@ -43,64 +48,86 @@ class Decoder:
         self.lm = models.load_llm(model, self.device)
         self.caches = CacheLRU(cache_bytes)
         self.decode_lock = threading.Lock()
-        self.fetched_bytes = 0
+        self.disk = DiskTier(disk_cache, disk_cache_bytes) if disk_cache else None
+        self.prefetcher = ThreadPoolExecutor(prefetch_workers, thread_name_prefix="prefetch") \
+            if prefetch_workers > 0 else None
+        self._figures_lock = threading.Lock()
+        self.figures = {"fetched_bytes": 0, "store_reads": 0, "disk_reads": 0,
+                        "prefetch_requested": 0, "prefetch_skipped": 0, "prefetch_fetched": 0,
+                        "prefetch_resident": 0, "prefetch_failed": 0}
+
+    def _count(self, **increments: int) -> None:
+        with self._figures_lock:
+            for name, n in increments.items():
+                self.figures[name] += n
+
+    def _load(self, row: dict):
+        """Fetch (disk tier, else store), verify as it streams, parse: the episode's cache."""
+        from pipeline import cache_io
+        from pipeline.answer import fetch_object
+
+        data, from_disk = fetch_object(self.store, row, self.disk)
+        self._count(**({"disk_reads": 1} if from_disk else
+                       {"store_reads": 1, "fetched_bytes": len(data)}))
+        cache, _ = cache_io.parse(data, row["object_key"], self.lm.model.dtype, self.device)
+        return cache
 
     def _cache(self, row: dict):
-        from pipeline.answer import check_models, fetch_cache
+        from pipeline.answer import check_models
 
         check_models([row], self.model_name, None)
-
-        def load():
-            cache = fetch_cache(self.store, row, self.lm.model.dtype, self.device)
-            self.fetched_bytes += int(row.get("object_bytes") or 0)
-            return cache
-
         t = time.perf_counter()
-        cache, hit = self.caches.get_or_load((row["object_key"], row["sha256"]), load)
+        cache, hit = self.caches.get_or_load((row["object_key"], row["sha256"]),
+                                             lambda: self._load(row))
         return cache, hit, (time.perf_counter() - t) * 1000
 
-    def answer(self, row: dict, question: str, max_new_tokens: int, temperature: float) -> dict:
-        """{"answer", "tokens", "finish_reason", "cache_hit", "fetch_ms", "decode_ms"} or
-        {"error": {"status", "message"}}."""
-        from pipeline.answer import decode_answer
+    def prefetch(self, rows: list[dict]) -> int:
+        """Load these episodes in the background (a follow-up question often routes to another
+        episode of the conversation): into the disk tier, and into memory when the LRU has room
+        without evicting anything. Returns at once with the number queued; never raises."""
+        if self.prefetcher is None:
+            return 0
+        queued = 0
+        for row in rows:
+            try:
+                from pipeline.answer import check_models
 
-        try:
-            cache, hit, fetch_ms = self._cache(row)
-            t = time.perf_counter()
-            with self.decode_lock:
-                t_start = time.perf_counter()
-                decoded = decode_answer(self.lm, cache, question, max_new_tokens, temperature)
-            done = time.perf_counter()
-        except Exception as e:
-            return _decoder_error(e)
-        return {"answer": decoded.text, "tokens": decoded.tokens,
-                "finish_reason": decoded.finish_reason, "cache_hit": hit,
-                "fetch_ms": round(fetch_ms, 3), "decode_ms": round((done - t_start) * 1000, 3),
-                "queue_ms": round((t_start - t) * 1000, 3)}
+                check_models([row], self.model_name, None)
+                self.prefetcher.submit(self._prefetch_one, row)
+                queued += 1
+            except Exception as e:  # noqa: BLE001 - a prefetch is best effort
+                log.warning("prefetch of %s not queued: %s", row.get("object_key"), e)
+                self._count(prefetch_failed=1)
+        self._count(prefetch_requested=queued)
+        return queued
 
-    def stream(self, row: dict, question: str, max_new_tokens: int,
-               temperature: float) -> Iterator[dict]:
-        """First {"cache_hit", "fetch_ms"} (or {"error": ...}), then {"text": piece}s, then
-        {"done": {"tokens", "finish_reason", "decode_ms"}} (or {"error": ...})."""
-        from pipeline.answer import stream_answer
+    def _prefetch_one(self, row: dict) -> None:
+        from pipeline.answer import fetch_object
 
+        key = (row["object_key"], row["sha256"])
         try:
-            cache, hit, fetch_ms = self._cache(row)
-        except Exception as e:
-            yield _decoder_error(e)
-            return
-        yield {"cache_hit": hit, "fetch_ms": round(fetch_ms, 3)}
-        info: dict = {}
-        t = time.perf_counter()
-        try:
-            for piece in stream_answer(self.lm, cache, question, max_new_tokens, temperature,
-                                       lock=self.decode_lock, info=info):
-                yield {"text": piece}
-        except Exception as e:
-            yield _decoder_error(e)
-            return
-        yield {"done": {**info, "decode_ms": round((time.perf_counter() - t) * 1000, 3)}}
+            if key in self.caches:
+                self._count(prefetch_skipped=1)
+            elif self.caches.bytes < self.caches.max_bytes:  # room in memory: load and offer
+                cache = self._load(row)
+                self._count(prefetch_fetched=1,
+                            prefetch_resident=int(self.caches.offer(key, cache)))
+            elif self.disk is not None and row["sha256"] not in self.disk:  # to disk only
+                data, from_disk = fetch_object(self.store, row, self.disk)
+                self._count(prefetch_fetched=1, **({"disk_reads": 1} if from_disk else
+                                                   {"store_reads": 1, "fetched_bytes": len(data)}))
+            else:
+                self._count(prefetch_skipped=1)
+        except Exception as e:  # noqa: BLE001 - logged, never raised: no request waits on it
+            log.warning("prefetch of %s failed: %s", row.get("object_key"), e)
+            self._count(prefetch_failed=1)
+
+    @property
+    def fetched_bytes(self) -> int:
+        return self.figures["fetched_bytes"]
 
     def stats(self) -> dict:
-        return {"model": self.model_name, "device": self.device,
-                "fetched_bytes": self.fetched_bytes, **self.caches.stats()}
+        with self._figures_lock:
+            figures = dict(self.figures)
+        return {"model": self.model_name, "device": self.device, **figures,
+                **self.caches.stats(), "disk": self.disk.stats() if self.disk else None}

@@ -5,6 +5,7 @@ for the answer."""
 
 import asyncio
 import hmac
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from serving.errors import ApiError, add_exception_handlers, classify
 from serving.schemas import AnswerRequest, ChatRequest, parse_body
 from serving.settings import ServeSettings
 
+log = logging.getLogger("epicache.serve")
 app = FastAPI(title="EpiCache decode endpoint", docs_url=None, redoc_url=None)
 add_exception_handlers(app)
 
@@ -28,6 +30,7 @@ class _Conversation:
     centroids: Any  # np.ndarray [episodes, dim]
     stamp: tuple[int, float]  # (size, modified) of the manifest object when read
     checked: float  # time.monotonic() of the last check against the store
+    prefetched: bool = False  # its other episodes were handed to the decoder's prefetch
 
 
 @serve.deployment(name="EpiCacheRouter")
@@ -47,6 +50,7 @@ class Router:
         self.encoder = models.load_encoder(encoder, "cpu")
         self.encoder_lock = threading.Lock()  # a tokenizer is not safe across threads
         self._conversations: dict[str, _Conversation] = {}
+        self._background: set[asyncio.Task] = set()
         token = self.settings.auth_token
         self._token = token.encode() if token else None
 
@@ -118,7 +122,26 @@ class Router:
         t2 = time.perf_counter()
         row, similarity = route_question(emb, conv.rows, conv.centroids)
         t3 = time.perf_counter()
+        if not conv.prefetched:  # first touch: a follow-up often routes to another episode
+            conv.prefetched = True
+            self._prefetch([self._decoder_row(r) for r in conv.rows if r is not row])
         return row, similarity, {"embed": (t2 - t1) * 1000, "route": (t1 - t0 + t3 - t2) * 1000}
+
+    def _prefetch(self, rows: list[dict]) -> None:
+        """Ask the decoder to load `rows` in the background; no request waits on it, and a
+        failure is logged, never raised."""
+        if not rows:
+            return
+
+        async def send() -> None:
+            try:
+                await self.decoder.prefetch.remote(rows)
+            except Exception as e:  # noqa: BLE001 - a prefetch is best effort
+                log.warning("prefetch of %d episode(s) failed: %s", len(rows), e)
+
+        task = asyncio.get_running_loop().create_task(send())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     @staticmethod
     def _decoder_row(row: dict) -> dict:

@@ -27,6 +27,9 @@ class ServeSettings:
     max_new_tokens_limit: int = 512
     default_max_new_tokens: int = 32
     torch_threads: int | None = None  # decoder torch threads (default: Ray's assignment)
+    disk_cache: str | None = None  # a local folder: the decoder's disk tier (None: no tier)
+    disk_cache_bytes: int = 8 * 2**30  # the disk tier's bound, per folder
+    prefetch_workers: int = 1  # decoder threads prefetching a conversation's other episodes
 
     def __post_init__(self) -> None:
         if self.decoder_autoscale is not None:
@@ -39,6 +42,8 @@ class ServeSettings:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.cache_bytes < 0 or self.manifest_ttl_s < 0:
             raise ValueError("cache_bytes and manifest_ttl_s must be >= 0")
+        if self.disk_cache_bytes < 0 or self.prefetch_workers < 0:
+            raise ValueError("disk_cache_bytes and prefetch_workers must be >= 0")
 
 
 def parse_autoscale(value: str | None) -> tuple[int, int] | None:
