@@ -61,15 +61,22 @@ class Decoder:
             for name, n in increments.items():
                 self.figures[name] += n
 
-    def _load(self, row: dict):
-        """Fetch (disk tier, else store), verify as it streams, parse: the episode's cache."""
-        from pipeline import cache_io
+    def _fetch(self, row: dict) -> bytes:
+        """The episode's object from the disk tier, else the store (then kept in the tier),
+        verified as it streams in; counted."""
         from pipeline.answer import fetch_object
 
         data, from_disk = fetch_object(self.store, row, self.disk)
         self._count(**({"disk_reads": 1} if from_disk else
                        {"store_reads": 1, "fetched_bytes": len(data)}))
-        cache, _ = cache_io.parse(data, row["object_key"], self.lm.model.dtype, self.device)
+        return data
+
+    def _load(self, row: dict):
+        """The episode's cache: fetched, verified, then parsed without hashing again."""
+        from pipeline import cache_io
+
+        cache, _ = cache_io.parse(self._fetch(row), row["object_key"], self.lm.model.dtype,
+                                  self.device)
         return cache
 
     def _cache(self, row: dict):
@@ -85,13 +92,13 @@ class Decoder:
         """Load these episodes in the background (a follow-up question often routes to another
         episode of the conversation): into the disk tier, and into memory when the LRU has room
         without evicting anything. Returns at once with the number queued; never raises."""
+        from pipeline.answer import check_models
+
         if self.prefetcher is None:
             return 0
         queued = 0
         for row in rows:
             try:
-                from pipeline.answer import check_models
-
                 check_models([row], self.model_name, None)
                 self.prefetcher.submit(self._prefetch_one, row)
                 queued += 1
@@ -102,8 +109,6 @@ class Decoder:
         return queued
 
     def _prefetch_one(self, row: dict) -> None:
-        from pipeline.answer import fetch_object
-
         key = (row["object_key"], row["sha256"])
         try:
             if key in self.caches:
@@ -113,9 +118,8 @@ class Decoder:
                 self._count(prefetch_fetched=1,
                             prefetch_resident=int(self.caches.offer(key, cache)))
             elif self.disk is not None and row["sha256"] not in self.disk:  # to disk only
-                data, from_disk = fetch_object(self.store, row, self.disk)
-                self._count(prefetch_fetched=1, **({"disk_reads": 1} if from_disk else
-                                                   {"store_reads": 1, "fetched_bytes": len(data)}))
+                self._fetch(row)
+                self._count(prefetch_fetched=1)
             else:
                 self._count(prefetch_skipped=1)
         except Exception as e:  # noqa: BLE001 - logged, never raised: no request waits on it
