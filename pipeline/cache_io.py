@@ -57,11 +57,13 @@ def read_verified(stream: BinaryIO, expected_sha256: str | None, name: str = "ca
         while got < size:
             n = stream.readinto(view[got:got + CHUNK_BYTES])
             if not n:
-                raise CacheCorruptError(f"cache object {name} is truncated ({got} of {size} bytes)")
+                raise CacheCorruptError(f"cache object {name} is truncated "
+                                        f"({got} of {size} bytes)")
             digest.update(view[got:got + n])
             got += n
         if stream.read(1):
-            raise CacheCorruptError(f"cache object {name} is longer than its recorded {size} bytes")
+            raise CacheCorruptError(f"cache object {name} is longer than its recorded "
+                                    f"{size} bytes")
         view.release()
     else:
         buffer = bytearray()
@@ -192,7 +194,8 @@ def _rebuild(tensors: dict[str, torch.Tensor], header: dict, dtype: torch.dtype,
                 if quantized:
                     codes = qkeys if name == "keys" else qvalues
                     scales = qkey_scales if name == "keys" else qvalue_scales
-                    rows = torch.cat([rows, dequantize(codes.to(device), scales.to(device), dtype=dtype)])
+                    rows = torch.cat([rows, dequantize(codes.to(device), scales.to(device),
+                                                       dtype=dtype)])
                 padded = rows.new_zeros(1, n_heads, slots, rows.shape[-1])
                 padded[0][valid.to(device)] = rows[order.to(device)]
                 setattr(layer, name, padded)
@@ -202,7 +205,8 @@ def _rebuild(tensors: dict[str, torch.Tensor], header: dict, dtype: torch.dtype,
                 layer.quantized = mask.to(device)
                 layer.code_dtype = qkeys.dtype
                 raw = torch.uint8 if qkeys.dtype == torch.float8_e4m3fn else torch.int8
-                for name, rows in (("key_codes", qkeys.view(raw)), ("value_codes", qvalues.view(raw)),
+                for name, rows in (("key_codes", qkeys.view(raw)),
+                                   ("value_codes", qvalues.view(raw)),
                                    ("key_scales", qkey_scales), ("value_scales", qvalue_scales)):
                     full = rows.new_zeros(n_heads, slots, *rows.shape[1:])
                     full[mask] = rows[order[is_quantized] - lengths.sum()]
