@@ -24,6 +24,7 @@ number of objects each read from the store (counted on the store).
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import tempfile
@@ -156,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{rows[0]['tokens']} tokens, {sum(r['build_seconds'] for r in rows):.0f} s of build",
               file=sys.stderr, flush=True)
     questions = [q.question for q in conv.questions][:a.questions]
+    first = read_manifest(stores["episodic"], conv.conversation_id)[0]
+    models.load_llm(first["model_id"], "cpu"), models.load_encoder(first["encoder_id"], "cpu")
+    gc.freeze()  # as the Serve deployments do: no collector pass over the models inside a turn
     turns = {(name, cold): [] for name in stores for cold in (True, False)}
     for question in questions:  # the two caches alternate, turn by turn
         for name, store in stores.items():

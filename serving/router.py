@@ -4,6 +4,7 @@ changes). It embeds the question, picks the episode, and asks the decoder (a `De
 for the answer."""
 
 import asyncio
+import gc
 import hmac
 import logging
 import threading
@@ -51,6 +52,7 @@ class Router:
         self.encoder_lock = threading.Lock()  # a tokenizer is not safe across threads
         self._conversations: dict[str, _Conversation] = {}
         self._background: set[asyncio.Task] = set()
+        gc.freeze()  # the encoder's objects leave the collector: no 100+ ms pauses in an embed
         token = self.settings.auth_token
         self._token = token.encode() if token else None
 
