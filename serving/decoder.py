@@ -90,6 +90,48 @@ class Decoder:
                                              lambda: self._load(row))
         return cache, hit, (time.perf_counter() - t) * 1000
 
+    def answer(self, row: dict, question: str, max_new_tokens: int, temperature: float) -> dict:
+        """{"answer", "tokens", "finish_reason", "cache_hit", "fetch_ms", "decode_ms"} or
+        {"error": {"status", "message"}}."""
+        from pipeline.answer import decode_answer
+
+        try:
+            cache, hit, fetch_ms = self._cache(row)
+            t = time.perf_counter()
+            with self.decode_lock:
+                t_start = time.perf_counter()
+                decoded = decode_answer(self.lm, cache, question, max_new_tokens, temperature)
+            done = time.perf_counter()
+        except Exception as e:
+            return _decoder_error(e)
+        return {"answer": decoded.text, "tokens": decoded.tokens,
+                "finish_reason": decoded.finish_reason, "cache_hit": hit,
+                "fetch_ms": round(fetch_ms, 3), "decode_ms": round((done - t_start) * 1000, 3),
+                "queue_ms": round((t_start - t) * 1000, 3)}
+
+    def stream(self, row: dict, question: str, max_new_tokens: int,
+               temperature: float) -> Iterator[dict]:
+        """First {"cache_hit", "fetch_ms"} (or {"error": ...}), then {"text": piece}s, then
+        {"done": {"tokens", "finish_reason", "decode_ms"}} (or {"error": ...})."""
+        from pipeline.answer import stream_answer
+
+        try:
+            cache, hit, fetch_ms = self._cache(row)
+        except Exception as e:
+            yield _decoder_error(e)
+            return
+        yield {"cache_hit": hit, "fetch_ms": round(fetch_ms, 3)}
+        info: dict = {}
+        t = time.perf_counter()
+        try:
+            for piece in stream_answer(self.lm, cache, question, max_new_tokens, temperature,
+                                       lock=self.decode_lock, info=info):
+                yield {"text": piece}
+        except Exception as e:
+            yield _decoder_error(e)
+            return
+        yield {"done": {**info, "decode_ms": round((time.perf_counter() - t) * 1000, 3)}}
+
     def prefetch(self, rows: list[dict]) -> int:
         """Load these episodes in the background (a follow-up question often routes to another
         episode of the conversation): into the disk tier, and into memory when the LRU has room
