@@ -4,6 +4,7 @@ decoder's prefetch of a conversation's other episodes. Tiny random models, local
 
 from __future__ import annotations
 
+import gc
 import io
 import threading
 import time
@@ -197,6 +198,7 @@ def _decoder(tmp_path, model, monkeypatch, cache_bytes=10**9, disk=True):
     from serving.decoder import Decoder
 
     monkeypatch.setattr(models, "load_llm", lambda name, device=None, dtype=None: StandIn(model))
+    monkeypatch.setattr(gc, "freeze", lambda: None)  # a replica's process, not pytest's
     return Decoder.func_or_class(str(tmp_path / "store"), None, MODEL, cache_bytes, None,
                                  str(tmp_path / "disk") if disk else None, 10**9, 1)
 
