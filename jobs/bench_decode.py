@@ -13,14 +13,22 @@ question again: its episode's cache is resident, as for a follow-up turn). Repor
 each stage per turn, the share of embed + route + load in the turn, and decode time per
 generated token (answers may differ in length). With `--store DIR`, a re-run finds both builds
 in their manifests (same configuration hash) and goes straight to the turns.
+
+Then the cold load itself, per episode of the episodic build, side by side: from the store
+(streamed with its checksum verified as it arrives, then parsed and rebuilt: the split is
+printed) and, after a first load filled a local-disk tier (`pipeline.disk_tier`), from that tier
+through a fresh `DiskTier` over the same folder, as a restarted replica sees it, with the
+number of objects each read from the store (counted on the store).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -28,14 +36,70 @@ import torch
 from jobs.bench_common import add_model_options, print_table
 from jobs.cli import make_parser
 from pipeline import builder, models
-from pipeline.answer import Answerer
+from pipeline import cache_io
+from pipeline.answer import Answerer, fetch_cache
 from pipeline.config import BuildConfig
+from pipeline.disk_tier import DiskTier
 from pipeline.episodes import EpisodeConfig
 from pipeline.manifest import read_manifest
 from pipeline.store import LocalStore
 from pipeline.synthetic import make_conversation
 
 STAGES = ("embed", "route", "load", "decode")
+
+
+class CountingStore(LocalStore):
+    """A local store that counts the objects read from it."""
+    reads = 0
+
+    def open(self, key: str):
+        self.reads += 1
+        return super().open(key)
+
+    def get(self, key: str) -> bytes:
+        self.reads += 1
+        return super().get(key)
+
+
+def cold_loads(root: Path, rows: list[dict], dtype: torch.dtype, repeats: int = 3) -> list[dict]:
+    """Median ms of loading each episode's cache: from the store (split into stream + verify,
+    and parse + rebuild), and from a filled disk tier as a restarted replica (a new `DiskTier`
+    over the folder) reads it; with the objects read from the store."""
+    store = CountingStore(root, create=False)
+    split: dict[str, list[float]] = {"stream+verify": [], "parse+rebuild": []}
+    from_store, from_disk = [], []
+    with tempfile.TemporaryDirectory(prefix="bench-disk-tier-") as folder:
+        for _ in range(repeats):
+            for row in rows:
+                t0 = time.perf_counter()
+                with store.open(row["object_key"]) as f:
+                    data = cache_io.read_verified(f, row["sha256"], row["object_key"],
+                                                  row["object_bytes"])
+                t1 = time.perf_counter()
+                cache_io.parse(data, row["object_key"], dtype)
+                t2 = time.perf_counter()
+                split["stream+verify"].append((t1 - t0) * 1000)
+                split["parse+rebuild"].append((t2 - t1) * 1000)
+                from_store.append((t2 - t0) * 1000)
+        store_reads = store.reads
+        filled = DiskTier(folder, sum(r["object_bytes"] for r in rows))
+        for row in rows:
+            fetch_cache(store, row, dtype, disk=filled)
+        before_restart = store.reads
+        for _ in range(repeats):
+            restarted = DiskTier(folder, filled.max_bytes)  # a new replica over the folder
+            for row in rows:
+                t = time.perf_counter()
+                fetch_cache(store, row, dtype, disk=restarted)
+                from_disk.append((time.perf_counter() - t) * 1000)
+        restart_reads = store.reads - before_restart
+    out = [{"load": "store (cold)", "ms": statistics.median(from_store), "reads": store_reads,
+            "loads": len(from_store)}]
+    out += [{"load": f"store: {k}", "ms": statistics.median(v), "reads": None,
+             "loads": len(v)} for k, v in split.items()]
+    out.append({"load": "disk tier (restart)", "ms": statistics.median(from_disk),
+                "reads": restart_reads, "loads": len(from_disk)})
+    return out
 
 
 def turn(answerer: Answerer, conversation_id: str, question: str, max_new_tokens: int) -> dict:
@@ -93,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{rows[0]['tokens']} tokens, {sum(r['build_seconds'] for r in rows):.0f} s of build",
               file=sys.stderr, flush=True)
     questions = [q.question for q in conv.questions][:a.questions]
+    first = read_manifest(stores["episodic"], conv.conversation_id)[0]
+    models.load_llm(first["model_id"], "cpu"), models.load_encoder(first["encoder_id"], "cpu")
+    gc.freeze()  # as the Serve deployments do: no collector pass over the models inside a turn
     turns = {(name, cold): [] for name in stores for cold in (True, False)}
     for question in questions:  # the two caches alternate, turn by turn
         for name, store in stores.items():
@@ -114,6 +181,16 @@ def main(argv: list[str] | None = None) -> int:
     by = {r["cache"]: r for r in rows}
     print(f"\ndecode ms/token, full / episodic (warm): "
           f"{by['full (warm)']['ms_per_token'] / by['episodic (warm)']['ms_per_token']:.2f}x")
+    rows = read_manifest(stores["episodic"], conv.conversation_id)
+    dtype = models.load_llm(rows[0]["model_id"]).model.dtype
+    loads = cold_loads(root / "episodic", rows, dtype)
+    print(f"\ncold load of the {len(rows)} episodic caches "
+          f"({statistics.mean(r['object_bytes'] for r in rows) / 2**20:.1f} MiB each), medians:")
+    print_table(loads, [("load", "from", "s"), ("ms", "ms per cache", ".1f"),
+                        ("loads", "loads", "d"), ("reads", "objects read from the store", "d")])
+    print(f"restart from the disk tier / cold load from the store: "
+          f"{loads[-1]['ms'] / loads[0]['ms']:.2f}x the time, {loads[-1]['reads']} store reads")
+    gc.unfreeze()  # frozen objects are never freed at exit: nanobind would report them leaked
     return 0
 
 

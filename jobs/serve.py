@@ -92,6 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "piece before answering 504")
     p.add_argument("--cache-bytes", type=int, default=2 * 2**30,
                    help="bytes of resident caches per decoder replica (default: 2 GiB)")
+    p.add_argument("--disk-cache", default=None, metavar="DIR",
+                   help="a local folder for a bounded disk tier of verified cache objects under "
+                        "the decoder's memory LRU (a restart or an eviction reads it, not the "
+                        "store); replicas on one host may share it (default: no disk tier)")
+    p.add_argument("--disk-cache-bytes", type=int, default=8 * 2**30,
+                   help="bytes the --disk-cache folder may hold; least recently read objects "
+                        "are evicted (default: 8 GiB)")
+    p.add_argument("--prefetch-workers", type=int, default=1,
+                   help="decoder threads that load a conversation's other episodes in the "
+                        "background when it is first asked about (0: no prefetch)")
     p.add_argument("--manifest-ttl", type=float, default=5.0,
                    help="seconds a manifest is trusted before the store is checked for changes")
     p.add_argument("--max-question-chars", type=int, default=2000,
@@ -119,7 +129,9 @@ def settings_from_args(a: argparse.Namespace) -> ServeSettings:
         cache_bytes=a.cache_bytes, manifest_ttl_s=a.manifest_ttl,
         max_question_chars=a.max_question_chars, max_new_tokens_limit=a.max_new_tokens_limit,
         torch_threads=a.torch_threads, max_batch=a.max_batch,
-        max_batch_tokens=a.max_batch_tokens, decoder_timeout_s=a.decoder_timeout)
+        max_batch_tokens=a.max_batch_tokens, decoder_timeout_s=a.decoder_timeout,
+        disk_cache=a.disk_cache, disk_cache_bytes=a.disk_cache_bytes,
+        prefetch_workers=a.prefetch_workers)
 
 
 def main(argv: list[str] | None = None) -> int:

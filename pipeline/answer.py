@@ -26,6 +26,7 @@ import torch
 from pipeline import cache_io, models, prompts
 from pipeline.cache import EpisodicCache
 from pipeline.corpus import check_safe_id
+from pipeline.disk_tier import DiskTier
 from pipeline.episodes import route
 from pipeline.manifest import read_manifest
 from pipeline.store import Store
@@ -100,12 +101,28 @@ def route_question(question_embedding: np.ndarray, rows: list[dict],
 # Fetching caches into a byte-bounded LRU
 # ---------------------------------------------------------------------------------------------
 
+def fetch_object(store: Store, row: dict, disk: DiskTier | None = None) -> tuple[bytes, bool]:
+    """An episode's object, its SHA-256 checked against the manifest while it streams in, and
+    whether it came from the local disk tier (True) or the store (False; then it is kept in the
+    tier). A bad object raises `CacheCorruptError` naming it; a bad disk file is fetched again."""
+    key, expected = row["object_key"], row["sha256"]
+
+    def from_store() -> bytes:
+        with store.open(key) as f:
+            return cache_io.read_verified(f, expected, key, row.get("object_bytes") or None)
+
+    if disk is None:
+        return from_store(), False
+    return disk.load(expected, key, from_store)
+
+
 def fetch_cache(store: Store, row: dict, dtype: torch.dtype = torch.float32,
-                device: str | torch.device = "cpu") -> EpisodicCache:
-    """Get an episode's object, verify its SHA-256 against the manifest and parse it; a bad
-    object raises `CacheCorruptError` naming it."""
-    key = row["object_key"]
-    cache, _ = cache_io.deserialize(store.get(key), row["sha256"], key, dtype=dtype, device=device)
+                device: str | torch.device = "cpu", disk: DiskTier | None = None) -> EpisodicCache:
+    """Get an episode's object (from the disk tier if given and holding it), verify its SHA-256
+    against the manifest as it is read, and parse it; a bad object raises `CacheCorruptError`
+    naming it."""
+    data, _ = fetch_object(store, row, disk)
+    cache, _ = cache_io.parse(data, row["object_key"], dtype=dtype, device=device)
     return cache
 
 
@@ -178,6 +195,19 @@ class CacheLRU:
                 del self._loading[key]
             pending.set()
             return value, False
+
+    def offer(self, key: object, value: object) -> bool:
+        """Insert `value` as the least recently used entry if it fits in the budget without
+        evicting anything (a speculative load, e.g. a prefetch); False if it does not fit or
+        the key is resident or loading."""
+        size = int(self._sizeof(value))
+        with self._lock:
+            if key in self._entries or key in self._loading or self.bytes + size > self.max_bytes:
+                return False
+            self._entries[key] = (value, size)
+            self._entries.move_to_end(key, last=False)
+            self.bytes += size
+            return True
 
     def stats(self) -> dict:
         with self._lock:
@@ -306,8 +336,8 @@ class Answerer:
     (and more, up to `resident_bytes`)."""
 
     def __init__(self, store: Store, model: str | None = None, encoder: str | None = None,
-                 device: str = "cpu", resident_bytes: int = 0):
-        self.store, self.device = store, device
+                 device: str = "cpu", resident_bytes: int = 0, disk: DiskTier | None = None):
+        self.store, self.device, self.disk = store, device, disk
         self.model_name, self.encoder_name = model, encoder
         self._manifests: dict[str, list[dict]] = {}
         self.caches = CacheLRU(resident_bytes)
@@ -327,7 +357,7 @@ class Answerer:
         lm = models.load_llm(row["model_id"], self.device)
         return self.caches.get_or_load(
             (row["object_key"], row["sha256"]),
-            lambda: fetch_cache(self.store, row, lm.model.dtype, self.device))
+            lambda: fetch_cache(self.store, row, lm.model.dtype, self.device, self.disk))
 
     def answer(self, conversation_id: str, question: str, max_new_tokens: int = 32,
                temperature: float = 0.0) -> AnswerResult:

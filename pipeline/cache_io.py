@@ -6,7 +6,8 @@ the original token positions. The header names the model, the build configuratio
 conversation and episode, the tokens seen, the next position and the position mode
 (`positions`: "original", or "compact": each head's keys rotated at 0, 1, 2, ... and decoding
 continues at `next_position`). Reading checks the SHA-256 recorded in the
-manifest before parsing anything.
+manifest before parsing anything: `read_verified` hashes an object chunk by chunk as it streams
+in (from the store or the local disk tier), so the bytes are read once and never hashed again.
 
 Format 2 (tri-state caches, ARKV): the tensors above hold the Original entries only; the
 Quantized entries are `layers.{i}.qkeys` / `.qvalues` [entries, d] codes (int8 or
@@ -18,8 +19,10 @@ cache writes no q-tensors and `quant: null`; format 1 objects are still read.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import struct
+from typing import BinaryIO
 
 import torch
 from safetensors.torch import load as st_load
@@ -29,6 +32,8 @@ from kernels.quant import dequantize
 from pipeline.cache import EpisodicCache
 
 FORMAT = "epicache-kv/2"
+CHUNK_BYTES = 1 << 20  # read and hash this much at a time
+_SERIAL_ELEMENTS = 16384  # a copy this small runs on the calling thread (torch's grain: 32,768)
 READABLE_FORMATS = ("epicache-kv/1", FORMAT)
 
 
@@ -38,6 +43,37 @@ class CacheCorruptError(RuntimeError):
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def read_verified(stream: BinaryIO, expected_sha256: str | None, name: str = "cache",
+                  size: int | None = None) -> bytes:
+    """The whole of `stream`, hashed chunk by chunk as it is read (into one preallocated buffer
+    when `size` is known); `CacheCorruptError` naming the object if the length or the SHA-256
+    is not the expected one. `expected_sha256=None` reads without checking."""
+    digest = hashlib.sha256()
+    if size is not None and size > 0:
+        buffer = bytearray(size)
+        view, got = memoryview(buffer), 0
+        while got < size:
+            n = stream.readinto(view[got:got + CHUNK_BYTES])
+            if not n:
+                raise CacheCorruptError(f"cache object {name} is truncated "
+                                        f"({got} of {size} bytes)")
+            digest.update(view[got:got + n])
+            got += n
+        if stream.read(1):
+            raise CacheCorruptError(f"cache object {name} is longer than its recorded "
+                                    f"{size} bytes")
+        view.release()
+    else:
+        buffer = bytearray()
+        while chunk := stream.read(CHUNK_BYTES):
+            digest.update(chunk)
+            buffer += chunk
+    if expected_sha256 is not None and digest.hexdigest() != expected_sha256:
+        raise CacheCorruptError(f"cache object {name} failed its checksum (expected sha256 "
+                                f"{expected_sha256[:12]}..., got {digest.hexdigest()[:12]}...)")
+    return bytes(buffer)  # safetensors parses bytes only
 
 
 def serialize(cache: EpisodicCache, header: dict, dtype: torch.dtype = torch.float16) -> bytes:
@@ -90,6 +126,12 @@ def deserialize(data: bytes, expected_sha256: str | None, name: str = "cache",
     if expected_sha256 is not None and sha256(data) != expected_sha256:
         raise CacheCorruptError(f"cache object {name} failed its checksum (expected sha256 "
                                 f"{expected_sha256[:12]}..., got {sha256(data)[:12]}...)")
+    return parse(data, name, dtype, device)
+
+
+def parse(data: bytes, name: str = "cache", dtype: torch.dtype = torch.float32,
+          device: str | torch.device = "cpu") -> tuple[EpisodicCache, dict]:
+    """Parse and rebuild bytes already verified (`read_verified`): no second hash."""
     header = read_header(data, name)
     try:
         tensors = st_load(data)
@@ -124,39 +166,51 @@ def _rebuild(tensors: dict[str, torch.Tensor], header: dict, dtype: torch.dtype,
         else:
             qlengths = torch.zeros_like(lengths)
             qpositions = positions.new_zeros(0)
-        # Both tiers, merged per head in token order.
-        heads = torch.cat([torch.repeat_interleave(torch.arange(n_heads), lengths),
-                           torch.repeat_interleave(torch.arange(n_heads), qlengths)])
-        all_positions = torch.cat([positions, qpositions])
-        span = int(all_positions.max().item()) + 1 if all_positions.numel() else 1
-        order = torch.argsort(heads * span + all_positions)
-        counts = lengths + qlengths
-        slots = int(counts.max().item()) if counts.numel() else 0
-        valid = torch.arange(slots)[None, :] < counts[:, None]
-        is_quantized = torch.cat([torch.zeros(int(lengths.sum()), dtype=torch.bool),
-                                  torch.ones(int(qlengths.sum()), dtype=torch.bool)])[order]
-        layer.positions = torch.zeros(n_heads, slots, dtype=torch.long)
-        layer.positions[valid] = all_positions[order]
-        for name, original in (("keys", keys), ("values", values)):
-            rows = original.to(device, dtype)
+        counts_list = lengths.tolist()
+        if not quantized and _in_token_order(positions, counts_list):
+            # The common case, as `serialize` writes it: each head's entries already in token
+            # order, so each head is one copy (and dtype conversion) into its padded row.
+            slots = max(counts_list, default=0)
+            valid = torch.arange(slots)[None, :] < lengths[:, None]
+            layer.keys = _padded(keys, counts_list, slots, dtype, device)
+            layer.values = _padded(values, counts_list, slots, dtype, device)
+            layer.positions = _padded(positions, counts_list, slots, torch.long, "cpu")
+        else:
+            # Both tiers, merged per head in token order.
+            heads = torch.cat([torch.repeat_interleave(torch.arange(n_heads), lengths),
+                               torch.repeat_interleave(torch.arange(n_heads), qlengths)])
+            all_positions = torch.cat([positions, qpositions])
+            span = int(all_positions.max().item()) + 1 if all_positions.numel() else 1
+            order = torch.argsort(heads * span + all_positions)
+            counts = lengths + qlengths
+            slots = int(counts.max().item()) if counts.numel() else 0
+            valid = torch.arange(slots)[None, :] < counts[:, None]
+            is_quantized = torch.cat([torch.zeros(int(lengths.sum()), dtype=torch.bool),
+                                      torch.ones(int(qlengths.sum()), dtype=torch.bool)])[order]
+            layer.positions = torch.zeros(n_heads, slots, dtype=torch.long)
+            layer.positions[valid] = all_positions[order]
+            for name, original in (("keys", keys), ("values", values)):
+                rows = original.to(device, dtype)
+                if quantized:
+                    codes = qkeys if name == "keys" else qvalues
+                    scales = qkey_scales if name == "keys" else qvalue_scales
+                    rows = torch.cat([rows, dequantize(codes.to(device), scales.to(device),
+                                                       dtype=dtype)])
+                padded = rows.new_zeros(1, n_heads, slots, rows.shape[-1])
+                padded[0][valid.to(device)] = rows[order.to(device)]
+                setattr(layer, name, padded)
             if quantized:
-                codes = qkeys if name == "keys" else qvalues
-                scales = qkey_scales if name == "keys" else qvalue_scales
-                rows = torch.cat([rows, dequantize(codes.to(device), scales.to(device), dtype=dtype)])
-            padded = rows.new_zeros(1, n_heads, slots, rows.shape[-1])
-            padded[0][valid.to(device)] = rows[order.to(device)]
-            setattr(layer, name, padded)
-        if quantized:
-            mask = torch.zeros(n_heads, slots, dtype=torch.bool)
-            mask[valid] = is_quantized
-            layer.quantized = mask.to(device)
-            layer.code_dtype = qkeys.dtype
-            raw = torch.uint8 if qkeys.dtype == torch.float8_e4m3fn else torch.int8
-            for name, rows in (("key_codes", qkeys.view(raw)), ("value_codes", qvalues.view(raw)),
-                               ("key_scales", qkey_scales), ("value_scales", qvalue_scales)):
-                full = rows.new_zeros(n_heads, slots, *rows.shape[1:])
-                full[mask] = rows[order[is_quantized] - lengths.sum()]
-                setattr(layer, name, full.to(device))
+                mask = torch.zeros(n_heads, slots, dtype=torch.bool)
+                mask[valid] = is_quantized
+                layer.quantized = mask.to(device)
+                layer.code_dtype = qkeys.dtype
+                raw = torch.uint8 if qkeys.dtype == torch.float8_e4m3fn else torch.int8
+                for name, rows in (("key_codes", qkeys.view(raw)),
+                                   ("value_codes", qvalues.view(raw)),
+                                   ("key_scales", qkey_scales), ("value_scales", qvalue_scales)):
+                    full = rows.new_zeros(n_heads, slots, *rows.shape[1:])
+                    full[mask] = rows[order[is_quantized] - lengths.sum()]
+                    setattr(layer, name, full.to(device))
         layer.valid, layer.positions = valid.to(device), layer.positions.to(device)
         layer.tokens_seen = int(header["tokens_seen"])
         layer.next_position = int(header.get("next_position", layer.tokens_seen))
@@ -165,6 +219,39 @@ def _rebuild(tensors: dict[str, torch.Tensor], header: dict, dtype: torch.dtype,
             torch.arange(slots, device=device).expand(n_heads, -1)
         layer.is_initialized = True
     return cache
+
+
+def _in_token_order(positions: torch.Tensor, counts: list[int]) -> bool:
+    """Whether each head's run of `positions` is non-decreasing (heads start anew)."""
+    if positions.numel() < 2:
+        return True
+    steps = positions[1:] >= positions[:-1]
+    starts = [s - 1 for s in itertools.accumulate(counts[:-1]) if 0 < s < positions.numel()]
+    if starts:
+        steps[starts] = True
+    return bool(steps.all())
+
+
+def _padded(rows: torch.Tensor, counts: list[int], slots: int, dtype: torch.dtype,
+            device: str | torch.device) -> torch.Tensor:
+    """[heads, slots, ...] (with a leading 1 for keys and values) of `dtype`: each head's rows
+    (stored head after head) first, zeros after.
+
+    The copies go in blocks under torch's parallel grain (32,768 elements), so each runs on
+    the calling thread: a load runs while other threads decode on every core, and there a
+    parallel region per small copy cost ~100x the copy itself (measured on 2 busy cores).
+    """
+    out = torch.empty(len(counts), slots, *rows.shape[1:], dtype=dtype, device=device)
+    step = max(1, _SERIAL_ELEMENTS // max(1, rows[0].numel() if len(rows) else 1))
+    start = 0
+    for h, n in enumerate(counts):
+        for b in range(0, n, step):
+            end = min(n, b + step)
+            out[h, b:end].copy_(rows[start + b:start + end])
+        for b in range(n, slots, step):
+            out[h, b:min(slots, b + step)].zero_()
+        start += n
+    return out[None] if rows.dim() > 1 else out
 
 
 def _check_counts(i: int, lengths: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

@@ -47,6 +47,7 @@ def build_app(settings: ServeSettings, model: str, encoder: str):
         decoder_options["num_replicas"] = settings.decoder_replicas
     decoder = Decoder.options(**decoder_options).bind(
         settings.store, settings.s3_endpoint, model, settings.cache_bytes, settings.torch_threads,
+        settings.disk_cache, settings.disk_cache_bytes, settings.prefetch_workers,
         max_batch=settings.max_batch, max_batch_tokens=settings.max_batch_tokens)
     return Router.options(
         num_replicas=settings.router_replicas, max_ongoing_requests=256,
@@ -65,7 +66,8 @@ def app_builder(args: dict[str, str]):
              "default_max_new_tokens": int, "torch_threads": int, "router_cpus": float,
              "decoder_cpus": float, "decoder_gpus": float, "decoder_target_ongoing": float,
              "manifest_ttl_s": float, "decoder_autoscale": parse_autoscale, "max_batch": int,
-             "max_batch_tokens": int, "decoder_timeout_s": float}
+             "max_batch_tokens": int, "decoder_timeout_s": float,
+             "disk_cache_bytes": int, "prefetch_workers": int}
     if "store" not in args:
         raise ValueError("serve run jobs.serve:app_builder needs store=URI")
     kwargs = {k: casts.get(k, str)(v) for k, v in args.items()}

@@ -30,6 +30,9 @@ class ServeSettings:
     max_batch: int = 8  # requests decoded together per decoder replica
     max_batch_tokens: int = 32768  # tokens in flight per replica: cache slots + prompt + answer
     decoder_timeout_s: float = 300.0  # the router's wait for a decoder answer (or stream piece)
+    disk_cache: str | None = None  # a local folder: the decoder's disk tier (None: no tier)
+    disk_cache_bytes: int = 8 * 2**30  # the disk tier's bound, per folder
+    prefetch_workers: int = 1  # decoder threads prefetching a conversation's other episodes
 
     def __post_init__(self) -> None:
         if self.decoder_autoscale is not None:
@@ -45,6 +48,8 @@ class ServeSettings:
             raise ValueError(f"decoder_timeout_s must be > 0, got {self.decoder_timeout_s}")
         if self.cache_bytes < 0 or self.manifest_ttl_s < 0:
             raise ValueError("cache_bytes and manifest_ttl_s must be >= 0")
+        if self.disk_cache_bytes < 0 or self.prefetch_workers < 0:
+            raise ValueError("disk_cache_bytes and prefetch_workers must be >= 0")
 
 
 def parse_autoscale(value: str | None) -> tuple[int, int] | None:

@@ -215,6 +215,19 @@ def _stats(url: str) -> dict:
     return requests.get(f"{url}/healthz", timeout=60).json()["decoder"]
 
 
+def _settled_stats(url: str, requested: int = 0, timeout: float = 120.0) -> dict:
+    """The decoder's figures once it was asked for `requested` prefetches at least and every
+    prefetch it was asked for has ended."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = _stats(url)
+        ended = sum(stats[f"prefetch_{k}"] for k in ("fetched", "skipped", "failed"))
+        settled = stats["prefetch_requested"] >= requested and ended >= stats["prefetch_requested"]
+        if settled or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.2)
+
+
 def _questions(conversations, per: int = 2) -> list[tuple[str, str]]:
     return [(c.conversation_id, q.question) for c in conversations for q in c.questions[:per]]
 
@@ -249,12 +262,14 @@ def test_second_question_routed_to_the_same_episode_does_not_fetch_again(local_a
         by_episode.setdefault(row["episode"], []).append(q.question)
     first_q, second_q = next(qs for qs in by_episode.values() if len(qs) >= 2)[:2]
 
-    before = _stats(url)
+    before = _settled_stats(url)
     first = _answer(url, conv.conversation_id, first_q).json()
-    middle = _stats(url)
+    middle = _settled_stats(url, len(rows) - 1)  # the first touch prefetched the other episodes
     second = _answer(url, conv.conversation_id, second_q).json()
     after = _stats(url)
     assert second["episode"] == first["episode"]
+    assert middle["prefetch_requested"] >= len(rows) - 1  # on its first touch, here or before
+    assert middle["prefetch_failed"] == before["prefetch_failed"]
     assert middle["misses"] == before["misses"] + (0 if first["cache_hit"] else 1)
     assert second["cache_hit"] is True
     assert after["misses"] == middle["misses"] and after["fetched_bytes"] == middle["fetched_bytes"]

@@ -21,6 +21,7 @@ import pytest
 from jobs import build, gc
 from jobs.bench_scale import SYNTHETIC_CONFIG, synthetic_cache
 from pipeline import cache_io
+from pipeline.answer import fetch_cache
 from pipeline.answer import Answerer
 from pipeline.corpus import read_corpus, write_jsonl
 from pipeline.manifest import MANIFEST_SCHEMA, list_conversations, read_manifest, write_manifest
@@ -122,11 +123,14 @@ def test_manifest_round_trip_and_checksum_verified_on_read(store):
     assert list_conversations(store) == ["conv-1"]
     cache, header = cache_io.deserialize(store.get(key), back["sha256"], key)
     assert header["conversation_id"] == "conv-1" and cache.tokens_seen == 8
+    assert fetch_cache(store, back).tokens_seen == 8  # streamed by Store.open, hashed as read
     tampered = bytearray(data)
     tampered[-5] ^= 0xFF
     store.put(key, bytes(tampered))
     with pytest.raises(cache_io.CacheCorruptError, match="checksum"):
         cache_io.deserialize(store.get(key), back["sha256"], key)
+    with pytest.raises(cache_io.CacheCorruptError, match=f"{key} failed its checksum"):
+        fetch_cache(store, back)
 
 
 # ---------------------------------------------------------------------------------------------
