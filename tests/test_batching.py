@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from tiny_models import VOCAB, one_torch_thread, random_ids, tiny_model  # noqa: F401
+from tiny_models import StandIn, one_torch_thread, random_ids, tiny_model  # noqa: F401
 from transformers import TextIteratorStreamer
 
 from pipeline.answer import AnswerPieces, decode_answer, generate_from_cache
@@ -19,26 +19,6 @@ from pipeline.cache import EpisodicCache
 from pipeline.prefill import PrefillConfig, block_prefill
 from pipeline.scorers import EpiCacheScorer
 from serving.batcher import DecodeBatcher
-
-
-class CharTokenizer:
-    """A character-level tokenizer over the tiny models' vocabulary (ids 3..VOCAB-1)."""
-    pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
-    bos_token, chat_template = "", None
-
-    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
-        return {"input_ids": [3 + ord(c) % (VOCAB - 3) for c in text]}
-
-    def decode(self, ids, skip_special_tokens: bool = True, **_) -> str:
-        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-        return "".join(chr(32 + (i - 3) % 95) for i in ids if not (skip_special_tokens and i < 3))
-
-
-class TinyLM:
-    """What the decoding code needs of a loaded model: .model, .tokenizer."""
-
-    def __init__(self, model):
-        self.model, self.tokenizer = model, CharTokenizer()
 
 
 def _caches(model, specs=((61, 12, "headwise"), (90, 20, "perhead"), (40, 9, "headwise"))):
@@ -86,7 +66,7 @@ def test_packed_greedy_decode_equals_generate_alone(family):
     question = random_ids(5, seed=20)
     questions = [question, random_ids(7, seed=21), question]  # the same question twice
     before = [_state(c) for c in caches]
-    alone = [generate_from_cache(TinyLM(model), c, q, max_new_tokens=12).tolist()
+    alone = [generate_from_cache(StandIn(model), c, q, max_new_tokens=12).tolist()
              for c, q in zip(caches, questions)]
     assert alone[0] != alone[2]  # the same question about different conversations differs
     assert _packed_greedy(model, caches, questions, 12) == alone
@@ -99,7 +79,7 @@ def test_two_rows_over_one_shared_cache_do_not_see_each_other():
     model = tiny_model("llama")
     cache = _caches(model)[0]
     q1, q2 = random_ids(5, seed=30), random_ids(9, seed=31)
-    alone = [generate_from_cache(TinyLM(model), cache, q, max_new_tokens=10).tolist()
+    alone = [generate_from_cache(StandIn(model), cache, q, max_new_tokens=10).tolist()
              for q in (q1, q2)]
     assert _packed_greedy(model, [cache, cache], [q1, q2], 10) == alone
 
@@ -107,7 +87,7 @@ def test_two_rows_over_one_shared_cache_do_not_see_each_other():
 @pytest.fixture(scope="module")
 def lm_and_caches():
     model = tiny_model("llama")
-    return TinyLM(model), _caches(model)
+    return StandIn(model), _caches(model)
 
 
 QUESTIONS = ("Where did they go hiking?", "What is the pet called?", "Who cooked?")

@@ -63,16 +63,25 @@ def random_ids(n: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(3, VOCAB, (n,), generator=g)
 
 
-class StandIn:
-    """What `pipeline.answer.generate_from_cache` needs of a loaded model: .model, .tokenizer."""
+class CharTokenizer:
+    """A character-level tokenizer over the tiny models' vocabulary (ids 3..VOCAB-1)."""
+    pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
+    bos_token, chat_template = "", None
 
-    class _Tokenizer:
-        pad_token_id = 0
-        eos_token_id = 2
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+        return {"input_ids": [3 + ord(c) % (VOCAB - 3) for c in text]}
+
+    def decode(self, ids, skip_special_tokens: bool = True, **_) -> str:
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        return "".join(chr(32 + (i - 3) % 95) for i in ids if not (skip_special_tokens and i < 3))
+
+
+class StandIn:
+    """What the decoding code (`pipeline.answer`, `serving.batcher`) needs of a loaded model:
+    .model, .tokenizer."""
 
     def __init__(self, model):
-        self.model = model
-        self.tokenizer = self._Tokenizer()
+        self.model, self.tokenizer = model, CharTokenizer()
 
 
 @pytest.fixture(autouse=True, scope="module")
