@@ -70,10 +70,16 @@ def read_verified(stream: BinaryIO, expected_sha256: str | None, name: str = "ca
         while chunk := stream.read(CHUNK_BYTES):
             digest.update(chunk)
             buffer += chunk
-    if expected_sha256 is not None and digest.hexdigest() != expected_sha256:
-        raise CacheCorruptError(f"cache object {name} failed its checksum (expected sha256 "
-                                f"{expected_sha256[:12]}..., got {digest.hexdigest()[:12]}...)")
+    check_sha256(digest.hexdigest(), expected_sha256, name)
     return bytes(buffer)  # safetensors parses bytes only
+
+
+def check_sha256(got: str, expected: str | None, name: str = "cache") -> None:
+    """`CacheCorruptError` naming the object unless its SHA-256 is the expected one (or none
+    is expected)."""
+    if expected is not None and got != expected:
+        raise CacheCorruptError(f"cache object {name} failed its checksum (expected sha256 "
+                                f"{expected[:12]}..., got {got[:12]}...)")
 
 
 def serialize(cache: EpisodicCache, header: dict, dtype: torch.dtype = torch.float16) -> bytes:
@@ -123,9 +129,8 @@ def deserialize(data: bytes, expected_sha256: str | None, name: str = "cache",
                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
                 ) -> tuple[EpisodicCache, dict]:
     """Verify, parse and rebuild an `EpisodicCache` (padded per head) from serialized bytes."""
-    if expected_sha256 is not None and sha256(data) != expected_sha256:
-        raise CacheCorruptError(f"cache object {name} failed its checksum (expected sha256 "
-                                f"{expected_sha256[:12]}..., got {sha256(data)[:12]}...)")
+    if expected_sha256 is not None:
+        check_sha256(sha256(data), expected_sha256, name)
     return parse(data, name, dtype, device)
 
 
