@@ -51,6 +51,7 @@ class DecodeJob:
     next_ids: torch.Tensor | None = None
     ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    warpers: object | None = None  # a sampled request's logits warpers (made once, at its start)
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -178,6 +179,7 @@ class DecodeBatcher:
                 job.next_ids = prompt[len(prefix.ids):]
             if job.temperature > 0:
                 job.generator = torch.Generator().manual_seed(secrets.randbits(63))
+                job.warpers = self._warpers(job.temperature)
             if job.streamer is not None:
                 job.streamer.put(prompt[None])  # as generate() does: the prompt comes first
         except Exception as e:
@@ -224,18 +226,22 @@ class DecodeBatcher:
             except Exception as e:
                 self._fail(job, e)
 
-    def _choose(self, job: DecodeJob, logits: torch.Tensor) -> int:
-        if job.temperature <= 0:
-            return int(torch.argmax(logits))
+    def _warpers(self, temperature: float):
+        """The sampling warpers of a request at `temperature`, as `generate()` builds them."""
         from transformers import (LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
                                   TopPLogitsWarper)
 
-        warpers = LogitsProcessorList([TemperatureLogitsWarper(job.temperature)])
+        warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
         if self._top_k:
             warpers.append(TopKLogitsWarper(self._top_k))
         if self._top_p is not None and self._top_p < 1.0:
             warpers.append(TopPLogitsWarper(self._top_p))
-        scores = warpers(None, logits[None])
+        return warpers
+
+    def _choose(self, job: DecodeJob, logits: torch.Tensor) -> int:
+        if job.temperature <= 0:
+            return int(torch.argmax(logits))
+        scores = job.warpers(None, logits[None])
         probs = torch.softmax(scores, dim=-1)
         return int(torch.multinomial(probs[0], 1, generator=job.generator))
 
