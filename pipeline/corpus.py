@@ -570,8 +570,9 @@ def iter_corpus(path: str | Path | list[CorpusObject], on_bad_record: OnBadRecor
         yield from _conversations(obj, skip, stats, limits, seen_ids, seen_ids)
 
 
-# An object up to this size is read once into the driver's memory, checked, then built from
-# memory; a larger one is streamed twice (check, then build), or once in skip mode.
+# An object up to this size is read once into the driver's memory and its conversations parsed
+# (checked) once, then built from that parse; a larger one is streamed twice (check, then
+# build), or once in skip mode.
 HOLD_BYTES = 64 * 2**20
 
 
@@ -579,8 +580,8 @@ class CorpusStream:
     """The conversations of a corpus, object by object, each object checked whole before any
     of its conversations is yielded: a bad record (fail mode) stops the read before anything
     of its object is built, naming object, record and field. Nothing is written to disk and
-    memory stays bounded: an object of at most `hold_bytes` is read once and checked and built
-    from memory; a larger one is streamed twice (or once in skip mode, where a bad record is
+    memory stays bounded: an object of at most `hold_bytes` is read once, and its conversations
+    are parsed (and so checked) once and built from that parse; a larger one is streamed twice (or once in skip mode, where a bad record is
     reported and left out as the build meets it). A bad record in a later object therefore
     stops the build after earlier objects were built; their commits are kept, and the same
     command re-run skips them. Skips go to `stats` (its sink writes the report) once each."""
@@ -608,15 +609,17 @@ class CorpusStream:
         for obj in self.objects:
             self.objects_started += 1
             held = self._held(obj)
-            source = held or obj
-            if held is None and self.skip:  # one streamed pass: skips are met as they come
-                yield from _conversations(source, True, self.stats, self.limits, self._seen,
+            if held is not None:  # checked whole and parsed once, then built from the parse
+                yield from list(_conversations(held, self.skip, self.stats, self.limits,
+                                               self._seen, self._seen))
+            elif self.skip:  # one streamed pass: skips are met as they come
+                yield from _conversations(obj, True, self.stats, self.limits, self._seen,
                                           self._seen)
-                continue
-            for _ in _conversations(source, self.skip, self.stats, self.limits, self._seen, set()):
-                pass  # the check: raises in fail mode; records the skips in skip mode
-            yield from _conversations(source, self.skip, ReadStats(keep=0), self.limits,
-                                      self._seen, self._seen)
+            else:  # fail mode, too large to hold: a checking pass, then a building pass
+                for _ in _conversations(obj, False, self.stats, self.limits, self._seen, set()):
+                    pass
+                yield from _conversations(obj, False, ReadStats(keep=0), self.limits,
+                                          self._seen, self._seen)
 
     def prime(self) -> None:
         """Read up to the first conversation (checking the objects before it, and its own),
