@@ -28,7 +28,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import IO, Any, Iterable
+from typing import IO, Any
 
 import ray
 from tqdm import tqdm
@@ -206,14 +206,13 @@ class _Driver:
     WAIT_S = 0.02  # how long a wait may hold finished tasks to collect them in one batch
     POSTFIX_S = 0.5  # the progress bar's postfix is refreshed at most this often
 
-    def __init__(self, conversations: Iterable[Conversation], store: Store, config: BuildConfig,
-                 stages: Stages, *, force: bool, max_in_flight: int, resources: dict,
-                 max_retries: int, bar: tqdm, corpus: CorpusStream | None = None,
-                 index: IndexWriter | None = None):
-        self.conversations = iter(conversations)
+    def __init__(self, corpus: CorpusStream, store: Store, config: BuildConfig, stages: Stages,
+                 *, force: bool, max_in_flight: int, resources: dict, max_retries: int,
+                 bar: tqdm, index: IndexWriter | None = None):
+        self.corpus, self.conversations = corpus, iter(corpus)
         self.store, self.config, self.stages = store, config, stages
         self.force, self.max_in_flight, self.bar = force, max(1, max_in_flight), bar
-        self.resources, self.max_retries, self.corpus = resources, max_retries, corpus
+        self.resources, self.max_retries = resources, max_retries
         self.index = index  # the manifest table: told before and after each commit
         self.summary = Summary()
         self.in_flight: dict[ray.ObjectRef, tuple[str, str, int]] = {}  # ref -> (kind, id, ep)
@@ -398,10 +397,9 @@ class _Driver:
             return
         self._postfix_at, s = now, self.summary
         rate = s.tokens / max(now - self.start, 1e-9)
-        objects = f" objects={self.corpus.objects_started}/{len(self.corpus.objects)}" \
-            if self.corpus is not None else ""
         self.bar.set_postfix_str(f"episodes={s.episodes} tok/s={rate:,.0f} "
-                                 f"failed={len(s.failed)}{objects}", refresh=False)
+                                 f"failed={len(s.failed)} objects={self.corpus.objects_started}/"
+                                 f"{len(self.corpus.objects)}", refresh=False)
 
 
 def run_build(corpus: str | CorpusStream, store: str | Store, config: BuildConfig, *,
@@ -430,7 +428,7 @@ def run_build(corpus: str | CorpusStream, store: str | Store, config: BuildConfi
             file=sys.stderr) as bar:
         summary = _Driver(corpus, store, config, stages, force=force,
                           max_in_flight=max_in_flight, resources=resources,
-                          max_retries=max_retries, bar=bar, corpus=corpus, index=index).run()
+                          max_retries=max_retries, bar=bar, index=index).run()
     stats = corpus.stats
     summary.bad_records, summary.questions_dropped = stats.records_skipped, stats.questions_dropped
     return summary
