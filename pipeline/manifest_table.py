@@ -360,27 +360,35 @@ def _read_many(store: Store, ids: Sequence[str]) -> Iterator[tuple[str, list[dic
 
 
 @dataclass
-class RepairResult:
-    conversations: int = 0  # pending conversations brought up to date
+class SyncResult:
+    """What a repair or a rebuild did: conversations and rows written to the table, and the
+    manifests that could not be read (their rows are left out)."""
+    conversations: int = 0
     rows: int = 0
-    corrupt: list[ManifestError] = field(default_factory=list)  # their rows are left out
+    corrupt: list[ManifestError] = field(default_factory=list)
+
+    def manifest_rows(self, store: Store, ids: Sequence[str]) -> list[dict]:
+        """The manifest rows of `ids` (read by a few threads); a corrupt manifest is recorded
+        and gives no rows, as `builder.is_built` counts it as not built."""
+        rows: list[dict] = []
+        for _, got in _read_many(store, ids):
+            if isinstance(got, ManifestError):
+                self.corrupt.append(got)
+            else:
+                rows.extend(got)
+        return rows
 
 
-def repair(store: Store, table: ManifestTable | None = None, chunk: int = 1_000) -> RepairResult:
+def repair(store: Store, table: ManifestTable | None = None, chunk: int = 1_000) -> SyncResult:
     """Bring the conversations with a pending marker up to date from their manifests (a build
     stopped between a manifest commit and the table append), then remove the markers."""
     table = table or ManifestTable(store)
-    result = RepairResult()
+    result = SyncResult()
     keys = store.list(PENDING_PREFIX)
     for start in range(0, len(keys), chunk):
         part = keys[start:start + chunk]
         ids = [k.removeprefix(PENDING_PREFIX) for k in part]
-        rows = []
-        for cid, got in _read_many(store, ids):
-            if isinstance(got, ManifestError):
-                result.corrupt.append(got)  # not a build: no rows, as `builder.is_built` says
-            else:
-                rows.extend(got)
+        rows = result.manifest_rows(store, ids)
         table.replace(ids, rows)
         _delete_all(store, part)
         result.conversations += len(ids)
@@ -388,31 +396,19 @@ def repair(store: Store, table: ManifestTable | None = None, chunk: int = 1_000)
     return result
 
 
-@dataclass
-class RebuildResult:
-    conversations: int = 0
-    rows: int = 0
-    corrupt: list[ManifestError] = field(default_factory=list)
-
-
-def rebuild(store: Store, table: ManifestTable | None = None) -> RebuildResult:
+def rebuild(store: Store, table: ManifestTable | None = None) -> SyncResult:
     """Recreate the table from every per-conversation manifest (one streamed commit, memory
     flat: the manifests are read `_REBUILD_CHUNK` at a time); a corrupt manifest is left out and
     reported. Pending markers seen before the rebuild are cleared."""
     table = table or ManifestTable(store)
-    result = RebuildResult()
+    result = SyncResult()
     pending = store.list(PENDING_PREFIX)
     ids = list_conversations(store)
 
     def batches() -> Iterator[pa.RecordBatch]:
         for start in range(0, len(ids), _REBUILD_CHUNK):
-            rows = []
-            for _, got in _read_many(store, ids[start:start + _REBUILD_CHUNK]):
-                if isinstance(got, ManifestError):
-                    result.corrupt.append(got)
-                elif got:
-                    rows.extend(got)
-                    result.conversations += 1
+            rows = result.manifest_rows(store, ids[start:start + _REBUILD_CHUNK])
+            result.conversations += len({r["conversation_id"] for r in rows})
             result.rows += len(rows)
             yield from table_rows(rows).to_batches()
 
