@@ -15,6 +15,7 @@ import logging
 import sys
 
 from jobs.cli import add_store_options, make_parser
+from pipeline.allocator import retain_freed_memory
 from pipeline.answer import Answerer, ConversationNotFound, ModelMismatchError
 from pipeline.cache_io import CacheCorruptError
 from pipeline.corpus import UnsafeIdError
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    retain_freed_memory()  # as the Serve decoder does: caches load into reused memory
     try:
         answerer = Answerer(open_store(a.store, endpoint_url=a.s3_endpoint, create=False))
         for q in a.question:

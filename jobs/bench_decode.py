@@ -2,7 +2,7 @@
 full cache, split into embed, route, load and decode.
 
     python -m jobs.bench_decode [--tokens 8000] [--budget 1024] [--episodes 4] [--questions 8] \\
-        [--max-new-tokens 32] [--store DIR] [--threads 2]
+        [--max-new-tokens 32] [--store DIR] [--threads 2] [--return-freed-memory]
 
 A synthetic conversation of about `--tokens` tokens is built twice into a local store with the
 real pipeline (`pipeline.builder.build_conversation`): as EpiCache episodes under `--budget`,
@@ -15,7 +15,7 @@ generated token (answers may differ in length). With `--store DIR`, a re-run fin
 in their manifests (same configuration hash) and goes straight to the turns.
 
 Then the cold load itself, per episode of the episodic build, side by side: from the store
-(streamed with its checksum verified as it arrives, then parsed and rebuilt: the split is
+(read, then parsed and rebuilt while its checksum is computed on a second thread: the split is
 printed) and, after a first load filled a local-disk tier (`pipeline.disk_tier`), from that tier
 through a fresh `DiskTier` over the same folder, as a restarted replica sees it, with the
 number of objects each read from the store (counted on the store).
@@ -37,6 +37,7 @@ from jobs.bench_common import add_model_options, print_table
 from jobs.cli import make_parser
 from pipeline import builder, models
 from pipeline import cache_io
+from pipeline.allocator import retain_freed_memory
 from pipeline.answer import Answerer, fetch_cache
 from pipeline.config import BuildConfig
 from pipeline.disk_tier import DiskTier
@@ -62,25 +63,30 @@ class CountingStore(LocalStore):
 
 
 def cold_loads(root: Path, rows: list[dict], dtype: torch.dtype, repeats: int = 3) -> list[dict]:
-    """Median ms of loading each episode's cache: from the store (split into stream + verify,
-    and parse + rebuild), and from a filled disk tier as a restarted replica (a new `DiskTier`
-    over the folder) reads it; with the objects read from the store."""
+    """Median ms of loading each episode's cache: from the store (split into the read, and the
+    parse + rebuild with the SHA-256 computed beside it; the hash alone for reference), and from
+    a filled disk tier as a restarted replica (a new `DiskTier` over the folder) reads it; with
+    the objects read from the store."""
     store = CountingStore(root, create=False)
-    split: dict[str, list[float]] = {"stream+verify": [], "parse+rebuild": []}
+    split: dict[str, list[float]] = {"read": [], "parse+rebuild, hash beside": [],
+                                     "(sha256 alone)": []}
     from_store, from_disk = [], []
     with tempfile.TemporaryDirectory(prefix="bench-disk-tier-") as folder:
         for _ in range(repeats):
             for row in rows:
                 t0 = time.perf_counter()
                 with store.open(row["object_key"]) as f:
-                    data = cache_io.read_verified(f, row["sha256"], row["object_key"],
-                                                  row["object_bytes"])
+                    data = cache_io.read_object(f, row["object_key"], row["object_bytes"])
                 t1 = time.perf_counter()
-                cache_io.parse(data, row["object_key"], dtype)
+                with cache_io.verifying(data, row["sha256"], row["object_key"]):
+                    cache_io.parse(data, row["object_key"], dtype)
                 t2 = time.perf_counter()
-                split["stream+verify"].append((t1 - t0) * 1000)
-                split["parse+rebuild"].append((t2 - t1) * 1000)
+                cache_io.sha256(data)
+                split["read"].append((t1 - t0) * 1000)
+                split["parse+rebuild, hash beside"].append((t2 - t1) * 1000)
+                split["(sha256 alone)"].append((time.perf_counter() - t2) * 1000)
                 from_store.append((t2 - t0) * 1000)
+                del data
         store_reads = store.reads
         filled = DiskTier(folder, sum(r["object_bytes"] for r in rows))
         for row in rows:
@@ -132,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--questions", type=int, default=8, help="planted questions answered (turns)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="answer length at most (tokens)")
     p.add_argument("--store", default=None, help="a local folder to build into (default: a temp dir)")
+    p.add_argument("--return-freed-memory", action="store_true",
+                   help="leave malloc's thresholds as they are (freed memory goes back to the "
+                        "kernel), to compare with what the Serve decoder does")
     add_model_options(p)
     return p
 
@@ -160,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     first = read_manifest(stores["episodic"], conv.conversation_id)[0]
     models.load_llm(first["model_id"], "cpu"), models.load_encoder(first["encoder_id"], "cpu")
     gc.freeze()  # as the Serve deployments do: no collector pass over the models inside a turn
+    if not a.return_freed_memory:
+        retain_freed_memory()  # as the Serve decoder does: caches load into reused memory
     turns = {(name, cold): [] for name in stores for cold in (True, False)}
     for question in questions:  # the two caches alternate, turn by turn
         for name, store in stores.items():

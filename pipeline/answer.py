@@ -18,7 +18,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -101,29 +101,41 @@ def route_question(question_embedding: np.ndarray, rows: list[dict],
 # Fetching caches into a byte-bounded LRU
 # ---------------------------------------------------------------------------------------------
 
-def fetch_object(store: Store, row: dict, disk: DiskTier | None = None) -> tuple[bytes, bool]:
-    """An episode's object, its SHA-256 checked against the manifest while it streams in, and
-    whether it came from the local disk tier (True) or the store (False; then it is kept in the
-    tier). A bad object raises `CacheCorruptError` naming it; a bad disk file is fetched again."""
+class Fetched(NamedTuple):
+    data: bytes  # the object, verified against the manifest's SHA-256
+    parsed: object  # what the fetch's `parse` made of it (None without one)
+    from_disk: bool  # read from the local disk tier, not the store
+
+
+def fetch_object(store: Store, row: dict, disk: DiskTier | None = None,
+                 parse: Callable[[bytes], object] | None = None) -> Fetched:
+    """An episode's object from the local disk tier if it holds it, else from the store (then
+    kept in the tier), with `parse` run on it while its SHA-256 is checked against the manifest
+    (`cache_io.read_parsed`). A bad object raises `CacheCorruptError` naming it; a bad disk file
+    is fetched again."""
     key, expected = row["object_key"], row["sha256"]
 
-    def from_store() -> bytes:
+    def from_store() -> tuple[bytes, object]:
         with store.open(key) as f:
-            return cache_io.read_verified(f, expected, key, row.get("object_bytes") or None)
+            return cache_io.read_parsed(f, expected, key, row.get("object_bytes") or None, parse)
 
     if disk is None:
-        return from_store(), False
-    return disk.load(expected, key, from_store)
+        return Fetched(*from_store(), False)
+    return Fetched(*disk.load(expected, key, from_store, parse))
+
+
+def cache_parser(row: dict, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> Callable[[bytes], EpisodicCache]:
+    """The `parse` of `fetch_object` that rebuilds an episode's `EpisodicCache`."""
+    return lambda data: cache_io.parse(data, row["object_key"], dtype=dtype, device=device)[0]
 
 
 def fetch_cache(store: Store, row: dict, dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "cpu", disk: DiskTier | None = None) -> EpisodicCache:
-    """Get an episode's object (from the disk tier if given and holding it), verify its SHA-256
-    against the manifest as it is read, and parse it; a bad object raises `CacheCorruptError`
+    """An episode's cache (from the disk tier if given and holding it), its object's SHA-256
+    checked against the manifest while it is parsed; a bad object raises `CacheCorruptError`
     naming it."""
-    data, _ = fetch_object(store, row, disk)
-    cache, _ = cache_io.parse(data, row["object_key"], dtype=dtype, device=device)
-    return cache
+    return fetch_object(store, row, disk, cache_parser(row, dtype, device)).parsed
 
 
 def resident_bytes(cache: EpisodicCache) -> int:

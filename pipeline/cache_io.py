@@ -6,8 +6,10 @@ the original token positions. The header names the model, the build configuratio
 conversation and episode, the tokens seen, the next position and the position mode
 (`positions`: "original", or "compact": each head's keys rotated at 0, 1, 2, ... and decoding
 continues at `next_position`). Reading checks the SHA-256 recorded in the
-manifest before parsing anything: `read_verified` hashes an object chunk by chunk as it streams
-in (from the store or the local disk tier), so the bytes are read once and never hashed again.
+manifest: `read_parsed` reads an object once (from the store or the local disk tier) and hashes
+it on a second thread while this one parses it (hashlib releases the GIL), and a parse of bytes
+that fail the checksum is dropped, never returned. Parsing unverified bytes is safe: safetensors
+never executes anything, and every size comes from the object itself.
 
 Format 2 (tri-state caches, ARKV): the tensors above hold the Original entries only; the
 Quantized entries are `layers.{i}.qkeys` / `.qvalues` [entries, d] codes (int8 or
@@ -22,7 +24,9 @@ import hashlib
 import itertools
 import json
 import struct
-from typing import BinaryIO
+import threading
+from contextlib import contextmanager
+from typing import BinaryIO, Callable, Iterator, TypeVar
 
 import torch
 from safetensors.torch import load as st_load
@@ -32,8 +36,7 @@ from kernels.quant import dequantize
 from pipeline.cache import EpisodicCache
 
 FORMAT = "epicache-kv/2"
-CHUNK_BYTES = 1 << 20  # read and hash this much at a time
-_SERIAL_ELEMENTS = 16384  # a copy this small runs on the calling thread (torch's grain: 32,768)
+_SERIAL_ELEMENTS = 32767  # a copy this small runs on the calling thread (under torch's grain, 32,768)
 READABLE_FORMATS = ("epicache-kv/1", FORMAT)
 
 
@@ -45,40 +48,58 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def read_verified(stream: BinaryIO, expected_sha256: str | None, name: str = "cache",
-                  size: int | None = None) -> bytes:
-    """The whole of `stream`, hashed chunk by chunk as it is read (into one preallocated buffer
-    when `size` is known); `CacheCorruptError` naming the object if the length or the SHA-256
-    is not the expected one. `expected_sha256=None` reads without checking."""
-    digest = hashlib.sha256()
-    if size is not None and size > 0:
-        buffer = bytearray(size)
-        view, got = memoryview(buffer), 0
-        while got < size:
-            n = stream.readinto(view[got:got + CHUNK_BYTES])
-            if not n:
-                raise CacheCorruptError(f"cache object {name} is truncated "
-                                        f"({got} of {size} bytes)")
-            digest.update(view[got:got + n])
-            got += n
-        if stream.read(1):
-            raise CacheCorruptError(f"cache object {name} is longer than its recorded "
-                                    f"{size} bytes")
-        view.release()
-    else:
-        buffer = bytearray()
-        while chunk := stream.read(CHUNK_BYTES):
-            digest.update(chunk)
-            buffer += chunk
-    check_sha256(digest.hexdigest(), expected_sha256, name)
-    return bytes(buffer)  # safetensors parses bytes only
+class ChecksumError(CacheCorruptError):
+    """Bytes that are not the object the manifest names: the wrong length or SHA-256."""
+
+
+T = TypeVar("T")
+
+
+def read_object(stream: BinaryIO, name: str = "cache", size: int | None = None) -> bytes:
+    """The whole of `stream` in one read (straight into the bytes object for a file);
+    `ChecksumError` naming the object if it is not `size` bytes long."""
+    data = stream.read() if size is None else stream.read(size)
+    if size is not None and len(data) < size:
+        raise ChecksumError(f"cache object {name} is truncated ({len(data)} of {size} bytes)")
+    if size is not None and stream.read(1):
+        raise ChecksumError(f"cache object {name} is longer than its recorded {size} bytes")
+    return data
+
+
+@contextmanager
+def verifying(data: bytes, expected_sha256: str | None, name: str = "cache") -> Iterator[None]:
+    """Hash `data` on a second thread while the block runs; on leaving, `ChecksumError` unless
+    it is the expected SHA-256, whatever the block did, so nothing made from bad bytes leaves
+    the block. `expected_sha256=None` checks nothing."""
+    if expected_sha256 is None:
+        yield
+        return
+    digest: list[str] = []
+    hasher = threading.Thread(target=lambda: digest.append(sha256(data)), daemon=True,
+                              name="epicache-sha256")
+    hasher.start()
+    try:
+        yield
+    finally:
+        hasher.join()
+        check_sha256(digest[0] if digest else "", expected_sha256, name)
+
+
+def read_parsed(stream: BinaryIO, expected_sha256: str | None, name: str = "cache",
+                size: int | None = None, parse: Callable[[bytes], T] | None = None
+                ) -> tuple[bytes, T | None]:
+    """(bytes, parse(bytes)) of an object, its length and SHA-256 checked (`ChecksumError`
+    naming it otherwise); the hash runs beside the parse, not before it."""
+    data = read_object(stream, name, size)
+    with verifying(data, expected_sha256, name):
+        return data, (parse(data) if parse is not None else None)
 
 
 def check_sha256(got: str, expected: str | None, name: str = "cache") -> None:
     """`CacheCorruptError` naming the object unless its SHA-256 is the expected one (or none
     is expected)."""
     if expected is not None and got != expected:
-        raise CacheCorruptError(f"cache object {name} failed its checksum (expected sha256 "
+        raise ChecksumError(f"cache object {name} failed its checksum (expected sha256 "
                                 f"{expected[:12]}..., got {got[:12]}...)")
 
 
@@ -136,7 +157,7 @@ def deserialize(data: bytes, expected_sha256: str | None, name: str = "cache",
 
 def parse(data: bytes, name: str = "cache", dtype: torch.dtype = torch.float32,
           device: str | torch.device = "cpu") -> tuple[EpisodicCache, dict]:
-    """Parse and rebuild bytes already verified (`read_verified`): no second hash."""
+    """Parse and rebuild bytes (`read_parsed` checks them beside it): no hash here."""
     header = read_header(data, name)
     try:
         tensors = st_load(data)

@@ -5,8 +5,8 @@ folder instead of going back to S3. Files are content-addressed (`<sha256>.safet
 manifest's checksum, so no name comes from a request), written to a temporary file and renamed
 into place (a reader never sees half a file), and evicted least recently read first (a read
 touches the file's mtime) so that the folder never holds more than `max_bytes`. Every read
-re-verifies the checksum as it reads; a corrupt or truncated file is deleted and reported as a
-miss, never served. Eviction and renames run under an exclusive `flock` on the folder's lock
+re-verifies the checksum (beside the caller's parse, `cache_io.read_parsed`); a corrupt or
+truncated file is deleted and reported as a miss, never served. Eviction and renames run under an exclusive `flock` on the folder's lock
 file, so replicas sharing one folder on a host keep the bound together; in one process,
 concurrent loads of one object fetch it once.
 """
@@ -22,9 +22,9 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator
+from typing import BinaryIO, Callable, Iterator, TypeVar
 
-from pipeline.cache_io import CacheCorruptError, read_verified
+from pipeline.cache_io import ChecksumError, read_parsed
 
 log = logging.getLogger("epicache.disk_tier")
 
@@ -32,6 +32,7 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 SUFFIX = ".safetensors"
 _LOCK = ".lock"
 _STALE_TEMP_S = 600.0  # a temporary file this old belongs to a writer that died
+T = TypeVar("T")
 
 
 class DiskTier:
@@ -59,17 +60,20 @@ class DiskTier:
     def __contains__(self, sha256: str) -> bool:
         return self._path(sha256).is_file()
 
-    def get(self, sha256: str, name: str = "cache") -> bytes | None:
-        """The object's bytes, verified while read; None if absent, or corrupt (then deleted)."""
+    def get(self, sha256: str, name: str = "cache", parse: Callable[[bytes], T] | None = None
+            ) -> tuple[bytes, T | None] | None:
+        """(bytes, parse(bytes)) of the object, verified beside the parse; None if absent, or
+        corrupt (then deleted). A parse error of verified bytes is raised: the store's copy is
+        the same object."""
         path = self._path(sha256)
         try:
             with path.open("rb") as f:
-                data = read_verified(f, sha256, f"{name} (disk tier {path.name})",
-                                     os.fstat(f.fileno()).st_size)
+                read = read_parsed(f, sha256, f"{name} (disk tier {path.name})",
+                                   os.fstat(f.fileno()).st_size, parse)
         except FileNotFoundError:
             self._count("misses")
             return None
-        except CacheCorruptError as e:
+        except ChecksumError as e:
             log.warning("%s: deleted, fetching again", e)
             path.unlink(missing_ok=True)
             self._count("corrupt", "misses")
@@ -79,15 +83,17 @@ class DiskTier:
         except FileNotFoundError:  # evicted meanwhile by another replica: the bytes are read
             pass
         self._count("hits")
-        return data
+        return read
 
-    def load(self, sha256: str, name: str, fetch: Callable[[], bytes]) -> tuple[bytes, bool]:
-        """(bytes, True) from the folder, else (fetch(), False) after storing them. Concurrent
-        loads of one object in this process fetch once: the others wait, then read the file."""
+    def load(self, sha256: str, name: str, fetch: Callable[[], tuple[bytes, T | None]],
+             parse: Callable[[bytes], T] | None = None) -> tuple[bytes, T | None, bool]:
+        """(bytes, parsed, True) from the folder, else (*fetch(), False) after storing the
+        bytes `fetch` verified. Concurrent loads of one object in this process fetch once: the
+        others wait, then read the file."""
         while True:
-            data = self.get(sha256, name)
-            if data is not None:
-                return data, True
+            read = self.get(sha256, name, parse)
+            if read is not None:
+                return *read, True
             with self._lock:
                 pending = self._loading.get(sha256)
                 owner = pending is None
@@ -97,9 +103,9 @@ class DiskTier:
                 pending.wait()
                 continue  # on disk now, or that fetch failed and this thread tries
             try:
-                data = fetch()
+                data, parsed = fetch()
                 self.put(sha256, data)
-                return data, False
+                return data, parsed, False
             finally:
                 with self._lock:
                     del self._loading[sha256]

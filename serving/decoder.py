@@ -1,5 +1,5 @@
 """The decoder deployment: the model and a byte-bounded LRU of episodic caches fetched from the
-store (checksum verified as the object streams in; the previous turn's cache always stays
+store (checksum verified beside the parse; the previous turn's cache always stays
 resident; concurrent requests for one cache fetch it once), with an optional bounded local-disk
 tier under it (a restart or an eviction reads the disk, not the store), a background prefetch
 of a conversation's other episodes, and a `DecodeBatcher` that decodes the requests in flight
@@ -42,6 +42,7 @@ class Decoder:
         import torch
 
         from pipeline import models
+        from pipeline.allocator import retain_freed_memory
         from pipeline.answer import CacheLRU
         from pipeline.disk_tier import DiskTier
         from pipeline.store import open_store
@@ -60,6 +61,7 @@ class Decoder:
         self._figures_lock = threading.Lock()
         self.batcher = DecodeBatcher(self.lm, max_batch, max_batch_tokens)
         gc.freeze()  # the model's objects leave the collector: no 100+ ms pauses in a turn
+        retain_freed_memory()  # a cold load reuses freed memory instead of faulting pages in
         self.figures = {"fetched_bytes": 0, "store_reads": 0, "disk_reads": 0,
                         "prefetch_requested": 0, "prefetch_skipped": 0, "prefetch_fetched": 0,
                         "prefetch_resident": 0, "prefetch_failed": 0}
@@ -69,23 +71,21 @@ class Decoder:
             for name, n in increments.items():
                 self.figures[name] += n
 
-    def _fetch(self, row: dict) -> bytes:
+    def _fetch(self, row: dict, parse=None):
         """The episode's object from the disk tier, else the store (then kept in the tier),
-        verified as it streams in; counted."""
+        with `parse` run on it while its checksum is verified; counted. What `parse` made."""
         from pipeline.answer import fetch_object
 
-        data, from_disk = fetch_object(self.store, row, self.disk)
-        self._count(**({"disk_reads": 1} if from_disk else
-                       {"store_reads": 1, "fetched_bytes": len(data)}))
-        return data
+        fetched = fetch_object(self.store, row, self.disk, parse)
+        self._count(**({"disk_reads": 1} if fetched.from_disk else
+                       {"store_reads": 1, "fetched_bytes": len(fetched.data)}))
+        return fetched.parsed
 
     def _load(self, row: dict):
-        """The episode's cache: fetched, verified, then parsed without hashing again."""
-        from pipeline import cache_io
+        """The episode's cache: fetched, and parsed while its checksum is verified."""
+        from pipeline.answer import cache_parser
 
-        cache, _ = cache_io.parse(self._fetch(row), row["object_key"], self.lm.model.dtype,
-                                  self.device)
-        return cache
+        return self._fetch(row, cache_parser(row, self.lm.model.dtype, self.device))
 
     def _cache(self, row: dict):
         from pipeline.answer import check_models

@@ -1,4 +1,4 @@
-"""The cold path: checksums verified while an object streams in, the bounded local-disk tier
+"""The cold path: checksums verified beside the parse, the bounded local-disk tier
 (re-verified reads, corrupt files fetched again, restarts that never read the store) and the
 decoder's prefetch of a conversation's other episodes. Tiny random models, local stores."""
 
@@ -16,7 +16,7 @@ from tiny_models import StandIn, one_torch_thread, random_ids, tiny_model  # noq
 
 from pipeline import models
 from pipeline.answer import fetch_cache
-from pipeline.cache_io import CacheCorruptError, read_verified, serialize, sha256
+from pipeline.cache_io import CacheCorruptError, ChecksumError, read_parsed, serialize, sha256
 from pipeline.disk_tier import DiskTier
 from pipeline.prefill import PrefillConfig, block_prefill
 from pipeline.scorers import EpiCacheScorer
@@ -74,19 +74,29 @@ def _same(a, b) -> bool:
 # Streaming checksum
 # ---------------------------------------------------------------------------------------------
 
-def test_streaming_read_verifies_as_it_reads(objects):
+def test_read_checks_length_and_checksum_beside_the_parse(objects):
     data = objects[1][0]
-    for size in (len(data), None):  # into a preallocated buffer, and of unknown size
-        assert read_verified(io.BytesIO(data), sha256(data), "obj", size) == data
+    parsed = []
+    for size in (len(data), None):  # the recorded size, and none
+        assert read_parsed(io.BytesIO(data), sha256(data), "obj", size) == (data, None)
+        got, n = read_parsed(io.BytesIO(data), sha256(data), "obj", size, len)
+        assert got == data and n == len(data)
     flipped = bytearray(data)
     flipped[-50] ^= 0xFF
-    with pytest.raises(CacheCorruptError, match="cache object caches/x.safetensors failed its "
-                                                "checksum"):
-        read_verified(io.BytesIO(bytes(flipped)), sha256(data), "caches/x.safetensors", len(data))
-    with pytest.raises(CacheCorruptError, match="obj is truncated"):
-        read_verified(io.BytesIO(data[:-10]), sha256(data), "obj", len(data))
-    with pytest.raises(CacheCorruptError, match="longer than its recorded"):
-        read_verified(io.BytesIO(data + b"x"), sha256(data), "obj", len(data))
+    with pytest.raises(ChecksumError, match="cache object caches/x.safetensors failed its "
+                                            "checksum"):  # the parse ran, and is dropped
+        read_parsed(io.BytesIO(bytes(flipped)), sha256(data), "caches/x.safetensors", len(data),
+                    parsed.append)
+    assert len(parsed) == 1
+    with pytest.raises(ChecksumError, match="failed its checksum"):  # over the parse's own error
+        read_parsed(io.BytesIO(bytes(flipped)), sha256(data), "obj", len(data), lambda d: 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # good bytes: the parse's error is the caller's
+        read_parsed(io.BytesIO(data), sha256(data), "obj", len(data), lambda d: 1 / 0)
+    with pytest.raises(ChecksumError, match="obj is truncated"):
+        read_parsed(io.BytesIO(data[:-10]), sha256(data), "obj", len(data), parsed.append)
+    with pytest.raises(ChecksumError, match="longer than its recorded"):
+        read_parsed(io.BytesIO(data + b"x"), sha256(data), "obj", len(data), parsed.append)
+    assert len(parsed) == 1  # a wrong length is found before any parse
 
 
 def test_fetch_of_a_corrupt_store_object_raises_naming_it(tmp_path, objects):
@@ -114,7 +124,7 @@ def test_disk_tier_is_bounded_and_evicts_least_recently_read(tmp_path, objects):
     time.sleep(0.01)
     disk.put(b, data[1])
     time.sleep(0.01)
-    assert disk.get(a) == data[0]  # a is now the most recently read
+    assert disk.get(a) == (data[0], None)  # a is now the most recently read
     time.sleep(0.01)
     disk.put(c, data[2])
     assert a in disk and c in disk and b not in disk
@@ -167,12 +177,12 @@ def test_concurrent_loads_of_one_object_fetch_once(tmp_path, objects):
     def fetch():
         calls.append(1)
         time.sleep(0.2)
-        return data
+        return data, len(data)
 
     with ThreadPoolExecutor(6) as pool:
-        results = list(pool.map(lambda _: disk.load(sha256(data), "obj", fetch), range(6)))
-    assert len(calls) == 1 and all(r == data for r, _ in results)
-    assert sum(not from_disk for _, from_disk in results) == 1
+        results = list(pool.map(lambda _: disk.load(sha256(data), "obj", fetch, len), range(6)))
+    assert len(calls) == 1 and all((d, n) == (data, len(data)) for d, n, _ in results)
+    assert sum(not from_disk for _, _, from_disk in results) == 1
 
 
 def test_two_tiers_sharing_a_folder_keep_one_bound(tmp_path, objects):

@@ -123,7 +123,7 @@ def test_manifest_round_trip_and_checksum_verified_on_read(store):
     assert list_conversations(store) == ["conv-1"]
     cache, header = cache_io.deserialize(store.get(key), back["sha256"], key)
     assert header["conversation_id"] == "conv-1" and cache.tokens_seen == 8
-    assert fetch_cache(store, back).tokens_seen == 8  # streamed by Store.open, hashed as read
+    assert fetch_cache(store, back).tokens_seen == 8  # read by Store.open, hashed beside the parse
     tampered = bytearray(data)
     tampered[-5] ^= 0xFF
     store.put(key, bytes(tampered))
