@@ -47,6 +47,7 @@ class DecodeJob:
     cancelled: bool = False
     # scheduler state
     cost: int = 0
+    prefix: Prefix | None = None  # the instruction's entries over `cache` (made at submit)
     row: DecodeRow | None = None
     next_ids: torch.Tensor | None = None
     ids: list[int] = field(default_factory=list)
@@ -81,6 +82,7 @@ class DecodeBatcher:
         self._prefix_ids = prompts.question_prefix_ids(lm.tokenizer)
         # the instruction's cache entries per resident cache, dropped with the cache
         self._prefixes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._prefixes_lock = threading.Lock()
         self._queue: deque[DecodeJob] = deque()
         self._active: list[DecodeJob] = []
         self._wake = threading.Condition()
@@ -93,10 +95,13 @@ class DecodeBatcher:
     # -- the callers' side --------------------------------------------------------------------
     def submit(self, cache: EpisodicCache, question: str, max_new_tokens: int,
                temperature: float = 0.0, streamer=None) -> DecodeJob:
-        """Queue a request; its `future` gets the `Decoded` answer (or the error)."""
+        """Queue a request; its `future` gets the `Decoded` answer (or the error). The first
+        request over a cache computes the instruction's entries for it here, on the caller's
+        thread (a forward of its 37 tokens), so that the batch never waits on it."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        job = DecodeJob(cache, question, max_new_tokens, float(temperature or 0.0), streamer)
+        job = DecodeJob(cache, question, max_new_tokens, float(temperature or 0.0), streamer,
+                        prefix=self._prefix(cache))
         with self._wake:
             if self._closed:
                 raise RuntimeError("the decode batcher is closed")
@@ -172,7 +177,7 @@ class DecodeBatcher:
         job.started = time.perf_counter()
         try:
             prompt = job.next_ids
-            prefix = self._prefix(job.cache, prompt)
+            prefix = job.prefix if self._opens_with_prefix(prompt) else None
             job.row = DecodeRow(job.cache, len(prompt) + job.max_new_tokens,
                                 self.lm.model.config.num_attention_heads, prefix)
             if prefix is not None:
@@ -185,16 +190,24 @@ class DecodeBatcher:
         except Exception as e:
             self._fail(job, e)
 
-    def _prefix(self, cache: EpisodicCache, prompt: torch.Tensor) -> Prefix | None:
-        """The instruction's entries over `cache` (made on first use), if `prompt` opens with
-        it and goes on after it; a request then prefills only its question."""
-        n = len(self._prefix_ids)
-        if len(prompt) <= n or not torch.equal(prompt[:n], self._prefix_ids):
+    def _prefix(self, cache: EpisodicCache) -> Prefix | None:
+        """The instruction's entries over `cache`, made on first use (None for an empty
+        instruction); two first requests over one cache may both make them, one is kept."""
+        if not len(self._prefix_ids):
             return None
-        prefix = self._prefixes.get(cache)
+        with self._prefixes_lock:
+            prefix = self._prefixes.get(cache)
         if prefix is None:
-            prefix = self._prefixes[cache] = Prefix(self.lm.model, cache, self._prefix_ids)
+            made = Prefix(self.lm.model, cache, self._prefix_ids)
+            with self._prefixes_lock:
+                prefix = self._prefixes.setdefault(cache, made)
         return prefix
+
+    def _opens_with_prefix(self, prompt: torch.Tensor) -> bool:
+        """Whether `prompt` opens with the instruction and goes on after it (then a request
+        prefills only its question)."""
+        n = len(self._prefix_ids)
+        return 0 < n < len(prompt) and torch.equal(prompt[:n], self._prefix_ids)
 
     def _settled(self, job: DecodeJob) -> bool:
         if job.future.done():

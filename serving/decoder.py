@@ -102,7 +102,8 @@ class Decoder:
         "queue_ms"} or {"error": {"status", "message"}}."""
         try:
             cache, hit, fetch_ms = await asyncio.to_thread(self._cache, row)
-            job = self.batcher.submit(cache, question, max_new_tokens, temperature)
+            job = await asyncio.to_thread(self.batcher.submit, cache, question, max_new_tokens,
+                                          temperature)
         except Exception as e:
             return _decoder_error(e)
         try:
@@ -134,7 +135,8 @@ class Decoder:
                                              skip_special_tokens=True)
         pieces = AnswerPieces()
         try:
-            job = self.batcher.submit(cache, question, max_new_tokens, temperature, streamer)
+            job = await asyncio.to_thread(self.batcher.submit, cache, question, max_new_tokens,
+                                          temperature, streamer)
         except Exception as e:
             yield _decoder_error(e)
             return

@@ -132,6 +132,24 @@ def test_batcher_answers_equal_decode_answer_also_when_joining_midway(lm_and_cac
     assert all(j.queue_ms >= 0 and j.decode_ms > 0 for j in (first, *later))
 
 
+def test_a_new_cache_gets_its_instruction_entries_at_submit_not_inside_the_batch(lm_and_caches):
+    """The batch's thread is held inside a step; a request over another cache is still
+    submitted with the instruction's entries made (on the submitting thread)."""
+    lm, caches = lm_and_caches
+    batcher = DecodeBatcher(lm)
+    try:
+        pause = PauseAfter(2)
+        first = batcher.submit(caches[0], QUESTIONS[0], 8, streamer=pause)
+        assert pause.reached.wait(60)  # the scheduler thread waits inside the step's output
+        second = batcher.submit(caches[1], QUESTIONS[1], 8)
+        assert second.prefix is not None and batcher.stats()["prefixes"] == 2
+        pause.go.set()
+        assert second.future.result(timeout=60) == decode_answer(lm, caches[1], QUESTIONS[1], 8)
+        assert first.future.result(timeout=60) == decode_answer(lm, caches[0], QUESTIONS[0], 8)
+    finally:
+        batcher.close()
+
+
 def test_batcher_streams_pieces_that_join_to_the_answer(lm_and_caches):
     lm, caches = lm_and_caches
     batcher = DecodeBatcher(lm)
