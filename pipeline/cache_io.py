@@ -36,7 +36,7 @@ from kernels.quant import dequantize
 from pipeline.cache import EpisodicCache
 
 FORMAT = "epicache-kv/2"
-_SERIAL_ELEMENTS = 32767  # a copy this small runs on the calling thread (under torch's grain, 32,768)
+_SERIAL_ELEMENTS = 32767  # a copy this small runs on the calling thread (grain: 32,768)
 READABLE_FORMATS = ("epicache-kv/1", FORMAT)
 
 
@@ -96,11 +96,11 @@ def read_parsed(stream: BinaryIO, expected_sha256: str | None, name: str = "cach
 
 
 def check_sha256(got: str, expected: str | None, name: str = "cache") -> None:
-    """`CacheCorruptError` naming the object unless its SHA-256 is the expected one (or none
-    is expected)."""
+    """`ChecksumError` naming the object unless its SHA-256 is the expected one (or none is
+    expected)."""
     if expected is not None and got != expected:
         raise ChecksumError(f"cache object {name} failed its checksum (expected sha256 "
-                                f"{expected[:12]}..., got {got[:12]}...)")
+                            f"{expected[:12]}..., got {got[:12]}...)")
 
 
 def serialize(cache: EpisodicCache, header: dict, dtype: torch.dtype = torch.float16) -> bytes:

@@ -6,9 +6,9 @@ manifest's checksum, so no name comes from a request), written to a temporary fi
 into place (a reader never sees half a file), and evicted least recently read first (a read
 touches the file's mtime) so that the folder never holds more than `max_bytes`. Every read
 re-verifies the checksum (beside the caller's parse, `cache_io.read_parsed`); a corrupt or
-truncated file is deleted and reported as a miss, never served. Eviction and renames run under an exclusive `flock` on the folder's lock
-file, so replicas sharing one folder on a host keep the bound together; in one process,
-concurrent loads of one object fetch it once.
+truncated file is deleted and reported as a miss, never served. Eviction and renames run under
+an exclusive `flock` on the folder's lock file, so replicas sharing one folder on a host keep
+the bound together; in one process, concurrent loads of one object fetch it once.
 """
 
 from __future__ import annotations

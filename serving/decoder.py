@@ -1,6 +1,6 @@
 """The decoder deployment: the model and a byte-bounded LRU of episodic caches fetched from the
-store (checksum verified beside the parse; the previous turn's cache always stays
-resident; concurrent requests for one cache fetch it once), with an optional bounded local-disk
+store (checksum verified beside the parse; the previous turn's cache always stays resident;
+concurrent requests for one cache fetch it once), with an optional bounded local-disk
 tier under it (a restart or an eviction reads the disk, not the store), a background prefetch
 of a conversation's other episodes, and a `DecodeBatcher` that decodes the requests in flight
 together (continuous batching, `serving.batcher`). It answers the router with plain dicts: an
