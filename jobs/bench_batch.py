@@ -38,9 +38,9 @@ QUESTIONS = ("What did they talk about most?", "Where did they go last weekend?"
 
 
 def row_bytes(row: DecodeRow) -> int:
-    """Bytes a request's private view holds (keys, values, masks, positions)."""
+    """Bytes a request's private view holds (keys, values, valid flags, positions)."""
     return sum(t.nbytes for layer in row.layers for t in
-               (layer.keys, layer.values, layer.valid, layer.rope_positions, layer.additive))
+               (layer.keys, layer.values, layer.valid, layer.rope_positions))
 
 
 @torch.inference_mode()
@@ -48,10 +48,9 @@ def run_batch(lm: models.LoadedModel, cache, questions: list[torch.Tensor], new_
               prefix: Prefix) -> dict:
     """As the server's batcher does: each row starts from the cache and the instruction's
     entries (`prefix`), and the joining step prefills the rest of each prompt."""
-    heads = lm.model.config.num_attention_heads
     n = len(prefix.ids)
     start = time.perf_counter()
-    rows = [DecodeRow(cache, len(q) + new_tokens, heads, prefix) for q in questions]
+    rows = [DecodeRow(cache, len(q) + new_tokens, prefix) for q in questions]
     fork_s = time.perf_counter() - start
     start = time.perf_counter()
     logits = packed_step(lm.model, rows, [q[n:] for q in questions])

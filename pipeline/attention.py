@@ -63,8 +63,9 @@ class RowAttention:
     values: torch.Tensor
     start: int
     length: int
-    # [1, Hq, 1, slots + 1] 0 / -inf: a ready-made mask for a one-token step (no sliding window)
-    additive: torch.Tensor | None = None
+    # for a one-token step: per KV head, the first slot of its entries, every slot from there
+    # on holding one (the row's heads are right-aligned), so that no mask is needed
+    first_entries: list[int] | None = None
 
 
 @dataclass
@@ -177,30 +178,42 @@ def episodic_mask(request: AttentionRequest, q_len: int, group: int,
 
 
 def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-            request: AttentionRequest, scaling: float | None, sliding_window: int | None,
-            additive: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            request: AttentionRequest, scaling: float | None,
+            sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """SDPA of one conversation's queries [1, Hq, q, d] over its keys and values: the output
-    [1, Hq, q, d] and the boolean mask it used (None when `additive` was given ready-made)."""
+    [1, Hq, q, d] and the boolean mask it used."""
     group = query.shape[1] // key.shape[1]
-    mask = None
-    if additive is None:
-        mask = episodic_mask(request, query.shape[2], group, sliding_window)
-        # An additive float mask takes SDPA's fused CPU kernel (a boolean one is ~1.7x slower).
-        additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
-        additive.masked_fill_(~mask, float("-inf"))
+    mask = episodic_mask(request, query.shape[2], group, sliding_window)
+    # An additive float mask takes SDPA's fused CPU kernel (a boolean one is ~1.7x slower).
+    additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
+    additive.masked_fill_(~mask, float("-inf"))
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=additive, scale=scaling,
                                          enable_gqa=group > 1)
     return out, mask
+
+
+def _attend_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  first_entries: list[int], scaling: float | None) -> torch.Tensor:
+    """One token's attention, KV head by KV head, over each head's entries only (no mask,
+    nothing read for the slots another head's longer list needs): [1, Hq, 1, d]."""
+    group = query.shape[1] // key.shape[1]
+    return torch.cat([F.scaled_dot_product_attention(
+        query[:, h * group:(h + 1) * group], key[:, h:h + 1, first:], value[:, h:h + 1, first:],
+        scale=scaling, enable_gqa=group > 1) for h, first in enumerate(first_entries)], dim=1)
 
 
 def _packed_attention(query: torch.Tensor, request: PackedRequest, scaling: float | None,
                       sliding_window: int | None):
     """Each segment of the packed queries attends over its own conversation's cache, exactly
     as it would alone (same keys, values and mask); the outputs are packed back in order."""
-    outs = [_attend(query[:, :, row.start:row.start + row.length], row.keys, row.values,
-                    row.request, scaling, sliding_window,
-                    None if sliding_window is not None else row.additive)[0]
-            for row in request.rows]
+    outs = []
+    for row in request.rows:
+        segment = query[:, :, row.start:row.start + row.length]
+        if row.first_entries is not None and sliding_window is None:
+            outs.append(_attend_heads(segment, row.keys, row.values, row.first_entries, scaling))
+        else:
+            outs.append(_attend(segment, row.keys, row.values, row.request, scaling,
+                                sliding_window)[0])
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 

@@ -45,8 +45,7 @@ def _same_state(a: list[tuple], b: list[tuple]) -> bool:
 
 
 def _packed_greedy(model, caches, questions, n_new):
-    heads = model.config.num_attention_heads
-    rows = [DecodeRow(c, len(q) + n_new, heads) for c, q in zip(caches, questions)]
+    rows = [DecodeRow(c, len(q) + n_new) for c, q in zip(caches, questions)]
     logits = packed_step(model, rows, list(questions))
     out = [[] for _ in rows]
     for step in range(n_new):
@@ -150,6 +149,31 @@ def test_a_new_cache_gets_its_instruction_entries_at_submit_not_inside_the_batch
         batcher.close()
 
 
+def test_a_joining_request_is_prefilled_beside_the_batch_then_joins_it(lm_and_caches):
+    """The decode thread is held inside a step; a new request is admitted and prefilled (its
+    first token chosen) meanwhile, waits outside the batch, then joins it and answers as alone."""
+    lm, caches = lm_and_caches
+    batcher = DecodeBatcher(lm)
+    try:
+        pause = PauseAfter(3)  # the 4th put: a token of the decode thread's
+        first = batcher.submit(caches[0], QUESTIONS[0], 8, streamer=pause)
+        assert pause.reached.wait(60)
+        second = batcher.submit(caches[1], QUESTIONS[1], 8)
+        deadline = time.monotonic() + 60
+        while not second.ids and time.monotonic() < deadline:
+            time.sleep(0.005)
+        held = batcher.stats()
+        assert len(second.ids) == 1 and held["prefilling"] == 1 and held["batch"] == 1
+        pause.go.set()
+        assert second.future.result(timeout=60) == decode_answer(lm, caches[1], QUESTIONS[1], 8)
+        assert first.future.result(timeout=60) == decode_answer(lm, caches[0], QUESTIONS[0], 8)
+        stats = batcher.stats()
+    finally:
+        batcher.close()
+    assert stats["prefills"] == 2 and stats["mean_prefill_rows"] == 1.0
+    assert stats["peak_batch"] == 2 and stats["completed"] == 2
+
+
 def test_batcher_streams_pieces_that_join_to_the_answer(lm_and_caches):
     lm, caches = lm_and_caches
     batcher = DecodeBatcher(lm)
@@ -201,7 +225,7 @@ def test_a_failing_request_fails_alone_and_sampling_uses_its_own_generator(lm_an
                 _job(batcher, broken, QUESTIONS[0], 12),
                 _job(batcher, caches[1], QUESTIONS[1], 12),
                 _job(batcher, caches[2], QUESTIONS[2], 12, temperature=0.8))]
-            batcher._wake.notify()
+            batcher._wake.notify_all()
         with pytest.raises(Exception):
             jobs[0].future.result(timeout=60)
         assert jobs[1].future.result(timeout=60) == alone
