@@ -38,7 +38,8 @@ class _RowLayer:
         slots = int(lengths.max())
         # a stable sort of the valid flags puts each head's invalid slots first, then its
         # entries in their order: the last `slots` of that order, right-aligned
-        order = torch.sort(layer.valid.to(torch.int8), dim=1, stable=True).indices[:, -slots:]
+        order = torch.sort(layer.valid.to(torch.int8), dim=1, stable=True).indices
+        order = order[:, width - slots:]
         flat = (order + width * torch.arange(n_heads, device=order.device)[:, None]).reshape(-1)
         capacity = slots + extra
         self.keys = layer.keys.new_empty(1, n_heads, capacity, dim)
@@ -46,7 +47,7 @@ class _RowLayer:
         for mine, theirs in ((self.keys, layer.keys), (self.values, layer.values)):
             # index_select over [heads x slots, dim] rows: ~5x faster than gather here
             picked = theirs.reshape(n_heads * width, -1).index_select(0, flat)
-            mine[0, :, :slots] = picked.view(n_heads, slots, -1)
+            mine[0, :, :slots] = picked.view(n_heads, slots, theirs.shape[-1])
         self.valid = torch.ones(n_heads, capacity, dtype=torch.bool, device=layer.valid.device)
         self.valid[:, :slots] = layer.valid.gather(1, order)
         self.rope_positions = torch.zeros(n_heads, capacity, dtype=torch.long,

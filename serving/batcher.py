@@ -1,5 +1,5 @@
-"""Continuous batching for a decoder replica: a prefill thread prefills each admitted
-request's question alone, beside the batch, and a decode thread decodes every prefilled request
+"""Continuous batching for a decoder replica: a prefill thread prefills the questions of the
+requests it admits, beside the batch, and a decode thread decodes every prefilled request
 together, one token each per step (`pipeline.batching.packed_step`), taking in newly prefilled
 ones between steps and dropping finished ones.
 
@@ -79,7 +79,9 @@ class StepCounts:
     seconds: float = 0.0
 
     def add(self, rows: int, seconds: float) -> None:
-        self.steps, self.rows, self.seconds = self.steps + 1, self.rows + rows, self.seconds + seconds
+        self.steps += 1
+        self.rows += rows
+        self.seconds += seconds
 
     def means(self) -> tuple[float | None, float | None]:
         """Rows per step and ms per step (None before the first step)."""
@@ -114,8 +116,9 @@ class DecodeBatcher:
         self.prefills, self.decodes = StepCounts(), StepCounts()
         self.completed = self.failed = 0
         self.peak_batch = self.peak_tokens = 0
-        self._threads = [threading.Thread(target=loop, name=name, daemon=True) for loop, name in
-                         ((self._prefill_loop, "decode-prefill"), (self._decode_loop, "decode-batch"))]
+        self._threads = [threading.Thread(target=loop, name=name, daemon=True)
+                         for loop, name in ((self._prefill_loop, "decode-prefill"),
+                                            (self._decode_loop, "decode-batch"))]
         for thread in self._threads:
             thread.start()
 

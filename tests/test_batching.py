@@ -83,6 +83,33 @@ def test_two_rows_over_one_shared_cache_do_not_see_each_other():
     assert _packed_greedy(model, [cache, cache], [q1, q2], 10) == alone
 
 
+def test_a_row_right_aligns_each_heads_entries_in_their_order():
+    """Holes anywhere, a head with no entry, a layer with none: each head's entries end up
+    against the new tokens' slots, in order, with their positions; nothing else is valid."""
+    from types import SimpleNamespace
+
+    from pipeline.batching import _RowLayer
+
+    keys, values = torch.randn(1, 3, 6, 4), torch.randn(1, 3, 6, 4)
+    valid = torch.zeros(3, 6, dtype=torch.bool)
+    valid[0, [1, 4]] = True
+    valid[1, [0, 2, 3, 5]] = True  # head 2: no entry
+    positions = torch.arange(18).view(3, 6)
+    layer = SimpleNamespace(is_initialized=True, keys=keys, values=values, valid=valid,
+                            rope_positions=positions)
+    row = _RowLayer(layer, extra=2)
+    assert row.slots == 4 and row.first_entries == [2, 0, 4] and row.keys.shape[2] == 6
+    for h, picked in enumerate(([1, 4], [0, 2, 3, 5], [])):
+        first = row.first_entries[h]
+        assert torch.equal(row.keys[0, h, first:4], keys[0, h, picked])
+        assert torch.equal(row.values[0, h, first:4], values[0, h, picked])
+        assert torch.equal(row.rope_positions[h, first:4], positions[h, picked])
+        assert row.valid[h, :4].tolist() == [False] * first + [True] * (4 - first)
+    empty = _RowLayer(SimpleNamespace(**{**vars(layer), "valid": torch.zeros(3, 6, dtype=bool)}),
+                      extra=2)
+    assert empty.slots == 0 and empty.first_entries == [0, 0, 0]
+
+
 @pytest.fixture(scope="module")
 def lm_and_caches():
     model = tiny_model("llama")
