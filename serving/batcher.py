@@ -49,7 +49,7 @@ class DecodeJob:
     started: float | None = None  # admitted: its prefill starts
     finished: float | None = None
     cancelled: bool = False
-    # scheduler state
+    # the batcher's state
     cost: int = 0
     prefix: Prefix | None = None  # the instruction's entries over `cache` (made at submit)
     row: DecodeRow | None = None

@@ -120,7 +120,8 @@ QUESTIONS = ("Where did they go hiking?", "What is the pet called?", "Who cooked
 
 
 class PauseAfter:
-    """A streamer that holds the scheduler after `n` answer tokens until `go` is set."""
+    """A streamer that holds the thread putting its `n`th answer token (the prefill thread
+    puts the prompt and the first one, the decode thread the rest) until `go` is set."""
 
     def __init__(self, n: int):
         self.n, self.puts = n, 0
@@ -166,7 +167,7 @@ def test_a_new_cache_gets_its_instruction_entries_at_submit_not_inside_the_batch
     try:
         pause = PauseAfter(2)
         first = batcher.submit(caches[0], QUESTIONS[0], 8, streamer=pause)
-        assert pause.reached.wait(60)  # the scheduler thread waits inside the step's output
+        assert pause.reached.wait(60)  # the decode thread waits inside a step's output
         second = batcher.submit(caches[1], QUESTIONS[1], 8)
         assert second.prefix is not None and batcher.stats()["prefixes"] == 2
         pause.go.set()
