@@ -6,10 +6,10 @@ once into buffers with room for the question and the answer, so the shared cache
 written (two requests may route to the same resident object) and the answer's tokens are
 written in place (the single-request path, `generate()`, concatenates the whole cache again at
 every token). `packed_step` runs one forward over the new tokens of every row, one segment per
-row (the question prompt of a row that just joined, one token for the others): the
-projections, MLPs, norms and LM head run once over all of them (one read of the weights),
-while the episodic attention (`pipeline.attention.PackedRequest`) gives each segment its own
-row's keys, values and mask, exactly as if it were decoded alone.
+row (a question prompt, or one token): the projections, MLPs, norms and LM head run once over
+all of them (one read of the weights), while the episodic attention
+(`pipeline.attention.PackedRequest`) gives each segment its own row's keys, values and valid
+entries, exactly as if it were decoded alone.
 """
 
 from __future__ import annotations
