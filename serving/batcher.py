@@ -183,7 +183,7 @@ class DecodeBatcher:
             if live:
                 self._step(live, self.prefills)
             with self._wake:
-                self._prefilling = [j for j in self._prefilling if j not in joining]
+                self._prefilling = []  # only this thread admits: they were all `joining`
                 self._ready += [j for j in live if not self._settled(j)]
                 self._wake.notify_all()
 
