@@ -14,13 +14,16 @@ import json
 import logging
 import sys
 
-from jobs.cli import add_store_options, make_parser
-from pipeline.allocator import retain_freed_memory
-from pipeline.answer import Answerer, ConversationNotFound, ModelMismatchError
-from pipeline.cache_io import CacheCorruptError
-from pipeline.corpus import UnsafeIdError
-from pipeline.models import ModelNotFoundError
-from pipeline.store import StoreError, open_store
+from pipeline.answer.answerer import Answerer
+from pipeline.answer.malloc_tuning import retain_freed_memory
+from pipeline.answer.routing import ConversationNotFound, ModelMismatchError
+from pipeline.cli.options import add_store_options
+from pipeline.cli.parser import make_parser
+from pipeline.corpus.schema import UnsafeIdError
+from pipeline.kv.models import ModelNotFoundError
+from pipeline.store.base import StoreError
+from pipeline.store.cache_format import CacheCorruptError
+from pipeline.store.uri import open_store
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -24,18 +24,23 @@ import numpy as np
 import torch
 
 from jobs import build
-from jobs.cli import make_parser
-from pipeline import cache_io, models
-from pipeline.answer import Answerer, decode_answer, embed_question, route_question
-from pipeline.cache import EpisodicCache
-from pipeline.config import BuildConfig
-from pipeline.corpus import Conversation, read_corpus, write_jsonl
-from pipeline.evaluate import EvalConfig, history_ids, measure_all, prepare
-from pipeline.metrics import f1_score, retention
-from pipeline.prefill import block_prefill
-from pipeline.scorers import FullScorer
-from pipeline.store import open_store
-from pipeline.synthetic import make_corpus
+from pipeline.answer.answerer import Answerer
+from pipeline.answer.decode import decode_answer
+from pipeline.answer.routing import embed_question, route_question
+from pipeline.build.config import BuildConfig
+from pipeline.cli.parser import make_parser
+from pipeline.corpus.reader import read_corpus, write_jsonl
+from pipeline.corpus.schema import Conversation
+from pipeline.corpus.synthetic import make_corpus
+from pipeline.eval.cell import history_ids, measure_all, prepare
+from pipeline.eval.methods import EvalConfig
+from pipeline.eval.metrics import f1_score, retention
+from pipeline.kv import models
+from pipeline.kv.cache import EpisodicCache
+from pipeline.kv.prefill import block_prefill
+from pipeline.kv.scorers import FullScorer
+from pipeline.store import cache_format
+from pipeline.store.uri import open_store
 
 CACHES = ("episodic", "full")  # the two caches every question is answered from
 MEDOIDS = 2  # medoid windows in an episode's patch: a short conversation has few windows
@@ -51,8 +56,8 @@ def reference_caches(lm: models.LoadedModel, conv: Conversation,
     for turns in (True, False):
         cache, _ = block_prefill(lm.model, history_ids(lm.tokenizer, conv, turns), FullScorer(),
                                  None, config.prefill)
-        data = cache_io.serialize(cache, {"conversation_id": conv.conversation_id}, dtype)
-        caches.append(cache_io.deserialize(data, None, dtype=lm.model.dtype,
+        data = cache_format.serialize(cache, {"conversation_id": conv.conversation_id}, dtype)
+        caches.append(cache_format.deserialize(data, None, dtype=lm.model.dtype,
                                            device=lm.model.device)[0])
     return caches[0], caches[1]
 
@@ -135,7 +140,7 @@ def print_summary(records: list[dict], model: str, device: str) -> None:
           f"{f1['episodic']:.2f}, full {f1['full']:.2f}.\n"
           f"  Where the full history answers wrong too, the error is the model's ({model}).\n"
           f"  Over a short history, decode time is mostly the model's weights; the gap grows with\n"
-          f"  the history (python -m jobs.bench_decode).")
+          f"  the history (python -m jobs.bench.decode).")
 
 
 def _python() -> str:

@@ -24,11 +24,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from jobs.cli import add_store_options, make_parser
-from pipeline.cache_io import sha256
-from pipeline.manifest import ManifestError, list_conversations, read_manifest
-from pipeline.store import (ObjectNotFound, Partial, Store, StoreError, manifest_key,
-                            open_store)
+from pipeline.cli.options import add_store_options
+from pipeline.cli.parser import make_parser
+from pipeline.store.base import ObjectNotFound, Partial, Store, StoreError, manifest_key
+from pipeline.store.cache_format import sha256
+from pipeline.store.manifest import ManifestError, list_conversations, read_manifest
+from pipeline.store.uri import open_store
 
 
 @dataclass(frozen=True)

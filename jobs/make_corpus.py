@@ -1,7 +1,7 @@
 """Write a synthetic corpus as JSONL: `python -m jobs.make_corpus --out corpus.jsonl
 --conversations 8 --target-tokens 8000 --seed 0 [--topics 4]`.
 
-The corpus has known topics and planted facts with questions (see pipeline/synthetic.py), so
+The corpus has known topics and planted facts with questions (see pipeline/corpus/synthetic.py), so
 builds, benchmarks and evaluations can run at any scale without a real data set.
 """
 
@@ -10,9 +10,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from jobs.cli import make_parser
-from pipeline.corpus import render_conversation, write_jsonl
-from pipeline.synthetic import TOPICS, estimate_tokens, make_corpus
+from pipeline.cli.parser import make_parser
+from pipeline.corpus.reader import write_jsonl
+from pipeline.corpus.render import render_conversation
+from pipeline.corpus.synthetic import TOPICS, estimate_tokens, make_corpus
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -25,12 +25,16 @@ import csv
 import json
 import sys
 
-from jobs.cli import add_store_options, make_parser
-from pipeline import manifest_table
-from pipeline.corpus import UnsafeIdError
-from pipeline.manifest import ManifestError, list_conversations, read_manifest
-from pipeline.manifest_table import PENDING_PREFIX, ManifestTable
-from pipeline.store import Store, StoreError, open_store
+from pipeline.cli.options import add_store_options
+from pipeline.cli.parser import make_parser
+from pipeline.corpus.schema import UnsafeIdError
+from pipeline.store import table_sync
+from pipeline.store.base import Store, StoreError
+from pipeline.store.manifest import ManifestError, list_conversations, read_manifest
+from pipeline.store.table import PENDING_PREFIX, TABLE_SCHEMA, ManifestTable
+from pipeline.store.table_query import connect, select, totals
+from pipeline.store.table_sync import repair
+from pipeline.store.uri import open_store
 
 _COLUMNS = ("episode", "tokens", "build_seconds", "kv_bytes", "object_bytes", "n_windows")
 # What the table view shows per episode (the per-layer columns live in the manifests only).
@@ -154,11 +158,11 @@ def from_table(store: Store, table: ManifestTable, filters: dict, as_json: bool,
               "interrupted build): `python -m jobs.manifests --compact` brings it up to date",
               file=sys.stderr)
     if not only_totals:
-        columns = manifest_table.TABLE_SCHEMA.names if as_json else _TABLE_COLUMNS
+        columns = TABLE_SCHEMA.names if as_json else _TABLE_COLUMNS
         if not as_json:
             print(f"{'conversation':<16} {'ep':>2} {'tokens':>7} {'build s':>8} {'KV MiB':>7} "
                   f"{'obj MiB':>7} {'scorer':<12} {'config':<16} note")
-        for batch in manifest_table.select(table, columns, **filters):
+        for batch in select(table, columns, **filters):
             for r in batch.to_pylist():
                 if as_json:
                     print(json.dumps(r))
@@ -168,7 +172,7 @@ def from_table(store: Store, table: ManifestTable, filters: dict, as_json: bool,
                       f"{_cell(_mib(r['kv_bytes']), '>7.2f')} "
                       f"{_cell(_mib(r['object_bytes']), '>7.2f')} {_cell(r['scorer'], '<12')} "
                       f"{_cell(r['config_hash'], '<16')} {r['episode_note'] or ''}")
-    t = manifest_table.totals(table, **filters)
+    t = totals(table, **filters)
     if as_json:
         if only_totals:
             print(json.dumps({"totals": t.__dict__}))
@@ -183,7 +187,7 @@ def run_sql(table: ManifestTable, query: str, as_json: bool) -> int:
     """The query's rows as CSV with a header (or JSON lines), streamed."""
     import duckdb
 
-    con = manifest_table.connect(table)
+    con = connect(table)
     try:
         result = con.sql(query)
         if result is None:  # a statement without rows
@@ -210,11 +214,11 @@ def maintain(store: Store, rebuild: bool, retain_hours: float) -> int:
     left out (exit code 2)."""
     table = ManifestTable(store)
     if rebuild or not table.exists():
-        done = manifest_table.rebuild(store, table)
+        done = table_sync.rebuild(store, table)
         line = (f"rebuilt the manifest table from {done.conversations:,} manifests "
                 f"({done.rows:,} episodes)")
     else:
-        done = manifest_table.repair(store, table)
+        done = repair(store, table)
         stats = table.compact(retain_hours)
         line = (f"compacted the manifest table: {done.conversations:,} pending conversation(s) "
                 f"brought up to date; {stats['files_before']} files -> {stats['files_after']} "

@@ -24,12 +24,13 @@ from dataclasses import fields
 
 from ray import serve
 
-from jobs.cli import make_parser
-# The serving code lives in `serving/`; these names stay importable from here (the tests, the
+from pipeline.cli.parser import make_parser
+
+# The serving code lives in `pipeline/serve/`; these names stay importable from here (the tests, the
 # README and `serve run jobs.serve:app_builder` use them).
-from serving.app import APP_NAME, app_builder, build_app, resolve_models
-from serving.errors import classify
-from serving.settings import AUTH_ENV, ServeSettings, parse_autoscale
+from pipeline.serve.app import APP_NAME, app_builder, build_app, resolve_models
+from pipeline.serve.errors import classify
+from pipeline.serve.settings import AUTH_ENV, ServeSettings, parse_autoscale
 
 __all__ = ["APP_NAME", "ServeSettings", "app_builder", "build_app", "build_parser", "classify",
            "main", "parse_args", "resolve_models", "settings_from_args"]
@@ -137,7 +138,8 @@ def settings_from_args(a: argparse.Namespace) -> ServeSettings:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from pipeline.store import StoreError, open_store
+    from pipeline.store.base import StoreError
+    from pipeline.store.uri import open_store
 
     try:
         settings = settings_from_args(a)
@@ -148,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import ray
 
-    from jobs.environment import init_ray
+    from pipeline.ray_runtime import init_ray
 
     joined = bool(a.ray_address or os.environ.get("RAY_ADDRESS"))
     init_ray(a.ray_address)

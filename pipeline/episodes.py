@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from sklearn.cluster import KMeans
 
-from pipeline.corpus import Conversation, Turn, render_turns
+from pipeline.corpus.render import render_turns
+from pipeline.corpus.schema import Conversation, Turn
 
 
 @dataclass(frozen=True)

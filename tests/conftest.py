@@ -17,7 +17,7 @@ def ray_local():
     """A real local Ray (2 CPUs), stopped after the session."""
     import ray
 
-    from jobs.environment import WORKER_ENV
+    from pipeline.ray_runtime import WORKER_ENV
 
     ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING,
              runtime_env={"env_vars": WORKER_ENV})
@@ -42,7 +42,7 @@ def _forbid_packaged_models(package: str, inner: str, pip_name: str):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
     if item.get_closest_marker("e2e") is None:
-        from pipeline import models
+        from pipeline.kv import models
 
         item._real_package_path = models._package_path
         models._package_path = _forbid_packaged_models
@@ -54,6 +54,6 @@ def pytest_runtest_teardown(item):
     yield
     real = getattr(item, "_real_package_path", None)
     if real is not None:
-        from pipeline import models
+        from pipeline.kv import models
 
         models._package_path = real

@@ -21,8 +21,8 @@ SCRIPT = """
 import json, resource, sys
 import torch
 from safetensors.torch import save
-from pipeline import cache_io
-from pipeline.allocator import retain_freed_memory
+from pipeline.store import cache_format as cache_io
+from pipeline.answer.malloc_tuning import retain_freed_memory
 if sys.argv[1] == "retain":
     assert retain_freed_memory()
 else:  # glibc's initial thresholds, pinned
@@ -69,7 +69,7 @@ def test_freed_memory_is_reused_without_page_faults():
 
 
 def test_elsewhere_it_is_a_no_op(monkeypatch):
-    from pipeline import allocator
+    from pipeline.answer import malloc_tuning
 
-    monkeypatch.setattr(allocator.platform, "libc_ver", lambda: ("musl", "1.2"))
-    assert allocator.retain_freed_memory() is False
+    monkeypatch.setattr(malloc_tuning.platform, "libc_ver", lambda: ("musl", "1.2"))
+    assert malloc_tuning.retain_freed_memory() is False

@@ -8,10 +8,10 @@ import torch
 from tiny_models import FAMILIES, StandIn, one_torch_thread, random_ids, stock_twin, tiny_model  # noqa: F401
 from transformers import DynamicCache
 
-from pipeline.answer import generate_from_cache
-from pipeline.cache import EpisodicCache
-from pipeline.prefill import PrefillConfig, block_prefill, select_keep
-from pipeline.scorers import EpiCacheScorer, FullScorer, StreamingLLMScorer
+from pipeline.answer.decode import generate_from_cache
+from pipeline.kv.cache import EpisodicCache
+from pipeline.kv.prefill import PrefillConfig, block_prefill, select_keep
+from pipeline.kv.scorers import EpiCacheScorer, FullScorer, StreamingLLMScorer
 
 ATOL = 1e-4
 

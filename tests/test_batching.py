@@ -1,4 +1,4 @@
-"""Continuous batching (`pipeline.batching`, `serving.batcher`) on tiny random models: a greedy
+"""Continuous batching (`pipeline.answer.packed`, `pipeline.answer.batcher`) on tiny random models: a greedy
 answer decoded inside a batch of other conversations (different cache lengths per layer and per
 head), or joining a batch mid-way, is token for token the answer decoded alone by `generate()`;
 the resident cache is never written; the caps hold; a bad request fails alone."""
@@ -13,12 +13,12 @@ import torch
 from tiny_models import StandIn, one_torch_thread, random_ids, tiny_model  # noqa: F401
 from transformers import TextIteratorStreamer
 
-from pipeline.answer import AnswerPieces, decode_answer, generate_from_cache
-from pipeline.batching import DecodeRow, packed_step
-from pipeline.cache import EpisodicCache
-from pipeline.prefill import PrefillConfig, block_prefill
-from pipeline.scorers import EpiCacheScorer
-from serving.batcher import DecodeBatcher
+from pipeline.answer.decode import AnswerPieces, decode_answer, generate_from_cache
+from pipeline.answer.packed import DecodeRow, packed_step
+from pipeline.kv.cache import EpisodicCache
+from pipeline.kv.prefill import PrefillConfig, block_prefill
+from pipeline.kv.scorers import EpiCacheScorer
+from pipeline.answer.batcher import DecodeBatcher
 
 
 def _caches(model, specs=((61, 12, "headwise"), (90, 20, "perhead"), (40, 9, "headwise"))):
@@ -88,7 +88,7 @@ def test_a_row_right_aligns_each_heads_entries_in_their_order():
     against the new tokens' slots, in order, with their positions; nothing else is valid."""
     from types import SimpleNamespace
 
-    from pipeline.batching import _RowLayer
+    from pipeline.answer.packed import _RowLayer
 
     keys, values = torch.randn(1, 3, 6, 4), torch.randn(1, 3, 6, 4)
     valid = torch.zeros(3, 6, dtype=torch.bool)
@@ -265,7 +265,7 @@ def test_a_failing_request_fails_alone_and_sampling_uses_its_own_generator(lm_an
 
 
 def _job(batcher, cache, question, n, temperature=0.0):
-    from serving.batcher import DecodeJob
+    from pipeline.answer.batcher import DecodeJob
 
     return DecodeJob(cache, question, n, temperature)
 
@@ -274,9 +274,9 @@ def _job(batcher, cache, question, n, temperature=0.0):
 def test_smollm2_batched_greedy_answers_equal_decode_answer_alone():
     """The real model (float32 on CPU): three synthetic conversations of different lengths
     and budgets, asked together (and one joining mid-way) answer as each does alone."""
-    from pipeline import models, prompts
-    from pipeline.corpus import render_conversation
-    from pipeline.synthetic import make_corpus
+    from pipeline.kv import models, prompts
+    from pipeline.corpus.render import render_conversation
+    from pipeline.corpus.synthetic import make_corpus
 
     lm = models.load_llm()
     caches, questions = [], []

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jobs.bench_common import dynamic_cache_bytes, first_layers, full_prefill
-from pipeline.prefill import PrefillConfig, block_prefill
-from pipeline.scorers import EpiCacheScorer
+from pipeline.eval.bench_support import dynamic_cache_bytes, first_layers, full_prefill
+from pipeline.kv.prefill import PrefillConfig, block_prefill
+from pipeline.kv.scorers import EpiCacheScorer
 from tiny_models import one_torch_thread, random_ids, tiny_model  # noqa: F401
 
 

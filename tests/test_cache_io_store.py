@@ -11,19 +11,22 @@ import pytest
 import torch
 from tiny_models import StandIn, one_torch_thread, random_ids, tiny_model  # noqa: F401
 
-from pipeline.answer import generate_from_cache
-from pipeline.cache_io import (FORMAT, CacheCorruptError, deserialize, read_header, serialize,
-                               sha256)
-from pipeline.calibrate import CalibrationConfig
-from pipeline.compress import MergeConfig, TriStateConfig
-from pipeline.config import BuildConfig
-from pipeline.corpus import UnsafeIdError
+from pipeline.answer.decode import generate_from_cache
+from pipeline.store.cache_format import (CacheCorruptError, FORMAT, deserialize, read_header,
+                                         serialize, sha256)
+from pipeline.kv.budgets import CalibrationConfig
+from pipeline.kv.merging import MergeConfig
+from pipeline.kv.tristate import TriStateConfig
+from pipeline.build.config import BuildConfig
+from pipeline.corpus.schema import UnsafeIdError
 from pipeline.episodes import EpisodeConfig
-from pipeline.manifest import MANIFEST_SCHEMA, list_conversations, read_manifest, write_manifest
-from pipeline.prefill import PrefillConfig, block_prefill
-from pipeline.scorers import EpiCacheScorer, ScoringConfig
-from pipeline.store import (LocalStore, StoreError, cache_key, check_key,
-                            manifest_key, open_store)
+from pipeline.store.manifest import (MANIFEST_SCHEMA, list_conversations, read_manifest,
+                                     write_manifest)
+from pipeline.kv.prefill import PrefillConfig, block_prefill
+from pipeline.kv.scorers import EpiCacheScorer, ScoringConfig
+from pipeline.store.base import StoreError, cache_key, check_key, manifest_key
+from pipeline.store.local import LocalStore
+from pipeline.store.uri import open_store
 
 NAME = "caches/conv-1/abcd/episode-0.safetensors"
 
@@ -321,7 +324,7 @@ PINNED_CONFIG = BuildConfig(
 # CHANGE ON PURPOSE ONLY. Every stored manifest carries its configuration's hash, and a build
 # rebuilds every conversation whose hash differs: a new literal here means every existing store
 # is rebuilt. When the configuration's format changes on purpose (a field added to BuildConfig
-# or to one of its parts, cache_io.FORMAT bumped), set the new field in PINNED_CONFIG above and
+# or to one of its parts, cache_format.FORMAT bumped), set the new field in PINNED_CONFIG above and
 # put the new hash here, and say so in the change.
 PINNED_HASH = "3930c653d0aa42f3"  # prefill.positions added (compact positions)
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from tiny_models import one_torch_thread, random_ids, stock_twin, tiny_model  # noqa: F401
 
-from pipeline.calibrate import CalibrationConfig, allocate_budgets, layer_similarity, sink_recent_mask
+from pipeline.kv.budgets import (CalibrationConfig, allocate_budgets, layer_similarity,
+                                 sink_recent_mask)
 
 
 def test_sink_recent_mask_pattern():

@@ -1,6 +1,6 @@
 """Every `jobs.*` command documents itself, and the README's examples name only real options.
 
-Each command module exposes `build_parser()` (made by `jobs.cli.make_parser`); these tests
+Each command module exposes `build_parser()` (made by `pipeline.cli.parser.make_parser`); these tests
 import every module of `jobs/` (never running its main) and read the parsers.
 """
 
@@ -20,11 +20,11 @@ import jobs
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-_COMMAND = re.compile(r"(?:^|\s)(?:\S*/)?python -m (jobs\.\w+)(.*)")
+_COMMAND = re.compile(r"(?:^|\s)(?:\S*/)?python -m (jobs(?:\.\w+)+)(.*)")
 
 
 def _modules() -> list[str]:
-    return sorted(f"jobs.{m.name}" for m in pkgutil.iter_modules(jobs.__path__))
+    return sorted(m.name for m in pkgutil.walk_packages(jobs.__path__, "jobs.") if not m.ispkg)
 
 
 def _parsers() -> dict[str, argparse.ArgumentParser]:
@@ -73,11 +73,11 @@ def test_every_option_has_help_and_shows_its_default(parsers):
 
 def test_help_lists_methods_scorers_and_serve_builder_keys(parsers):
     from jobs.serve import ServeSettings
-    from pipeline import evaluate
-    from pipeline.scorers import SCORERS
+    from pipeline.eval.methods import EXTRA_METHODS, METHODS, VARIANTS
+    from pipeline.kv.scorers import SCORERS
 
     methods = parsers["jobs.evaluate"].format_help().replace("\n", " ")
-    for name in evaluate.METHODS + evaluate.EXTRA_METHODS + evaluate.VARIANTS:
+    for name in METHODS + EXTRA_METHODS + VARIANTS:
         assert name in methods
     assert "oq<P>" in methods and "entries" in methods
     scorer = next(a for a in parsers["jobs.build"]._actions if a.dest == "scorer")
@@ -92,12 +92,12 @@ _CODE_BLOCK = re.compile(r"```[a-z]*\n(.*?)```", flags=re.S)
 
 
 def test_readme_names_every_method_variant_and_scorer():
-    from pipeline import evaluate
-    from pipeline.scorers import SCORERS
+    from pipeline.eval.methods import EXTRA_METHODS, METHODS, NUMBERED_VARIANTS, VARIANTS
+    from pipeline.kv.scorers import SCORERS
 
     text = (ROOT / "README.md").read_text(encoding="utf-8")
-    names = (evaluate.METHODS + evaluate.EXTRA_METHODS + evaluate.VARIANTS
-             + evaluate.NUMBERED_VARIANTS + tuple(SCORERS))
+    names = (METHODS + EXTRA_METHODS + VARIANTS
+             + NUMBERED_VARIANTS + tuple(SCORERS))
     assert [name for name in names if f"`{name}`" not in text] == []
 
 

@@ -25,12 +25,17 @@ import pytest
 import yaml
 
 from jobs import build
-from jobs.bench_scale import SYNTHETIC_CONFIG, SYNTHETIC_STAGES, bench, write_synthetic_corpus
-from pipeline import cache_io, models
-from pipeline.corpus import write_jsonl
-from pipeline.manifest import list_conversations, read_manifest
-from pipeline.store import LocalStore, Store, cache_key, open_store
-from pipeline.synthetic import make_corpus
+from pipeline.build.driver import run_build
+from jobs.bench.scale import bench
+from pipeline.build.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES, write_synthetic_corpus
+from pipeline.kv import models
+from pipeline.store import cache_format
+from pipeline.corpus.reader import write_jsonl
+from pipeline.store.manifest import list_conversations, read_manifest
+from pipeline.store.base import Store, cache_key
+from pipeline.store.local import LocalStore
+from pipeline.store.uri import open_store
+from pipeline.corpus.synthetic import make_corpus
 from s3_server import free_ports
 
 REPO = Path(__file__).resolve().parents[1]
@@ -79,7 +84,7 @@ def verify_store(store: Store, expected: set[str]) -> list[dict]:
         for row in read_manifest(store, cid):
             data = store.get(row["object_key"])
             assert len(data) == row["object_bytes"]
-            cache_io.deserialize(data, row["sha256"], row["object_key"])  # raises if corrupt
+            cache_format.deserialize(data, row["sha256"], row["object_key"])  # raises if corrupt
             rows.append(row)
     return rows
 
@@ -301,7 +306,7 @@ def test_worker_killed_mid_build_does_not_stop_the_job(ray_local, tiny_llm, tmp_
     killer = EpisodeKiller(os.getpid())  # this session's local Ray runs under this process
     killer.start()
     try:
-        summary = build.run_build(str(corpus), str(store_dir),
+        summary = run_build(str(corpus), str(store_dir),
                                   build.config_from_args(build.parse_args(args)),
                                   max_in_flight=4, max_retries=2, progress=False)
     finally:
@@ -406,7 +411,7 @@ def test_worker_deaths_are_retried_a_bounded_number_of_times(ray_local, tmp_path
     corpus = tmp_path / "corpus.jsonl"
     write_synthetic_corpus(corpus, 8, failures={2: "crash", 5: "raise"})
     store = LocalStore(tmp_path / "store")
-    summary = build.run_build(str(corpus), store, SYNTHETIC_CONFIG, max_in_flight=3,
+    summary = run_build(str(corpus), store, SYNTHETIC_CONFIG, max_in_flight=3,
                               max_retries=1, progress=False, stages=SYNTHETIC_STAGES)
     assert summary.built == 6 and set(summary.failed) == {"bench-0000002", "bench-0000005"}
     assert "WorkerCrashedError" in summary.failed["bench-0000002"]

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.corpus import (CorpusError, UnsafeIdError, check_safe_id, iter_corpus, read_corpus,
-                             render_conversation, render_turn, select_conversations, write_jsonl)
+from pipeline.corpus.reader import iter_corpus, read_corpus, select_conversations, write_jsonl
+from pipeline.corpus.render import render_conversation, render_turn
+from pipeline.corpus.schema import CorpusError, UnsafeIdError, check_safe_id
 
 # The LoCoMo-format parsing tests read a small fixture written for the project (tests/data/locomo);
 # the real LoCoMo lives beside the repository (../shared/data/locomo, or $LOCOMO_DIR), not in it,

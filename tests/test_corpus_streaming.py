@@ -20,10 +20,15 @@ import pytest
 import ray
 
 from jobs import build
-from jobs.bench_scale import SYNTHETIC_CONFIG, SYNTHETIC_STAGES, S3Requests, synthetic_lines
-from pipeline.corpus import CorpusError, CorpusObject, CorpusStream, ReadStats
-from pipeline.manifest import list_conversations
-from pipeline.store import LocalStore, S3Store, open_store
+from pipeline.build.driver import run_build
+from pipeline.build.sources import corpus_objects
+from pipeline.build.rehearsal import S3Requests, SYNTHETIC_CONFIG, SYNTHETIC_STAGES, synthetic_lines
+from pipeline.corpus.reader import CorpusObject, CorpusStream, ReadStats
+from pipeline.corpus.schema import CorpusError
+from pipeline.store.manifest import list_conversations
+from pipeline.store.local import LocalStore
+from pipeline.store.s3 import S3Store
+from pipeline.store.uri import open_store
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -74,7 +79,7 @@ def test_s3_corpus_is_streamed_and_never_written_to_disk(ray_local, s3_env, tmp_
     monkeypatch.setattr(S3Store, "download", no_download)
     monkeypatch.setattr(S3Store, "get", no_download)
     store = LocalStore(tmp_path / "store")
-    summary = build.run_build(uri, store, SYNTHETIC_CONFIG, progress=False,
+    summary = run_build(uri, store, SYNTHETIC_CONFIG, progress=False,
                               stages=SYNTHETIC_STAGES)
     assert summary.built == 12 and not summary.failed
     assert opened == [(f"part-{i}.jsonl", "BufferedReader") for i in range(3)]
@@ -88,7 +93,7 @@ def test_large_object_is_streamed_twice_in_fail_mode_and_once_in_skip_mode(s3_en
     uri = _put_parts(s3_env, "twice/corpus", [synthetic_lines(0, 50) + "[1]\n"])
     folder = S3Store(s3_env.bucket, "twice/corpus", endpoint_url=s3_env.endpoint)
     requests = S3Requests(folder)
-    objects = build.corpus_objects(uri)
+    objects = corpus_objects(uri)
     objects = [CorpusObject(o.name, functools.partial(folder.open, o.name), o.size)
                for o in objects]
     with pytest.raises(CorpusError, match=r"part-0\.jsonl, record 51: record must be a JSON "
@@ -139,8 +144,8 @@ def test_first_conversations_are_built_before_the_last_object_is_opened(ray_loca
             return obj.open()
         return CorpusObject(obj.name, open_, obj.size)
 
-    corpus = CorpusStream([opener(o) for o in build.corpus_objects(uri)], where=uri)
-    summary = build.run_build(corpus, store, SYNTHETIC_CONFIG, max_in_flight=4, progress=False,
+    corpus = CorpusStream([opener(o) for o in corpus_objects(uri)], where=uri)
+    summary = run_build(corpus, store, SYNTHETIC_CONFIG, max_in_flight=4, progress=False,
                               stages=SYNTHETIC_STAGES)
     assert summary.built == 160
     assert committed_at_open[0] == 0 and committed_at_open[-1] > 0, committed_at_open
@@ -157,10 +162,10 @@ def test_bad_record_in_a_later_object_stops_after_committing_the_earlier(ray_loc
     store = LocalStore(tmp_path / "store")
     with pytest.raises(CorpusError, match=r"^part-1\.jsonl, record 5 \(conversation "
                                           r"'bench-0000014'\): field 'turns\[1\]\.speaker'"):
-        build.run_build(uri, store, SYNTHETIC_CONFIG, progress=False, stages=SYNTHETIC_STAGES)
+        run_build(uri, store, SYNTHETIC_CONFIG, progress=False, stages=SYNTHETIC_STAGES)
     assert list_conversations(store) == [f"bench-{i:07d}" for i in range(10)]
     _put_parts(s3_env, "badlater/corpus", [synthetic_lines(0, 10), synthetic_lines(10, 20)])
-    summary = build.run_build(uri, store, SYNTHETIC_CONFIG, progress=False,
+    summary = run_build(uri, store, SYNTHETIC_CONFIG, progress=False,
                               stages=SYNTHETIC_STAGES)
     assert (summary.built, summary.skipped) == (10, 10)
 
@@ -175,7 +180,7 @@ def test_skips_in_a_later_object_reach_stderr_and_the_report(ray_local, tmp_path
     lines = synthetic_lines(3, 6).splitlines(keepends=True)
     (corpus / "b.jsonl").write_text(lines[0] + _bad(lines[1]) + lines[2])
     monkeypatch.setattr(build, "run_build",
-                        functools.partial(build.run_build, stages=SYNTHETIC_STAGES))
+                        functools.partial(run_build, stages=SYNTHETIC_STAGES))
     store = tmp_path / "store"
     rc = build.main(["--corpus", str(corpus), "--store", str(store), "--on-bad-record", "skip",
                      "--no-progress", "--model", "synthetic"])
@@ -192,14 +197,14 @@ def test_skips_in_a_later_object_reach_stderr_and_the_report(ray_local, tmp_path
 
 
 def test_bench_large_counts_no_get_of_cache_objects_in_the_commit(s3_server, tmp_path):
-    """`jobs.bench_scale --large` on a small corpus against the test's S3 (its own process, so
+    """`jobs.bench.scale --large` on a small corpus against the test's S3 (its own process, so
     that its Ray workers get the credentials): the corpus is streamed from S3, the driver's
     RSS is read at both marks, and the build into an S3 store makes one HEAD per cache object
     and no GET (counted on the driver's S3 client)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("AWS_") and k not in ("RAY_ADDRESS", "EPICACHE_S3_ENDPOINT")}
     env |= s3_server.env()
-    out = subprocess.run([sys.executable, "-m", "jobs.bench_scale", "--large",
+    out = subprocess.run([sys.executable, "-m", "jobs.bench.scale", "--large",
                           "--conversations", "120", "--s3-prefix", s3_server.uri("benchlarge"),
                           "--s3-endpoint", s3_server.endpoint, "--max-in-flight", "8",
                           "--no-progress"], cwd=REPO, env=env, capture_output=True, text=True,

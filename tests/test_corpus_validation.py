@@ -15,11 +15,13 @@ import pytest
 import ray
 
 from jobs import build
+from pipeline.build.driver import run_build
 from jobs import evaluate as evaluate_job
-from jobs.bench_scale import SYNTHETIC_CONFIG, SYNTHETIC_STAGES
-from pipeline.corpus import (CorpusError, CorpusLimits, ReadStats, check_corpus, iter_corpus,
-                             read_corpus)
-from pipeline.store import LocalStore
+from pipeline.build.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES
+from pipeline.corpus.reader import ReadStats, check_corpus, iter_corpus, read_corpus
+from pipeline.corpus.records import CorpusLimits
+from pipeline.corpus.schema import CorpusError
+from pipeline.store.local import LocalStore
 
 
 def record(cid: str, *, text: str = "Hello there.", evidence: list | None = None,
@@ -265,7 +267,7 @@ def test_skip_mode_build_counts_and_keeps_conversations_with_a_dropped_question(
     stats = check_corpus(corpus, "skip", out=io.StringIO())
     assert (stats.read, stats.records_skipped, stats.questions_dropped) == (4, n_records, n_questions)
     store = LocalStore(tmp_path / "store")
-    summary = build.run_build(str(corpus), store, SYNTHETIC_CONFIG, on_bad_record="skip",
+    summary = run_build(str(corpus), store, SYNTHETIC_CONFIG, on_bad_record="skip",
                               progress=False, stages=SYNTHETIC_STAGES)
     assert (summary.built, summary.bad_records, summary.questions_dropped) == \
         (4, n_records, n_questions)

@@ -10,15 +10,17 @@ import pytest
 import torch
 from tiny_models import one_torch_thread, random_ids, stock_twin, tiny_model  # noqa: F401
 
-from pipeline import evaluate
-from pipeline.attention import attention_column_sums
-from pipeline.cache import EpisodicCache
-from pipeline.calibrate import (ALLOCATORS, VarianceAllocator, allocate_from_weights,
-                                attention_variance, variance_weights)
-from pipeline.compress import MergeConfig, Merger, TriStateConfig
-from pipeline.config import BuildConfig
-from pipeline.prefill import PrefillConfig, block_prefill, patch_positions
-from pipeline.scorers import EpiCacheScorer
+from pipeline.eval.cell import cache_footprint
+from pipeline.eval.methods import EvalConfig, allocator_of, parse_method
+from pipeline.kv.attention import attention_column_sums
+from pipeline.kv.cache import EpisodicCache
+from pipeline.kv.budgets import (ALLOCATORS, VarianceAllocator, allocate_from_weights,
+                                 attention_variance, variance_weights)
+from pipeline.kv.merging import MergeConfig, Merger
+from pipeline.kv.tristate import TriStateConfig
+from pipeline.build.config import BuildConfig
+from pipeline.kv.prefill import PrefillConfig, block_prefill, patch_positions
+from pipeline.kv.scorers import EpiCacheScorer
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +201,7 @@ def test_variance_allocation():
 # --------------------------------------------------------------------------------------------
 
 def test_variants_are_configuration_knobs():
-    config = evaluate.EvalConfig(model="tiny")
+    config = EvalConfig(model="tiny")
     hashes = {m: config.build_config(m, 64).hash for m in
               ("epicache", "epicache-tri", "epicache-dapq", "epicache-merge", "epicache-d2o",
                "epicache+tri+dapq+merge", "epicache+fp8", "keydiff")}
@@ -208,15 +210,15 @@ def test_variants_are_configuration_knobs():
     assert config.build_config("epicache-dapq", 64).prefill.decode_positions
     assert config.build_config("epicache-merge", 64).prefill.merge.enabled
     assert config.build_config("epicache-d2o", 64).allocator == "variance"
-    assert evaluate.allocator_of("keydiff") is None and evaluate.allocator_of("keydiff-d2o") == "variance"
-    assert evaluate.parse_method("epicache+tri+dapq") == ("epicache", frozenset({"tri", "dapq"}))
+    assert allocator_of("keydiff") is None and allocator_of("keydiff-d2o") == "variance"
+    assert parse_method("epicache+tri+dapq") == ("epicache", frozenset({"tri", "dapq"}))
     assert config.build_config("epicache+tri+oq25", 64).prefill.tristate.original_scale == 0.25
     assert config.build_config("epicache-tri", 64).prefill.tristate.original_scale == 1.0
     for bad in ("epicache-x", "full-tri", "nope", "epicache+oqx"):
         with pytest.raises(ValueError):
-            evaluate.parse_method(bad)
+            parse_method(bad)
     # old defaults: the plain configuration is what it was (only the hash's format field moved)
-    assert evaluate.EvalConfig().prefill_config("epicache") == PrefillConfig()
+    assert EvalConfig().prefill_config("epicache") == PrefillConfig()
     config = BuildConfig(prefill=config.build_config("epicache+tri+merge", 64).prefill,
                          allocator="variance")
     assert BuildConfig.from_json(config.to_json()) == config
@@ -227,9 +229,9 @@ def test_evaluate_records_carry_bytes(llama):
     cache, _ = block_prefill(llama, random_ids(100), scorer(), [30] * 3,
                              PrefillConfig(block=24, tristate=TriStateConfig(enabled=True, window=8)),
                              original_element_size=2)
-    from pipeline.prefill import entry_bytes
+    from pipeline.kv.prefill import entry_bytes
     sizes = entry_bytes(llama, 2)
-    footprint = evaluate.cache_footprint(cache, sizes)
+    footprint = cache_footprint(cache, sizes)
     assert footprint["kv_bytes"] == cache.nbytes(2)
     assert footprint["bytes_tokens"] <= 30
     assert footprint["quantized_share"] > 0

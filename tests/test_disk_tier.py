@@ -14,13 +14,15 @@ import pytest
 import torch
 from tiny_models import StandIn, one_torch_thread, random_ids, tiny_model  # noqa: F401
 
-from pipeline import models
-from pipeline.answer import fetch_cache
-from pipeline.cache_io import CacheCorruptError, ChecksumError, read_parsed, serialize, sha256
-from pipeline.disk_tier import DiskTier
-from pipeline.prefill import PrefillConfig, block_prefill
-from pipeline.scorers import EpiCacheScorer
-from pipeline.store import LocalStore, cache_key
+from pipeline.kv import models
+from pipeline.answer.fetch import fetch_cache
+from pipeline.store.cache_format import (CacheCorruptError, ChecksumError, read_parsed, serialize,
+                                         sha256)
+from pipeline.store.disk_tier import DiskTier
+from pipeline.kv.prefill import PrefillConfig, block_prefill
+from pipeline.kv.scorers import EpiCacheScorer
+from pipeline.store.base import cache_key
+from pipeline.store.local import LocalStore
 
 MODEL = "tiny-llama"
 
@@ -205,7 +207,7 @@ def test_two_tiers_sharing_a_folder_keep_one_bound(tmp_path, objects):
 # ---------------------------------------------------------------------------------------------
 
 def _decoder(tmp_path, model, monkeypatch, cache_bytes=10**9, disk=True):
-    from serving.decoder import Decoder
+    from pipeline.serve.decoder import Decoder
 
     monkeypatch.setattr(models, "load_llm", lambda name, device=None, dtype=None: StandIn(model))
     monkeypatch.setattr(gc, "freeze", lambda: None)  # a replica's process, not pytest's

@@ -10,18 +10,21 @@ import torch
 from transformers import DynamicCache
 
 from jobs import demo
-from jobs.build import run_build
-from pipeline import cache_io, models, prompts
-from pipeline.answer import Answerer, generate_from_cache
-from pipeline.calibrate import CalibrationConfig
-from pipeline.config import BuildConfig
-from pipeline.corpus import read_corpus, render_conversation, write_jsonl
+from pipeline.build.driver import run_build
+from pipeline.kv import models, prompts
+from pipeline.store import cache_format
+from pipeline.answer.answerer import Answerer
+from pipeline.answer.decode import generate_from_cache
+from pipeline.kv.budgets import CalibrationConfig
+from pipeline.build.config import BuildConfig
+from pipeline.corpus.reader import read_corpus, write_jsonl
+from pipeline.corpus.render import render_conversation
 from pipeline.episodes import EpisodeConfig
-from pipeline.manifest import read_manifest
-from pipeline.prefill import PrefillConfig, block_prefill
-from pipeline.scorers import EpiCacheScorer
-from pipeline.store import open_store
-from pipeline.synthetic import make_corpus
+from pipeline.store.manifest import read_manifest
+from pipeline.kv.prefill import PrefillConfig, block_prefill
+from pipeline.kv.scorers import EpiCacheScorer
+from pipeline.store.uri import open_store
+from pipeline.corpus.synthetic import make_corpus
 
 pytestmark = pytest.mark.e2e
 
@@ -64,7 +67,7 @@ def test_build_writes_manifests_and_objects_that_reload(built):
             # every layer holds exactly its budget and never held more than budget + block
             assert row["entries_per_layer"] == pytest.approx(budgets)
             assert all(p <= b + BLOCK for p, b in zip(row["peak_entries_per_layer"], budgets))
-            cache, header = cache_io.deserialize(store.get(row["object_key"]), row["sha256"],
+            cache, header = cache_format.deserialize(store.get(row["object_key"]), row["sha256"],
                                                  row["object_key"])
             assert header["conversation_id"] == conv.conversation_id
             assert cache.tokens_seen == row["tokens"]

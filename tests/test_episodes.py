@@ -11,9 +11,10 @@ import zlib
 import numpy as np
 import pytest
 
-from pipeline.corpus import Conversation, Turn, render_turn
+from pipeline.corpus.render import render_turn
+from pipeline.corpus.schema import Conversation, Turn
 from pipeline.episodes import EpisodeConfig, build_episodes, route, segment, window_texts
-from pipeline.synthetic import make_conversation
+from pipeline.corpus.synthetic import make_conversation
 
 DIM = 32
 

@@ -11,13 +11,16 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from jobs import evaluate as evaluate_job
-from pipeline import evaluate, models, prompts
-from pipeline.corpus import write_jsonl
-from pipeline.metrics import continuation_nll, evidence_probe, f1_score, normalize_answer, retention
-from pipeline.prefill import PrefillConfig, block_prefill
-from pipeline.scorers import (BlockContext, FullScorer, InfiniPotScorer, KeyDiffScorer, KVzipScorer,
-                              LayerState, SnapKVScorer, build_scorer)
-from pipeline.synthetic import make_corpus
+from pipeline.eval.runner import collect_cells
+from pipeline.eval.methods import METHODS, parse_method
+from pipeline.kv import models, prompts
+from pipeline.corpus.reader import write_jsonl
+from pipeline.eval.metrics import (continuation_nll, evidence_probe, f1_score, normalize_answer,
+                                   retention)
+from pipeline.kv.prefill import PrefillConfig, block_prefill
+from pipeline.kv.scorers import (BlockContext, FullScorer, InfiniPotScorer, KVzipScorer,
+                                 KeyDiffScorer, LayerState, SnapKVScorer, build_scorer)
+from pipeline.corpus.synthetic import make_corpus
 
 
 def _encode(text: str) -> torch.Tensor:
@@ -64,7 +67,7 @@ def test_keydiff_anchors_on_the_mean_of_every_key_being_compressed():
     # anchor = mean of (1,0), (0,1), (1,1) = (2/3, 2/3): direction (1,1)/sqrt(2)
     expected = torch.tensor([[-1 / 2 ** 0.5, -1 / 2 ** 0.5, -1.0, -1.0]])
     torch.testing.assert_close(scores, expected)
-    assert KeyDiffScorer.name == "keydiff" and "keydiff" in evaluate.METHODS
+    assert KeyDiffScorer.name == "keydiff" and "keydiff" in METHODS
 
 
 def test_random_scores_are_reproducible_per_layer_and_block_and_not_a_default_method():
@@ -81,8 +84,8 @@ def test_random_scores_are_reproducible_per_layer_and_block_and_not_a_default_me
     assert torch.equal(first, scores(1, 512))
     for other in (scores(2, 512), scores(1, 1024), scores(1, 512, seed=1)):
         assert not torch.equal(first, other)
-    assert evaluate.parse_method("random") == ("random", frozenset())
-    assert "random" not in evaluate.METHODS  # a diagnostic floor, run only when asked for
+    assert parse_method("random") == ("random", frozenset())
+    assert "random" not in METHODS  # a diagnostic floor, run only when asked for
 
 
 def test_f1_and_normalisation_follow_locomo():
@@ -95,7 +98,7 @@ def test_f1_and_normalisation_follow_locomo():
 
 
 def test_evidence_probe_takes_at_most_four_words_and_a_third():
-    from pipeline.corpus import Turn
+    from pipeline.corpus.schema import Turn
     prefix, rest = evidence_probe(Turn("D1:1", "Ann", "one two three four five six seven eight nine "
                                        "ten eleven twelve thirteen", 1, ""))
     assert prefix == '\nAnn said, "one two three four' and rest.startswith(" five")
@@ -217,7 +220,7 @@ def test_a_failed_cell_is_reported_and_the_others_kept(tmp_path, ray_local):
     finished one is kept under its key and returned."""
     import ray
 
-    from pipeline.store import LocalStore
+    from pipeline.store.local import LocalStore
 
     @ray.remote(max_retries=0)
     def cell(fail: bool) -> list[dict]:
@@ -228,7 +231,7 @@ def test_a_failed_cell_is_reported_and_the_others_kept(tmp_path, ray_local):
     kept = LocalStore(tmp_path)
     pending = {cell.remote(False): ("c1", "keydiff", 32, "cells/c1/x/ok.parquet"),
                cell.remote(True): ("c1", "snapkv", 32, "cells/c1/x/bad.parquet")}
-    records, failed = evaluate_job.collect_cells(pending, kept)
+    records, failed = collect_cells(pending, kept)
     assert records == [{"method": "keydiff", "evidence_nll": 1.5}]
     assert failed == [{"conversation_id": "c1", "method": "snapkv", "budget": 32,
                        "error": "RuntimeError: out of memory in layer 3"}]

@@ -1,7 +1,7 @@
 """The manifest table (a Delta Lake index over the per-conversation manifests), local and on a
 real S3 server (SeaweedFS).
 
-Builds run on the real driver and a local Ray with the synthetic stages of `jobs.bench_scale`
+Builds run on the real driver and a local Ray with the synthetic stages of `jobs.bench.scale`
 (no model); the table is compared, row by row, with what the manifests say after builds,
 re-runs, --force, a new configuration and gc; a crash between a manifest commit and the table
 append is repaired by the next build and by `jobs.manifests --compact`; `--rebuild`, `--sql`
@@ -20,15 +20,19 @@ from dataclasses import replace
 import pytest
 from test_store_faults import plant_corrupt_manifest, put_conversation
 
-from jobs import build, gc, manifests
-from jobs.bench_scale import (INDEX_EPISODES, SYNTHETIC_CONFIG, SYNTHETIC_STAGES, index_bench,
-                              write_synthetic_corpus)
-from pipeline import manifest_table
+from jobs import gc, manifests
+from pipeline.build.driver import run_build
+from jobs.bench.scale import INDEX_EPISODES, index_bench
+from pipeline.build.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES, write_synthetic_corpus
+from pipeline.store import table as manifest_table
+from pipeline.store.table_sync import rebuild
 from pipeline.episodes import EpisodeConfig
-from pipeline.manifest import list_conversations, read_manifest, write_manifest
-from pipeline.manifest_table import (PENDING_PREFIX, TABLE_SCHEMA, IndexWriter, ManifestTable,
-                                     TableError, pending_key)
-from pipeline.store import LocalStore, open_store
+from pipeline.store.manifest import list_conversations, read_manifest, write_manifest
+from pipeline.store.table import (ManifestTable, PENDING_PREFIX, TABLE_SCHEMA,
+                                  TableError, pending_key)
+from pipeline.store.table_sync import IndexWriter
+from pipeline.store.local import LocalStore
+from pipeline.store.uri import open_store
 
 
 def table_rows(store) -> list[dict]:
@@ -50,7 +54,7 @@ def assert_table_equals_manifests(store) -> list[dict]:
 
 
 def run(corpus, store, config=SYNTHETIC_CONFIG, **kw):
-    return build.run_build(str(corpus), store, config, progress=False, stages=SYNTHETIC_STAGES,
+    return run_build(str(corpus), store, config, progress=False, stages=SYNTHETIC_STAGES,
                            index_flush_rows=kw.pop("index_flush_rows", 6), **kw)
 
 
@@ -200,7 +204,7 @@ def manifest_rows_without(store, bad: str) -> list[dict]:
 
 def test_filters_and_totals_read_the_table(filled, capsys):
     store = filled
-    manifest_table.rebuild(store)
+    rebuild(store)
     every = manifest_rows(store)
 
     def shown(*args) -> list[dict]:
@@ -232,7 +236,7 @@ def test_filters_and_totals_read_the_table(filled, capsys):
 
 def test_sql_runs_duckdb_over_the_view_episodes(filled, capsys):
     store = filled
-    manifest_table.rebuild(store)
+    rebuild(store)
     query = ("SELECT config_hash, count(*) AS n, sum(object_bytes) AS bytes FROM episodes "
              "GROUP BY config_hash ORDER BY config_hash")
     assert manifests.main(["--store", store.uri, "--sql", query]) == 0
@@ -342,7 +346,7 @@ def test_replace_splits_large_batches_and_replaces_only_named_conversations(fill
     """A batch larger than one predicate may hold goes in several commits (delta-rs recurses
     over an IN list: ~25,000 ids overflow the stack), each replacing its conversations whole."""
     store = filled
-    manifest_table.rebuild(store)
+    rebuild(store)
     table = ManifestTable(store)
     before = table_rows(store)
     monkeypatch.setattr(manifest_table, "_MAX_IDS", 2)

@@ -8,13 +8,13 @@ import torch
 from tiny_models import StandIn, one_torch_thread, random_ids, tiny_model  # noqa: F401
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from pipeline import cache_io
-from pipeline.answer import generate_from_cache
-from pipeline.metrics import continuation_nll
-from pipeline.positions import ContextTooLongError, KeyRotation, check_fits
-from pipeline.prefill import PrefillConfig, block_prefill
-from pipeline.scorers import EpiCacheScorer, StreamingLLMScorer
-from pipeline.compress import TriStateConfig
+from pipeline.store import cache_format
+from pipeline.answer.decode import generate_from_cache
+from pipeline.eval.metrics import continuation_nll
+from pipeline.kv.positions import ContextTooLongError, KeyRotation, check_fits
+from pipeline.kv.prefill import PrefillConfig, block_prefill
+from pipeline.kv.scorers import EpiCacheScorer, StreamingLLMScorer
+from pipeline.kv.tristate import TriStateConfig
 
 
 def rotated(model, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -77,9 +77,9 @@ def test_compact_prefill_reads_past_the_model_positions_and_round_trips():
         for h, n in enumerate(counts.tolist()):
             assert layer.rope_positions[h, :n].tolist() == list(range(n))
         assert int(layer.positions[layer.valid].max()) >= 2 * limit  # late tokens are kept too
-    data = cache_io.serialize(cache, {"conversation_id": "c", "episode": 0}, torch.float32)
-    assert cache_io.read_header(data)["positions"] == "compact"
-    loaded, header = cache_io.deserialize(data, None)
+    data = cache_format.serialize(cache, {"conversation_id": "c", "episode": 0}, torch.float32)
+    assert cache_format.read_header(data)["positions"] == "compact"
+    loaded, header = cache_format.deserialize(data, None)
     assert loaded.next_position == cache.next_position and header["next_position"] == held
     for a, b in zip(cache.layers, loaded.layers):
         assert torch.equal(a.rope_positions[a.valid], b.rope_positions[b.valid])
@@ -92,7 +92,7 @@ def test_original_positions_are_stored_as_original():
     model = tiny_model("qwen2")
     cache, _ = block_prefill(model, random_ids(100, seed=8), StreamingLLMScorer(sink=4), [16] * 3,
                              PrefillConfig(block=16))
-    header = cache_io.read_header(cache_io.serialize(cache, {}, torch.float32))
+    header = cache_format.read_header(cache_format.serialize(cache, {}, torch.float32))
     assert header["positions"] == "original" and header["next_position"] == 100
 
 
@@ -116,13 +116,13 @@ def test_a_history_past_the_positions_is_refused_with_both_ways_out():
 def test_a_build_refuses_a_long_conversation_unless_cut_or_compact():
     """With SmolLM2 (8,192 positions): a ~9,500-token conversation is refused by default, cut
     at a session boundary with --max-context-tokens, kept whole with compact positions."""
-    from pipeline import builder
-    from pipeline.config import BuildConfig
-    from pipeline.synthetic import make_conversation
+    from pipeline.build.cluster import fit_context
+    from pipeline.build.config import BuildConfig
+    from pipeline.corpus.synthetic import make_conversation
 
     conv = make_conversation("long", target_tokens=9500, seed=0)
     with pytest.raises(ContextTooLongError, match="'long' is .* tokens.*--positions compact"):
-        builder.fit_context(conv, BuildConfig())
-    cut = builder.fit_context(conv, BuildConfig(max_context_tokens=7600))
+        fit_context(conv, BuildConfig())
+    cut = fit_context(conv, BuildConfig(max_context_tokens=7600))
     assert 0 < len(cut.turns) < len(conv.turns) and cut.meta["cut"]["max_tokens"] == 7600
-    assert builder.fit_context(conv, BuildConfig(prefill=PrefillConfig(positions="compact"))) is conv
+    assert fit_context(conv, BuildConfig(prefill=PrefillConfig(positions="compact"))) is conv

@@ -8,14 +8,17 @@ import pytest
 import torch
 from tiny_models import one_torch_thread, random_ids, tiny_model  # noqa: F401
 
-from pipeline import evaluate, models, prompts
-from pipeline.corpus import Conversation, Question, Turn, render_conversation
-from pipeline.layout import kept_share, token_layout
-from pipeline.metrics import continuation_nll, continuation_nlls
-from pipeline.prefill import PrefillConfig, block_prefill, select_keep
-from pipeline.scorers import (FocusScorer, FullScorer, LayerState, OldestScorer, PooledScorer,
-                              ProtectedScorer, Scorer, ScoringConfig, UtteranceScorer,
-                              build_scorer, episodic_scorer)
+from pipeline.eval.cell import evaluate_cell, evidence_diagnostics, prepare
+from pipeline.eval.methods import EvalConfig, METHODS, parse_method
+from pipeline.kv import models, prompts
+from pipeline.corpus.render import render_conversation
+from pipeline.corpus.schema import Conversation, Question, Turn
+from pipeline.kv.layout import kept_share, token_layout
+from pipeline.eval.metrics import continuation_nll, continuation_nlls
+from pipeline.kv.prefill import PrefillConfig, block_prefill, select_keep
+from pipeline.kv.scorers import (FocusScorer, FullScorer, LayerState, OldestScorer, PooledScorer,
+                                 ProtectedScorer, Scorer, ScoringConfig, UtteranceScorer,
+                                 build_scorer, episodic_scorer)
 
 
 class Fixed(Scorer):
@@ -86,7 +89,7 @@ def test_oldest_keeps_the_first_tokens():
     scores = OldestScorer().score(_state(positions))
     keep = select_keep(scores, torch.ones(1, 4, dtype=torch.bool), 2, "perhead")
     assert keep.tolist() == [[False, True, False, True]]
-    assert "oldest" not in evaluate.METHODS and evaluate.parse_method("oldest")[0] == "oldest"
+    assert "oldest" not in METHODS and parse_method("oldest")[0] == "oldest"
 
 
 def test_pooling_takes_the_max_of_the_neighbours_and_ignores_invalid_slots():
@@ -156,7 +159,7 @@ def test_episodic_scorer_composes_the_configured_shapers():
 
 
 def test_method_variants_change_one_knob_of_the_recipe():
-    config = evaluate.EvalConfig()
+    config = EvalConfig()
     paper = config.recipe("epicache-paper")
     assert paper.scoring == ScoringConfig.paper() and paper.alpha == 1.0
     changed = config.recipe("epicache-paper+alpha0+pastonly+pool7+utt+focus50+med2+ep8+floor10")
@@ -166,7 +169,7 @@ def test_method_variants_change_one_knob_of_the_recipe():
     assert config.recipe("epicache").scoring == config.scoring
     assert not config.needs_profile("epicache-paper+alpha0") and config.needs_profile("epicache-paper")
     with pytest.raises(ValueError, match="unknown method"):
-        evaluate.parse_method("epicache+pool")
+        parse_method("epicache+pool")
 
 
 # --------------------------------------------------------------------------- layout, diagnostics
@@ -219,7 +222,7 @@ def test_route_hit_and_evidence_kept_on_known_evidence():
         layer.keep(held.expand_as(layer.valid).clone())
     assert kept_share(cache, s1, e1) == pytest.approx(1.0)
     assert kept_share(cache, *layout.span_of("D1:2")) == 0.0
-    first, second = (evaluate.evidence_diagnostics(conv, q, layout, cache) for q in conv.questions)
+    first, second = (evidence_diagnostics(conv, q, layout, cache) for q in conv.questions)
     assert first["evidence_kept"] == pytest.approx(1.0) and first["evidence_session"] == 1
     assert second["evidence_kept"] == pytest.approx(((half - s4) / (e4 - s4)) / 2)
     assert second["evidence_position"] == pytest.approx(
@@ -230,13 +233,12 @@ def test_route_hit_and_evidence_kept_on_known_evidence():
 def test_cell_records_carry_the_diagnostics(tmp_path):
     """An EpiCache cell of the known conversation: every record has the diagnostics, and
     `route_hit` agrees with the episode windows the question was routed to."""
-    from pipeline.episodes import build_episodes, member_turn_ids
+    from pipeline.episodes import EpisodeConfig, build_episodes, member_turn_ids
 
     conv = _conversation()
-    config = evaluate.EvalConfig(block=32, episodes=evaluate.EpisodeConfig(window=2, episodes=2,
-                                                                           medoids=1))
-    prep = evaluate.prepare(conv, config)
-    records = evaluate.evaluate_cell(prep, "epicache", 24, config, None)
+    config = EvalConfig(block=32, episodes=EpisodeConfig(window=2, episodes=2, medoids=1))
+    prep = prepare(conv, config)
+    records = evaluate_cell(prep, "epicache", 24, config, None)
     episodes = build_episodes(conv, models.load_encoder(config.encoder), config.episodes).episodes
     for r in records:
         members = set(member_turn_ids(conv, episodes[r["episode"]], 2))

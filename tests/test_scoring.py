@@ -9,7 +9,7 @@ import torch
 from tiny_models import one_torch_thread, random_ids, stock_twin, tiny_model  # noqa: F401
 
 from kernels.score import patch_attention_scores, patch_attention_scores_reference
-from pipeline.cache import EpisodicCache
+from pipeline.kv.cache import EpisodicCache
 
 
 def naive_scores(queries, cached_keys, patch_keys, valid, scale):

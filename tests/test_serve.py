@@ -23,9 +23,11 @@ from pathlib import Path
 import pytest
 import requests
 
-from pipeline.answer import Answerer, CacheLRU
-from pipeline.corpus import read_corpus, write_jsonl
-from pipeline.store import LocalStore, open_store
+from pipeline.answer.answerer import Answerer
+from pipeline.answer.lru import CacheLRU
+from pipeline.corpus.reader import read_corpus, write_jsonl
+from pipeline.store.local import LocalStore
+from pipeline.store.uri import open_store
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "serve-test-token"
@@ -91,7 +93,7 @@ def test_a_dead_decoder_replica_is_a_503_and_no_answer_in_time_a_504():
     from ray.exceptions import ActorDiedError, ActorUnavailableError
     from ray.serve.exceptions import BackPressureError
 
-    from serving.errors import classify
+    from pipeline.serve.errors import classify
 
     for error in (ActorDiedError(), ActorUnavailableError("gone", None), BackPressureError(
             num_queued_requests=9, max_queued_requests=8)):
@@ -105,10 +107,10 @@ def test_a_dead_decoder_replica_is_a_503_and_no_answer_in_time_a_504():
 # ---------------------------------------------------------------------------------------------
 
 def _config():
-    from pipeline.calibrate import CalibrationConfig
-    from pipeline.config import BuildConfig
+    from pipeline.kv.budgets import CalibrationConfig
+    from pipeline.build.config import BuildConfig
     from pipeline.episodes import EpisodeConfig
-    from pipeline.prefill import PrefillConfig
+    from pipeline.kv.prefill import PrefillConfig
 
     return BuildConfig(budget=128, episodes=EpisodeConfig(episodes=2, medoids=2),
                        prefill=PrefillConfig(block=256),
@@ -118,7 +120,7 @@ def _config():
 def _corrupt_copy(store, source_id: str, new_id: str) -> list[str]:
     """A conversation whose manifest names corrupted copies of `source_id`'s objects (same
     recorded checksums): every answer from it must fail its checksum."""
-    from pipeline.manifest import read_manifest, write_manifest
+    from pipeline.store.manifest import read_manifest, write_manifest
 
     rows, keys = read_manifest(store, source_id), []
     for row in rows:
@@ -135,8 +137,8 @@ def _corrupt_copy(store, source_id: str, new_id: str) -> list[str]:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, ray_local):
     """Two synthetic conversations (~1,600 tokens, 2 episodes, budget 128) and a corrupted one."""
-    from jobs.build import run_build
-    from pipeline.synthetic import make_corpus
+    from pipeline.build.driver import run_build
+    from pipeline.corpus.synthetic import make_corpus
 
     root = tmp_path_factory.mktemp("serve")
     corpus = root / "corpus.jsonl"
@@ -252,8 +254,8 @@ def test_second_question_routed_to_the_same_episode_does_not_fetch_again(local_a
     conv = conversations[1]
     # two different questions that the library routes to the same episode
     answerer = Answerer(LocalStore(store_dir))
-    from pipeline import models
-    from pipeline.answer import embed_question, route_question
+    from pipeline.kv import models
+    from pipeline.answer.routing import embed_question, route_question
 
     encoder, rows = models.load_encoder(), answerer.manifest(conv.conversation_id)
     by_episode: dict[int, list[str]] = {}
@@ -403,7 +405,7 @@ def test_error_statuses_and_messages(local_app, built):
 
 @e2e
 def test_model_mismatch_is_an_error(local_app, built):
-    from pipeline.manifest import read_manifest, write_manifest
+    from pipeline.store.manifest import read_manifest, write_manifest
 
     url, _ = local_app
     store = LocalStore(built[1])
@@ -417,7 +419,7 @@ def test_model_mismatch_is_an_error(local_app, built):
 
 @e2e
 def test_a_changed_manifest_is_read_again(local_app, built):
-    from pipeline.manifest import read_manifest, write_manifest
+    from pipeline.store.manifest import read_manifest, write_manifest
 
     url, _ = local_app
     store = LocalStore(built[1])
@@ -492,7 +494,7 @@ def test_answers_decoded_in_a_batch_equal_those_decoded_alone(local_app, built):
 
 @e2e
 def test_bench_serve_reports_the_split(local_app, built):
-    from jobs.bench_serve import format_table, run_bench
+    from jobs.bench.serve import format_table, run_bench
 
     url, _ = local_app
     result = run_bench(url, _questions(built[2], 2), n_requests=8, concurrency=4,

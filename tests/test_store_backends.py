@@ -19,15 +19,19 @@ from pathlib import Path
 import pytest
 
 from jobs import build, gc
-from jobs.bench_scale import SYNTHETIC_CONFIG, synthetic_cache
-from pipeline import cache_io
-from pipeline.answer import fetch_cache
-from pipeline.answer import Answerer
-from pipeline.corpus import read_corpus, write_jsonl
-from pipeline.manifest import MANIFEST_SCHEMA, list_conversations, read_manifest, write_manifest
-from pipeline.store import (LocalStore, ObjectNotFound, S3Store, StoreError, cache_key,
-                            manifest_key, open_store)
-from pipeline.synthetic import make_corpus
+from pipeline.build.driver import run_build
+from pipeline.build.rehearsal import SYNTHETIC_CONFIG, synthetic_cache
+from pipeline.store import cache_format
+from pipeline.answer.fetch import fetch_cache
+from pipeline.answer.answerer import Answerer
+from pipeline.corpus.reader import read_corpus, write_jsonl
+from pipeline.store.manifest import (MANIFEST_SCHEMA, list_conversations, read_manifest,
+                                     write_manifest)
+from pipeline.store.base import ObjectNotFound, StoreError, cache_key
+from pipeline.store.local import LocalStore
+from pipeline.store.s3 import S3Store
+from pipeline.store.uri import open_store
+from pipeline.corpus.synthetic import make_corpus
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -115,21 +119,21 @@ def test_manifest_round_trip_and_checksum_verified_on_read(store):
     store.put(key, data)
     row = {name: None for name in MANIFEST_SCHEMA.names} | {
         "conversation_id": "conv-1", "episode": 0, "object_key": key,
-        "sha256": cache_io.sha256(data), "object_bytes": len(data), "centroid": [1.0, 0.0],
+        "sha256": cache_format.sha256(data), "object_bytes": len(data), "centroid": [1.0, 0.0],
         "config_hash": SYNTHETIC_CONFIG.hash, "node_id": "ab" * 28, "worker": "host:1"}
     write_manifest(store, "conv-1", [row])
     [back] = read_manifest(store, "conv-1")
     assert back == row and set(back) == set(MANIFEST_SCHEMA.names)
     assert list_conversations(store) == ["conv-1"]
-    cache, header = cache_io.deserialize(store.get(key), back["sha256"], key)
+    cache, header = cache_format.deserialize(store.get(key), back["sha256"], key)
     assert header["conversation_id"] == "conv-1" and cache.tokens_seen == 8
     assert fetch_cache(store, back).tokens_seen == 8  # read by Store.open, hashed beside the parse
     tampered = bytearray(data)
     tampered[-5] ^= 0xFF
     store.put(key, bytes(tampered))
-    with pytest.raises(cache_io.CacheCorruptError, match="checksum"):
-        cache_io.deserialize(store.get(key), back["sha256"], key)
-    with pytest.raises(cache_io.CacheCorruptError, match=f"{key} failed its checksum"):
+    with pytest.raises(cache_format.CacheCorruptError, match="checksum"):
+        cache_format.deserialize(store.get(key), back["sha256"], key)
+    with pytest.raises(cache_format.CacheCorruptError, match=f"{key} failed its checksum"):
         fetch_cache(store, back)
 
 
@@ -312,7 +316,7 @@ def twin_builds(s3_server, ray_local, tmp_path_factory):
     s3_server.client().upload_file(str(corpus), s3_server.bucket, "twins/input/corpus.jsonl")
     local_dir = root / "local-store"
     config = build.config_from_args(build.parse_args(["--corpus", "-", "--store", "-", *ARGS]))
-    summary = build.run_build(str(corpus), str(local_dir), config, progress=False)
+    summary = run_build(str(corpus), str(local_dir), config, progress=False)
     assert summary.built == 1 and not summary.failed
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("AWS_") and k not in ("RAY_ADDRESS", "EPICACHE_S3_ENDPOINT")}

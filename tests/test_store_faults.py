@@ -2,7 +2,7 @@
 never create it), every command names a corrupt manifest in one line, and `jobs.gc` finds
 each kind of fault a store can have (with `--verify`, also objects whose bytes changed).
 
-Stores are filled with tiny caches in the real format (`jobs.bench_scale.synthetic_cache`)
+Stores are filled with tiny caches in the real format (`jobs.bench.scale.synthetic_cache`)
 and real manifests, so no model is loaded.
 """
 
@@ -18,12 +18,14 @@ import pytest
 from test_store_backends import store  # noqa: F401  (a folder, or a prefix in SeaweedFS)
 
 from jobs import answer, gc, manifests, serve
-from jobs.bench_scale import SYNTHETIC_CONFIG, synthetic_cache
-from pipeline import cache_io
-from pipeline.builder import is_built
-from pipeline.manifest import (MANIFEST_SCHEMA, ManifestError, list_conversations,
-                               read_manifest, write_manifest)
-from pipeline.store import LocalStore, StoreError, cache_key, manifest_key, open_store
+from pipeline.build.rehearsal import SYNTHETIC_CONFIG, synthetic_cache
+from pipeline.store import cache_format
+from pipeline.build.conversation import is_built
+from pipeline.store.manifest import (MANIFEST_SCHEMA, ManifestError, list_conversations,
+                                     read_manifest, write_manifest)
+from pipeline.store.base import StoreError, cache_key, manifest_key
+from pipeline.store.local import LocalStore
+from pipeline.store.uri import open_store
 
 COMMANDS = {  # every read-only command, with the arguments it needs besides --store
     "answer": (answer.main, ["--conversation", "conv-1", "--question", "Who?"]),
@@ -43,7 +45,7 @@ def put_conversation(store, cid: str, episodes: int = 2) -> list[dict]:
         store.put(key, data)
         rows.append({name: None for name in MANIFEST_SCHEMA.names} | {
             "conversation_id": cid, "episode": e, "object_key": key, "object_bytes": len(data),
-            "sha256": cache_io.sha256(data), "centroid": [1.0, 0.0], "tokens": 8,
+            "sha256": cache_format.sha256(data), "centroid": [1.0, 0.0], "tokens": 8,
             "config_hash": SYNTHETIC_CONFIG.hash, "model_id": "synthetic",
             "encoder_id": "synthetic", "scorer": "epicache"})
     write_manifest(store, cid, rows)
@@ -261,7 +263,7 @@ def test_commit_checks_the_objects_without_downloading_them(store, monkeypatch):
     """The manifest commit trusts the worker's SHA-256 and checks each object with one HEAD
     (present, at the size written): no GET of a cache object; a missing or short object is
     refused, so the manifest never names it."""
-    from pipeline.builder import commit_manifest
+    from pipeline.build.conversation import commit_manifest
 
     rows = put_conversation(store, "conv-1")
     gets: list[str] = []
@@ -272,9 +274,9 @@ def test_commit_checks_the_objects_without_downloading_them(store, monkeypatch):
     assert read_manifest(store, "conv-1")[0]["sha256"] == rows[0]["sha256"]
 
     store.put(rows[0]["object_key"], b"short")
-    with pytest.raises(cache_io.CacheCorruptError, match=r"holds 5 bytes, \d+ were written"):
+    with pytest.raises(cache_format.CacheCorruptError, match=r"holds 5 bytes, \d+ were written"):
         commit_manifest(store, "conv-2", rows)
     store.delete(rows[1]["object_key"])
-    with pytest.raises(cache_io.CacheCorruptError, match="is missing from the store"):
+    with pytest.raises(cache_format.CacheCorruptError, match="is missing from the store"):
         commit_manifest(store, "conv-2", rows[1:])
     assert "conv-2" not in list_conversations(store)

@@ -13,13 +13,13 @@ from safetensors.torch import load as st_load
 from tiny_models import StandIn, one_torch_thread, random_ids, tiny_model  # noqa: F401
 
 from kernels.quant import dequantize_reference, quantize_int8_reference
-from pipeline import cache_io
-from pipeline.answer import generate_from_cache
-from pipeline.attention import patch_attention_moments
-from pipeline.compress import (EntryBytes, TriStateConfig, heavy_hitter_scores, oq_ratios,
-                               oq_score, plan_tristate)
-from pipeline.prefill import PrefillConfig, block_prefill, entry_bytes
-from pipeline.scorers import EpiCacheScorer, FullScorer
+from pipeline.store import cache_format
+from pipeline.answer.decode import generate_from_cache
+from pipeline.kv.attention import patch_attention_moments
+from pipeline.kv.tristate import (EntryBytes, TriStateConfig, heavy_hitter_scores, oq_ratios,
+                                  oq_score, plan_tristate)
+from pipeline.kv.prefill import PrefillConfig, block_prefill, entry_bytes
+from pipeline.kv.scorers import EpiCacheScorer, FullScorer
 
 D = 16  # tiny models' head_dim
 C_O, C_Q = 2 * D * 2, 2 * D + 8  # float16 Original entry; int8 codes + two float32 scales
@@ -59,7 +59,7 @@ def test_stored_bytes_equal_the_formula_and_stay_within_budget(llama, selection,
     byte_budgets = [4000, 5321, 7000]  # bytes per layer (not multiples of an entry's size)
     cache, stats = block_prefill(llama, ids, scorer(), None, tri(selection=selection, fp8=fp8),
                                  byte_budgets=byte_budgets, original_element_size=2)
-    data = cache_io.serialize(cache, {}, torch.float16)
+    data = cache_format.serialize(cache, {}, torch.float16)
     n_o, n_q = cache.state_counts()
     assert n_q > 0 and n_o > 0  # both tiers in use
     assert kv_tensor_bytes(data) == n_o * C_O + n_q * C_Q == cache.nbytes(2)
@@ -250,13 +250,13 @@ def test_attention_sees_the_dequantized_values(llama, fp8):
         layer.values[0][original.quantized_mask()] = 0
     assert not torch.allclose(got, next_logits(llama, zeroed, question), atol=1e-3)
     # the stored object: same tiers, same logits (Original entries at float16), same decoding
-    data = cache_io.serialize(cache, {"model_id": "tiny"}, torch.float32)
-    back, header = cache_io.deserialize(data, cache_io.sha256(data))
-    assert header["format"] == cache_io.FORMAT
+    data = cache_format.serialize(cache, {"model_id": "tiny"}, torch.float32)
+    back, header = cache_format.deserialize(data, cache_format.sha256(data))
+    assert header["format"] == cache_format.FORMAT
     assert header["quant"] == ("float8_e4m3fn" if fp8 else "int8")
     assert back.state_counts() == cache.state_counts()
     torch.testing.assert_close(next_logits(llama, back, question), got, atol=1e-5, rtol=0)
-    assert cache_io.serialize(back, {"model_id": "tiny"}, torch.float32) == data
+    assert cache_format.serialize(back, {"model_id": "tiny"}, torch.float32) == data
     lm = StandIn(llama)
     assert torch.equal(generate_from_cache(lm, back, question, 6),
                        generate_from_cache(lm, cache, question, 6))
@@ -311,9 +311,9 @@ def test_dequantized_layer_attention_equals_explicit_attention(llama):
 def test_plain_objects_still_read(llama):
     """A plain cache writes no quantized tensors; a format-1 object still loads."""
     cache, _ = block_prefill(llama, random_ids(80), scorer(), [20] * 3, PrefillConfig(block=24))
-    data = cache_io.serialize(cache, {}, torch.float32)
+    data = cache_format.serialize(cache, {}, torch.float32)
     assert not any(".q" in k for k in st_load(data))
-    assert cache_io.read_header(data)["quant"] is None
+    assert cache_format.read_header(data)["quant"] is None
     import json
     import struct
     (size,) = struct.unpack("<Q", data[:8])
@@ -322,7 +322,7 @@ def test_plain_objects_still_read(llama):
     header.pop("quant")
     from safetensors.torch import save
     old = save(st_load(data), metadata={"header": json.dumps(header)})
-    back, _ = cache_io.deserialize(old, None)
+    back, _ = cache_format.deserialize(old, None)
     for a, b in zip(cache.layers, back.layers):
         assert torch.equal(a.keys[0][a.valid], b.keys[0][b.valid])
 

@@ -13,7 +13,7 @@ import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM)
 
-from pipeline.attention import register_episodic_attention
+from pipeline.kv.attention import register_episodic_attention
 
 VOCAB = 128
 FAMILIES = ("llama", "qwen2", "mistral", "llama-mha")
@@ -77,7 +77,7 @@ class CharTokenizer:
 
 
 class StandIn:
-    """What the decoding code (`pipeline.answer`, `serving.batcher`) needs of a loaded model:
+    """What the decoding code (`pipeline.answer`, `pipeline.answer.batcher`) needs of a loaded model:
     .model, .tokenizer."""
 
     def __init__(self, model):

@@ -1,0 +1,211 @@
+"""Decode benchmark: one answering turn from an episodic cache against the same turn from the
+full cache, split into embed, route, load and decode.
+
+    python -m jobs.bench.decode [--tokens 8000] [--budget 1024] [--episodes 4] [--questions 8] \\
+        [--max-new-tokens 32] [--store DIR] [--threads 2] [--return-freed-memory]
+
+A synthetic conversation of about `--tokens` tokens is built twice into a local store with the
+real pipeline (`pipeline.build.build_conversation`): as EpiCache episodes under `--budget`,
+and as one full cache. Then each planted question is answered by `pipeline.answer.Answerer`
+from both stores, alternately: once *cold* (a fresh answerer fetches the cache from the store
+and verifies its checksum; the models are already loaded) and once more *warm* (the same
+question again: its episode's cache is resident, as for a follow-up turn). Reported: the median of
+each stage per turn, the share of embed + route + load in the turn, and decode time per
+generated token (answers may differ in length). With `--store DIR`, a re-run finds both builds
+in their manifests (same configuration hash) and goes straight to the turns.
+
+Then the cold load itself, per episode of the episodic build, side by side: from the store
+(read, then parsed and rebuilt while its checksum is computed on a second thread: the split is
+printed) and, after a first load filled a local-disk tier (`pipeline.store.disk_tier`), from that tier
+through a fresh `DiskTier` over the same folder, as a restarted replica sees it, with the
+number of objects each read from the store (counted on the store).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from jobs.bench.common import add_model_options, print_table
+from pipeline.answer.answerer import Answerer
+from pipeline.answer.fetch import fetch_cache
+from pipeline.answer.malloc_tuning import retain_freed_memory
+from pipeline.build.config import BuildConfig
+from pipeline.build.conversation import build_conversation, is_built
+from pipeline.cli.parser import make_parser
+from pipeline.corpus.synthetic import make_conversation
+from pipeline.episodes import EpisodeConfig
+from pipeline.kv import models
+from pipeline.store import cache_format
+from pipeline.store.disk_tier import DiskTier
+from pipeline.store.local import LocalStore
+from pipeline.store.manifest import read_manifest
+
+STAGES = ("embed", "route", "load", "decode")
+
+
+class CountingStore(LocalStore):
+    """A local store that counts the objects read from it."""
+    reads = 0
+
+    def open(self, key: str):
+        self.reads += 1
+        return super().open(key)
+
+    def get(self, key: str) -> bytes:
+        self.reads += 1
+        return super().get(key)
+
+
+def cold_loads(root: Path, rows: list[dict], dtype: torch.dtype, repeats: int = 3) -> list[dict]:
+    """Median ms of loading each episode's cache: from the store (split into the read, and the
+    parse + rebuild with the SHA-256 computed beside it; the hash alone for reference), and from
+    a filled disk tier as a restarted replica (a new `DiskTier` over the folder) reads it; with
+    the objects read from the store."""
+    store = CountingStore(root, create=False)
+    split: dict[str, list[float]] = {"read": [], "parse+rebuild, hash beside": [],
+                                     "(sha256 alone)": []}
+    from_store, from_disk = [], []
+    with tempfile.TemporaryDirectory(prefix="bench-disk-tier-") as folder:
+        for _ in range(repeats):
+            for row in rows:
+                t0 = time.perf_counter()
+                with store.open(row["object_key"]) as f:
+                    data = cache_format.read_object(f, row["object_key"], row["object_bytes"])
+                t1 = time.perf_counter()
+                with cache_format.verifying(data, row["sha256"], row["object_key"]):
+                    cache_format.parse(data, row["object_key"], dtype)
+                t2 = time.perf_counter()
+                cache_format.sha256(data)
+                split["read"].append((t1 - t0) * 1000)
+                split["parse+rebuild, hash beside"].append((t2 - t1) * 1000)
+                split["(sha256 alone)"].append((time.perf_counter() - t2) * 1000)
+                from_store.append((t2 - t0) * 1000)
+                del data
+        store_reads = store.reads
+        filled = DiskTier(folder, sum(r["object_bytes"] for r in rows))
+        for row in rows:
+            fetch_cache(store, row, dtype, disk=filled)
+        before_restart = store.reads
+        for _ in range(repeats):
+            restarted = DiskTier(folder, filled.max_bytes)  # a new replica over the folder
+            for row in rows:
+                t = time.perf_counter()
+                fetch_cache(store, row, dtype, disk=restarted)
+                from_disk.append((time.perf_counter() - t) * 1000)
+        restart_reads = store.reads - before_restart
+    out = [{"load": "store (cold)", "ms": statistics.median(from_store), "reads": store_reads,
+            "loads": len(from_store)}]
+    out += [{"load": f"store: {k}", "ms": statistics.median(v), "reads": None,
+             "loads": len(v)} for k, v in split.items()]
+    out.append({"load": "disk tier (restart)", "ms": statistics.median(from_disk),
+                "reads": restart_reads, "loads": len(from_disk)})
+    return out
+
+
+def turn(answerer: Answerer, conversation_id: str, question: str, max_new_tokens: int) -> dict:
+    result = answerer.answer(conversation_id, question, max_new_tokens)
+    lm = models.load_llm(answerer.manifest(conversation_id)[0]["model_id"])
+    generated = len(lm.tokenizer(result.answer, add_special_tokens=False)["input_ids"]) + 1
+    return result.timings_ms | {"tokens": min(generated, max_new_tokens), "hit": result.cache_hit}
+
+
+def summarise(name: str, turns: list[dict], entries: float) -> dict:
+    row = {"cache": name, "entries": entries}
+    for stage in STAGES:
+        row[stage] = statistics.median(t[stage] for t in turns)
+    row["turn"] = statistics.median(sum(t[s] for s in STAGES) for t in turns)
+    row["overhead"] = statistics.median(
+        (t["embed"] + t["route"] + t["load"]) / sum(t[s] for s in STAGES) for t in turns)
+    row["hits"] = statistics.mean(t["hit"] for t in turns)
+    row["ms_per_token"] = statistics.median(t["decode"] / t["tokens"] for t in turns)
+    return row
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = make_parser("jobs.bench.decode", __doc__)
+    p.add_argument("--tokens", type=int, default=8000, help="length of the synthetic conversation")
+    p.add_argument("--budget", type=int, default=1024,
+                   help="mean entries kept per layer and KV head")
+    p.add_argument("--episodes", type=int, default=4, help="EpiCache episodes")
+    p.add_argument("--alpha", type=float, default=BuildConfig.alpha,
+                   help="layer-allocation sharpness (0: uniform budgets)")
+    p.add_argument("--questions", type=int, default=8, help="planted questions answered (turns)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="answer length at most (tokens)")
+    p.add_argument("--store", default=None, help="a local folder to build into (default: a temp dir)")
+    p.add_argument("--return-freed-memory", action="store_true",
+                   help="leave malloc's thresholds as they are (freed memory goes back to the "
+                        "kernel), to compare with what the Serve decoder does")
+    add_model_options(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    conv = make_conversation("bench-decode", target_tokens=a.tokens, seed=0)
+    episodic = BuildConfig(model=a.model, budget=a.budget, alpha=a.alpha,
+                           max_context_tokens=a.tokens,
+                           episodes=EpisodeConfig(episodes=a.episodes))
+    full = BuildConfig(model=a.model, scorer="full", budget=None, max_context_tokens=a.tokens)
+    root = Path(a.store or tempfile.mkdtemp(prefix="bench-decode-"))
+    stores = {"episodic": LocalStore(root / "episodic"), "full": LocalStore(root / "full")}
+    entries = {}
+    for name, config in (("episodic", episodic), ("full", full)):
+        done = is_built(stores[name], conv.conversation_id, config)
+        rows = read_manifest(stores[name], conv.conversation_id) if done else \
+            build_conversation(conv, config, stores[name])
+        entries[name] = statistics.mean(e for r in rows for e in r["entries_per_layer"])
+        print(f"{'found' if done else 'built'} {name}: {len(rows)} cache(s), "
+              f"{rows[0]['tokens']} tokens, {sum(r['build_seconds'] for r in rows):.0f} s of build",
+              file=sys.stderr, flush=True)
+    questions = [q.question for q in conv.questions][:a.questions]
+    first = read_manifest(stores["episodic"], conv.conversation_id)[0]
+    models.load_llm(first["model_id"], "cpu"), models.load_encoder(first["encoder_id"], "cpu")
+    gc.freeze()  # as the Serve deployments do: no collector pass over the models inside a turn
+    if not a.return_freed_memory:
+        retain_freed_memory()  # as the Serve decoder does: caches load into reused memory
+    turns = {(name, cold): [] for name in stores for cold in (True, False)}
+    for question in questions:  # the two caches alternate, turn by turn
+        for name, store in stores.items():
+            answerer = Answerer(store)  # holds no cache yet (the models stay loaded)
+            for cold in (True, False):  # the same question again: its episode is resident
+                turns[name, cold].append(turn(answerer, conv.conversation_id, question,
+                                              a.max_new_tokens))
+    rows = [summarise(f"{name} ({'cold' if cold else 'warm'})", t, entries[name])
+            for (name, cold), t in turns.items()]
+    print(f"\n{a.model}, {len(questions)} questions, "
+          f"conversation of {a.tokens} tokens, budget {a.budget}, {torch.get_num_threads()} threads; "
+          "medians per turn (ms):")
+    print_table(rows, [("cache", "cache", "s"), ("entries", "entries/layer", ".0f"),
+                       ("embed", "embed", ".1f"), ("route", "route", ".2f"), ("load", "load", ".1f"),
+                       ("hits", "resident", ".0%"),
+                       ("decode", "decode", ".0f"), ("turn", "turn", ".0f"),
+                       ("overhead", "embed+route+load share", ".1%"),
+                       ("ms_per_token", "decode ms/token", ".1f")])
+    by = {r["cache"]: r for r in rows}
+    print(f"\ndecode ms/token, full / episodic (warm): "
+          f"{by['full (warm)']['ms_per_token'] / by['episodic (warm)']['ms_per_token']:.2f}x")
+    rows = read_manifest(stores["episodic"], conv.conversation_id)
+    dtype = models.load_llm(rows[0]["model_id"]).model.dtype
+    loads = cold_loads(root / "episodic", rows, dtype)
+    print(f"\ncold load of the {len(rows)} episodic caches "
+          f"({statistics.mean(r['object_bytes'] for r in rows) / 2**20:.1f} MiB each), medians:")
+    print_table(loads, [("load", "from", "s"), ("ms", "ms per cache", ".1f"),
+                        ("loads", "loads", "d"), ("reads", "objects read from the store", "d")])
+    print(f"restart from the disk tier / cold load from the store: "
+          f"{loads[-1]['ms'] / loads[0]['ms']:.2f}x the time, {loads[-1]['reads']} store reads")
+    gc.unfreeze()  # frozen objects are never freed at exit: nanobind would report them leaked
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

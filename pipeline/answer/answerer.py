@@ -1,0 +1,80 @@
+"""TODO docstring."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pipeline.answer.decode import decode_answer
+from pipeline.answer.fetch import fetch_cache
+from pipeline.answer.lru import CacheLRU
+from pipeline.answer.routing import check_models, embed_question, load_manifest, route_question
+from pipeline.kv import models
+from pipeline.kv.cache import EpisodicCache
+from pipeline.store.base import Store
+from pipeline.store.disk_tier import DiskTier
+
+
+@dataclass
+class AnswerResult:
+    conversation_id: str
+    question: str
+    answer: str
+    episode: int
+    similarity: float
+    cache_hit: bool
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+class Answerer:
+    """Answers questions about built conversations; keeps the last episode's cache resident
+    (and more, up to `resident_bytes`)."""
+
+    def __init__(self, store: Store, model: str | None = None, encoder: str | None = None,
+                 device: str = "cpu", resident_bytes: int = 0, disk: DiskTier | None = None):
+        self.store, self.device, self.disk = store, device, disk
+        self.model_name, self.encoder_name = model, encoder
+        self._manifests: dict[str, list[dict]] = {}
+        self.caches = CacheLRU(resident_bytes)
+
+    def manifest(self, conversation_id: str) -> list[dict]:
+        if conversation_id not in self._manifests:
+            self._manifests[conversation_id] = load_manifest(self.store, conversation_id)
+        return self._manifests[conversation_id]
+
+    def _models(self, row: dict) -> tuple[models.LoadedModel, object]:
+        check_models([row], self.model_name, self.encoder_name)
+        return (models.load_llm(row["model_id"], self.device),
+                models.load_encoder(row["encoder_id"], self.device))
+
+    def load_cache(self, row: dict) -> tuple[EpisodicCache, bool]:
+        """The episode's cache, from residency (True) or fetched and verified (False)."""
+        lm = models.load_llm(row["model_id"], self.device)
+        return self.caches.get_or_load(
+            (row["object_key"], row["sha256"]),
+            lambda: fetch_cache(self.store, row, lm.model.dtype, self.device, self.disk))
+
+    def answer(self, conversation_id: str, question: str, max_new_tokens: int = 32,
+               temperature: float = 0.0) -> AnswerResult:
+        if not question or not question.strip():
+            raise ValueError("the question is empty")
+        rows = self.manifest(conversation_id)
+        lm, encoder = self._models(rows[0])
+        timings = {}
+        t = time.perf_counter()
+        q_emb = embed_question(encoder, question)
+        timings["embed"] = (time.perf_counter() - t) * 1000
+        t = time.perf_counter()
+        row, similarity = route_question(q_emb, rows)
+        timings["route"] = (time.perf_counter() - t) * 1000
+        t = time.perf_counter()
+        cache, hit = self.load_cache(row)
+        timings["load"] = (time.perf_counter() - t) * 1000
+        t = time.perf_counter()
+        decoded = decode_answer(lm, cache, question, max_new_tokens, temperature)
+        timings["decode"] = (time.perf_counter() - t) * 1000
+        return AnswerResult(conversation_id, question, decoded.text, int(row["episode"]),
+                            similarity, hit, {k: round(v, 2) for k, v in timings.items()})

@@ -1,0 +1,119 @@
+"""TODO docstring."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from pipeline.kv import models, prompts
+from pipeline.kv.cache import EpisodicCache
+
+
+@torch.inference_mode()
+def generate_from_cache(lm: models.LoadedModel, cache: EpisodicCache, question_ids: torch.Tensor,
+                        max_new_tokens: int = 32, temperature: float = 0.0,
+                        streamer=None) -> torch.Tensor:
+    """Generated token ids after `question_ids`, decoding from `cache` (left unchanged).
+    A transformers `streamer` receives the tokens as they come (its first put is the prompt)."""
+    tokenizer = lm.tokenizer
+    # generate() expects ids for the cached history too; it only feeds the uncached tail.
+    filler = torch.full((cache.next_position,), tokenizer.pad_token_id or 0, dtype=torch.long)
+    input_ids = torch.cat([filler, question_ids])[None].to(lm.model.device)
+    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else \
+        {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    extra = {"streamer": streamer} if streamer is not None else {}
+    with cache.scratch():
+        out = lm.model.generate(input_ids, past_key_values=cache, max_new_tokens=max_new_tokens,
+                                pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+                                **sampling, **extra)
+    return out[0, input_ids.shape[1]:]
+
+
+@dataclass
+class Decoded:
+    text: str
+    tokens: int
+    finish_reason: str  # "stop" (end of sequence) or "length" (max_new_tokens reached)
+
+
+def finish_reason(lm: models.LoadedModel, ids: torch.Tensor, max_new_tokens: int) -> str:
+    """"stop" if the answer ended with an end-of-sequence token (or early), else "length"."""
+    eos = lm.model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+    if len(ids) >= max_new_tokens and not (len(ids) and int(ids[-1]) in eos):
+        return "length"
+    return "stop"
+
+
+def decode_answer(lm: models.LoadedModel, cache: EpisodicCache, question: str,
+                  max_new_tokens: int = 32, temperature: float = 0.0) -> Decoded:
+    """The answer text to `question` from `cache` (the cache is left as it was)."""
+    ids = generate_from_cache(lm, cache, prompts.question_ids(lm.tokenizer, question),
+                              max_new_tokens, temperature)
+    text = lm.tokenizer.decode(ids, skip_special_tokens=True).strip()
+    return Decoded(text, int(len(ids)), finish_reason(lm, ids, max_new_tokens))
+
+
+class AnswerPieces:
+    """Turns a streamer's text into the pieces of an answer that join to `decode_answer`'s
+    stripped text: leading whitespace dropped, trailing whitespace held back until more text
+    follows it."""
+
+    def __init__(self) -> None:
+        self.pending, self.started = "", False
+
+    def feed(self, text: str) -> str:
+        """The next piece to send ("" for none yet)."""
+        if not self.started:
+            text = text.lstrip()
+        text = self.pending + text
+        body = text.rstrip()
+        if body:
+            self.started = True
+        self.pending = text[len(body):]
+        return body
+
+
+def stream_answer(lm: models.LoadedModel, cache: EpisodicCache, question: str,
+                  max_new_tokens: int = 32, temperature: float = 0.0,
+                  lock: threading.Lock | None = None, info: dict | None = None) -> Iterator[str]:
+    """Yield the answer in pieces as it is generated; the pieces join to `decode_answer`'s text.
+
+    Generation runs in a helper thread (holding `lock`, if given, for its whole duration);
+    `info` receives `tokens` and `finish_reason` once the stream ends. An error in generation
+    is raised here, after the pieces already yielded.
+    """
+    from transformers import TextIteratorStreamer
+
+    streamer = TextIteratorStreamer(lm.tokenizer, skip_prompt=True, skip_special_tokens=True)
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            with lock if lock is not None else contextlib.nullcontext():
+                ids = generate_from_cache(lm, cache, prompts.question_ids(lm.tokenizer, question),
+                                          max_new_tokens, temperature, streamer=streamer)
+            outcome["ids"] = ids
+        except BaseException as e:  # handed to the consuming thread
+            outcome["error"] = e
+            streamer.end()
+
+    thread = threading.Thread(target=run, name="stream-answer", daemon=True)
+    thread.start()
+    pieces = AnswerPieces()
+    try:
+        for text in streamer:
+            piece = pieces.feed(text)
+            if piece:
+                yield piece
+    finally:
+        thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    if info is not None:
+        ids = outcome["ids"]
+        info.update(tokens=int(len(ids)), finish_reason=finish_reason(lm, ids, max_new_tokens))

@@ -1,0 +1,82 @@
+"""The build configuration: one frozen object per stage, hashed into every manifest.
+
+Two builds with the same hash produce the same caches, so a re-run skips conversations whose
+manifest carries the current hash and rebuilds those that do not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+
+from pipeline.episodes import EpisodeConfig
+from pipeline.kv.budgets import ALLOCATORS, CalibrationConfig
+from pipeline.kv.merging import MergeConfig
+from pipeline.kv.models import DEFAULT_ENCODER, DEFAULT_LLM
+from pipeline.kv.prefill import PrefillConfig
+from pipeline.kv.scorers import ScoringConfig
+from pipeline.kv.tristate import TriStateConfig
+from pipeline.store.cache_format import FORMAT
+
+STORE_DTYPES = ("float16", "bfloat16", "float32")
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    model: str = DEFAULT_LLM
+    encoder: str = DEFAULT_ENCODER
+    scorer: str = "epicache"  # a name in pipeline.kv.scorers.SCORERS
+    budget: int | None = 1024  # mean entries per layer and KV head; None = full cache
+    # Sharpness of the sensitivity-aware layer allocation; 0 = uniform budgets, the default:
+    # with SmolLM2 uniform budgets beat the allocation (docs/quality.md). The paper used ~1-2.
+    alpha: float = 0.0
+    allocator: str = "sensitivity"  # layer budgets: "sensitivity" (EpiCache) or "variance" (D2O)
+    variance_temperature: float = 1.0  # D2O inverse-variance softmax temperature
+    store_dtype: str = "float16"  # dtype of the stored keys and values
+    max_context_tokens: int | None = None  # cut conversations at a session boundary to fit
+    episodes: EpisodeConfig = field(default_factory=EpisodeConfig)
+    scoring: ScoringConfig = field(default_factory=ScoringConfig)  # EpiCache's scores
+    prefill: PrefillConfig = field(default_factory=PrefillConfig)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+
+    def __post_init__(self):
+        if self.budget is not None and self.budget < 1:
+            raise ValueError(f"budget must be positive, got {self.budget}")
+        if self.alpha < 0:
+            raise ValueError(f"alpha must be non-negative, got {self.alpha}")
+        if self.variance_temperature <= 0:
+            raise ValueError(f"variance_temperature must be positive, got {self.variance_temperature}")
+        if self.store_dtype not in STORE_DTYPES:
+            raise ValueError(f"store_dtype must be one of {STORE_DTYPES}, got {self.store_dtype!r}")
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"format": FORMAT}
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), sort_keys=True)
+
+    @property
+    def hash(self) -> str:
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+    @classmethod
+    def from_json(cls, text: str) -> "BuildConfig":
+        d = json.loads(text)
+        d.pop("format", None)
+        prefill = d.pop("prefill")
+        prefill = PrefillConfig(tristate=TriStateConfig(**prefill.pop("tristate", {})),
+                                merge=MergeConfig(**prefill.pop("merge", {})), **prefill)
+        # a configuration written before `scoring` existed scored as the paper does
+        scoring = ScoringConfig(**d.pop("scoring")) if "scoring" in d else ScoringConfig.paper()
+        return cls(episodes=EpisodeConfig(**d.pop("episodes")), prefill=prefill, scoring=scoring,
+                   calibration=CalibrationConfig(**d.pop("calibration")), **d)
+
+    def allocator_strategy(self):
+        """The layer-budget allocator this configuration names."""
+        cls = ALLOCATORS.get(self.allocator)
+        if cls is None:
+            raise ValueError(f"unknown allocator {self.allocator!r}; known: {', '.join(ALLOCATORS)}")
+        if cls.name == "variance":
+            return cls(temperature=self.variance_temperature)
+        return cls(alpha=self.alpha)

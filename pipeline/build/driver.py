@@ -1,0 +1,329 @@
+"""TODO docstring."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from pipeline.build.config import BuildConfig
+from pipeline.build.conversation import commit_manifest, is_built
+from pipeline.build.sources import corpus_objects
+from pipeline.build.tasks import MODEL_STAGES, Stages
+from pipeline.corpus.reader import CorpusStream, ReadStats
+from pipeline.corpus.records import DEFAULT_LIMITS, CorpusLimits
+from pipeline.corpus.schema import CorpusError
+from pipeline.store.base import Store
+from pipeline.store.manifest import list_conversations
+from pipeline.store.s3 import S3Store
+from pipeline.store.table_sync import IndexWriter
+from pipeline.store.uri import open_store
+
+log = logging.getLogger("jobs.build")
+
+
+@dataclass
+class Summary:
+    built: int = 0
+    skipped: int = 0
+    failed: dict[str, str] = field(default_factory=dict)
+    episodes: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    loads: dict[tuple[str, int], int] = field(default_factory=dict)  # (node, pid) -> model loads
+    bad_records: int = 0
+    questions_dropped: int = 0  # bad questions dropped from kept conversations (skip mode)
+    tasks: int = 0  # tasks submitted
+    peak_in_flight: int = 0  # most tasks submitted and not yet collected at any time
+    seconds: float = 0.0
+    wait_seconds: float = 0.0  # of which the driver waited in ray.wait with nothing to do
+
+    @property
+    def nodes(self) -> set[str]:
+        return {node for node, _ in self.loads}
+
+    def line(self, seconds: float | None = None, store: str = "") -> str:
+        seconds = self.seconds if seconds is None else seconds
+        return (f"built {self.built} conversations ({self.episodes} episode caches, "
+                f"{self.tokens:,} tokens, {self.bytes / 2**20:.1f} MiB) in {seconds:.1f}s; "
+                f"skipped {self.skipped} up to date; failed {len(self.failed)}; "
+                f"bad records skipped {self.bad_records}; questions dropped "
+                f"{self.questions_dropped}; model loads {sum(self.loads.values())} "
+                f"in {_n(len(self.loads), 'worker')} on {_n(len(self.nodes), 'node')}; "
+                f"store {store}")
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+class BuildError(RuntimeError):
+    """A failure that stops the whole build (not one conversation)."""
+
+
+@dataclass
+class _Conversation:
+    """What the driver holds for one conversation in flight (and only while in flight)."""
+    clustered: Any = None  # ObjectRef of its ClusterResult, shared by its episode tasks
+    outstanding: int = 0  # its tasks submitted or queued
+    rows: list[dict] = field(default_factory=list)
+    error: str | None = None
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for a task failure: the task's own exception when there is one."""
+    cause = getattr(exc, "cause", None) if isinstance(exc, ray.exceptions.RayTaskError) else None
+    err = cause if isinstance(cause, BaseException) else exc
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+class _Driver:
+    """Streams conversations through the stages with at most `max_in_flight` tasks submitted.
+
+    Its loop is built for a rate of hundreds of tasks a second: the remote functions'
+    `.options()` are made once, the configuration, store and budgets go to the object store
+    once (tasks get them by reference, not pickled per task), one `ray.wait` collects a batch
+    of finished tasks (up to a quarter of the bound, or what is done within `WAIT_S`) and one
+    `ray.get` fetches the batch, a conversation is looked up in the store (`is_built`) only
+    when the manifest listing made at the start names it, and manifests are committed by a
+    thread of their own (`finish`)."""
+
+    WAIT_S = 0.02  # how long a wait may hold finished tasks to collect them in one batch
+    POSTFIX_S = 0.5  # the progress bar's postfix is refreshed at most this often
+
+    def __init__(self, corpus: CorpusStream, store: Store, config: BuildConfig, stages: Stages,
+                 *, force: bool, max_in_flight: int, resources: dict, max_retries: int,
+                 bar: tqdm, index: IndexWriter | None = None):
+        self.corpus, self.conversations = corpus, iter(corpus)
+        self.store, self.config, self.stages = store, config, stages
+        self.force, self.max_in_flight, self.bar = force, max(1, max_in_flight), bar
+        self.resources, self.max_retries = resources, max_retries
+        self.index = index  # the manifest table: told before and after each commit
+        self.summary = Summary()
+        self.in_flight: dict[ray.ObjectRef, tuple[str, str, int]] = {}  # ref -> (kind, id, ep)
+        self.pending: deque[tuple[str, int]] = deque()  # episodes waiting for a slot
+        self.convs: dict[str, _Conversation] = {}
+        self.more = True
+        self.corpus_error: CorpusError | None = None
+        self.budgets: list[int] | None = None
+        self.built_before: set[str] = set()  # ids with a manifest when the build started
+        self.committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commit")
+        self.commits: deque[Future] = deque()
+        self.batch = max(1, self.max_in_flight // 4)
+        self.start = self._postfix_at = time.perf_counter()
+
+    def run(self) -> Summary:
+        ref = self.stages.budgets.options(**self.resources).remote(self.store, self.config)
+        try:
+            self.budgets, stamp = ray.get(ref)
+        except Exception as exc:  # nothing can be built without the budgets
+            raise BuildError(f"layer budgets (model {self.config.model!r}): {_describe(exc)}") \
+                from None
+        self._loads(stamp["_loads"])
+        log.info("layer budgets: %s", self.budgets)
+        if not self.force:  # one listing instead of a manifest read per conversation
+            self.built_before = set(list_conversations(self.store))
+        self.episode_fn = self.stages.episode.options(**self.resources)
+        self.cluster_fn = self.stages.cluster.options(num_cpus=1, max_retries=self.max_retries,
+                                                      num_returns=2)
+        self.config_ref, self.store_ref = ray.put(self.config), ray.put(self.store)
+        self.budgets_ref = ray.put(self.budgets)
+        try:
+            while True:
+                self.fill()
+                if not self.in_flight:
+                    break
+                refs = list(self.in_flight)
+                waited = time.perf_counter()
+                ready, _ = ray.wait(refs, num_returns=min(self.batch, len(refs)),
+                                    timeout=self.WAIT_S)
+                if not ready:
+                    ready, _ = ray.wait(refs, num_returns=1)
+                self.summary.wait_seconds += time.perf_counter() - waited
+                self.collect_all(ready)
+            while self.commits:
+                self.commits.popleft().result()
+        finally:  # the commits handed over are finished (also on an interrupt)
+            self.committer.shutdown(wait=True)
+        self.summary.seconds = time.perf_counter() - self.start
+        if self.corpus_error is not None:
+            raise self.corpus_error
+        return self.summary
+
+    def submit(self, ref: ray.ObjectRef, kind: str, cid: str, episode: int = -1) -> None:
+        self.in_flight[ref] = (kind, cid, episode)
+        self.summary.tasks += 1
+        self.summary.peak_in_flight = max(self.summary.peak_in_flight, len(self.in_flight))
+
+    def fill(self) -> None:
+        """Submit queued episodes first (they finish conversations), then new conversations."""
+        while len(self.in_flight) < self.max_in_flight:
+            if self.pending:
+                cid, e = self.pending.popleft()
+                conv = self.convs[cid]
+                if conv.error is not None:  # a sibling failed: do not spend work on it
+                    conv.outstanding -= 1
+                    self.finish(cid)
+                    continue
+                self.submit(self.episode_fn.remote(conv.clustered, e, self.budgets_ref,
+                                                   self.config_ref, self.store_ref),
+                            "episode", cid, e)
+            elif self.more:
+                self.more = self.admit()
+            else:
+                break
+
+    def admit(self) -> bool:
+        """Submit the next conversation that needs building; False when the corpus is done, or
+        when a bad record stopped it (the tasks in flight finish and commit, then it raises)."""
+        try:
+            return self._admit()
+        except CorpusError as e:
+            self.corpus_error = e
+            return False
+
+    def _admit(self) -> bool:
+        for conv in self.conversations:
+            cid = conv.conversation_id
+            if cid in self.built_before and is_built(self.store, cid, self.config):
+                self.summary.skipped += 1
+                self.bar.update(1)
+                continue
+            count_ref, clustered_ref = self.cluster_fn.remote(conv, self.config_ref)
+            self.convs[cid] = _Conversation(clustered=clustered_ref, outstanding=1)
+            self.submit(count_ref, "cluster", cid)
+            return True
+        return False
+
+    def collect_all(self, ready: list[ray.ObjectRef]) -> None:
+        """Fetch the finished tasks' results in one call (one by one only when one failed)."""
+        try:
+            results: list[Any] = ray.get(ready)
+        except Exception:  # Ray already retried worker deaths (max_retries)
+            results = []
+            for ref in ready:
+                try:
+                    results.append(ray.get(ref))
+                except Exception as exc:
+                    results.append(exc)
+        for ref, result in zip(ready, results):
+            self.collect(ref, result)
+
+    def collect(self, ref: ray.ObjectRef, result: Any) -> None:
+        kind, cid, e = self.in_flight.pop(ref)
+        conv = self.convs[cid]
+        conv.outstanding -= 1
+        if isinstance(result, Exception):
+            what = "clustering" if kind == "cluster" else f"episode {e}"
+            conv.error = conv.error or f"{what}: {_describe(result)}"
+            log.error("conversation %s: %s", cid, conv.error)
+            result = None
+        if kind == "cluster" and result is not None:
+            if result == 0:
+                conv.error = "clustering produced no episodes"
+            conv.outstanding += result
+            self.pending.extend((cid, i) for i in range(result))
+        elif kind == "episode" and result is not None:
+            self._loads(result.pop("_loads"))
+            conv.rows.append(result)
+            s = self.summary
+            s.episodes += 1
+            s.tokens += result["tokens"]
+            s.bytes += result["object_bytes"]
+            log.debug("built %s episode %d on node %s by %s: %d tokens in %.1fs", cid, e,
+                      result["node_id"][:12], result["worker"], result["tokens"],
+                      result["build_seconds"])
+            self._postfix()
+        self.finish(cid)
+
+    def finish(self, cid: str) -> None:
+        """Hand a conversation whose tasks are all done to the commit thread, which runs
+        `maybe_finish` (a manifest write costs the loop milliseconds: PUTs and HEADs on S3, an
+        fsync on a local store). One thread: commits and their bookkeeping stay in order and
+        single-threaded. At most `max_in_flight` commits wait; a commit's own exception is
+        re-raised here."""
+        if self.convs[cid].outstanding > 0:
+            return
+        while self.commits and (self.commits[0].done() or
+                                len(self.commits) >= self.max_in_flight):
+            self.commits.popleft().result()
+        self.commits.append(self.committer.submit(self.maybe_finish, cid))
+
+    def maybe_finish(self, cid: str) -> None:
+        conv = self.convs[cid]
+        if conv.outstanding > 0:
+            return
+        del self.convs[cid]  # drops the clustering reference: Ray frees the object
+        if conv.error is None:
+            try:
+                if self.index is not None:
+                    self.index.begin(cid)
+                commit_manifest(self.store, cid, conv.rows)
+                self.summary.built += 1
+                log.info("committed %s: %d episodes", cid, len(conv.rows))
+            except Exception as exc:  # a commit that fails marks the conversation failed
+                conv.error = f"manifest commit: {type(exc).__name__}: {exc}"
+            else:
+                if self.index is not None:
+                    self.index.add(cid, conv.rows)
+        if conv.error is not None:
+            self.summary.failed[cid] = conv.error
+            log.error("conversation %s failed: %s", cid, conv.error)
+        self.bar.update(1)
+        self._postfix()
+
+    def _loads(self, stamp: tuple[str, int, int]) -> None:
+        node, pid, loads = stamp
+        self.summary.loads[(node, pid)] = max(loads, self.summary.loads.get((node, pid), 0))
+
+    def _postfix(self) -> None:
+        now = time.perf_counter()
+        if self.bar.disable or now - self._postfix_at < self.POSTFIX_S:
+            return
+        self._postfix_at, s = now, self.summary
+        rate = s.tokens / max(now - self.start, 1e-9)
+        self.bar.set_postfix_str(f"episodes={s.episodes} tok/s={rate:,.0f} "
+                                 f"failed={len(s.failed)} objects={self.corpus.objects_started}/"
+                                 f"{len(self.corpus.objects)}", refresh=False)
+
+
+def run_build(corpus: str | CorpusStream, store: str | Store, config: BuildConfig, *,
+              force: bool = False, on_bad_record: str = "fail", max_in_flight: int = 16,
+              num_cpus: float = 1, num_gpus: float = 0, max_retries: int = 2,
+              progress: bool = True, stages: Stages = MODEL_STAGES,
+              limits: CorpusLimits = DEFAULT_LIMITS, index_flush_rows: int = 10_000) -> Summary:
+    """Drive the whole build on the connected Ray; returns the summary (the caller decides the
+    exit code). `corpus` is a local path or an s3:// URI (read with `on_bad_record` and
+    `limits`), or a `CorpusStream` `main` has already opened and primed; `store` a Store or
+    its URI. The corpus is streamed object by object, each object checked before its
+    conversations are scheduled; a bad record (fail mode) raises `CorpusError` and stops the
+    build (conversations already committed are kept). Committed rows go to the store's
+    manifest table every `index_flush_rows` rows (or minute) and at the end."""
+    store = open_store(store) if isinstance(store, str) else store
+    if isinstance(corpus, str):
+        endpoint = store.endpoint_url if isinstance(store, S3Store) else None
+        corpus = CorpusStream(corpus_objects(corpus, endpoint), on_bad_record, ReadStats(),
+                              limits, where=corpus)
+    resources = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_retries": max_retries}
+    # log lines go above the bar, not through it; no total: counting an S3 corpus's records
+    # would mean reading it all first (the postfix says how many of its objects are started)
+    redirect = logging_redirect_tqdm() if progress else contextlib.nullcontext()
+    with IndexWriter(store, index_flush_rows) as index, redirect, tqdm(
+            unit="conv", desc="build", disable=not progress, dynamic_ncols=True,
+            file=sys.stderr) as bar:
+        summary = _Driver(corpus, store, config, stages, force=force,
+                          max_in_flight=max_in_flight, resources=resources,
+                          max_retries=max_retries, bar=bar, index=index).run()
+    stats = corpus.stats
+    summary.bad_records, summary.questions_dropped = stats.records_skipped, stats.questions_dropped
+    return summary

@@ -1,0 +1,52 @@
+"""TODO docstring."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+
+from pipeline.build.config import BuildConfig
+from pipeline.corpus.render import render_conversation
+from pipeline.kv import models, prompts
+from pipeline.store.base import Store, profile_key
+
+
+def calibration_text(config: BuildConfig) -> str:
+    """A long, model-independent text: a synthetic multi-topic conversation (no dataset shipped)."""
+    from pipeline.corpus.synthetic import make_conversation
+
+    conv = make_conversation("calibration", target_tokens=int(config.calibration.tokens * 1.5),
+                             seed=config.calibration.seed)
+    return render_conversation(conv).text
+
+
+def layer_profile(store: Store, config: BuildConfig) -> list[float]:
+    """The model's per-layer profile for the configured allocator (Key similarity for
+    "sensitivity", cumulative-attention variance for "variance"): read from the store, or
+    measured once on the calibration text and stored."""
+    cal = config.calibration
+    allocator = config.allocator_strategy()
+    described = cal.as_dict() if allocator.name == "sensitivity" else \
+        cal.as_dict() | {"profile": allocator.name}  # sensitivity keeps its historical key
+    cal_hash = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:12]
+    key = profile_key(models.model_key(config.model), cal_hash)
+    if store.exists(key):
+        return json.loads(store.get(key))["similarity"]
+    lm = models.load_llm(config.model)
+    ids = prompts.context_ids(lm.tokenizer, calibration_text(config))[:cal.tokens]
+    start = time.perf_counter()
+    sims = allocator.measure(lm.model, ids, cal).tolist()
+    # "similarity" holds the profile whatever the allocator (the key name predates D2O)
+    store.put(key, json.dumps({"model_id": config.model, "calibration": cal.as_dict(),
+                               "allocator": allocator.name, "similarity": sims,
+                               "seconds": time.perf_counter() - start}, indent=1).encode())
+    return sims
+
+
+def layer_budgets(store: Store, config: BuildConfig, n_layers: int) -> list[int] | None:
+    if config.budget is None:
+        return None
+    if config.allocator == "sensitivity" and config.alpha == 0:
+        return [config.budget] * n_layers
+    return config.allocator_strategy().allocate(layer_profile(store, config), config.budget)

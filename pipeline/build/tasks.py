@@ -1,0 +1,59 @@
+"""TODO docstring."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from pipeline.build.cluster import ClusterResult, cluster_conversation
+from pipeline.build.config import BuildConfig
+from pipeline.build.episode import build_episode
+from pipeline.build.profile import layer_budgets
+from pipeline.corpus.schema import Conversation
+from pipeline.kv import models
+from pipeline.store.base import Store
+
+
+def worker_stamp() -> dict:
+    """Where a task ran and how many models its process has loaded so far."""
+    node = ray.get_runtime_context().get_node_id()
+    return {"node_id": node, "worker": f"{socket.gethostname()}:{os.getpid()}",
+            "_loads": (node, os.getpid(), models.load_count())}
+
+
+@ray.remote
+def cluster_task(conv: Conversation, config: BuildConfig) -> tuple[int, ClusterResult]:
+    """(episode count, clustering); called with num_returns=2 so the driver fetches the count
+    only and the episode tasks get the clustering by reference."""
+    clustered = cluster_conversation(conv, config)
+    return len(clustered.episodes.episodes), clustered
+
+
+@ray.remote
+def budgets_task(store: Store, config: BuildConfig) -> tuple[list[int] | None, dict]:
+    lm = models.load_llm(config.model)
+    return layer_budgets(store, config, lm.config.num_hidden_layers), worker_stamp()
+
+
+# max_calls=0: the worker process is reused, so its model stays loaded (Ray's default for GPU
+# tasks is one call per process, which would reload the model for every episode).
+@ray.remote(max_calls=0)
+def episode_task(clustered: ClusterResult, episode: int, budgets: list[int] | None,
+                 config: BuildConfig, store: Store) -> dict:
+    return build_episode(clustered, episode, budgets, config, store) | worker_stamp()
+
+
+@dataclass(frozen=True)
+class Stages:
+    """The Ray remote functions the driver schedules, with the signatures of the tasks above;
+    `jobs.bench.scale` swaps in synthetic ones to rehearse the scheduler without a model."""
+    cluster: Any = cluster_task
+    budgets: Any = budgets_task
+    episode: Any = episode_task
+
+
+MODEL_STAGES = Stages()

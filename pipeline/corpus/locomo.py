@@ -1,0 +1,82 @@
+"""TODO docstring."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pipeline.corpus.records import (
+    DEFAULT_LIMITS,
+    CorpusLimits,
+    QuestionFaults,
+    _parse_questions,
+    _Record,
+    resolve_turn_id,
+)
+from pipeline.corpus.schema import Conversation, CorpusError, Question, Turn, check_safe_id
+
+_SESSION_KEY = re.compile(r"^session_(\d+)$")
+
+
+def parse_locomo(obj: Any, conversation_id: str, where: str, limits: CorpusLimits = DEFAULT_LIMITS,
+                 faults: QuestionFaults | None = None) -> Conversation:
+    """Build a `Conversation` from one LoCoMo sample (see shared/data/locomo/README.md); bad
+    questions raise, or with `faults` given are dropped and noted there."""
+    rec = _Record(where, conversation_id)
+    if not isinstance(obj, dict):
+        raise CorpusError(f"{where}: a LoCoMo sample must be a JSON object", conversation_id)
+    conv = obj.get("conversation", obj)  # the original locomo10.json nests the sessions
+    if not isinstance(conv, dict):
+        raise rec.fail("conversation", "must be an object")
+    speakers = [rec.get(conv, "speaker_a", "speaker_a", str, nonempty=True),
+                rec.get(conv, "speaker_b", "speaker_b", str, nonempty=True)]
+    sessions = sorted(int(m.group(1)) for k in conv if (m := _SESSION_KEY.match(k)))
+    if not sessions:
+        raise rec.fail("session_1", "is missing (no sessions in this sample)")
+    turns = []
+    for n in sessions:
+        date = conv.get(f"session_{n}_date_time", "")
+        for i, t in enumerate(rec.get(conv, f"session_{n}", f"session_{n}", list)):
+            p = f"session_{n}[{i}]"
+            if not isinstance(t, dict):
+                raise rec.fail(p, "must be an object")
+            turn = Turn(turn_id=str(rec.get(t, "dia_id", f"{p}.dia_id", str, nonempty=True)),
+                        speaker=rec.get(t, "speaker", f"{p}.speaker", str, nonempty=True),
+                        text=rec.get(t, "text", f"{p}.text", str),
+                        session=n, timestamp=str(date),
+                        caption=t.get("blip_caption") or None)
+            limits.check_chars(rec, f"{p}.text", turn.text)
+            limits.check_chars(rec, f"{p}.blip_caption", turn.caption)
+            turns.append(turn)
+    known = {t.turn_id for t in turns}
+
+    def question(i: int, q: Any) -> Question:
+        p = f"qa[{i}]"
+        if not isinstance(q, dict):
+            raise rec.fail(p, "must be an object")
+        answer = q.get("answer", q.get("adversarial_answer"))
+        if answer is None:
+            raise rec.fail(f"{p}.answer", "is missing")
+        text = rec.get(q, "question", f"{p}.question", str, nonempty=True)
+        # LoCoMo has a few evidence entries like "D8:6; D9:17" and some that name no turn: those
+        # are kept aside in meta (the LoCoMo files are used as published), not a fault.
+        raw = [e.strip() for item in q.get("evidence", []) or []
+               for e in re.split(r"[;,]", str(item)) if e.strip()]
+        resolved = [resolve_turn_id(e, known) for e in raw]
+        unknown = [e for e, r in zip(raw, resolved) if r is None]
+        return Question(question=text, answer=str(answer),
+                        evidence=tuple(r for r in resolved if r is not None),
+                        category=q.get("category"),
+                        meta={"unknown_evidence": unknown} if unknown else {})
+
+    qa = obj.get("qa", conv.get("qa", [])) or []
+    if not isinstance(qa, list):
+        raise rec.fail("qa", f"must be list, got {type(qa).__name__}")
+    return Conversation(check_safe_id(conversation_id), tuple(speakers), tuple(turns),
+                        _parse_questions(qa, question, faults), {"source": "locomo"})
+
+
+def _locomo_id(sample: Any, default: str) -> str:
+    sample_id = sample.get("sample_id") if isinstance(sample, dict) else None
+    base = str(sample_id or default)
+    return base if base.startswith("locomo") else f"locomo-{base}"

@@ -1,0 +1,205 @@
+"""TODO docstring."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pipeline.answer.decode import generate_from_cache
+from pipeline.corpus.render import cut_at_session, render_conversation, render_header
+from pipeline.corpus.schema import Conversation, Question
+from pipeline.episodes import build_episodes, member_turn_ids, route
+from pipeline.eval.methods import EPISODIC, EvalConfig, parse_method
+from pipeline.eval.metrics import (
+    ADVERSARIAL_CATEGORY,
+    continuation_nlls,
+    evidence_probe,
+    f1_score,
+    question_text,
+)
+from pipeline.eval.summary import _mean
+from pipeline.kv import models, prompts
+from pipeline.kv.cache import EpisodicCache
+from pipeline.kv.layout import TokenLayout, kept_share, token_layout
+from pipeline.kv.positions import check_fits
+from pipeline.kv.prefill import block_prefill, entry_bytes
+from pipeline.kv.scorers import FullScorer, build_scorer, episodic_scorer
+from pipeline.kv.tristate import EntryBytes
+
+ORIGINAL_ELEMENT_SIZE = 2  # Original entries counted as stored by default (float16)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A conversation ready to evaluate: cut to fit, its questions chosen."""
+    conversation: Conversation
+    questions: tuple[Question, ...]
+    dropped_by_cut: int
+    tokens: int
+
+
+def prepare(conv: Conversation, config: EvalConfig) -> Prepared:
+    tokenizer = models.load_tokenizer(config.model)
+    count = lambda text: len(prompts.context_ids(tokenizer, text))  # noqa: E731
+    cut = conv if config.max_context_tokens is None else \
+        cut_at_session(conv, config.max_context_tokens, count)
+    questions = [q for q in cut.questions if q.category != ADVERSARIAL_CATEGORY and q.evidence]
+    if config.questions_per_conversation is not None:
+        questions = questions[:config.questions_per_conversation]
+    dropped = cut.meta.get("cut", {}).get("questions_dropped", 0)
+    return Prepared(cut, tuple(questions), dropped, count(render_conversation(cut).text))
+
+
+def history_ids(tokenizer, conv: Conversation, turns: bool = True) -> torch.Tensor:
+    """The model's input for a cache of the conversation; without `turns`, the no-history
+    reference: the same template opening and header, so only the turns differ."""
+    text = render_conversation(conv).text if turns else render_header(conv)
+    return prompts.context_ids(tokenizer, text)
+
+
+def probe_pairs(lm: models.LoadedModel, conv: Conversation, q: Question,
+                config: EvalConfig) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+    """(prefix, target) pairs of a question: one evidence-recall probe per evidence turn with
+    text, then the question and its gold answer (if any). Returns the pairs and how many of
+    them are evidence probes."""
+    turns = {t.turn_id: t for t in conv.turns}
+    pairs = []
+    for turn_id in q.evidence:
+        prefix, rest = evidence_probe(turns[turn_id], config.recall_words)
+        target = prompts.encode(lm.tokenizer, rest)[:config.recall_tokens]
+        if target.numel():
+            pairs.append((prompts.encode(lm.tokenizer, prefix), target))
+    n_recall = len(pairs)
+    answer = prompts.encode(lm.tokenizer, q.answer)
+    if answer.numel():
+        pairs.append((prompts.question_ids(lm.tokenizer, question_text(q)), answer))
+    return pairs, n_recall
+
+
+def measure_all(lm: models.LoadedModel, conv: Conversation, questions: list[Question],
+                cache: EpisodicCache, config: EvalConfig) -> list[dict]:
+    """Per question: evidence-recall NLL (mean over the evidence turns) and answer NLL, every
+    probe of every question in packed forwards over `cache`; with `config.generate`, also the
+    generated answer and its F1."""
+    probes = [probe_pairs(lm, conv, q, config) for q in questions]
+    nlls = iter(continuation_nlls(lm.model, cache, [p for pairs, _ in probes for p in pairs]))
+    records = []
+    for q, (pairs, n_recall) in zip(questions, probes):
+        values = [next(nlls) for _ in pairs]
+        recall, answer = values[:n_recall], values[n_recall:]
+        record = {"evidence_nll": float(np.mean(recall)) if recall else float("nan"),
+                  "answer_nll": answer[0] if answer else float("nan")}
+        if config.generate:
+            ids = generate_from_cache(lm, cache, prompts.question_ids(lm.tokenizer, question_text(q)),
+                                      config.max_new_tokens)
+            record["prediction"] = lm.tokenizer.decode(ids, skip_special_tokens=True).strip()
+            record["f1"] = f1_score(record["prediction"], q.answer)
+        records.append(record)
+    return records
+
+
+def evidence_diagnostics(conv: Conversation, q: Question, layout: TokenLayout,
+                         cache: EpisodicCache) -> dict:
+    """Where a question's evidence sits (session, relative token position) and how much of it
+    the cache it reads still holds (`evidence_kept`, over layers and KV heads)."""
+    turns = {t.turn_id: t for t in conv.turns}
+    spans = [layout.span_of(t) for t in q.evidence]
+    return {"evidence_session": min(turns[t].session for t in q.evidence),
+            "evidence_position": float(np.mean([s / layout.n_tokens for s, _ in spans])),
+            "evidence_kept": _mean(kept_share(cache, s, e) for s, e in spans)}
+
+
+def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalConfig,
+                  layer_budgets: list[int] | None) -> list[dict]:
+    """Per-question records of one (conversation, method, budget) cell. `method` may also be
+    "none": the no-history reference. `layer_budgets` None means `budget` in every layer."""
+    lm = models.load_llm(config.model)
+    if layer_budgets is None and budget is not None:
+        layer_budgets = [budget] * lm.config.num_hidden_layers
+    conv = prep.conversation
+    start = time.perf_counter()
+    build_seconds = 0.0
+    base, _ = parse_method(method)
+    recipe = config.recipe(method)
+    prefill = config.prefill_config(method)
+    if prefill.positions == "original" and base != "none":
+        check_fits(conv.conversation_id, prep.tokens, lm.config.max_position_embeddings)
+    sizes = entry_bytes(lm.model, ORIGINAL_ELEMENT_SIZE)
+    layout = token_layout(lm.tokenizer, conv)
+    merged: dict[int, int] = {}
+    encode = lambda text: prompts.patch_ids(lm.tokenizer, text)  # noqa: E731
+
+    def build(ids, scorer) -> EpisodicCache:
+        nonlocal build_seconds
+        budgets = None if base in ("full", "none") else layer_budgets
+        cache, stats = block_prefill(lm.model, ids, scorer, budgets, prefill,
+                                     original_element_size=ORIGINAL_ELEMENT_SIZE)
+        build_seconds += stats.seconds
+        merged[id(cache)] = stats.merged_entries
+        return cache
+
+    questions = list(prep.questions)
+    routes: list[tuple[int, float]] = [(0, float("nan"))] * len(questions)
+    members: list[set[str]] | None = None
+    ids = history_ids(lm.tokenizer, conv)
+    if base == "none":
+        caches = [build(history_ids(lm.tokenizer, conv, turns=False), FullScorer())]
+    elif base in EPISODIC:
+        encoder = models.load_encoder(config.encoder)
+        episodes = build_episodes(conv, encoder, recipe.episodes).episodes
+        embeddings = encoder.encode([q.question for q in questions],
+                                    normalize_embeddings=True, show_progress_bar=False)
+        routes = [route(e, np.stack([ep.centroid for ep in episodes])) for e in embeddings]
+        members = [set(member_turn_ids(conv, ep, recipe.episodes.window)) for ep in episodes]
+        routed = {episode for episode, _ in routes}
+        caches = [build(ids, episodic_scorer(encode(ep.patch_text), recipe.scoring, layout.line_ids,
+                                             layout.turn_mask(members[ep.index])))
+                  if ep.index in routed else None for ep in episodes]  # unread caches: not built
+    elif base == "full":
+        caches = [build(ids, FullScorer())]
+    elif base != "question":  # one cache per conversation
+        caches = [build(ids, build_scorer(base, encode))]
+    if base == "question":  # an upper bound: one build per question, the question as the patch
+        readers = [(build(ids, build_scorer(base, encode, question_text(q))), [i])
+                   for i, q in enumerate(questions)]
+    else:
+        readers = [(cache, [i for i, (episode, _) in enumerate(routes) if episode == k])
+                   for k, cache in enumerate(caches) if cache is not None]
+    measured: dict[int, tuple[dict, EpisodicCache]] = {}
+    for cache, indices in readers:
+        for i, record in zip(indices, measure_all(lm, conv, [questions[i] for i in indices],
+                                                  cache, config)):
+            measured[i] = (record, cache)
+    records = []
+    for i, q in enumerate(questions):
+        episode, similarity = routes[i]
+        record, cache = measured[i]
+        records.append({
+            "conversation_id": conv.conversation_id, "method": method,
+            "budget": budget if method not in ("full", "none") else None,
+            "question_index": i, "question": q.question, "answer": q.answer,
+            "category": q.category, "evidence": list(q.evidence), "episode": episode,
+            "route_similarity": similarity,
+            "route_hit": bool(members[episode] & set(q.evidence)) if members is not None else None,
+            "kept_entries": float(np.mean(cache.entries_per_layer())),
+            **evidence_diagnostics(conv, q, layout, cache),
+            **cache_footprint(cache, sizes, merged.get(id(cache), 0)), **record})
+    elapsed = time.perf_counter() - start
+    for r in records:
+        r["cell_seconds"], r["build_seconds"] = elapsed, build_seconds
+    return records
+
+
+def cache_footprint(cache: EpisodicCache, sizes: EntryBytes, merged: int = 0) -> dict:
+    """Entries per state and bytes of a cache; `bytes_tokens` is its bytes in Original
+    entries per layer and KV head (comparable with the budget M of a tri-state cell)."""
+    original, quantized = cache.state_counts()
+    kv_bytes = original * sizes.original + quantized * sizes.quantized
+    first = cache.layers[0]
+    per_token = len(cache.layers) * (first.valid.shape[0] if first.valid is not None else 1) * sizes.original
+    return {"original_entries": original, "quantized_entries": quantized, "merged_entries": merged,
+            "kv_bytes": kv_bytes, "bytes_tokens": kv_bytes / per_token,
+            "quantized_share": quantized / max(original + quantized, 1)}

@@ -1,0 +1,182 @@
+"""TODO docstring."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field, replace
+
+from pipeline.build.config import BuildConfig
+from pipeline.episodes import EpisodeConfig
+from pipeline.kv import models
+from pipeline.kv.budgets import CalibrationConfig
+from pipeline.kv.merging import MergeConfig
+from pipeline.kv.prefill import PrefillConfig
+from pipeline.kv.scorers import ScoringConfig
+from pipeline.kv.tristate import TriStateConfig
+
+METHODS = ("full", "streamingllm", "snapkv", "infinipot", "kvzip", "keydiff", "epicache", "question")
+
+
+# Known, not run by default: `epicache-paper` (the paper's recipe, for an honest comparison with
+# the default), `keydiff-block` (KeyDiff anchored on the block's mean key only) and two floors
+# for diagnosing the others, `random` and `oldest` (keep the first tokens).
+EXTRA_METHODS = ("epicache-paper", "keydiff-block", "random", "oldest")
+
+
+EPISODIC = ("epicache", "epicache-paper")  # one cache per episode, routed per question
+
+
+ALLOCATED = EPISODIC + ("question",)  # methods that use the sensitivity-aware layer budgets
+
+
+VARIANTS = ("tri", "fp8", "max", "dapq", "merge", "d2o", "compact",
+            # EpiCache diagnosis knobs (docs/quality.md): one factor at a time
+            "pastonly", "withpatch", "qmean", "qmax", "utt", "tok", "perhead", "headwise")
+
+
+# Variants with a number: `oq25`, `alpha0.5`, `pool7`, `focus100` (weight 1.0), `sink16`,
+# `recent64`, `cap256` (patch tokens), `floor20` (head floor 20% of the budget), `med2`
+# (medoid windows), `ep8` (episodes).
+NUMBERED_VARIANTS = ("oq<P>", "alpha<x>", "pool<k>", "focus<P>", "sink<n>", "recent<n>", "cap<n>",
+                     "floor<P>", "med<n>", "ep<n>")
+
+
+_NUMBERED = re.compile(rf"^({'|'.join(v.split('<')[0] for v in NUMBERED_VARIANTS)})"
+                       r"(\d+(?:\.\d+)?)$")
+
+
+def _numbered(variant: str) -> tuple[str, float] | None:
+    match = _NUMBERED.match(variant)
+    return (match.group(1), float(match.group(2))) if match else None
+
+
+def parse_method(name: str) -> tuple[str, frozenset[str]]:
+    """(base method, variants) of `epicache+tri+dapq` or `epicache-tri`; ValueError if unknown."""
+    parts = name.split("+")
+    base, variants = parts[0], parts[1:]
+    known = METHODS + EXTRA_METHODS + ("none",)
+    if base not in known and "-" in base:
+        base, variant = base.rsplit("-", 1)
+        variants.insert(0, variant)
+    unknown = [v for v in variants if v not in VARIANTS and _numbered(v) is None]
+    if base not in known or unknown or (variants and base == "full"):
+        raise ValueError(f"unknown method {name!r} ({describe_methods()})")
+    return base, frozenset(variants)
+
+
+def describe_methods() -> str:
+    """The methods and variants `parse_method` accepts, as its error and `--methods` name them."""
+    return (f"methods: {', '.join(METHODS + EXTRA_METHODS)}; variants: {', '.join(VARIANTS)}, "
+            f"or numbered: {' '.join(NUMBERED_VARIANTS)}")
+
+
+def _oq_scale(variant: str) -> float | None:
+    """`oq25` -> 0.25 (the OQ-ratio scale variant), else None."""
+    n = _numbered(variant)
+    return n[1] / 100 if n is not None and n[0] == "oq" else None
+
+
+def allocator_of(method: str) -> str | None:
+    """The layer-budget allocator a method uses (None: uniform budgets)."""
+    base, variants = parse_method(method)
+    if "d2o" in variants:
+        return "variance"
+    return "sensitivity" if base in ALLOCATED else None
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Everything that decides an EpiCache cell's caches, after the method's variants."""
+    scoring: ScoringConfig
+    alpha: float
+    selection: str
+    head_floor: float
+    episodes: EpisodeConfig
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    model: str = models.DEFAULT_LLM
+    encoder: str = models.DEFAULT_ENCODER
+    block: int = 512
+    selection: str = "headwise"
+    head_floor: float = 0.0
+    alpha: float = BuildConfig.alpha
+    scoring: ScoringConfig = field(default_factory=ScoringConfig)
+    episodes: EpisodeConfig = field(default_factory=EpisodeConfig)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    max_context_tokens: int | None = None
+    questions_per_conversation: int | None = None
+    generate: bool = False  # generate answers for F1 (slow; at the floor for a 135M model)
+    max_new_tokens: int = 32
+    recall_words: int = 4
+    recall_tokens: int = 32
+    tristate: TriStateConfig = field(default_factory=lambda: TriStateConfig(enabled=True))
+    merge: MergeConfig = field(default_factory=lambda: MergeConfig(enabled=True))
+    variance_temperature: float = 1.0
+
+    def recipe(self, method: str) -> Recipe:
+        """The scoring, layer allocation, selection and episodes of a method and its variants.
+        `epicache` starts from this configuration; `epicache-paper` from the paper's recipe
+        (alpha 1, head-wise, max attention token by token, 4 episodes of 4 medoid windows)."""
+        base, v = parse_method(method)
+        if base == "epicache-paper":
+            scoring, alpha, selection, floor = ScoringConfig.paper(), 1.0, "headwise", 0.0
+            episodes = EpisodeConfig(window=self.episodes.window, seed=self.episodes.seed)
+        else:
+            scoring, alpha, selection, floor = self.scoring, self.alpha, self.selection, self.head_floor
+            episodes = self.episodes
+        flags = {"pastonly": ("include_patch", False), "withpatch": ("include_patch", True),
+                 "qmean": ("reduce", "mean"), "qmax": ("reduce", "max"),
+                 "utt": ("utterance", True), "tok": ("utterance", False)}
+        changes = dict(flags[x] for x in v if x in flags)
+        numbers = dict(n for n in map(_numbered, sorted(v)) if n is not None)
+        changes |= {key: int(numbers[key]) for key in ("pool", "sink", "recent") if key in numbers}
+        if "focus" in numbers:
+            changes["focus"] = numbers["focus"] / 100
+        if "cap" in numbers:
+            changes["patch_tokens"] = int(numbers["cap"]) or None
+        scoring = replace(scoring, **changes)
+        alpha = numbers.get("alpha", alpha)
+        selection = "perhead" if "perhead" in v else "headwise" if "headwise" in v else selection
+        floor = numbers["floor"] / 100 if "floor" in numbers else floor
+        ep_changes = {field_: int(numbers[key]) for key, field_ in
+                      (("med", "medoids"), ("ep", "episodes")) if key in numbers}
+        return Recipe(scoring, alpha, selection, floor, replace(episodes, **ep_changes))
+
+    def prefill_config(self, method: str) -> PrefillConfig:
+        """The block-prefill configuration of a method and its variants."""
+        _, v = parse_method(method)
+        recipe = self.recipe(method)
+        scales = [_oq_scale(x) for x in v if _oq_scale(x) is not None]
+        tri = bool(v & {"tri", "fp8", "max"}) or bool(scales)
+        tristate = TriStateConfig(**(asdict(self.tristate) | {
+            "enabled": True, "fp8": self.tristate.fp8 or "fp8" in v,
+            "original_scale": scales[0] if scales else self.tristate.original_scale,
+            "heavy_hitter": self.tristate.heavy_hitter and "max" not in v})) if tri else TriStateConfig()
+        return PrefillConfig(block=self.block, selection=recipe.selection,
+                             head_floor=recipe.head_floor,
+                             decode_positions="dapq" in v, tristate=tristate,
+                             merge=self.merge if "merge" in v else MergeConfig(),
+                             positions="compact" if "compact" in v else "original")
+
+    def build_config(self, method: str, budget: int | None) -> BuildConfig:
+        """The build configuration of a cell (it decides the layer budgets)."""
+        allocator = allocator_of(method)
+        recipe = self.recipe(method)
+        base, _ = parse_method(method)
+        scorer = "epicache" if base in EPISODIC else "full" if base == "none" else base
+        return BuildConfig(model=self.model, encoder=self.encoder, scorer=scorer,
+                           budget=budget, alpha=recipe.alpha if allocator == "sensitivity" else 0.0,
+                           allocator=allocator or "sensitivity",
+                           variance_temperature=self.variance_temperature,
+                           episodes=recipe.episodes, calibration=self.calibration,
+                           scoring=recipe.scoring, prefill=self.prefill_config(method))
+
+    def needs_profile(self, method: str) -> bool:
+        """Whether a method's layer budgets come from a measured profile (not uniform)."""
+        allocator = allocator_of(method)
+        return allocator == "variance" or (allocator == "sensitivity" and self.recipe(method).alpha > 0)
+
+    def as_dict(self) -> dict:
+        return asdict(self)

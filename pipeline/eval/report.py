@@ -1,0 +1,69 @@
+"""TODO docstring."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+
+def _fmt(x, pct: bool = False) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{100 * x:.1f}%" if pct else f"{x:.3f}"
+
+
+def markdown_table(rows: list[dict]) -> str:
+    cats = sorted({k for r in rows for k in r if k.startswith("f1_cat")})
+    head = ["method", "budget", "questions", "retention", "retention (of means)", "evidence NLL",
+            "answer NLL", "F1", "kept", "bytes (tokens)", "quantized", "evidence kept",
+            "route hit"] + \
+        [f"F1 {c.removeprefix('f1_')}" for c in cats]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["method"], str(r["budget"] or "-"), str(r["questions"]),
+                 _fmt(r["retention"], True), _fmt(r.get("retention_of_means"), True),
+                 _fmt(r["evidence_nll"]), _fmt(r["answer_nll"]), _fmt(r["f1"]),
+                 _fmt(r.get("kept_entries")), _fmt(r.get("bytes_tokens")),
+                 _fmt(r.get("quantized_share"), True), _fmt(r.get("evidence_kept"), True),
+                 _fmt(r.get("route_hit"), True)]
+        cells += [_fmt(r.get(c)) for c in cats]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def breakdown_table(groups: list[dict], title: str, keys: list) -> str:
+    """Retention of the mean NLLs per (method, budget) and per group (`evaluate.summarise_by`)."""
+    head = ["method", "budget"] + [f"{k} (n)" for k in keys]
+    lines = [f"Retention of the mean NLLs by {title}:", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows: dict[tuple, dict] = {}
+    for g in groups:
+        rows.setdefault((g["method"], g["budget"]), {})[g["group"]] = g
+    for (method, budget), by in rows.items():
+        if method in ("full", "none"):
+            continue
+        cells = [f"{_fmt(by[k]['retention_of_means'], True)} ({by[k]['questions']})" if k in by
+                 else "-" for k in keys]
+        lines.append("| " + " | ".join([method, str(budget)] + cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_retention(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method in dict.fromkeys(r["method"] for r in rows if r["budget"] is not None):
+        pts = sorted((r["budget"], 100 * r["retention"]) for r in rows if r["method"] == method)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+    ax.axhline(100, color="grey", ls="--", lw=1, label="full cache")
+    ax.axhline(0, color="grey", ls=":", lw=1, label="no history")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("budget (entries per layer and KV head)")
+    ax.set_ylabel("evidence-recall retention (%)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,92 @@
+"""TODO docstring."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray
+from tqdm import tqdm
+
+from pipeline.build.profile import layer_profile
+from pipeline.corpus.schema import Conversation
+from pipeline.eval.cell import Prepared, evaluate_cell, prepare
+from pipeline.eval.methods import EPISODIC, EvalConfig, parse_method
+from pipeline.store.local import LocalStore
+from pipeline.store.uri import open_store
+
+
+@ray.remote
+def prepare_task(conv, config: EvalConfig) -> Prepared:
+    return prepare(conv, config)
+
+
+@ray.remote
+def profile_task(store_uri: str, config: EvalConfig, method: str = "epicache") -> list[float]:
+    """The model's profile for the allocator `method` uses (layer sensitivity, or D2O's
+    attention variance): measured once, then read from the store."""
+    return layer_profile(open_store(store_uri), config.build_config(method, 1))
+
+
+@ray.remote
+def cell_task(prep: Prepared, method: str, budget: int | None,
+              config: EvalConfig, layer_budgets: list[int] | None) -> list[dict]:
+    return evaluate_cell(prep, method, budget, config, layer_budgets)
+
+
+def conversation_digest(conv: Conversation) -> str:
+    return hashlib.sha256(json.dumps(conv.to_record(), sort_keys=True,
+                                     default=str).encode()).hexdigest()[:16]
+
+
+def cell_key(conv: Conversation, digest: str, method: str, budget: int | None,
+             config: EvalConfig, layer_budgets: list[int] | None) -> str:
+    """Where a finished cell is kept under --out: keyed by the conversation's content and by
+    what decides the cell's records (the method's effective build configuration, its layer
+    budgets, the measurement settings), not by the method's name, so `epicache` and the variant
+    it equals share one cell, and changing any knob gives a new key."""
+    base, _ = parse_method(method)
+    what = {"base": base, "budget": budget, "layer_budgets": layer_budgets,
+            "build": config.build_config(method, budget).as_dict(),
+            "measure": {k: getattr(config, k) for k in (
+                "max_context_tokens", "questions_per_conversation", "generate", "max_new_tokens",
+                "recall_words", "recall_tokens")}}
+    if base == "epicache-paper":
+        what["base"] = "epicache"  # the same method under its paper recipe
+    if base not in EPISODIC:  # knobs only EpiCache reads
+        for knob in ("scoring", "episodes", "encoder"):
+            what["build"].pop(knob)
+    cell = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return f"cells/{conv.conversation_id}/{digest}/{cell}.parquet"
+
+
+def _records_bytes(records: list[dict]) -> bytes:
+    sink = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(records), sink)
+    return sink.getvalue()
+
+
+def collect_cells(pending: dict, kept: LocalStore) -> tuple[list[dict], list[dict]]:
+    """Wait for every cell task (`pending`: ref -> (conversation id, method, budget, key)); keep
+    each finished cell's records under `key`. Returns the records and the failed cells."""
+    records, failed = [], []
+    with tqdm(total=len(pending), unit="cell", desc="evaluate") as bar:
+        while pending:
+            [ref], _ = ray.wait(list(pending), num_returns=1)
+            cid, method, budget, key = pending.pop(ref)
+            try:
+                cell_records = ray.get(ref)
+            except Exception as e:
+                reason = str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
+                print(f"cell {cid}/{method}/{budget} failed: {reason}", file=sys.stderr)
+                failed.append({"conversation_id": cid, "method": method, "budget": budget,
+                               "error": reason})
+            else:
+                kept.put(key, _records_bytes(cell_records))
+                records.extend(cell_records)
+            bar.update(1)
+    return records, failed

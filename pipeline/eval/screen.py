@@ -1,0 +1,104 @@
+"""TODO docstring."""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import numpy as np
+import torch
+
+from pipeline.corpus.render import render_conversation, render_header
+from pipeline.episodes import build_episodes, member_turn_ids, route
+from pipeline.eval.cell import prepare, probe_pairs
+from pipeline.eval.metrics import continuation_nlls
+from pipeline.kv import prompts
+from pipeline.kv.layout import kept_share, token_layout
+from pipeline.kv.prefill import PrefillConfig, _layer_state, block_prefill, select_keep
+from pipeline.kv.scorers import FullScorer, episodic_scorer
+
+
+def recall_nlls(lm, conv, questions, cache, config) -> list[float]:
+    """Per question, the mean evidence-recall NLL read from `cache` (packed probes)."""
+    probes = [probe_pairs(lm, conv, q, config) for q in questions]
+    nlls = iter(continuation_nlls(lm.model, cache, [p for pairs, n in probes for p in pairs[:n]]))
+    return [float(np.mean([next(nlls) for _ in range(n)])) for _, n in probes]
+
+
+@torch.inference_mode()
+def patch_states(lm, cache, scorer):
+    """Every layer's state with the patch's attention to the whole cache (cache unchanged)."""
+    patch = scorer.patch_ids(None)
+    seen = cache.next_position
+    with cache.scratch(), cache.patched(patch.shape[0], **scorer.patch_options()):
+        lm.model.base_model(input_ids=patch[None], past_key_values=cache, use_cache=True,
+                            position_ids=torch.arange(seen, seen + patch.shape[0])[None])
+    states = [_layer_state(i, layer, 0) for i, layer in enumerate(cache.layers)]
+    for layer in cache.layers:
+        layer.last_request = None
+    return states
+
+
+def screen_conversation(lm, encoder, conv, methods, budgets, config, profile) -> list[dict]:
+    prep = prepare(conv, config)
+    conv, questions = prep.conversation, list(prep.questions)
+    layout = token_layout(lm.tokenizer, conv)
+    ids = prompts.context_ids(lm.tokenizer, render_conversation(conv).text)
+    full, _ = block_prefill(lm.model, ids, FullScorer(), None, PrefillConfig(block=1024))
+    none, _ = block_prefill(lm.model, prompts.context_ids(lm.tokenizer, render_header(conv)),
+                            FullScorer(), None, PrefillConfig())
+    refs = {"full": recall_nlls(lm, conv, questions, full, config),
+            "none": recall_nlls(lm, conv, questions, none, config)}
+    embeddings = encoder.encode([q.question for q in questions], normalize_embeddings=True,
+                                show_progress_bar=False)
+    records = []
+    for method in methods:
+        recipe = config.recipe(method)
+        episodes = build_episodes(conv, encoder, recipe.episodes).episodes
+        routes = [route(e, np.stack([ep.centroid for ep in episodes]))[0] for e in embeddings]
+        for budget in budgets:
+            layer_budgets = [budget] * lm.config.num_hidden_layers
+            if recipe.alpha > 0:
+                layer_budgets = config.build_config(method, budget).allocator_strategy().allocate(
+                    profile(), budget)
+            for ep in episodes:
+                readers = [i for i, r in enumerate(routes) if r == ep.index]
+                if not readers:
+                    continue
+                members = member_turn_ids(conv, ep, recipe.episodes.window)
+                scorer = episodic_scorer(prompts.patch_ids(lm.tokenizer, ep.patch_text),
+                                         recipe.scoring, layout.line_ids, layout.turn_mask(members))
+                cache = copy.deepcopy(full)
+                for layer, state, b in zip(cache.layers, patch_states(lm, full, scorer), layer_budgets):
+                    layer.keep(select_keep(scorer.score(state), layer.valid, b, recipe.selection,
+                                           recipe.head_floor))
+                nlls = recall_nlls(lm, conv, [questions[i] for i in readers], cache, config)
+                for i, nll in zip(readers, nlls):
+                    q = questions[i]
+                    records.append({
+                        "conversation_id": conv.conversation_id, "method": method,
+                        "budget": budget, "question_index": i, "evidence_nll": nll,
+                        "full": refs["full"][i], "none": refs["none"][i],
+                        "route_hit": bool(set(members) & set(q.evidence)),
+                        "evidence_kept": float(np.mean([kept_share(cache, *layout.span_of(t))
+                                                        for t in q.evidence]))})
+        print(f"  {conv.conversation_id} {method} done", file=sys.stderr, flush=True)
+    return records
+
+
+def table(records: list[dict]) -> str:
+    lines = ["| method | budget | questions | retention (of means) | on route hits | evidence kept "
+             "| route hit |", "|---|---|---|---|---|---|---|"]
+    keys = dict.fromkeys((r["method"], r["budget"]) for r in records)
+    for method, budget in keys:
+        g = [r for r in records if r["method"] == method and r["budget"] == budget]
+        hits = [r for r in g if r["route_hit"]]
+
+        def rom(rows):
+            none, full = np.mean([r["none"] for r in rows]), np.mean([r["full"] for r in rows])
+            return (none - np.mean([r["evidence_nll"] for r in rows])) / (none - full) if rows else np.nan
+
+        lines.append(f"| {method} | {budget} | {len(g)} | {100 * rom(g):.1f}% | {100 * rom(hits):.1f}% "
+                     f"| {100 * np.mean([r['evidence_kept'] for r in g]):.1f}% "
+                     f"| {100 * np.mean([r['route_hit'] for r in g]):.0f}% |")
+    return "\n".join(lines)

@@ -1,0 +1,65 @@
+"""TODO docstring."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MergeConfig:
+    """D2O dynamic token merging (paper §4.2.2; beta = 0.7 from §5.1 / A.3)."""
+    enabled: bool = False
+    beta: float = 0.7  # EMA weight of the current step's mean best similarity (eq. 10)
+    min_threshold: float = -1.0  # the threshold used is max(EMA, min_threshold)
+
+    def __post_init__(self):
+        if self.beta <= 0:
+            raise ValueError(f"merge beta must be positive, got {self.beta}")
+
+
+class Merger:
+    """D2O token merging with a per-layer EMA similarity threshold."""
+
+    def __init__(self, config: MergeConfig):
+        self.config = config
+        self.threshold: dict[int, float] = {}
+        self.merged = 0  # entries folded into kept ones so far
+
+    def merge(self, idx: int, layer, keep: torch.Tensor, targets: torch.Tensor) -> None:
+        """Fold the entries evicted by `keep` into their most similar entries among `targets`
+        (a subset of `keep`), in place. The kept set itself does not change."""
+        evicted = layer.valid & ~keep
+        targets = targets & keep
+        if not evicted.any() or not targets.any():
+            return
+        keys, values = layer.keys[0], layer.values[0]  # [Hkv, S, d]
+        unit = torch.nn.functional.normalize(keys.float(), dim=-1)
+        sim = unit @ unit.transpose(1, 2)  # [Hkv, S(evicted rows), S(target columns)]
+        sim.masked_fill_(~targets[:, None, :], float("-inf"))
+        best, nearest = sim.max(dim=-1)  # [Hkv, S]
+        candidates = evicted & torch.isfinite(best)
+        if not candidates.any():
+            return
+        current = float(best[candidates].mean())
+        previous = self.threshold.get(idx)
+        ema = current if previous is None else \
+            self.config.beta * current + (1 - self.config.beta) * previous
+        self.threshold[idx] = ema
+        merge = candidates & (best >= max(ema, self.config.min_threshold))
+        if not merge.any():
+            return
+        # Similarity-weighted average (GAT-style weights, D2O eq. 11-12): the kept entry weighs
+        # exp(1) (its self-similarity), each evicted entry merged into it exp(similarity).
+        weight = torch.where(merge, best.exp(), torch.zeros_like(best))  # [Hkv, S]
+        index = torch.where(merge, nearest, torch.zeros_like(nearest))
+        den = torch.zeros_like(weight).scatter_add_(1, index, weight) + math.e
+        hits = torch.zeros_like(index).scatter_add_(1, index, merge.long())
+        touched = (hits > 0) & targets
+        for tensor in (keys, values):
+            num = (tensor.float() * math.e).scatter_add_(
+                1, index[..., None].expand(-1, -1, tensor.shape[-1]), tensor.float() * weight[..., None])
+            tensor[touched] = (num / den[..., None])[touched].to(tensor.dtype)
+        self.merged += int(merge.sum().item())

@@ -1,0 +1,204 @@
+"""The decoder deployment: the model and a byte-bounded LRU of episodic caches fetched from the
+store (checksum verified beside the parse; the previous turn's cache always stays resident;
+concurrent requests for one cache fetch it once), with an optional bounded local-disk
+tier under it (a restart or an eviction reads the disk, not the store), a background prefetch
+of a conversation's other episodes, and a `DecodeBatcher` that decodes the requests in flight
+together (continuous batching, `pipeline.answer.batcher`). It answers the router with plain dicts: an
+error is {"error": {"status", "message"}}, classified here, never an exception across the
+handle."""
+
+import asyncio
+import gc
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator
+
+from ray import serve
+
+from pipeline.serve.errors import classify
+
+log = logging.getLogger("epicache.serve")
+
+
+def _decoder_error(e: BaseException) -> dict:
+    status, message = classify(e)
+    if status == 500:
+        log.exception("decoder error")
+    return {"error": {"status": status, "message": message}}
+
+
+@serve.deployment(name="EpiCacheDecoder")
+class Decoder:
+    """Holds the model and the resident caches; fetches concurrently and decodes the requests in
+    flight in one batch (each from its own view of its cache: a resident cache is never written)."""
+
+    def __init__(self, store: str, s3_endpoint: str | None, model: str, cache_bytes: int,
+                 torch_threads: int | None = None, disk_cache: str | None = None,
+                 disk_cache_bytes: int = 0, prefetch_workers: int = 1, max_batch: int = 8,
+                 max_batch_tokens: int = 32768):
+        import torch
+
+        from pipeline.answer.batcher import DecodeBatcher
+        from pipeline.answer.lru import CacheLRU
+        from pipeline.answer.malloc_tuning import retain_freed_memory
+        from pipeline.kv import models
+        from pipeline.store.disk_tier import DiskTier
+        from pipeline.store.uri import open_store
+
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.store = open_store(store, endpoint_url=s3_endpoint, create=False)
+        self.model_name = model
+        self.lm = models.load_llm(model, self.device)
+        self.caches = CacheLRU(cache_bytes)
+        self.disk = DiskTier(disk_cache, disk_cache_bytes) if disk_cache else None
+        self.prefetcher = ThreadPoolExecutor(prefetch_workers, thread_name_prefix="prefetch") \
+            if prefetch_workers > 0 else None
+        self._figures_lock = threading.Lock()
+        self.batcher = DecodeBatcher(self.lm, max_batch, max_batch_tokens)
+        gc.freeze()  # the model's objects leave the collector: no 100+ ms pauses in a turn
+        retain_freed_memory()  # a cold load reuses freed memory instead of faulting pages in
+        self.figures = {"fetched_bytes": 0, "store_reads": 0, "disk_reads": 0,
+                        "prefetch_requested": 0, "prefetch_skipped": 0, "prefetch_fetched": 0,
+                        "prefetch_resident": 0, "prefetch_failed": 0}
+
+    def _count(self, **increments: int) -> None:
+        with self._figures_lock:
+            for name, n in increments.items():
+                self.figures[name] += n
+
+    def _fetch(self, row: dict, parse=None):
+        """The episode's object from the disk tier, else the store (then kept in the tier),
+        with `parse` run on it while its checksum is verified; counted. What `parse` made."""
+        from pipeline.answer.fetch import fetch_object
+
+        fetched = fetch_object(self.store, row, self.disk, parse)
+        self._count(**({"disk_reads": 1} if fetched.from_disk else
+                       {"store_reads": 1, "fetched_bytes": len(fetched.data)}))
+        return fetched.parsed
+
+    def _load(self, row: dict):
+        """The episode's cache: fetched, and parsed while its checksum is verified."""
+        from pipeline.answer.fetch import cache_parser
+
+        return self._fetch(row, cache_parser(row, self.lm.model.dtype, self.device))
+
+    def _cache(self, row: dict):
+        from pipeline.answer.routing import check_models
+
+        check_models([row], self.model_name, None)
+        t = time.perf_counter()
+        cache, hit = self.caches.get_or_load((row["object_key"], row["sha256"]),
+                                             lambda: self._load(row))
+        return cache, hit, (time.perf_counter() - t) * 1000
+
+    async def answer(self, row: dict, question: str, max_new_tokens: int,
+                     temperature: float) -> dict:
+        """{"answer", "tokens", "finish_reason", "cache_hit", "fetch_ms", "decode_ms",
+        "queue_ms"} or {"error": {"status", "message"}}."""
+        try:
+            cache, hit, fetch_ms = await asyncio.to_thread(self._cache, row)
+            job = await asyncio.to_thread(self.batcher.submit, cache, question, max_new_tokens,
+                                          temperature)
+        except Exception as e:
+            return _decoder_error(e)
+        try:
+            decoded = await asyncio.wrap_future(job.future)
+        except Exception as e:
+            return _decoder_error(e)
+        finally:
+            job.cancel()  # no-op once done; a request the router cancelled leaves the batch
+        return {"answer": decoded.text, "tokens": decoded.tokens,
+                "finish_reason": decoded.finish_reason, "cache_hit": hit,
+                "fetch_ms": round(fetch_ms, 3), "decode_ms": round(job.decode_ms, 3),
+                "queue_ms": round(job.queue_ms, 3)}
+
+    async def stream(self, row: dict, question: str, max_new_tokens: int,
+                     temperature: float) -> AsyncIterator[dict]:
+        """First {"cache_hit", "fetch_ms"} (or {"error": ...}), then {"text": piece}s, then
+        {"done": {"tokens", "finish_reason", "decode_ms", "queue_ms"}} (or {"error": ...})."""
+        from transformers import AsyncTextIteratorStreamer
+
+        from pipeline.answer.decode import AnswerPieces
+
+        try:
+            cache, hit, fetch_ms = await asyncio.to_thread(self._cache, row)
+        except Exception as e:
+            yield _decoder_error(e)
+            return
+        yield {"cache_hit": hit, "fetch_ms": round(fetch_ms, 3)}
+        streamer = AsyncTextIteratorStreamer(self.lm.tokenizer, skip_prompt=True,
+                                             skip_special_tokens=True)
+        pieces = AnswerPieces()
+        try:
+            job = await asyncio.to_thread(self.batcher.submit, cache, question, max_new_tokens,
+                                          temperature, streamer)
+        except Exception as e:
+            yield _decoder_error(e)
+            return
+        try:
+            async for text in streamer:  # ends when the job ends, answered or failed
+                piece = pieces.feed(text)
+                if piece:
+                    yield {"text": piece}
+            decoded = await asyncio.wrap_future(job.future)
+        except Exception as e:
+            yield _decoder_error(e)
+            return
+        finally:
+            job.cancel()  # no-op once done; a client that went away leaves the batch
+        yield {"done": {"tokens": decoded.tokens, "finish_reason": decoded.finish_reason,
+                        "decode_ms": round(job.decode_ms, 3), "queue_ms": round(job.queue_ms, 3)}}
+
+    def prefetch(self, rows: list[dict]) -> int:
+        """Load these episodes in the background (a follow-up question often routes to another
+        episode of the conversation): into the disk tier, and into memory when the LRU has room
+        without evicting anything. Returns at once with the number queued; never raises."""
+        from pipeline.answer.routing import check_models
+
+        if self.prefetcher is None:
+            return 0
+        queued = 0
+        for row in rows:
+            try:
+                check_models([row], self.model_name, None)
+                self.prefetcher.submit(self._prefetch_one, row)
+                queued += 1
+            except Exception as e:  # noqa: BLE001 - a prefetch is best effort
+                log.warning("prefetch of %s not queued: %s", row.get("object_key"), e)
+                self._count(prefetch_failed=1)
+        self._count(prefetch_requested=queued)
+        return queued
+
+    def _prefetch_one(self, row: dict) -> None:
+        key = (row["object_key"], row["sha256"])
+        try:
+            if key in self.caches:
+                self._count(prefetch_skipped=1)
+            elif self.caches.bytes < self.caches.max_bytes:  # room in memory: load and offer
+                cache = self._load(row)
+                self._count(prefetch_fetched=1,
+                            prefetch_resident=int(self.caches.offer(key, cache)))
+            elif self.disk is not None and row["sha256"] not in self.disk:  # to disk only
+                self._fetch(row)
+                self._count(prefetch_fetched=1)
+            else:
+                self._count(prefetch_skipped=1)
+        except Exception as e:  # noqa: BLE001 - logged, never raised: no request waits on it
+            log.warning("prefetch of %s failed: %s", row.get("object_key"), e)
+            self._count(prefetch_failed=1)
+
+    @property
+    def fetched_bytes(self) -> int:
+        return self.figures["fetched_bytes"]
+
+    def stats(self) -> dict:
+        with self._figures_lock:
+            figures = dict(self.figures)
+        return {"model": self.model_name, "device": self.device, "pid": os.getpid(), **figures,
+                **self.caches.stats(), "disk": self.disk.stats() if self.disk else None,
+                "batch": self.batcher.stats()}

@@ -1,0 +1,110 @@
+"""Errors: every failure is a status and a one-line JSON message, never a traceback.
+
+`ApiError` is what the endpoints raise; `classify` maps the library's exceptions to a status and
+a message; `add_exception_handlers` makes every error on the app an OpenAI-style error body.
+"""
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("epicache.serve")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str | None = None):
+        super().__init__(message)
+        self.status, self.message = status, message
+        self.kind = kind or _KINDS.get(status, "error")
+
+
+_KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 409: "model_mismatch_error",
+          422: "invalid_request_error", 500: "internal_error", 503: "cache_unavailable_error",
+          504: "timeout_error"}
+
+
+def error_body(status: int, message: str, kind: str | None = None) -> dict:
+    """OpenAI-style error object, so OpenAI clients show the message."""
+    return {"error": {"message": message, "type": kind or _KINDS.get(status, "error"),
+                      "code": status}}
+
+
+def _error_response(status: int, message: str, kind: str | None = None) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(error_body(status, message, kind), status_code=status, headers=headers)
+
+
+def classify(e: BaseException) -> tuple[int, str]:
+    """(HTTP status, message) of an error raised while answering."""
+    from ray.exceptions import RayActorError
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+    from pipeline.answer.routing import ConversationNotFound, ModelMismatchError
+    from pipeline.corpus.schema import UnsafeIdError
+    from pipeline.store.base import ObjectNotFound, StoreError
+    from pipeline.store.cache_format import CacheCorruptError
+    from pipeline.store.manifest import ManifestError
+
+    if isinstance(e, ApiError):
+        return e.status, e.message
+    if isinstance(e, RayActorError):  # died or unreachable (ActorDiedError, ActorUnavailable...)
+        return 503, ("the decoder replica answering this request died or is unreachable; Serve "
+                     "replaces it: retry shortly")
+    if isinstance(e, (BackPressureError, DeploymentUnavailableError)):
+        return 503, f"the decoder is unavailable or overloaded ({type(e).__name__}): retry shortly"
+    if isinstance(e, TimeoutError):
+        return 504, "the decoder did not answer in time (the server's --decoder-timeout)"
+    if isinstance(e, ConversationNotFound):
+        return 404, str(e)
+    if isinstance(e, UnsafeIdError):
+        return 400, f"invalid conversation id: {e}"
+    if isinstance(e, ModelMismatchError):
+        return 409, str(e)
+    if isinstance(e, CacheCorruptError):
+        return 503, f"{e}; not answering from it"
+    if isinstance(e, ObjectNotFound):
+        return 503, f"the manifest names a cache object that is missing: {e}"
+    if isinstance(e, ManifestError):  # the store answers; what it holds for this id is bad
+        return 503, f"{e}; not answering from it (jobs.gc --verify lists such faults)"
+    if isinstance(e, StoreError):
+        return 503, f"store unavailable: {e}"
+    return 500, "internal error while answering (the server log has the details)"
+
+
+def describe(errors: list[dict]) -> str:
+    """Up to five validation errors (pydantic's) as one line naming their fields."""
+    parts = []
+    for err in errors[:5]:
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+        parts.append(f"field '{where}': {err.get('msg', 'invalid')}")
+    return "; ".join(parts)
+
+
+async def _api_error(request: Request, e: ApiError) -> JSONResponse:
+    return _error_response(e.status, e.message, e.kind)
+
+
+async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    return _error_response(e.status_code, str(e.detail))
+
+
+async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+    return _error_response(422, describe(list(e.errors())))
+
+
+async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+    log.exception("unexpected error on %s %s", request.method, request.url.path)
+    return _error_response(*classify(e))
+
+
+def add_exception_handlers(app: FastAPI) -> None:
+    """Every error on `app` answered as `error_body`: ours, HTTP ones (404, 405), invalid
+    requests (422) and unexpected ones (classified; 500 logs the trace)."""
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(Exception, _unexpected)

@@ -1,0 +1,98 @@
+"""The OpenAI chat wire format: the question in a chat request, the completion object, and the
+server-sent event chunks of a streamed answer (each object with an `epicache` extra: episode,
+similarity, cache hit, timings)."""
+
+import asyncio
+import json
+import time
+import uuid
+from typing import AsyncIterator
+
+from fastapi.responses import StreamingResponse
+
+from pipeline.serve.errors import classify, error_body
+from pipeline.serve.schemas import ChatMessage
+
+
+def message_text(message: ChatMessage) -> str:
+    if isinstance(message.content, list):
+        return "".join(p.text or "" for p in message.content if p.type == "text")
+    return message.content or ""
+
+
+def completion_base(model: str) -> dict:
+    """The fields the completion object, or every chunk of a stream, shares."""
+    ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    return {"id": ident, "created": created, "model": model}
+
+
+def _rounded(timings: dict) -> dict:
+    return {k: round(v, 3) for k, v in timings.items()}
+
+
+def completion(base: dict, question: str, result: dict, meta: dict, timings: dict) -> dict:
+    """The `chat.completion` object of a decoder's whole answer."""
+    prompt_tokens = len(question.split())  # approximate: the router has no tokenizer
+    return {**base, "object": "chat.completion",
+            "choices": [{"index": 0, "finish_reason": result["finish_reason"],
+                         "message": {"role": "assistant", "content": result["answer"]}}],
+            "usage": {"prompt_tokens": prompt_tokens,
+                      "completion_tokens": result["tokens"],
+                      "total_tokens": prompt_tokens + result["tokens"]},
+            "epicache": {**meta, "cache_hit": result["cache_hit"],
+                         "timings_ms": _rounded(timings)}}
+
+
+def chunk(base: dict, delta: dict, finish: str | None = None, **extra) -> str:
+    """One `chat.completion.chunk` as a server-sent event."""
+    obj = {**base, "object": "chat.completion.chunk",
+           "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _error_args(err: dict) -> dict:
+    return {"status": err["status"], "message": err["message"]}
+
+
+async def _items(gen, timeout: float | None) -> AsyncIterator[dict]:
+    """The decoder's stream, each item awaited at most `timeout` s; a failure (the replica
+    died, no piece in time) ends it with an error item."""
+    while True:
+        try:
+            item = await asyncio.wait_for(gen.__anext__(), timeout)
+        except StopAsyncIteration:
+            return
+        except Exception as e:
+            gen.cancel()
+            status, message = classify(e)
+            yield {"error": {"status": status, "message": message}}
+            return
+        yield item
+
+
+async def _events(gen, base: dict, meta: dict, timings: dict,
+                  timeout: float | None) -> AsyncIterator[str]:
+    yield chunk(base, {"role": "assistant", "content": ""}, epicache=meta)
+    async for item in _items(gen, timeout):
+        if "text" in item:
+            yield chunk(base, {"content": item["text"]})
+        elif "done" in item:
+            done = item["done"]
+            timings["decode"] = done["decode_ms"]
+            yield chunk(base, {}, done.get("finish_reason", "stop"),
+                        epicache={**meta, "timings_ms": _rounded(timings)})
+        elif "error" in item:
+            yield f"data: {json.dumps(error_body(**_error_args(item['error'])))}\n\n"
+            break
+    yield "data: [DONE]\n\n"
+
+
+def stream_response(gen, base: dict, meta: dict, timings: dict,
+                    timeout: float | None = None) -> StreamingResponse:
+    """The decoder's stream (`gen`, past its first item, the fetch) as server-sent events: a
+    first chunk with the role, a chunk per piece, a last one with the finish reason and the
+    timings (an error mid-stream, or no piece within `timeout` s, is an error object), then
+    `[DONE]`."""
+    return StreamingResponse(_events(gen, base, meta, timings, timeout),
+                             media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})

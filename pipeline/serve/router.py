@@ -1,0 +1,284 @@
+"""The router deployment: the HTTP ingress (the FastAPI app and its endpoints), the encoder and,
+per conversation, the manifest's centroids (read on first use, re-read when the manifest object
+changes). It embeds the question, picks the episode, and asks the decoder (a `DeploymentHandle`)
+for the answer."""
+
+import asyncio
+import gc
+import hmac
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from ray import serve
+
+from pipeline.serve import openai_chat
+from pipeline.serve.errors import ApiError, add_exception_handlers, classify
+from pipeline.serve.schemas import AnswerRequest, ChatRequest, parse_body
+from pipeline.serve.settings import ServeSettings
+
+log = logging.getLogger("epicache.serve")
+
+app = FastAPI(title="EpiCache decode endpoint", docs_url=None, redoc_url=None)
+add_exception_handlers(app)
+
+
+@dataclass
+class _Conversation:
+    rows: list[dict]
+    centroids: Any  # np.ndarray [episodes, dim]
+    stamp: tuple[int, float]  # (size, modified) of the manifest object when read
+    checked: float  # time.monotonic() of the last check against the store
+    prefetched: bool = False  # its other episodes were handed to the decoder's prefetch
+
+
+@serve.deployment(name="EpiCacheRouter")
+@serve.ingress(app)
+class Router:
+    """Embeds the question, routes it to an episode, and asks the decoder for the answer."""
+
+    def __init__(self, decoder, settings: dict, model: str, encoder: str):
+        from pipeline.kv import models
+        from pipeline.store.uri import open_store
+
+        self.decoder = decoder
+        self.settings = ServeSettings(**settings)
+        self.model_name, self.encoder_name = model, encoder
+        self.store = open_store(self.settings.store, endpoint_url=self.settings.s3_endpoint,
+                                create=False)
+        self.encoder = models.load_encoder(encoder, "cpu")
+        self.encoder_lock = threading.Lock()  # a tokenizer is not safe across threads
+        self._conversations: dict[str, _Conversation] = {}
+        self._background: set[asyncio.Task] = set()
+        gc.freeze()  # the encoder's objects leave the collector: no 100+ ms pauses in an embed
+        token = self.settings.auth_token
+        self._token = token.encode() if token else None
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _authorize(self, request: Request) -> None:
+        if self._token is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
+                                                                 self._token):
+            raise ApiError(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
+
+    def _load_conversation(self, conversation_id: str) -> _Conversation:
+        """Blocking: the cached manifest, re-read if the object changed since it was read."""
+        from pipeline.answer.routing import centroid_matrix, check_models, load_manifest
+        from pipeline.corpus.schema import check_safe_id
+        from pipeline.store.base import ObjectNotFound, manifest_key
+
+        check_safe_id(conversation_id)
+        now = time.monotonic()
+        known = self._conversations.get(conversation_id)
+        if known is not None and now - known.checked < self.settings.manifest_ttl_s:
+            return known
+        try:
+            info = self.store.info(manifest_key(conversation_id))
+        except ObjectNotFound:
+            self._conversations.pop(conversation_id, None)
+            load_manifest(self.store, conversation_id)  # raises ConversationNotFound
+            raise
+        stamp = (info.size, info.modified)
+        if known is not None and known.stamp == stamp:
+            known.checked = now
+            return known
+        rows = load_manifest(self.store, conversation_id)
+        check_models(rows, self.model_name, self.encoder_name)
+        conv = _Conversation(rows, centroid_matrix(rows), stamp, now)
+        self._conversations[conversation_id] = conv
+        return conv
+
+    def _embed(self, question: str):
+        from pipeline.answer.routing import embed_question
+
+        with self.encoder_lock:
+            return embed_question(self.encoder, question)
+
+    def _check_question(self, question: str) -> str:
+        if not question.strip():
+            raise ApiError(422, "the question is empty")
+        if len(question) > self.settings.max_question_chars:
+            raise ApiError(422, f"the question is {len(question)} characters long; the limit is "
+                                f"{self.settings.max_question_chars}")
+        return question
+
+    def _max_new_tokens(self, value: int | None, name: str) -> int:
+        value = self.settings.default_max_new_tokens if value is None else value
+        if not 1 <= value <= self.settings.max_new_tokens_limit:
+            raise ApiError(422, f"field '{name}': must be between 1 and "
+                                f"{self.settings.max_new_tokens_limit}, got {value}")
+        return value
+
+    async def _route(self, conversation_id: str, question: str) -> tuple[dict, float, dict]:
+        """(manifest row, similarity, timings) for a question; manifest lookup counts as route."""
+        from pipeline.answer.routing import route_question
+
+        t0 = time.perf_counter()
+        conv = await asyncio.to_thread(self._load_conversation, conversation_id)
+        t1 = time.perf_counter()
+        emb = await asyncio.to_thread(self._embed, question)
+        t2 = time.perf_counter()
+        row, similarity = route_question(emb, conv.rows, conv.centroids)
+        t3 = time.perf_counter()
+        if not conv.prefetched:  # first touch: a follow-up often routes to another episode
+            conv.prefetched = True
+            self._prefetch([self._decoder_row(r) for r in conv.rows if r is not row])
+        return row, similarity, {"embed": (t2 - t1) * 1000, "route": (t1 - t0 + t3 - t2) * 1000}
+
+    def _prefetch(self, rows: list[dict]) -> None:
+        """Ask the decoder to load `rows` in the background; no request waits on it, and a
+        failure is logged, never raised."""
+        if not rows:
+            return
+
+        async def send() -> None:
+            try:
+                await self.decoder.prefetch.remote(rows)
+            except Exception as e:  # noqa: BLE001 - a prefetch is best effort
+                log.warning("prefetch of %d episode(s) failed: %s", len(rows), e)
+
+        task = asyncio.get_running_loop().create_task(send())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    @staticmethod
+    def _decoder_row(row: dict) -> dict:
+        keys = ("conversation_id", "episode", "object_key", "sha256", "object_bytes", "model_id",
+                "encoder_id")
+        return {k: row[k] for k in keys}
+
+    @staticmethod
+    def _raise_if_error(result: dict) -> None:
+        if "error" in result:
+            raise ApiError(result["error"]["status"], result["error"]["message"])
+
+    async def _ask_decoder(self, row: dict, question: str, max_new: int,
+                           temperature: float) -> dict:
+        """The decoder's whole answer, asked again once if the replica died meanwhile (an
+        answer has no side effect; Serve sends the retry to a live or replacement replica); a
+        second death (503) or no answer within `decoder_timeout_s` in all (504) is an error,
+        never a hang."""
+        from ray.exceptions import RayActorError
+
+        deadline = time.monotonic() + self.settings.decoder_timeout_s
+        for attempt in (1, 2):
+            response = self.decoder.answer.remote(self._decoder_row(row), question, max_new,
+                                                  temperature)
+            try:
+                result = await asyncio.wait_for(response, max(0.0, deadline - time.monotonic()))
+                break
+            except RayActorError as e:
+                response.cancel()
+                if attempt == 2:
+                    raise ApiError(*classify(e)) from None
+                log.warning("the decoder replica died while answering; asking again once")
+            except Exception as e:
+                response.cancel()
+                raise ApiError(*classify(e)) from None
+        self._raise_if_error(result)
+        return result
+
+    # -- endpoints ----------------------------------------------------------------------------
+    @app.get("/healthz")
+    async def healthz(self) -> dict:
+        response = self.decoder.stats.remote()
+        try:
+            stats = await asyncio.wait_for(response, min(30.0, self.settings.decoder_timeout_s))
+        except Exception as e:  # no decoder replica answering: not healthy
+            response.cancel()
+            raise ApiError(*classify(e)) from None
+        return {"status": "ok", "model": self.model_name, "encoder": self.encoder_name,
+                "conversations_loaded": len(self._conversations), "decoder": stats}
+
+    @app.get("/v1/conversations/{conversation_id}")
+    async def conversation(self, conversation_id: str, request: Request) -> dict:
+        self._authorize(request)
+        try:
+            conv = await asyncio.to_thread(self._load_conversation, conversation_id)
+        except Exception as e:
+            raise ApiError(*classify(e)) from None
+        first = conv.rows[0]
+        return {
+            "conversation_id": conversation_id, "model_id": first["model_id"],
+            "encoder_id": first["encoder_id"], "config_hash": first["config_hash"],
+            "scorer": first["scorer"], "tokens": first["tokens"],
+            "episodes_requested": first["episodes_requested"],
+            "episodes_built": first["episodes_built"], "episode_note": first["episode_note"],
+            "episodes": [{
+                "episode": r["episode"], "medoid_text": r["medoid_text"],
+                "medoid_turn_ids": r["medoid_turn_ids"], "n_windows": r["n_windows"],
+                "layer_budgets": r["layer_budgets"],
+                "mean_budget": sum(r["layer_budgets"]) / max(1, len(r["layer_budgets"])),
+                "object_key": r["object_key"], "object_bytes": r["object_bytes"],
+                "kv_bytes": r["kv_bytes"], "built_at": r["built_at"]} for r in conv.rows]}
+
+    @app.post("/v1/conversations/{conversation_id}/answer")
+    async def answer(self, conversation_id: str, request: Request) -> dict:
+        self._authorize(request)
+        body = await parse_body(request, AnswerRequest)
+        question = self._check_question(body.question)
+        max_new = self._max_new_tokens(body.max_new_tokens, "max_new_tokens")
+        try:
+            row, similarity, timings = await self._route(conversation_id, question)
+        except ApiError:
+            raise
+        except Exception as e:
+            raise ApiError(*classify(e)) from None
+        result = await self._ask_decoder(row, question, max_new, body.temperature or 0.0)
+        timings |= {"fetch": result["fetch_ms"], "decode": result["decode_ms"]}
+        return {"conversation_id": conversation_id, "answer": result["answer"],
+                "episode": int(row["episode"]), "similarity": round(similarity, 6),
+                "cache_hit": result["cache_hit"], "tokens": result["tokens"],
+                "finish_reason": result["finish_reason"],
+                "decoder_queue_ms": result["queue_ms"],
+                "timings_ms": {k: round(timings[k], 3)
+                               for k in ("embed", "route", "fetch", "decode")}}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        self._authorize(request)
+        body = await parse_body(request, ChatRequest)
+        if body.n not in (None, 1):
+            raise ApiError(422, "field 'n': only n=1 is supported")
+        users = [m for m in body.messages if m.role == "user"]
+        if not users:
+            raise ApiError(422, "field 'messages': no message with role 'user' (the last one is "
+                                "the question)")
+        question = self._check_question(openai_chat.message_text(users[-1]))
+        max_new = self._max_new_tokens(
+            body.max_completion_tokens if body.max_completion_tokens is not None
+            else body.max_tokens, "max_tokens")
+        temperature = body.temperature or 0.0
+        try:
+            row, similarity, timings = await self._route(body.conversation_id, question)
+        except ApiError:
+            raise
+        except Exception as e:
+            raise ApiError(*classify(e)) from None
+        meta = {"conversation_id": body.conversation_id, "episode": int(row["episode"]),
+                "similarity": round(similarity, 6)}
+        base = openai_chat.completion_base(self.model_name)
+        if not body.stream:
+            result = await self._ask_decoder(row, question, max_new, temperature)
+            timings |= {"fetch": result["fetch_ms"], "decode": result["decode_ms"]}
+            return openai_chat.completion(base, question, result, meta, timings)
+
+        gen = self.decoder.options(stream=True).stream.remote(
+            self._decoder_row(row), question, max_new, temperature)
+        try:  # the fetch: a bad cache (or a dead replica) is an HTTP error, not a stream
+            first = await asyncio.wait_for(gen.__anext__(), self.settings.decoder_timeout_s)
+        except Exception as e:
+            gen.cancel()
+            raise ApiError(*classify(e)) from None
+        if "error" in first:
+            gen.cancel()
+            raise ApiError(first["error"]["status"], first["error"]["message"])
+        timings["fetch"] = first["fetch_ms"]
+        meta |= {"cache_hit": first["cache_hit"]}
+        return openai_chat.stream_response(gen, base, meta, timings,
+                                           self.settings.decoder_timeout_s)

@@ -1,0 +1,288 @@
+"""The episodic cache on disk: safetensors (never pickle) with a small JSON header.
+
+Per layer: `layers.{i}.keys` and `.values` [entries, d] (the valid entries of every head,
+head after head, in token order), `.lengths` [Hkv] entries per head and `.positions` [entries]
+the original token positions. The header names the model, the build configuration hash, the
+conversation and episode, the tokens seen, the next position and the position mode
+(`positions`: "original", or "compact": each head's keys rotated at 0, 1, 2, ... and decoding
+continues at `next_position`). Reading checks the SHA-256 recorded in the
+manifest: `read_parsed` reads an object once (from the store or the local disk tier) and hashes
+it on a second thread while this one parses it (hashlib releases the GIL), and a parse of bytes
+that fail the checksum is dropped, never returned. Parsing unverified bytes is safe: safetensors
+never executes anything, and every size comes from the object itself.
+
+Format 2 (tri-state caches, ARKV): the tensors above hold the Original entries only; the
+Quantized entries are `layers.{i}.qkeys` / `.qvalues` [entries, d] codes (int8 or
+float8_e4m3fn, header `quant`), `.qkey_scales` / `.qvalue_scales` [entries] float32 (one scale
+per token and head), `.qlengths` [Hkv] and `.qpositions` [entries], in the same order. A plain
+cache writes no q-tensors and `quant: null`; format 1 objects are still read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import struct
+import threading
+from contextlib import contextmanager
+from typing import BinaryIO, Callable, Iterator, TypeVar
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from kernels.quant import dequantize
+from pipeline.kv.cache import EpisodicCache
+
+FORMAT = "epicache-kv/2"
+_SERIAL_ELEMENTS = 32767  # a copy this small runs on the calling thread (grain: 32,768)
+READABLE_FORMATS = ("epicache-kv/1", FORMAT)
+
+
+class CacheCorruptError(RuntimeError):
+    """A cache object that fails its checksum or cannot be parsed; names the object."""
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class ChecksumError(CacheCorruptError):
+    """Bytes that are not the object the manifest names: the wrong length or SHA-256."""
+
+
+T = TypeVar("T")
+
+
+def read_object(stream: BinaryIO, name: str = "cache", size: int | None = None) -> bytes:
+    """The whole of `stream` in one read (straight into the bytes object for a file);
+    `ChecksumError` naming the object if it is not `size` bytes long."""
+    data = stream.read() if size is None else stream.read(size)
+    if size is not None and len(data) < size:
+        raise ChecksumError(f"cache object {name} is truncated ({len(data)} of {size} bytes)")
+    if size is not None and stream.read(1):
+        raise ChecksumError(f"cache object {name} is longer than its recorded {size} bytes")
+    return data
+
+
+@contextmanager
+def verifying(data: bytes, expected_sha256: str | None, name: str = "cache") -> Iterator[None]:
+    """Hash `data` on a second thread while the block runs; on leaving, `ChecksumError` unless
+    it is the expected SHA-256, whatever the block did, so nothing made from bad bytes leaves
+    the block. `expected_sha256=None` checks nothing."""
+    if expected_sha256 is None:
+        yield
+        return
+    digest: list[str] = []
+    hasher = threading.Thread(target=lambda: digest.append(sha256(data)), daemon=True,
+                              name="epicache-sha256")
+    hasher.start()
+    try:
+        yield
+    finally:
+        hasher.join()
+        check_sha256(digest[0] if digest else "", expected_sha256, name)
+
+
+def read_parsed(stream: BinaryIO, expected_sha256: str | None, name: str = "cache",
+                size: int | None = None, parse: Callable[[bytes], T] | None = None
+                ) -> tuple[bytes, T | None]:
+    """(bytes, parse(bytes)) of an object, its length and SHA-256 checked (`ChecksumError`
+    naming it otherwise); the hash runs beside the parse, not before it."""
+    data = read_object(stream, name, size)
+    with verifying(data, expected_sha256, name):
+        return data, (parse(data) if parse is not None else None)
+
+
+def check_sha256(got: str, expected: str | None, name: str = "cache") -> None:
+    """`ChecksumError` naming the object unless its SHA-256 is the expected one (or none is
+    expected)."""
+    if expected is not None and got != expected:
+        raise ChecksumError(f"cache object {name} failed its checksum (expected sha256 "
+                            f"{expected[:12]}..., got {got[:12]}...)")
+
+
+def serialize(cache: EpisodicCache, header: dict, dtype: torch.dtype = torch.float16) -> bytes:
+    """Safetensors bytes of the cache's valid entries, stored as `dtype`."""
+    tensors: dict[str, torch.Tensor] = {}
+    quant = None
+    for i, layer in enumerate(cache.layers):
+        quantized = layer.quantized_mask()
+        original = layer.valid & ~quantized
+        tensors[f"layers.{i}.keys"] = layer.keys[0][original].to(dtype).contiguous()
+        tensors[f"layers.{i}.values"] = layer.values[0][original].to(dtype).contiguous()
+        tensors[f"layers.{i}.lengths"] = original.sum(dim=1).to(torch.int32)
+        tensors[f"layers.{i}.positions"] = layer.positions[original].to(torch.int64)
+        if layer.quantized is not None:
+            quant = str(layer.code_dtype).removeprefix("torch.")
+            tensors[f"layers.{i}.qkeys"] = layer.key_codes[quantized].view(layer.code_dtype)
+            tensors[f"layers.{i}.qvalues"] = layer.value_codes[quantized].view(layer.code_dtype)
+            tensors[f"layers.{i}.qkey_scales"] = layer.key_scales[quantized].contiguous()
+            tensors[f"layers.{i}.qvalue_scales"] = layer.value_scales[quantized].contiguous()
+            tensors[f"layers.{i}.qlengths"] = quantized.sum(dim=1).to(torch.int32)
+            tensors[f"layers.{i}.qpositions"] = layer.positions[quantized].to(torch.int64)
+    first = cache.layers[0]
+    compacted = any(not torch.equal(layer.rope_positions, layer.positions) for layer in cache.layers)
+    header = dict(header, format=FORMAT, tokens_seen=cache.tokens_seen,
+                  next_position=cache.next_position,
+                  positions="compact" if compacted else "original", num_layers=len(cache.layers),
+                  kv_heads=int(first.valid.shape[0]), head_dim=int(first.keys.shape[-1]),
+                  dtype=str(dtype).removeprefix("torch."), quant=quant)
+    return st_save({k: v.cpu() for k, v in tensors.items()}, metadata={"header": json.dumps(header)})
+
+
+def read_header(data: bytes, name: str = "cache") -> dict:
+    """The JSON header of a serialized cache, without loading tensors."""
+    try:
+        (size,) = struct.unpack("<Q", data[:8])
+        meta = json.loads(data[8:8 + size])["__metadata__"]
+        header = json.loads(meta["header"])
+    except (struct.error, ValueError, KeyError, TypeError) as e:
+        raise CacheCorruptError(f"cache object {name} is not a readable episodic cache ({e})") from None
+    if header.get("format") not in READABLE_FORMATS:
+        raise CacheCorruptError(f"cache object {name} has format {header.get('format')!r}, "
+                                f"expected one of {READABLE_FORMATS}")
+    return header
+
+
+def deserialize(data: bytes, expected_sha256: str | None, name: str = "cache",
+                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+                ) -> tuple[EpisodicCache, dict]:
+    """Verify, parse and rebuild an `EpisodicCache` (padded per head) from serialized bytes."""
+    if expected_sha256 is not None:
+        check_sha256(sha256(data), expected_sha256, name)
+    return parse(data, name, dtype, device)
+
+
+def parse(data: bytes, name: str = "cache", dtype: torch.dtype = torch.float32,
+          device: str | torch.device = "cpu") -> tuple[EpisodicCache, dict]:
+    """Parse and rebuild bytes (`read_parsed` checks them beside it): no hash here."""
+    header = read_header(data, name)
+    try:
+        tensors = st_load(data)
+    except Exception as e:  # safetensors raises its own error types for malformed data
+        raise CacheCorruptError(f"cache object {name} cannot be parsed ({e})") from None
+    try:
+        cache = _rebuild(tensors, header, dtype, device)
+    except (KeyError, RuntimeError, ValueError, IndexError, TypeError) as e:
+        raise CacheCorruptError(f"cache object {name} is inconsistent ({type(e).__name__}: {e})") from None
+    return cache, header
+
+
+def _rebuild(tensors: dict[str, torch.Tensor], header: dict, dtype: torch.dtype,
+             device: str | torch.device) -> EpisodicCache:
+    cache = EpisodicCache(int(header["num_layers"]))
+    for i, layer in enumerate(cache.layers):
+        lengths = tensors[f"layers.{i}.lengths"].long()
+        keys, values = tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"]
+        positions = tensors[f"layers.{i}.positions"]
+        _check_counts(i, lengths, keys, values, positions)
+        n_heads = lengths.shape[0]
+        quantized = f"layers.{i}.qkeys" in tensors
+        if quantized:  # the Quantized tier: dequantized (kernels.quant dispatch) for the view
+            qlengths = tensors[f"layers.{i}.qlengths"].long()
+            qkeys, qvalues = tensors[f"layers.{i}.qkeys"], tensors[f"layers.{i}.qvalues"]
+            qkey_scales = tensors[f"layers.{i}.qkey_scales"].float()
+            qvalue_scales = tensors[f"layers.{i}.qvalue_scales"].float()
+            qpositions = tensors[f"layers.{i}.qpositions"]
+            _check_counts(i, qlengths, qkeys, qvalues, qpositions)
+            if qkey_scales.shape[0] != qkeys.shape[0] or qvalue_scales.shape[0] != qkeys.shape[0]:
+                raise ValueError(f"layer {i}: scales do not match the quantized entries")
+        else:
+            qlengths = torch.zeros_like(lengths)
+            qpositions = positions.new_zeros(0)
+        counts_list = lengths.tolist()
+        if not quantized and _in_token_order(positions, counts_list):
+            # The common case, as `serialize` writes it: each head's entries already in token
+            # order, so each head is one copy (and dtype conversion) into its padded row.
+            slots = max(counts_list, default=0)
+            valid = torch.arange(slots)[None, :] < lengths[:, None]
+            layer.keys = _padded(keys, counts_list, slots, dtype, device)
+            layer.values = _padded(values, counts_list, slots, dtype, device)
+            layer.positions = _padded(positions, counts_list, slots, torch.long, "cpu")
+        else:
+            # Both tiers, merged per head in token order.
+            heads = torch.cat([torch.repeat_interleave(torch.arange(n_heads), lengths),
+                               torch.repeat_interleave(torch.arange(n_heads), qlengths)])
+            all_positions = torch.cat([positions, qpositions])
+            span = int(all_positions.max().item()) + 1 if all_positions.numel() else 1
+            order = torch.argsort(heads * span + all_positions)
+            counts = lengths + qlengths
+            slots = int(counts.max().item()) if counts.numel() else 0
+            valid = torch.arange(slots)[None, :] < counts[:, None]
+            is_quantized = torch.cat([torch.zeros(int(lengths.sum()), dtype=torch.bool),
+                                      torch.ones(int(qlengths.sum()), dtype=torch.bool)])[order]
+            layer.positions = torch.zeros(n_heads, slots, dtype=torch.long)
+            layer.positions[valid] = all_positions[order]
+            for name, original in (("keys", keys), ("values", values)):
+                rows = original.to(device, dtype)
+                if quantized:
+                    codes = qkeys if name == "keys" else qvalues
+                    scales = qkey_scales if name == "keys" else qvalue_scales
+                    rows = torch.cat([rows, dequantize(codes.to(device), scales.to(device),
+                                                       dtype=dtype)])
+                padded = rows.new_zeros(1, n_heads, slots, rows.shape[-1])
+                padded[0][valid.to(device)] = rows[order.to(device)]
+                setattr(layer, name, padded)
+            if quantized:
+                mask = torch.zeros(n_heads, slots, dtype=torch.bool)
+                mask[valid] = is_quantized
+                layer.quantized = mask.to(device)
+                layer.code_dtype = qkeys.dtype
+                raw = torch.uint8 if qkeys.dtype == torch.float8_e4m3fn else torch.int8
+                for name, rows in (("key_codes", qkeys.view(raw)),
+                                   ("value_codes", qvalues.view(raw)),
+                                   ("key_scales", qkey_scales), ("value_scales", qvalue_scales)):
+                    full = rows.new_zeros(n_heads, slots, *rows.shape[1:])
+                    full[mask] = rows[order[is_quantized] - lengths.sum()]
+                    setattr(layer, name, full.to(device))
+        layer.valid, layer.positions = valid.to(device), layer.positions.to(device)
+        layer.tokens_seen = int(header["tokens_seen"])
+        layer.next_position = int(header.get("next_position", layer.tokens_seen))
+        # A compacted cache holds each head's entries at positions 0, 1, 2, ... in token order.
+        layer.rope_positions = layer.positions if header.get("positions") != "compact" else \
+            torch.arange(slots, device=device).expand(n_heads, -1)
+        layer.is_initialized = True
+    return cache
+
+
+def _in_token_order(positions: torch.Tensor, counts: list[int]) -> bool:
+    """Whether each head's run of `positions` is non-decreasing (heads start anew)."""
+    if positions.numel() < 2:
+        return True
+    steps = positions[1:] >= positions[:-1]
+    starts = [s - 1 for s in itertools.accumulate(counts[:-1]) if 0 < s < positions.numel()]
+    if starts:
+        steps[starts] = True
+    return bool(steps.all())
+
+
+def _padded(rows: torch.Tensor, counts: list[int], slots: int, dtype: torch.dtype,
+            device: str | torch.device) -> torch.Tensor:
+    """[heads, slots, ...] (with a leading 1 for keys and values) of `dtype`: each head's rows
+    (stored head after head) first, zeros after.
+
+    The copies go in blocks under torch's parallel grain (32,768 elements), so each runs on
+    the calling thread: a load runs while other threads decode on every core, and there a
+    parallel region per small copy cost ~100x the copy itself (measured on 2 busy cores).
+    """
+    out = torch.empty(len(counts), slots, *rows.shape[1:], dtype=dtype, device=device)
+    step = max(1, _SERIAL_ELEMENTS // max(1, rows[0].numel() if len(rows) else 1))
+    start = 0
+    for h, n in enumerate(counts):
+        for b in range(0, n, step):
+            end = min(n, b + step)
+            out[h, b:end].copy_(rows[start + b:start + end])
+        for b in range(n, slots, step):
+            out[h, b:min(slots, b + step)].zero_()
+        start += n
+    return out[None] if rows.dim() > 1 else out
+
+
+def _check_counts(i: int, lengths: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                  positions: torch.Tensor) -> None:
+    total = int(lengths.sum().item())
+    if not keys.shape[0] == values.shape[0] == positions.shape[0] == total:
+        raise ValueError(f"layer {i}: {total} entries by lengths, {keys.shape[0]} keys, "
+                         f"{values.shape[0]} values, {positions.shape[0]} positions")

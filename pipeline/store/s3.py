@@ -1,0 +1,258 @@
+"""TODO docstring."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import time
+from pathlib import Path
+from typing import BinaryIO
+
+from pipeline.store.base import ObjectInfo, ObjectNotFound, Partial, Store, StoreError, check_key
+from pipeline.store.local import _UMASK
+
+os.umask(_UMASK)
+
+
+S3_ENDPOINT_ENV = "EPICACHE_S3_ENDPOINT"
+
+
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+
+
+_DENIED = {"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "Forbidden",
+           "InvalidToken", "ExpiredToken", "AuthorizationHeaderMalformed"}
+
+
+_NO_BUCKET = {"NoSuchBucket"}
+
+
+_NO_KEY = {"404", "NoSuchKey", "NotFound"}
+
+
+def _public(url: str) -> str:
+    """A URL without any user:password@ part, for messages."""
+    return re.sub(r"//[^/@]*@", "//", url)
+
+
+def parse_s3_uri(uri: str) -> tuple[str, str]:
+    """(bucket, prefix) of `s3://bucket/prefix`; the prefix has no leading or trailing '/'."""
+    rest = uri.removeprefix("s3://")
+    bucket, _, prefix = rest.partition("/")
+    prefix = prefix.strip("/")
+    if not _BUCKET.match(bucket) or ".." in bucket:
+        raise StoreError(f"invalid S3 URI {uri!r}: {bucket!r} is not a bucket name "
+                         "(3-63 of a-z 0-9 . -)")
+    if prefix:
+        check_key(prefix)
+    return bucket, prefix
+
+
+class S3Store(Store):
+    """Objects under `s3://bucket/prefix/` on AWS S3 or any S3-compatible server.
+
+    Credentials and region come from boto3's standard chain (environment, shared profile,
+    instance role) and are never stored on this object, logged, or pickled: a Ray task that
+    receives the store builds its own client from its node's chain. Large objects go up in
+    parallel multipart uploads; throttling and transient errors are retried with backoff by
+    botocore (`retry_mode`). A PUT is atomic: the object appears only once complete.
+    """
+
+    def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str | None = None,
+                 region: str | None = None, profile: str | None = None,
+                 retry_mode: str | None = None, max_attempts: int | None = None,
+                 multipart_threshold: int = 8 * 2**20, multipart_chunksize: int = 8 * 2**20,
+                 max_concurrency: int = 8, connect_timeout: float = 5.0,
+                 read_timeout: float = 60.0, check: bool = True):
+        self.bucket, self.prefix = bucket, prefix.strip("/")
+        if self.prefix:
+            check_key(self.prefix)
+        self.endpoint_url, self.region, self.profile = endpoint_url or None, region, profile
+        # botocore's own variables, read here because an explicit retry config overrides them
+        self.retry_mode = retry_mode or os.environ.get("AWS_RETRY_MODE") or "adaptive"
+        self.max_attempts = max_attempts or int(os.environ.get("AWS_MAX_ATTEMPTS") or 5)
+        self.multipart_threshold, self.multipart_chunksize = multipart_threshold, multipart_chunksize
+        self.max_concurrency = max_concurrency
+        self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
+        self.uri = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self._client = None
+        if check:
+            self.check()
+
+    # -- pickling: everything but the client (it holds credentials and sockets) ----------------
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_client"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._client = None
+
+    def __repr__(self) -> str:
+        where = f", endpoint={_public(self.endpoint_url)}" if self.endpoint_url else ""
+        return f"S3Store({self.uri}{where})"
+
+    @property
+    def where(self) -> str:
+        return self.uri + (f" (endpoint {_public(self.endpoint_url)})" if self.endpoint_url else "")
+
+    @property
+    def client(self):
+        if self._client is None:
+            import boto3
+            from botocore.config import Config
+
+            try:
+                session = boto3.session.Session(profile_name=self.profile, region_name=self.region)
+                region = session.region_name or ("us-east-1" if self.endpoint_url else None)
+                config = Config(
+                    retries={"mode": self.retry_mode, "total_max_attempts": self.max_attempts},
+                    connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
+                    max_pool_connections=max(10, self.max_concurrency * 2),
+                    # S3-compatible servers rarely do virtual-hosted buckets
+                    s3={"addressing_style": "path"} if self.endpoint_url else None)
+                self._client = session.client("s3", endpoint_url=self.endpoint_url,
+                                              region_name=region, config=config)
+            except Exception as e:
+                raise self._error(e, "open") from None
+        return self._client
+
+    def _transfer_config(self):
+        from boto3.s3.transfer import TransferConfig
+
+        return TransferConfig(multipart_threshold=self.multipart_threshold,
+                              multipart_chunksize=self.multipart_chunksize,
+                              max_concurrency=self.max_concurrency)
+
+    def _key(self, key: str) -> str:
+        check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _error(self, e: Exception, what: str, key: str | None = None) -> StoreError:
+        """One clear line for a boto error: never the credentials, never a traceback."""
+        from botocore import exceptions as bx
+
+        target = f"{self.where}" + (f", object {key!r}" if key else "")
+        if isinstance(e, (bx.NoCredentialsError, bx.PartialCredentialsError,
+                          bx.CredentialRetrievalError)):
+            return StoreError(f"no usable AWS credentials for {self.uri}: set AWS_ACCESS_KEY_ID "
+                              "and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or run with an instance "
+                              "role")
+        if isinstance(e, bx.ProfileNotFound):
+            return StoreError(f"AWS profile {self.profile or os.environ.get('AWS_PROFILE')!r} "
+                              f"not found (needed for {self.uri})")
+        if isinstance(e, (bx.EndpointConnectionError, bx.ConnectTimeoutError,
+                          bx.ConnectionClosedError, bx.ReadTimeoutError, bx.SSLError,
+                          bx.ProxyConnectionError)):
+            endpoint = _public(self.endpoint_url) if self.endpoint_url else "the AWS S3 endpoint"
+            return StoreError(f"cannot reach S3 at {endpoint} ({what} {target}) after "
+                              f"{self.max_attempts} attempts: {type(e).__name__}")
+        if isinstance(e, bx.ClientError):
+            code = str(e.response.get("Error", {}).get("Code", ""))
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in _NO_BUCKET or (what == "open" and code in _NO_KEY):
+                return StoreError(f"S3 bucket {self.bucket!r} does not exist ({self.where})")
+            if code in _NO_KEY:
+                return ObjectNotFound(f"no object {key!r} in store {self.where}")
+            if code in _DENIED:
+                return StoreError(f"access denied to {self.where} ({code}): check the AWS "
+                                  "credentials and the bucket policy")
+            message = str(e.response.get("Error", {}).get("Message", ""))[:200]
+            return StoreError(f"S3 {what} of {target} failed: {code or status} {message}".rstrip())
+        if isinstance(e, bx.BotoCoreError):
+            return StoreError(f"S3 {what} of {target} failed: {type(e).__name__}: {e}")
+        return StoreError(f"S3 {what} of {target} failed: {type(e).__name__}: {e}")
+
+    def _call(self, what: str, key: str | None, fn, *args, **kwargs):
+        from botocore import exceptions as bx
+
+        try:
+            return fn(*args, **kwargs)
+        except (bx.BotoCoreError, bx.ClientError) as e:
+            raise self._error(e, what, key) from None
+
+    def check(self) -> None:
+        """Fail now, with one clear line, if the bucket cannot be reached, is missing or denied."""
+        self._call("open", None, self.client.head_bucket, Bucket=self.bucket)
+
+    def put(self, key: str, data: bytes) -> None:
+        self._call("put", key, self.client.upload_fileobj, io.BytesIO(data), self.bucket,
+                   self._key(key), Config=self._transfer_config())
+
+    def get(self, key: str) -> bytes:
+        buf = io.BytesIO()
+        self._call("get", key, self.client.download_fileobj, self.bucket, self._key(key), buf,
+                   Config=self._transfer_config())
+        return buf.getvalue()
+
+    def open(self, key: str) -> BinaryIO:
+        response = self._call("get", key, self.client.get_object, Bucket=self.bucket,
+                              Key=self._key(key))
+        return io.BufferedReader(_S3Body(self, key, response["Body"]), buffer_size=1 << 20)
+
+    def download(self, key: str, path: str | Path) -> None:
+        self._call("get", key, self.client.download_file, self.bucket, self._key(key), str(path),
+                   Config=self._transfer_config())
+
+    def info(self, key: str) -> ObjectInfo:
+        head = self._call("head", key, self.client.head_object, Bucket=self.bucket,
+                          Key=self._key(key))
+        return ObjectInfo(int(head["ContentLength"]), head["LastModified"].timestamp())
+
+    def exists(self, key: str) -> bool:
+        try:
+            self._call("head", key, self.client.head_object, Bucket=self.bucket, Key=self._key(key))
+            return True
+        except ObjectNotFound:
+            return False
+
+    def list(self, prefix: str = "") -> list[str]:
+        base = f"{self.prefix}/" if self.prefix else ""
+        keys = []
+        pages = self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=base + prefix)
+        for page in self._call("list", prefix or None, list, pages):
+            keys.extend(obj["Key"][len(base):] for obj in page.get("Contents", ()))
+        return sorted(keys)
+
+    def delete(self, key: str) -> None:
+        self._call("delete", key, self.client.delete_object, Bucket=self.bucket, Key=self._key(key))
+
+    def list_partial(self) -> list[Partial]:
+        """Incomplete multipart uploads under the prefix (their parts are stored and billed)."""
+        base = f"{self.prefix}/" if self.prefix else ""
+        pages = self.client.get_paginator("list_multipart_uploads").paginate(
+            Bucket=self.bucket, Prefix=base)
+        out, now = [], time.time()
+        for page in self._call("list uploads", None, list, pages):
+            for up in page.get("Uploads", ()):
+                out.append(Partial(name=f"{up['Key']}?uploadId={up['UploadId']}",
+                                   key=up["Key"][len(base):],
+                                   age_seconds=now - up["Initiated"].timestamp()))
+        return sorted(out, key=lambda p: p.name)
+
+    def delete_partial(self, partial: Partial) -> None:
+        key, _, upload_id = partial.name.partition("?uploadId=")
+        self._call("abort upload", partial.key, self.client.abort_multipart_upload,
+                   Bucket=self.bucket, Key=key, UploadId=upload_id)
+
+
+class _S3Body(io.RawIOBase):
+    """A GetObject body as a raw stream (so `io.BufferedReader` can give `readline` and
+    iteration); a failure mid-stream is the store's one-line `StoreError`, as for `get`."""
+
+    def __init__(self, store: S3Store, key: str, body):
+        self.store, self.key, self.body = store, key, body
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        data = self.store._call("get", self.key, self.body.read, len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.body.close()
+        super().close()

@@ -1,0 +1,255 @@
+"""TODO docstring."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as pads
+
+from pipeline.corpus.schema import check_safe_id
+from pipeline.store.base import Store, StoreError
+from pipeline.store.local import LocalStore
+from pipeline.store.manifest import MANIFEST_SCHEMA, STATE_SCHEMA
+from pipeline.store.s3 import S3Store
+
+log = logging.getLogger(__name__)
+
+
+TABLE_KEY = "index/episodes"
+
+
+PENDING_PREFIX = "index/pending/"
+
+
+# The manifest's scalar columns: what an index answers (which objects, their checksums and sizes,
+# tokens, who built them with which configuration, when). Left out, and read from a manifest when
+# needed: centroid (384 floats a row, ~1.5 KB: routing reads one conversation's manifest anyway),
+# medoid_text and medoid_turn_ids (the patched prompt, KBs), config_json (the same ~1 KB on every
+# row of a configuration; config_hash names it), and the per-layer lists.
+_LEFT_OUT = {"centroid", "medoid_text", "medoid_turn_ids", "config_json", "layer_budgets",
+             "entries_per_layer", "peak_entries_per_layer", "layer_byte_budgets", "oq_ratios"}
+
+
+TABLE_SCHEMA = pa.schema([f for f in list(MANIFEST_SCHEMA) + list(STATE_SCHEMA)
+                          if f.name not in _LEFT_OUT])
+
+
+# Parquet as written into the table: zstd, and row groups small enough that a point lookup
+# reads one of them (statistics on conversation_id prune the rest).
+_ROW_GROUP = 65_536
+
+
+# A checkpoint every 10 commits: opening the table replays at most 10 JSON log entries (a build
+# commits every flush, hundreds of times in a million conversations).
+_TABLE_CONFIG = {"delta.checkpointInterval": "10"}
+
+
+# Conversations per replacing commit: delta-rs recurses over a predicate's IN list, and one of
+# ~25,000 ids overflows an 8 MiB stack (measured; 20,000 passed).
+_MAX_IDS = 4_000
+
+
+_SORT_MEMORY = "1GB"  # DuckDB's memory for the compaction's sort (it spills past it)
+
+
+class TableError(StoreError):
+    """The manifest table cannot be read or written; the message names the table, never a
+    credential."""
+
+
+def pending_key(conversation_id: str) -> str:
+    return PENDING_PREFIX + check_safe_id(conversation_id)
+
+
+def table_rows(rows: Iterable[dict]) -> pa.Table:
+    """Manifest rows as table rows (its columns only; state counts null for older manifests),
+    sorted by conversation and episode so files and row groups cover narrow id ranges."""
+    table = pa.Table.from_pylist([{k: r.get(k) for k in TABLE_SCHEMA.names} for r in rows],
+                                 schema=TABLE_SCHEMA)
+    return table.sort_by([("conversation_id", "ascending"), ("episode", "ascending")])
+
+
+def _id_predicate(ids: Sequence[str]) -> str:
+    """A Delta predicate selecting these conversations' rows; the range lets delta-rs skip the
+    files whose conversation_id statistics lie outside it (an IN list alone does not prune)."""
+    quoted = [f"'{check_safe_id(i)}'" for i in ids]  # safe ids hold no quote
+    return (f"conversation_id >= {quoted[0]} AND conversation_id <= {quoted[-1]} AND "
+            f"conversation_id IN ({', '.join(quoted)})")
+
+
+class ManifestTable:
+    """The Delta table of one store's episodes; every call reopens the latest version."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self._session = None  # boto3's, for S3 credentials (never pickled: not shipped to Ray)
+        if isinstance(store, LocalStore):
+            self.uri = str(store.root / "index" / "episodes")
+        elif isinstance(store, S3Store):
+            self.uri = f"{store.uri}/{TABLE_KEY}"
+        else:
+            raise TableError(f"store {store.uri} has no manifest table (local or S3 only)")
+
+    # -- where and how -------------------------------------------------------------------------
+    def _options(self) -> dict[str, str] | None:
+        """delta-rs storage options of an S3 store, from boto3's chain now (never stored)."""
+        if not isinstance(self.store, S3Store):
+            return None
+        s = self.store
+        if self._session is None:  # kept: it refreshes expiring credentials itself
+            import boto3
+
+            self._session = boto3.session.Session(profile_name=s.profile, region_name=s.region)
+        session = self._session
+        credentials = session.get_credentials()
+        if credentials is None:
+            raise TableError(f"no usable AWS credentials for the manifest table {self.uri}: set "
+                             "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or run "
+                             "with an instance role")
+        frozen = credentials.get_frozen_credentials()
+        endpoint = (s.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3")
+                    or os.environ.get("AWS_ENDPOINT_URL"))
+        options = {"AWS_ACCESS_KEY_ID": frozen.access_key,
+                   "AWS_SECRET_ACCESS_KEY": frozen.secret_key,
+                   "AWS_REGION": session.region_name or "us-east-1",
+                   "AWS_CONDITIONAL_PUT": "etag"}  # commits are put-if-absent
+        if frozen.token:
+            options["AWS_SESSION_TOKEN"] = frozen.token
+        if endpoint:  # an S3-compatible server: path-style, http allowed for a local one
+            options |= {"AWS_ENDPOINT_URL": endpoint, "AWS_VIRTUAL_HOSTED_STYLE_REQUEST": "false",
+                        "AWS_ALLOW_HTTP": "true" if endpoint.startswith("http://") else "false"}
+        return options
+
+    def _call(self, what: str, fn, *args, **kwargs):
+        """Run a delta-rs call; its failure becomes one line naming the table (any credential
+        the message might quote is masked)."""
+        try:
+            return fn(*args, **kwargs)
+        except (StoreError, KeyboardInterrupt):
+            raise
+        except Exception as e:
+            text = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            options = kwargs.get("storage_options") or self._options() or {}
+            for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+                if options.get(key):
+                    text = text.replace(options[key], "***")
+            raise TableError(f"manifest table {self.uri}: {what} failed: "
+                             f"{type(e).__name__}: {text}") from None
+
+    def exists(self) -> bool:
+        from deltalake import DeltaTable
+
+        return self._call("open", DeltaTable.is_deltatable, self.uri,
+                          storage_options=self._options())
+
+    def delta(self):
+        """The table at its latest version; `TableError` when there is none."""
+        from deltalake import DeltaTable
+        from deltalake.exceptions import TableNotFoundError
+
+        options = self._options()
+        try:
+            return DeltaTable(self.uri, storage_options=options)
+        except TableNotFoundError:
+            raise TableError(f"no manifest table at {self.uri}: `python -m jobs.manifests "
+                             "--rebuild` makes one from the manifests") from None
+        except Exception:  # any other failure: one line, as every call gives it
+            return self._call("open", DeltaTable, self.uri, storage_options=options)
+
+    def dataset(self, conversation_ids: Sequence[str] | None = None) -> pads.Dataset:
+        """A pyarrow dataset of the table (DuckDB scans it as a view); with ids, only the files
+        whose statistics may hold them."""
+        table = self.delta()
+        pruning = None
+        if conversation_ids:
+            pruning = [("conversation_id", "in", sorted(set(conversation_ids)))]
+        return self._call("read", table.to_pyarrow_dataset, file_pruning_predicate=pruning)
+
+    # -- writing ---------------------------------------------------------------------------------
+    def _write(self, what: str, data, **kwargs) -> None:
+        from deltalake import WriterProperties, write_deltalake
+
+        props = WriterProperties(compression="ZSTD", max_row_group_size=_ROW_GROUP)
+        self._call(what, write_deltalake, self.uri, data, writer_properties=props,
+                   configuration=_TABLE_CONFIG, storage_options=self._options(), **kwargs)
+
+    def replace(self, conversation_ids: Sequence[str], rows: list[dict] | pa.Table) -> None:
+        """These conversations' rows become `rows` (manifest rows, or a table of `TABLE_SCHEMA`;
+        none: they are removed): one commit per `_MAX_IDS` conversations, so each
+        conversation's rows change in one commit."""
+        ids = sorted(set(conversation_ids))
+        data = rows if isinstance(rows, pa.Table) else table_rows(rows)
+        for start in range(0, len(ids), _MAX_IDS):
+            part = ids[start:start + _MAX_IDS]
+            if len(part) < len(ids):
+                data_part = data.filter(pc.is_in(data["conversation_id"], pa.array(part)))
+            else:
+                data_part = data
+            self._replace(part, data_part)
+
+    def _replace(self, ids: list[str], data: pa.Table) -> None:
+        try:
+            table = self.delta()
+        except TableError:
+            if not self.exists():  # none yet (any other failure is raised again below)
+                self._write("create", data, mode="append")
+                return
+            table = self.delta()
+        if not self._holds_any(table, ids):  # new conversations only: a plain append
+            if data.num_rows:
+                self._write("append rows", data, mode="append")
+        elif data.num_rows:
+            self._write("replace rows", data, mode="overwrite", predicate=_id_predicate(ids))
+        else:
+            self._call("delete rows", table.delete, _id_predicate(ids))
+
+    def _holds_any(self, table, ids: list[str]) -> bool:
+        """Whether the table has rows of any of these conversations: the files' id ranges
+        first (a build in id order never reads a row), then those files' ids."""
+        files = pa.table(self._call("read", table.get_add_actions, flatten=True))
+        if not files.num_rows:
+            return False
+        if "min.conversation_id" not in files.column_names:  # files without statistics
+            return True
+        low, high = files["min.conversation_id"], files["max.conversation_id"]
+        overlap = pc.and_(pc.less_equal(low, ids[-1]), pc.greater_equal(high, ids[0]))
+        if not pc.any(overlap).as_py():
+            return False
+        dataset = self._call("read", table.to_pyarrow_dataset,
+                             file_pruning_predicate=[("conversation_id", "in", ids)])
+        found = self._call("read", dataset.to_table, columns=["conversation_id"],
+                           filter=pc.field("conversation_id").isin(ids))
+        return found.num_rows > 0
+
+    def overwrite(self, batches: Iterable[pa.RecordBatch]) -> None:
+        """Replace the whole table by these batches, streamed, in one commit (readers see the
+        old table until it lands)."""
+        reader = pa.RecordBatchReader.from_batches(TABLE_SCHEMA, iter(batches))
+        self._write("rewrite", reader, mode="overwrite", schema_mode="overwrite")
+
+    def compact(self, retain_hours: float = 168.0) -> dict:
+        """Rewrite the table sorted by conversation_id, in one commit (DuckDB sorts it, spilling
+        to a temporary folder past `_SORT_MEMORY`): few large files whose id ranges do not
+        overlap, so a point lookup opens one file and one row group. Then vacuum the files no
+        version younger than `retain_hours` needs. (Delta's own Z-order keys strings on their
+        first bytes, which ids with a common prefix share: it does not sort them.)"""
+        import duckdb
+
+        before = len(self.delta().file_uris())
+        with tempfile.TemporaryDirectory(prefix="epicache-compact-") as spill:
+            con = duckdb.connect(config={"memory_limit": _SORT_MEMORY, "temp_directory": spill})
+            con.register("episodes", self.dataset())
+            sorted_rows = con.sql("SELECT * FROM episodes ORDER BY conversation_id, episode")
+            self._write("compact", sorted_rows.to_arrow_reader(_ROW_GROUP), mode="overwrite")
+            con.close()
+        table = self.delta()
+        removed = self._call("vacuum", table.vacuum, retention_hours=int(retain_hours),
+                             dry_run=False, enforce_retention_duration=False)
+        table = self.delta()
+        return {"files_before": before, "files_after": len(table.file_uris()),
+                "vacuumed": len(removed), "version": table.version()}

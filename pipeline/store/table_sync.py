@@ -1,0 +1,184 @@
+"""TODO docstring."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+
+from pipeline.store.base import Store, StoreError
+from pipeline.store.manifest import ManifestError, list_conversations, read_manifest
+from pipeline.store.table import (
+    PENDING_PREFIX,
+    TABLE_SCHEMA,
+    ManifestTable,
+    pending_key,
+    table_rows,
+)
+
+log = logging.getLogger(__name__)
+
+
+_READ_THREADS = 16  # manifests read at once by repair and rebuild (S3 GETs are latency-bound)
+
+
+_REBUILD_CHUNK = 2_000  # conversations per record batch of a rebuild
+
+
+def _read_many(store: Store, ids: Sequence[str]) -> Iterator[tuple[str, list[dict] | ManifestError]]:
+    """(id, rows or the ManifestError) per conversation, read by a few threads, in order; an
+    absent manifest gives no rows."""
+    def read(cid: str):
+        try:
+            return cid, read_manifest(store, cid) or []
+        except ManifestError as e:
+            return cid, e
+
+    with ThreadPoolExecutor(_READ_THREADS) as pool:
+        yield from pool.map(read, ids)
+
+
+@dataclass
+class SyncResult:
+    """What a repair or a rebuild did: conversations and rows written to the table, and the
+    manifests that could not be read (their rows are left out)."""
+    conversations: int = 0
+    rows: int = 0
+    corrupt: list[ManifestError] = field(default_factory=list)
+
+    def manifest_rows(self, store: Store, ids: Sequence[str]) -> list[dict]:
+        """The manifest rows of `ids` (read by a few threads); a corrupt manifest is recorded
+        and gives no rows, as `builder.is_built` counts it as not built."""
+        rows: list[dict] = []
+        for _, got in _read_many(store, ids):
+            if isinstance(got, ManifestError):
+                self.corrupt.append(got)
+            else:
+                rows.extend(got)
+        return rows
+
+
+def repair(store: Store, table: ManifestTable | None = None, chunk: int = 1_000) -> SyncResult:
+    """Bring the conversations with a pending marker up to date from their manifests (a build
+    stopped between a manifest commit and the table append), then remove the markers."""
+    table = table or ManifestTable(store)
+    result = SyncResult()
+    keys = store.list(PENDING_PREFIX)
+    for start in range(0, len(keys), chunk):
+        part = keys[start:start + chunk]
+        ids = [k.removeprefix(PENDING_PREFIX) for k in part]
+        rows = result.manifest_rows(store, ids)
+        table.replace(ids, rows)
+        _delete_all(store, part)
+        result.conversations += len(ids)
+        result.rows += len(rows)
+    return result
+
+
+def rebuild(store: Store, table: ManifestTable | None = None) -> SyncResult:
+    """Recreate the table from every per-conversation manifest (one streamed commit, memory
+    flat: the manifests are read `_REBUILD_CHUNK` at a time); a corrupt manifest is left out and
+    reported. Pending markers seen before the rebuild are cleared."""
+    table = table or ManifestTable(store)
+    result = SyncResult()
+    pending = store.list(PENDING_PREFIX)
+    ids = list_conversations(store)
+
+    def batches() -> Iterator[pa.RecordBatch]:
+        for start in range(0, len(ids), _REBUILD_CHUNK):
+            rows = result.manifest_rows(store, ids[start:start + _REBUILD_CHUNK])
+            result.conversations += len({r["conversation_id"] for r in rows})
+            result.rows += len(rows)
+            yield from table_rows(rows).to_batches()
+
+    table.overwrite(batches())
+    _delete_all(store, pending)
+    return result
+
+
+def _delete_all(store: Store, keys: Sequence[str]) -> None:
+    if len(keys) < 8:
+        for key in keys:
+            store.delete(key)
+        return
+    with ThreadPoolExecutor(_READ_THREADS) as pool:
+        list(pool.map(store.delete, keys))
+
+
+class IndexWriter:
+    """The driver's side of the table: a marker before each manifest commit (`begin`), the
+    committed rows buffered (`add`) and appended every `flush_rows` rows or `flush_seconds`
+    (checked at each commit) and at the end, then their markers removed. Memory holds one
+    batch of scalar rows whatever the corpus size.
+
+    Opening it makes the table equal to the manifests first: a store without one (built before
+    the table existed) gets it rebuilt, and pending markers of an interrupted build are
+    repaired. A table that cannot be written never fails the build: it is logged, the markers
+    stay, and the next build or `jobs.manifests --compact` repairs them."""
+
+    def __init__(self, store: Store, flush_rows: int = 10_000, flush_seconds: float = 60.0):
+        self.store, self.flush_rows, self.flush_seconds = store, flush_rows, flush_seconds
+        self.table = ManifestTable(store)
+        self.ids: list[str] = []
+        self.rows: list[dict] = []
+        self.last_flush = time.monotonic()
+        self.appended = self.commits = 0
+        self.healthy = True
+
+    def open(self) -> None:
+        try:
+            if not self.table.exists():
+                done = rebuild(self.store, self.table)
+                log.info("manifest table created at %s from %d manifests (%d episodes)",
+                         self.table.uri, done.conversations, done.rows)
+            else:
+                done = repair(self.store, self.table)
+                if done.conversations:
+                    log.warning("manifest table: repaired %d conversations an earlier build left "
+                                "pending", done.conversations)
+            for e in done.corrupt:
+                log.warning("%s; left out of the manifest table", e)
+        except StoreError as e:
+            self.healthy = False
+            log.error("%s; the build goes on, the table is repaired by the next build or "
+                      "`python -m jobs.manifests --compact`", e)
+
+    def begin(self, conversation_id: str) -> None:
+        """Before the manifest commit: a marker saying the table may lag this conversation."""
+        self.store.put(pending_key(conversation_id), b"")
+
+    def add(self, conversation_id: str, rows: list[dict]) -> None:
+        """After the manifest commit: buffer its rows (scalar columns only)."""
+        self.ids.append(conversation_id)
+        self.rows.extend({k: r.get(k) for k in TABLE_SCHEMA.names} for r in rows)
+        if (len(self.rows) >= self.flush_rows
+                or time.monotonic() - self.last_flush >= self.flush_seconds):
+            self.flush()
+
+    def flush(self) -> None:
+        ids, rows = self.ids, self.rows
+        self.ids, self.rows, self.last_flush = [], [], time.monotonic()
+        if not ids or not self.healthy:
+            return
+        try:
+            self.table.replace(ids, rows)
+            _delete_all(self.store, [pending_key(cid) for cid in ids])
+            self.appended += len(rows)
+            self.commits += 1
+        except StoreError as e:  # the markers stay: repaired later
+            log.error("%s; %d conversations stay pending for the next build or "
+                      "`python -m jobs.manifests --compact`", e, len(ids))
+
+    def __enter__(self) -> "IndexWriter":
+        self.open()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.flush()
+        if self.appended:
+            log.info("manifest table: %d episodes appended in %d commits (%s)", self.appended,
+                     self.commits, self.table.uri)
