@@ -1,1 +1,2 @@
-"""Entry points: `python -m jobs.<name>`; each parses arguments and wires pipeline stages."""
+"""Commands: `python -m jobs.<name>` (or `epicache <name>`), each parsing arguments and wiring
+library stages; benchmarks are under `jobs/bench/`. Nothing imports from a command."""

@@ -1,5 +1,5 @@
 """Triton kernels for per-token, per-head int8 / fp8 (e4m3) KV quantization (see
-`kernels.quant` for the formats and the torch references they must match).
+`kernels.quant_reference` for the formats and the torch references they must match).
 
 Imported only by the dispatch in `kernels.quant` on CUDA tensors, and by the kernel tests under
 `TRITON_INTERPRET=1`. Rows (one (head, token) each) are processed BLOCK_R at a time, the whole
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.quant import FP8_DTYPE, FP8_E4M3_MAX, INT8_MAX, gather_output
+from kernels.quant_reference import FP8_DTYPE, FP8_E4M3_MAX, INT8_MAX, gather_output
 
 
 @triton.jit

@@ -29,7 +29,7 @@ from typing import Callable
 import pytest
 import torch
 
-from kernels import quant
+from kernels import quant, quant_reference
 from kernels.score import patch_attention_scores, patch_attention_scores_reference
 
 REPO = Path(__file__).resolve().parents[1]
@@ -155,8 +155,8 @@ def check_quantize(device: str, fmt: str, dtype: str, dim: int, rows: int = 77,
         assert not x.is_contiguous()
     codes, scales = quantize_triton(x.to(device), fmt)
     codes, scales = codes.cpu(), scales.cpu()
-    ref_codes, ref_scales = (quant.quantize_int8_reference if fmt == "int8"
-                             else quant.quantize_fp8_reference)(x)
+    ref_codes, ref_scales = (quant_reference.quantize_int8_reference if fmt == "int8"
+                             else quant_reference.quantize_fp8_reference)(x)
     assert codes.dtype == ref_codes.dtype and codes.shape == x.shape
     assert scales.dtype == torch.float32 and scales.shape == x.shape[:-1]
     assert torch.equal(scales, ref_scales)
@@ -185,8 +185,8 @@ def check_rounding_ties(device: str, fmt: str) -> None:
     codes, scales = quantize_triton(x.to(device), fmt)
     assert scales.item() == 1.0
     assert codes.cpu().float()[0].tolist() == expected
-    ref_codes, _ = (quant.quantize_int8_reference if fmt == "int8"
-                    else quant.quantize_fp8_reference)(x)
+    ref_codes, _ = (quant_reference.quantize_int8_reference if fmt == "int8"
+                    else quant_reference.quantize_fp8_reference)(x)
     assert ref_codes.float()[0].tolist() == expected
 
 
@@ -199,15 +199,15 @@ def check_dequantize(device: str, fmt: str, out_dtype: str, gather: str = "per-h
     g = torch.Generator().manual_seed(seed)
     n_kv, n_cached, kept = 3, 77, 50
     x = torch.randn(n_kv, n_cached, dim, generator=g) * 3
-    codes, scales = (quant.quantize_int8_reference if fmt == "int8"
-                     else quant.quantize_fp8_reference)(x)
+    codes, scales = (quant_reference.quantize_int8_reference if fmt == "int8"
+                     else quant_reference.quantize_fp8_reference)(x)
     dtype = DTYPES[out_dtype]
     index = None
     if gather != "all":
         slots = torch.stack([torch.randperm(n_cached, generator=g)[:kept].sort().values
                              for _ in range(n_kv)])
         index = slots + n_cached * torch.arange(n_kv)[:, None]
-    ref = quant.dequantize_reference(codes, scales, index, dtype=dtype)
+    ref = quant_reference.dequantize_reference(codes, scales, index, dtype=dtype)
     on = dict(device=device)
     args = (codes.to(**on), scales.to(**on), None if index is None else index.to(**on))
     if gather == "into-buffer":
@@ -235,7 +235,7 @@ def check_dequantize_rejects_bad_index(device: str) -> None:
     """An index outside the codes' rows is an error, not a read of arbitrary memory."""
     from kernels.quant_triton import dequantize_triton
 
-    codes, scales = quant.quantize_int8_reference(torch.randn(2, 5, 16))
+    codes, scales = quant_reference.quantize_int8_reference(torch.randn(2, 5, 16))
     for bad in ([0, 10], [-1, 3]):
         with pytest.raises(IndexError, match="index values"):
             dequantize_triton(codes.to(device), scales.to(device), torch.tensor(bad).to(device))
@@ -399,7 +399,7 @@ def test_reference_quantize_dequantize_within_format_bound(fmt: str, dtype: str)
     x = (torch.randn(4, 300, 64, generator=g) * torch.rand(4, 300, 1, generator=g) * 8)
     x = x.to(DTYPES[dtype])
     codes, scales = quant.quantize_int8(x) if fmt == "int8" else quant.quantize_fp8(x)
-    qmax = quant.INT8_MAX if fmt == "int8" else quant.FP8_E4M3_MAX
+    qmax = quant_reference.INT8_MAX if fmt == "int8" else quant_reference.FP8_E4M3_MAX
     torch.testing.assert_close(scales, x.float().abs().amax(dim=-1) / qmax, rtol=0, atol=0)
     assert (codes.float().abs().amax(dim=-1) == qmax).all()
     deq = quant.dequantize(codes, scales)

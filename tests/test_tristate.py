@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load as st_load
 from tiny_models import StandIn, one_torch_thread, random_ids, tiny_model  # noqa: F401
 
-from kernels.quant import dequantize_reference, quantize_int8_reference
+from kernels.quant_reference import dequantize_reference, quantize_int8_reference
 from pipeline.store import cache_format
 from pipeline.answer.decode import generate_from_cache
 from pipeline.kv.attention import patch_attention_moments

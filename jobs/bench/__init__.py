@@ -1,1 +1,3 @@
-"""TODO package docstring."""
+"""Benchmarks: `python -m jobs.bench.<name>`, each printing ratios measured side by side in one
+run. Nothing imports from them; what they share lives in the library (docs/benchmarks.md).
+"""

@@ -23,11 +23,12 @@ import time
 
 import torch
 
-from jobs.bench.common import add_model_options, print_table
 from pipeline.answer.decode import generate_from_cache
 from pipeline.answer.packed import DecodeRow, Prefix, packed_step
 from pipeline.build.config import BuildConfig
+from pipeline.cli.options import add_model_options
 from pipeline.cli.parser import make_parser
+from pipeline.cli.tables import print_table
 from pipeline.eval.bench_support import bench_text
 from pipeline.kv import models, prompts
 from pipeline.kv.prefill import PrefillConfig, block_prefill

@@ -33,13 +33,14 @@ from pathlib import Path
 
 import torch
 
-from jobs.bench.common import add_model_options, print_table
 from pipeline.answer.answerer import Answerer
 from pipeline.answer.fetch import fetch_cache
 from pipeline.answer.malloc_tuning import retain_freed_memory
 from pipeline.build.config import BuildConfig
 from pipeline.build.conversation import build_conversation, is_built
+from pipeline.cli.options import add_model_options
 from pipeline.cli.parser import make_parser
+from pipeline.cli.tables import print_table
 from pipeline.corpus.synthetic import make_conversation
 from pipeline.episodes import EpisodeConfig
 from pipeline.kv import models

@@ -38,7 +38,7 @@ from typing import Callable
 
 import torch
 
-from kernels import quant
+from kernels import quant_reference
 from kernels.score import patch_attention_scores_reference
 from pipeline.cli.parser import make_parser
 
@@ -200,8 +200,8 @@ def bench_quant(shape_key: str, dtype: str, reps: int) -> list[dict]:
     index = (slots.sort(dim=1).values + shape.n_cached * torch.arange(shape.kv_heads)[:, None])
     index = index.cuda()
     rows = []
-    for fmt, reference in (("int8", quant.quantize_int8_reference),
-                           ("fp8", quant.quantize_fp8_reference)):
+    for fmt, reference in (("int8", quant_reference.quantize_int8_reference),
+                           ("fp8", quant_reference.quantize_fp8_reference)):
         if fmt == "fp8" and torch.cuda.get_device_capability() < (8, 9):
             continue
         codes, scales = reference(x)
@@ -210,7 +210,7 @@ def bench_quant(shape_key: str, dtype: str, reps: int) -> list[dict]:
                                 "reference": lambda reference=reference: reference(x)},
             f"dequantize-{fmt}-gather": {
                 "triton": lambda c=codes, s=scales: dequantize_triton(c, s, index, x.dtype),
-                "reference": lambda c=codes, s=scales: quant.dequantize_reference(
+                "reference": lambda c=codes, s=scales: quant_reference.dequantize_reference(
                     c, s, index, x.dtype)},
         }
         for op, calls in pairs.items():

@@ -22,9 +22,10 @@ import sys
 
 import torch
 
-from jobs.bench.common import add_model_options, add_prefill_options, print_table
 from pipeline.build.config import BuildConfig
+from pipeline.cli.options import add_model_options, add_prefill_options
 from pipeline.cli.parser import make_parser
+from pipeline.cli.tables import print_table
 from pipeline.eval.bench_support import bench_text, dynamic_cache_bytes, first_layers, full_prefill
 from pipeline.kv import models, prompts
 from pipeline.kv.prefill import PrefillConfig, block_prefill

@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import replace
 
-from jobs.bench.common import add_threads_option
+from pipeline.cli.options import add_threads_option
 from pipeline.cli.parser import make_parser
 from pipeline.corpus.reader import iter_corpus, select_conversations
 from pipeline.corpus.schema import CorpusError

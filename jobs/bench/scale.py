@@ -44,7 +44,6 @@ import psutil
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from jobs.build import init_ray
 from pipeline.build.driver import run_build
 from pipeline.build.rehearsal import (
     SYNTHETIC_CONFIG,
@@ -56,6 +55,7 @@ from pipeline.build.rehearsal import (
 from pipeline.build.sources import corpus_objects
 from pipeline.cli.parser import make_parser
 from pipeline.corpus.reader import CorpusStream
+from pipeline.ray_runtime import init_ray
 from pipeline.store import seaweedfs
 from pipeline.store.base import Store, StoreError
 from pipeline.store.local import LocalStore
@@ -187,11 +187,7 @@ def bench(corpus: Path, store: Store, *, max_in_flight: int = 64, num_cpus: floa
 
 
 INDEX_EPISODES = 4
-
-
 INDEX_HASHES = ("5f1e2d3c4b5a6978", "a1b2c3d4e5f60718")  # 3 conversations in 4 have the first
-
-
 INDEX_COMMIT = 4_000  # conversations per commit (16,000 rows: a build flushes 10,000 rows)
 
 

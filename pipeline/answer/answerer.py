@@ -1,4 +1,9 @@
-"""TODO docstring."""
+"""Answering questions about built conversations in one process: embed, route, load, decode.
+
+The Serve application (`pipeline.serve`) splits the same steps over two deployments: a router
+embeds and routes, a decoder fetches into a byte-bounded LRU and decodes the requests in flight
+together.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,9 @@
-"""TODO docstring."""
+"""Decoding an answer from an episodic cache: only the question is prefilled, never the history.
+
+`decode_answer` returns the whole answer, `stream_answer` yields it in pieces that join to the
+same text (`AnswerPieces`); the Serve decoder's batcher (`pipeline.answer.batcher`) gives the
+same greedy answers.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""TODO docstring."""
+"""The read path of an episode's cache: from the local disk tier or the store, verified as parsed.
+
+The object's SHA-256 is checked against the manifest while it is parsed
+(`pipeline.store.cache_format.read_parsed`); a bad object raises `CacheCorruptError` naming it.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""TODO docstring."""
+"""Loaded caches kept resident under a byte budget, least recently used evicted first."""
 
 from __future__ import annotations
 

@@ -1,4 +1,9 @@
-"""TODO docstring."""
+"""A question's way to its episode: the conversation's manifest, the model check, the route.
+
+The question goes to the episode whose centroid is nearest (cosine) in the encoder's space. A
+cache only makes sense with the model that built it, and routing only with the encoder whose
+space the centroids live in: anything else is an error, never a silent answer.
+"""
 
 from __future__ import annotations
 

@@ -1,1 +1,12 @@
-"""TODO package docstring."""
+"""The build: a corpus in, episodic caches and manifests out, one conversation at a time or on Ray.
+
+    config.py        BuildConfig: every stage's configuration, hashed into the manifests
+    cluster.py       stage 1: the conversation cut to fit, and its episodes
+    profile.py       stage 2: the layer profile (once per model) and the layer budgets
+    episode.py       stage 3: one episode's cache and its manifest record
+    conversation.py  stage 4: the commit; the whole build of one conversation in one process
+    tasks.py         the stages as Ray tasks
+    sources.py       a corpus's objects, local or on S3
+    driver.py        the Ray driver: run_build
+    rehearsal.py     synthetic stages for the scale rehearsal and the tests
+"""

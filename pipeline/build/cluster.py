@@ -1,4 +1,4 @@
-"""TODO docstring."""
+"""Stage 1 of a build: the conversation as built (cut to fit) and its episodes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""TODO docstring."""
+"""Stage 4 of a build, the commit, and the whole build of one conversation in one process.
+
+The manifest is the commit point: it is written last, once every object it names is in the store
+at the size written. The Ray job (`pipeline.build.driver`) fans the same stages out as tasks.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,12 @@
-"""TODO docstring."""
+"""The Ray driver of a build: the corpus streamed through the stages under a bound on tasks.
+
+Stages per conversation: a clustering task (CPU), then one block-prefill task per episode (GPU
+when the cluster has one), then the manifest commit (the driver writes it once every episode is
+stored). The driver keeps at most `max_in_flight` tasks submitted (`ray.wait`) and streams the
+corpus, so its memory does not grow with the corpus. Conversations whose manifest already
+carries this configuration's hash are skipped. Committed rows are also appended, in batches, to
+the store's manifest table (`pipeline.store.table_sync.IndexWriter`).
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""TODO docstring."""
+"""Stage 3 of a build: one episode's cache, block-prefilled, stored, and its manifest record."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""TODO docstring."""
+"""Stage 2 of a build: the model's layer profile (measured once, stored) and the layer budgets."""
 
 from __future__ import annotations
 

@@ -1,4 +1,10 @@
-"""TODO docstring."""
+"""The scale rehearsal's stand-ins: synthetic stages, corpora and caches, with no model.
+
+The driver, Ray, the store and the manifests are real; clustering picks fixed episodes and each
+episode task writes a tiny random cache in the real safetensors format. `jobs.bench.scale`
+measures the machinery with them, and the tests rehearse failures with them (a record may ask
+for `"rehearse_failure": "raise"` or `"crash"`).
+"""
 
 from __future__ import annotations
 
@@ -117,8 +123,6 @@ def synthetic_episode_task(clustered: ClusterResult, episode: int, budgets: list
 
 SYNTHETIC_STAGES = Stages(cluster=synthetic_cluster_task, budgets=synthetic_budgets_task,
                           episode=synthetic_episode_task)
-
-
 SYNTHETIC_CONFIG = BuildConfig(model="synthetic", encoder="synthetic", budget=16,
                                episodes=EpisodeConfig(episodes=2))
 

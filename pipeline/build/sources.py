@@ -1,4 +1,4 @@
-"""TODO docstring."""
+"""A corpus's objects: a local path, or s3:// objects streamed through the store layer."""
 
 from __future__ import annotations
 

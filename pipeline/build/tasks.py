@@ -1,4 +1,8 @@
-"""TODO docstring."""
+"""The build's stages as Ray tasks, and the `Stages` the driver schedules.
+
+Models are loaded once per worker process (`pipeline.kv.models` caches them), so a worker that
+builds many episodes loads its model once.
+"""
 
 from __future__ import annotations
 

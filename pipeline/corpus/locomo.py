@@ -1,4 +1,8 @@
-"""TODO docstring."""
+"""The LoCoMo reader: a published sample (see shared/data/locomo/README.md) as a `Conversation`.
+
+LoCoMo files are read as published: evidence entries that name no turn are kept aside in the
+question's `meta["unknown_evidence"]`, not a fault.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,11 @@
-"""TODO docstring."""
+"""Reading a corpus: a JSONL file, a LoCoMo file, or a folder of either, one record at a time.
+
+A corpus is read lazily, so millions of conversations never sit in memory. A corpus is a list of
+objects (`CorpusObject`: local files, or S3 objects read as streams); `check_corpus` reads a
+whole corpus before any heavy work starts, and `CorpusStream` (the build's reader) checks each
+object just before its conversations are handed out. With `on_bad_record="skip"` a malformed
+record is reported (a `Skip`) and the read goes on instead of failing.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,10 @@
-"""TODO docstring."""
+"""Validation of the project's JSONL schema: one record in, one `Conversation` out.
+
+Every malformed field raises a `CorpusError` naming the record and the field. A bad question is
+a fault of that question only: with a `faults` list (skip mode) it is dropped and noted there,
+and its conversation is kept. `CorpusLimits` bounds one record, so a single bad record cannot
+exhaust the driver's memory or the model's context.
+"""
 
 from __future__ import annotations
 
@@ -35,14 +41,8 @@ class CorpusLimits:
 
 
 DEFAULT_LIMITS = CorpusLimits()
-
-
 _TURN_KEYS = {"turn_id", "speaker", "text", "session", "timestamp", "caption"}
-
-
 _QUESTION_KEYS = {"question", "answer", "evidence", "category"}
-
-
 _CONVERSATION_KEYS = {"conversation_id", "speakers", "turns", "questions"}
 
 

@@ -1,4 +1,9 @@
-"""TODO docstring."""
+"""Rendering: the text the model reads, and the character span of every turn in it.
+
+A header naming the speakers, a date line per session, one `<speaker> said, "<text>"` line per
+turn; patched prompts render their windows the same way. `cut_at_session` fits a conversation
+to a token limit at a session boundary.
+"""
 
 from __future__ import annotations
 

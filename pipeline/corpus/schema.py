@@ -1,4 +1,8 @@
-"""TODO docstring."""
+"""Conversations as data: turns, questions and the conversation, and the ids they may carry.
+
+Ids become storage keys, so `check_safe_id` keeps them to a conservative alphabet; a record that
+breaks the schema is a `CorpusError` whose message names file, record and field.
+"""
 
 from __future__ import annotations
 

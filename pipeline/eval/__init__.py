@@ -1,1 +1,13 @@
-"""TODO package docstring."""
+"""Evaluation: how much of the full cache's recall a method keeps, measured on LoCoMo.
+
+    methods.py        the method and variant language, EvalConfig
+    cell.py           one (conversation, method, budget) cell: build, then measure
+    metrics.py        evidence-recall and answer NLLs, F1, retention
+    summary.py        retention per question and summaries per method, budget and group
+    runner.py         the cells as Ray tasks, finished cells kept for re-runs
+    report.py         Markdown tables and the retention plot
+    screen.py         a fast one-prefill proxy for ranking EpiCache recipes
+    bench_support.py  what the build benchmarks measure with
+
+How quality is measured, and the figures, are in docs/evaluation.md and docs/quality.md.
+"""

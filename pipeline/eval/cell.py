@@ -1,4 +1,11 @@
-"""TODO docstring."""
+"""One evaluation cell = (conversation, method, budget): build its caches, measure its questions.
+
+A cell builds the caches its method needs in the block-prefill setting (one per conversation;
+one per episode for EpiCache, routed per question; one per question for the `question` upper
+bound), then measures every question with `pipeline.eval.metrics`. The two references, the full
+cache (`full`) and no history (`none`), are cells of their own, computed once per conversation;
+retention is derived from them when the records are gathered (`pipeline.eval.summary`).
+"""
 
 from __future__ import annotations
 

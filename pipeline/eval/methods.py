@@ -1,4 +1,14 @@
-"""TODO docstring."""
+"""The evaluation's method language: methods, variants, and the configuration each one builds.
+
+A method may carry variants: `<method>+<variant>+...` (or `<method>-<variant>` for one), e.g.
+`epicache-tri`, `epicache+tri+dapq`. Variants: `tri` (ARKV tri-state; the cell's budget M
+reads as the bytes of M Original entries per layer and KV head), `fp8` (tri-state with fp8
+codes), `max` (tri-state ranked by the scorer's max attention instead of the heavy-hitter
+score), `oq<P>` (tri-state with the OQ ratio scaled by P/100), `dapq` (patch queries at the
+decode positions), `merge` (D2O merging of evicted entries), `d2o` (D2O variance-based layer
+budgets instead of the method's own), `compact` (compact positions: kept entries re-rotated to
+0, 1, 2, ...), and EpiCache's recipe knobs one at a time (docs/quality.md).
+"""
 
 from __future__ import annotations
 
@@ -16,31 +26,21 @@ from pipeline.kv.tristate import TriStateConfig
 
 METHODS = ("full", "streamingllm", "snapkv", "infinipot", "kvzip", "keydiff", "epicache", "question")
 
-
 # Known, not run by default: `epicache-paper` (the paper's recipe, for an honest comparison with
 # the default), `keydiff-block` (KeyDiff anchored on the block's mean key only) and two floors
 # for diagnosing the others, `random` and `oldest` (keep the first tokens).
 EXTRA_METHODS = ("epicache-paper", "keydiff-block", "random", "oldest")
-
-
 EPISODIC = ("epicache", "epicache-paper")  # one cache per episode, routed per question
-
-
 ALLOCATED = EPISODIC + ("question",)  # methods that use the sensitivity-aware layer budgets
-
-
 VARIANTS = ("tri", "fp8", "max", "dapq", "merge", "d2o", "compact",
             # EpiCache diagnosis knobs (docs/quality.md): one factor at a time
             "pastonly", "withpatch", "qmean", "qmax", "utt", "tok", "perhead", "headwise")
-
 
 # Variants with a number: `oq25`, `alpha0.5`, `pool7`, `focus100` (weight 1.0), `sink16`,
 # `recent64`, `cap256` (patch tokens), `floor20` (head floor 20% of the budget), `med2`
 # (medoid windows), `ep8` (episodes).
 NUMBERED_VARIANTS = ("oq<P>", "alpha<x>", "pool<k>", "focus<P>", "sink<n>", "recent<n>", "cap<n>",
                      "floor<P>", "med<n>", "ep<n>")
-
-
 _NUMBERED = re.compile(rf"^({'|'.join(v.split('<')[0] for v in NUMBERED_VARIANTS)})"
                        r"(\d+(?:\.\d+)?)$")
 

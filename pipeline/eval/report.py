@@ -1,4 +1,4 @@
-"""TODO docstring."""
+"""The evaluation's report: Markdown tables of the summaries and the retention plot."""
 
 from __future__ import annotations
 

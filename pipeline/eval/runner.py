@@ -1,4 +1,9 @@
-"""TODO docstring."""
+"""The evaluation on Ray: one task per cell, finished cells kept under the output folder.
+
+Each finished cell's records are keyed by the conversation's content and by what decides the
+cell (the method's effective configuration, the measurement settings), so a re-run after an
+interruption (or with more methods or budgets) computes only the cells it does not have.
+"""
 
 from __future__ import annotations
 

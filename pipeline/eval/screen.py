@@ -1,4 +1,11 @@
-"""TODO docstring."""
+"""A fast proxy for ranking EpiCache recipes: one full prefill, then each recipe's selection.
+
+The cache is prefilled once with the full history, then for every episode the patch's attention
+to it is scored once and each recipe (the evaluation's method and variant names,
+`pipeline.eval.methods.EvalConfig.recipe`) keeps its top entries per layer in one step. Block
+prefill decides block by block with an already evicted history, so figures here are higher than
+the evaluation's; they rank selection strategies in minutes instead of hours.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""TODO docstring."""
+"""Gathering cell records: retention per question, and summaries per method, budget and group.
+
+Retention = (NLL_none - NLL_method) / (NLL_none - NLL_full); the headline figure is the
+retention of the mean NLLs over many questions (one question is noise).
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,11 @@
-"""TODO docstring."""
+"""What an eviction step does to a layer: the strategy interface behind the block-prefill loop.
+
+`pipeline.kv.prefill.block_prefill` runs one `Eviction` after every block and knows no strategy
+by name. `TokenEviction` (the default) cuts each layer to its budget of entries per KV head
+(head-wise or per-head top-k of the scorer's scores), as EpiCache does; ARKV's tri-state
+strategy is `pipeline.kv.tristate.TriStateEviction`. Either may merge what it evicts
+(`pipeline.kv.merging`).
+"""
 
 from __future__ import annotations
 

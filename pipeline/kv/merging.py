@@ -1,4 +1,9 @@
-"""TODO docstring."""
+"""D2O merging (§4.2.2): evicted entries folded into their most similar kept ones.
+
+Each evicted key goes to its most similar kept key (cosine); if that similarity reaches the
+layer's EMA threshold it is folded into that entry by similarity-weighted averaging (keys and
+values), else dropped.
+"""
 
 from __future__ import annotations
 

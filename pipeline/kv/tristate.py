@@ -1,4 +1,12 @@
-"""TODO docstring."""
+"""ARKV tri-state compression: every cached entry is Original, Quantized or Evicted.
+
+The layer's budget is in bytes. Original entries are stored at the store dtype; Quantized ones
+as int8 or fp8 e4m3 codes with a per-token, per-head float32 scale. The share of a layer's bytes
+spent on Original entries is the layer's OQ ratio (ARKV eq. 6-8) from the entropy, variance and
+kurtosis of the patch attention; entries rank by the heavy-hitter score
+mean + gamma x variance over the patch queries and the query heads of the KV group (eq. 9); the
+most recent `window` tokens are always Original (eq. 10).
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,9 @@
-"""TODO docstring."""
+"""Where caches, manifests and calibration profiles live: a key-value interface over bytes.
+
+Writes are atomic (a reader never sees half an object) and keys are built only from sanitised
+ids (`cache_key`, `manifest_key`, `profile_key`). The backends are `pipeline.store.local` and
+`pipeline.store.s3`; `pipeline.store.uri.open_store` picks one from a URI.
+"""
 
 from __future__ import annotations
 

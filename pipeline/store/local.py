@@ -1,4 +1,4 @@
-"""TODO docstring."""
+"""The local-directory store (the default): atomic writes by temporary file, fsync and rename."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import BinaryIO
 from pipeline.store.base import ObjectInfo, ObjectNotFound, Partial, Store, StoreError, check_key
 
 _UMASK = os.umask(0)
+os.umask(_UMASK)
 
 
 class LocalStore(Store):

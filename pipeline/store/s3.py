@@ -1,4 +1,9 @@
-"""TODO docstring."""
+"""The S3 store: AWS S3 or any S3-compatible server, through boto3.
+
+Credentials and region come from boto3's standard chain and are never stored, logged or pickled;
+`S3Store.endpoint` is the one place the endpoint is resolved (given, else $EPICACHE_S3_ENDPOINT,
+else boto3's own resolution), for the store and for the manifest table's Delta writer alike.
+"""
 
 from __future__ import annotations
 
@@ -10,24 +15,13 @@ from pathlib import Path
 from typing import BinaryIO
 
 from pipeline.store.base import ObjectInfo, ObjectNotFound, Partial, Store, StoreError, check_key
-from pipeline.store.local import _UMASK
-
-os.umask(_UMASK)
 
 
 S3_ENDPOINT_ENV = "EPICACHE_S3_ENDPOINT"
-
-
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-
-
 _DENIED = {"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "Forbidden",
            "InvalidToken", "ExpiredToken", "AuthorizationHeaderMalformed"}
-
-
 _NO_BUCKET = {"NoSuchBucket"}
-
-
 _NO_KEY = {"404", "NoSuchKey", "NotFound"}
 
 

@@ -1,4 +1,18 @@
-"""TODO docstring."""
+"""The manifest table: every committed episode of a store in one Delta Lake table.
+
+The per-conversation manifests stay the commit point; this table is an index over them, so
+"what was built" is one scan instead of a million small reads, and any engine that reads Delta
+(DuckDB, Spark, Polars, delta-rs) can query it. It lives at `<store>/index/episodes` (a folder,
+or `s3://bucket/prefix/index/episodes`) and holds the manifests' scalar columns (see
+`TABLE_SCHEMA`). A batch replaces the earlier rows of its conversations in one Delta commit (an
+overwrite with a predicate on their ids), so a rebuilt conversation never shows twice.
+
+On S3 the table's credentials come from the store (`S3Store.storage_options`): resolved from
+boto3's chain each time the table is opened, handed to delta-rs in memory only, never in a log
+line or an error. Commits are put-if-absent (`AWS_CONDITIONAL_PUT=etag`), so a second writer can
+never overwrite a commit. Keeping it equal to the manifests is `pipeline.store.table_sync`;
+querying it is `pipeline.store.table_query`.
+"""
 
 from __future__ import annotations
 
@@ -18,13 +32,8 @@ from pipeline.store.manifest import MANIFEST_SCHEMA, STATE_SCHEMA
 from pipeline.store.s3 import S3Store
 
 log = logging.getLogger(__name__)
-
-
 TABLE_KEY = "index/episodes"
-
-
 PENDING_PREFIX = "index/pending/"
-
 
 # The manifest's scalar columns: what an index answers (which objects, their checksums and sizes,
 # tokens, who built them with which configuration, when). Left out, and read from a manifest when
@@ -33,27 +42,20 @@ PENDING_PREFIX = "index/pending/"
 # row of a configuration; config_hash names it), and the per-layer lists.
 _LEFT_OUT = {"centroid", "medoid_text", "medoid_turn_ids", "config_json", "layer_budgets",
              "entries_per_layer", "peak_entries_per_layer", "layer_byte_budgets", "oq_ratios"}
-
-
 TABLE_SCHEMA = pa.schema([f for f in list(MANIFEST_SCHEMA) + list(STATE_SCHEMA)
                           if f.name not in _LEFT_OUT])
-
 
 # Parquet as written into the table: zstd, and row groups small enough that a point lookup
 # reads one of them (statistics on conversation_id prune the rest).
 _ROW_GROUP = 65_536
 
-
 # A checkpoint every 10 commits: opening the table replays at most 10 JSON log entries (a build
 # commits every flush, hundreds of times in a million conversations).
 _TABLE_CONFIG = {"delta.checkpointInterval": "10"}
 
-
 # Conversations per replacing commit: delta-rs recurses over a predicate's IN list, and one of
 # ~25,000 ids overflows an 8 MiB stack (measured; 20,000 passed).
 _MAX_IDS = 4_000
-
-
 _SORT_MEMORY = "1GB"  # DuckDB's memory for the compaction's sort (it spills past it)
 
 

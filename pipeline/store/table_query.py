@@ -1,4 +1,8 @@
-"""TODO docstring."""
+"""Queries of the manifest table through DuckDB: totals, filtered rows, and a sandboxed SQL view.
+
+The connection may not read or write files or reach the network: `jobs.manifests --sql` runs a
+user's query against the view `episodes` and nothing else.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,13 @@
-"""TODO docstring."""
+"""Keeping the manifest table equal to the manifests: the build's writer, repair and rebuild.
+
+The build's driver, the table's only writer, writes a small pending marker
+(`index/pending/<conversation_id>`) before it commits a manifest, and removes it once the
+conversation's rows are in the table (`IndexWriter`, which flushes in batches). A crash in
+between leaves the marker, and `repair` (run by the next build and by `jobs.manifests
+--compact`) re-reads only the marked conversations' manifests: nothing lists a million of them.
+`rebuild` recreates the table from every manifest. Keeping the markers right needs one writer
+at a time (a build, or `jobs.manifests --compact/--rebuild`, not both).
+"""
 
 from __future__ import annotations
 
@@ -21,11 +30,7 @@ from pipeline.store.table import (
 )
 
 log = logging.getLogger(__name__)
-
-
 _READ_THREADS = 16  # manifests read at once by repair and rebuild (S3 GETs are latency-bound)
-
-
 _REBUILD_CHUNK = 2_000  # conversations per record batch of a rebuild
 
 

@@ -1,4 +1,4 @@
-"""TODO docstring."""
+"""A store from a URI: a local folder (path or file://) or `s3://bucket/prefix`."""
 
 from __future__ import annotations
 
