@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test clean
+.PHONY: install demo test gpu-report clean
 
 $(STAMP): requirements.txt requirements-models.txt requirements-dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# Everything that needs a CUDA GPU, in one Markdown report (gpu-report/gpu-report.md).
+gpu-report: $(STAMP)
+	$(PY) -m jobs.bench.gpu
 
 clean:
 	rm -rf $(VENV) demo-out

@@ -23,15 +23,24 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from jobs import build
 from pipeline.answer.answerer import Answerer
 from pipeline.answer.decode import decode_answer
 from pipeline.answer.routing import embed_question, route_question
 from pipeline.build.config import BuildConfig
+from pipeline.build.driver import BuildError
+from pipeline.build.job import BuildJob, configure_logging, print_outcome, run_job
+from pipeline.cli.options import (
+    EPISODE_OPTIONS,
+    MODEL_OPTIONS,
+    PREFILL_BENCH_OPTIONS,
+    add_options,
+    build_config_from_args,
+)
 from pipeline.cli.parser import make_parser
 from pipeline.corpus.reader import read_corpus, write_jsonl
-from pipeline.corpus.schema import Conversation
+from pipeline.corpus.schema import Conversation, CorpusError
 from pipeline.corpus.synthetic import make_corpus
+from pipeline.episodes import EpisodeConfig
 from pipeline.eval.cell import history_ids, measure_all, prepare
 from pipeline.eval.methods import EvalConfig
 from pipeline.eval.metrics import f1_score, retention
@@ -40,10 +49,13 @@ from pipeline.kv.cache import EpisodicCache
 from pipeline.kv.prefill import block_prefill
 from pipeline.kv.scorers import FullScorer
 from pipeline.store import cache_format
-from pipeline.store.uri import open_store
+from pipeline.store.base import StoreError
 
 CACHES = ("episodic", "full")  # the two caches every question is answered from
-MEDOIDS = 2  # medoid windows in an episode's patch: a short conversation has few windows
+# The demo's build: a short conversation has few windows, so 2 medoid windows a patch; a budget
+# of 512, a quarter of the full cache, so that eviction happens.
+DEMO_CONFIG = BuildConfig(budget=512, episodes=EpisodeConfig(medoids=2))
+DEMO_OPTIONS = (*MODEL_OPTIONS[:1], *PREFILL_BENCH_OPTIONS, EPISODE_OPTIONS[0])
 
 
 def reference_caches(lm: models.LoadedModel, conv: Conversation,
@@ -78,7 +90,8 @@ def compare(answerer: Answerer, conv: Conversation, n_questions: int,
     config = BuildConfig.from_json(rows[0]["config_json"])
     lm = models.load_llm(config.model, answerer.device)
     encoder = models.load_encoder(config.encoder, answerer.device)
-    probe_config = EvalConfig(model=config.model, max_context_tokens=config.max_context_tokens,
+    probe_config = EvalConfig(BuildConfig(model=config.model,
+                                          max_context_tokens=config.max_context_tokens),
                               questions_per_conversation=n_questions)
     prep = prepare(conv, probe_config)  # cut as the build cut it; the evaluation's questions
     conv, questions = prep.conversation, list(prep.questions)
@@ -158,7 +171,7 @@ def print_next(store: Path, corpus: Path, records: list[dict], a: argparse.Names
           f"127.0.0.1:8000 (README, Serving)")
     print(f"  {py} -m jobs.evaluate --corpus {corpus} --out {store.parent / 'eval'} "
           f"--model {a.model} --methods epicache --budgets {a.budget} --episodes {a.episodes} "
-          f"--medoids {MEDOIDS} --block {a.block}")
+          f"--medoids {DEMO_CONFIG.episodes.medoids} --block {a.block}")
     print(f"a larger model and a GPU: {py} -m jobs.demo --model <local Hugging Face folder of a "
           f"Llama, Qwen2 or Mistral model>; with CUDA the build puts each episode on a GPU and "
           f"this comparison runs there too.")
@@ -167,15 +180,10 @@ def print_next(store: Path, corpus: Path, records: list[dict], a: argparse.Names
 def build_parser() -> argparse.ArgumentParser:
     p = make_parser("jobs.demo", __doc__)
     p.add_argument("--out", default="demo-out", help="folder for the corpus and the store")
-    p.add_argument("--model", default=models.DEFAULT_LLM,
-                   help="LLM: the packaged name or a local Hugging Face folder")
     p.add_argument("--conversations", type=int, default=1, help="synthetic conversations built")
     p.add_argument("--target-tokens", type=int, default=2000,
                    help="length of each conversation (estimated tokens)")
-    p.add_argument("--budget", type=int, default=512,
-                   help="mean entries kept per layer and KV head")
-    p.add_argument("--block", type=int, default=512, help="block-prefill block size (tokens)")
-    p.add_argument("--episodes", type=int, default=4, help="episodes per conversation")
+    add_options(p, DEMO_OPTIONS, DEMO_CONFIG)
     p.add_argument("--questions", type=int, default=6, help="questions answered per conversation")
     p.add_argument("--max-new-tokens", type=int, default=16, help="answer length (tokens)")
     p.add_argument("--threads", type=int, default=1,
@@ -193,16 +201,22 @@ def main(argv: list[str] | None = None) -> int:
     write_jsonl(make_corpus(a.conversations, a.target_tokens, seed=0), corpus)
     print(f"corpus: {corpus} ({a.conversations} synthetic conversation"
           f"{'s' if a.conversations != 1 else ''} of ~{a.target_tokens} tokens)")
-    code = build.main(["--corpus", str(corpus), "--store", str(store), "--model", a.model,
-                       "--budget", str(a.budget), "--block", str(a.block),
-                       "--episodes", str(a.episodes), "--medoids", str(MEDOIDS)])
-    if code != 0:
-        return code
+    configure_logging()
+    start = time.perf_counter()
+    try:
+        summary, built = run_job(BuildJob(str(corpus), str(store)), build_config_from_args(
+            a, DEMO_OPTIONS, DEMO_CONFIG))
+    except (ValueError, CorpusError, StoreError, models.ModelNotFoundError, BuildError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print_outcome(summary, time.perf_counter() - start, built)
+    if summary.failed:
+        return 1
     # Decoding is many small ops: with a busy core, threads waiting on each other at every one
     # made it 16x slower (88 vs 1,442 ms/token, 1 vs 2 threads, SmolLM2 on 2 shared cores).
     torch.set_num_threads(a.threads)
     device = models.default_device()
-    answerer = Answerer(open_store(str(store)), device=device)
+    answerer = Answerer(built, device=device)
     conversations, _ = read_corpus(corpus)
     print(f"\nEach question answered from its episode's cache and from the full history "
           f"(same model, same prompt), greedy, {a.max_new_tokens} tokens at most:")

@@ -21,19 +21,20 @@ the bytes of M float16 tokens per layer and KV head), `epicache-dapq`, `epicache
 from __future__ import annotations
 
 import argparse
-import io
-import json
 import logging
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
-import ray
-
 from pipeline.build.config import BuildConfig
-from pipeline.cli.options import add_corpus_options, limits_from_args
+from pipeline.cli.options import (
+    SHARED_BUILD_OPTIONS,
+    add_corpus_options,
+    add_options,
+    eval_build_config_from_args,
+    limits_from_args,
+)
 from pipeline.cli.parser import make_parser
 from pipeline.corpus.reader import (
     SKIP_REPORT,
@@ -42,26 +43,12 @@ from pipeline.corpus.reader import (
     iter_corpus,
     select_conversations,
 )
-from pipeline.corpus.schema import CorpusError
-from pipeline.episodes import EpisodeConfig
-from pipeline.eval.methods import METHODS, EvalConfig, allocator_of, describe_methods, parse_method
-from pipeline.eval.report import breakdown_table, markdown_table, plot_retention
-from pipeline.eval.runner import (
-    _records_bytes,
-    cell_key,
-    cell_task,
-    collect_cells,
-    conversation_digest,
-    prepare_task,
-    profile_task,
-)
+from pipeline.corpus.schema import Conversation, CorpusError
+from pipeline.eval.methods import METHODS, EvalConfig, describe_methods, parse_method
+from pipeline.eval.report import write_report
+from pipeline.eval.runner import run_cells
 from pipeline.eval.summary import summarise, summarise_by, with_retention
-from pipeline.kv import models
-from pipeline.kv.budgets import CalibrationConfig
-from pipeline.kv.merging import MergeConfig
-from pipeline.kv.tristate import TriStateConfig
 from pipeline.ray_runtime import init_ray
-from pipeline.store.local import LocalStore
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,10 +63,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated budgets, one cell each; a budget is the mean entries "
                         "kept per layer and KV head (tri-state variants: the bytes of that many "
                         "Original float16 entries)")
-    p.add_argument("--model", default=models.DEFAULT_LLM, help="LLM: packaged name or local folder")
-    p.add_argument("--encoder", default=models.DEFAULT_ENCODER, help="sentence encoder (routing)")
-    p.add_argument("--max-context-tokens", type=int, default=None,
-                   help="cut each conversation at a session boundary to fit (default: whole)")
     p.add_argument("--questions-per-conversation", type=int, default=None,
                    help="the first N questions of each conversation (default: all)")
     p.add_argument("--limit-conversations", type=int, default=None,
@@ -87,37 +70,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--conversations", default=None,
                    help="comma-separated conversation ids to evaluate (LoCoMo's locomo-26 may be "
                         "given as 26); default: all")
-    p.add_argument("--episodes", type=int, default=4, help="EpiCache episodes per conversation")
-    p.add_argument("--medoids", type=int, default=4, help="medoid windows in an episode's patch")
-    p.add_argument("--window", type=int, default=4, help="utterances per clustering window")
-    p.add_argument("--alpha", type=float, default=BuildConfig.alpha,
-                   help="EpiCache layer-allocation sharpness (0: uniform budgets)")
-    p.add_argument("--block", type=int, default=512, help="block-prefill block (tokens)")
-    p.add_argument("--selection", default="headwise", choices=["headwise", "perhead"],
-                   help="top-k across a layer's heads (AdaKV) or per head")
     p.add_argument("--f1", action="store_true",
                    help="also generate answers and score F1 (slow; at the floor for a 135M model)")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="answer length with --f1")
-    p.add_argument("--calibration-tokens", type=int, default=4096,
-                   help="calibration text length (layer profiles)")
-    p.add_argument("--calibration-window", type=int, default=1024,
-                   help="calibration: the simulated budget (sink + recent tokens)")
+    p.add_argument("--max-new-tokens", type=int, default=EvalConfig.max_new_tokens,
+                   help="answer length with --f1")
+    add_options(p, SHARED_BUILD_OPTIONS, BuildConfig())
     add_corpus_options(p)
-    t = TriStateConfig()
-    p.add_argument("--tri-window", type=int, default=t.window, help="ARKV protected recent window")
-    p.add_argument("--tri-gamma", type=float, default=t.gamma, help="ARKV heavy-hitter gamma")
-    p.add_argument("--tri-original-scale", type=float, default=t.original_scale,
-                   help="scales ARKV's OQ ratio (share of bytes spent on Original entries)")
-    p.add_argument("--tri-slack", type=float, default=t.slack, help="ARKV slack factor")
-    p.add_argument("--merge-beta", type=float, default=MergeConfig().beta, help="D2O EMA beta")
-    p.add_argument("--variance-temperature", type=float, default=1.0,
-                   help="D2O inverse-variance softmax temperature")
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
+def methods_and_budgets(a: argparse.Namespace) -> tuple[list[str], list[int]]:
+    """The methods and budgets asked for; ValueError naming what is wrong."""
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     unknown = set()
     for m in methods:
@@ -125,104 +88,66 @@ def main(argv: list[str] | None = None) -> int:
             parse_method(m)
         except ValueError:
             unknown.add(m)
-    try:
-        budgets = [int(b) for b in a.budgets.split(",") if b.strip()]
-        if unknown or not methods or not budgets or min(budgets) < 1:
-            raise ValueError(f"unknown methods {sorted(unknown)}" if unknown else
-                             "need at least one method and positive budgets")
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    config = EvalConfig(
-        model=a.model, encoder=a.encoder, block=a.block, selection=a.selection, alpha=a.alpha,
-        episodes=EpisodeConfig(window=a.window, episodes=a.episodes, medoids=a.medoids),
-        calibration=CalibrationConfig(tokens=a.calibration_tokens, window=a.calibration_window,
-                                      sink=min(128, a.calibration_window // 4)),
-        max_context_tokens=a.max_context_tokens,
-        questions_per_conversation=a.questions_per_conversation, max_new_tokens=a.max_new_tokens,
-        generate=a.f1,
-        tristate=TriStateConfig(enabled=True, window=a.tri_window, gamma=a.tri_gamma,
-                                original_scale=a.tri_original_scale, slack=a.tri_slack),
-        merge=MergeConfig(enabled=True, beta=a.merge_beta),
-        variance_temperature=a.variance_temperature)
-    out = Path(a.out)
-    # The corpus is read whole before --out is written to and before Ray starts.
+    budgets = [int(b) for b in a.budgets.split(",") if b.strip()]
+    if unknown or not methods or not budgets or min(budgets) < 1:
+        raise ValueError(f"unknown methods {sorted(unknown)}" if unknown else
+                         "need at least one method and positive budgets")
+    return methods, budgets
+
+
+def read_corpus(a: argparse.Namespace, out: Path) -> tuple[list[Conversation], ReadStats]:
+    """The conversations to evaluate, the whole corpus read before --out is written to and
+    before Ray starts; the run's skips go to `out/skipped.jsonl`, beside its summary."""
     with tempfile.TemporaryFile("w+", encoding="utf-8") as report:
-        try:
-            limits = limits_from_args(a)
-            read = check_corpus(a.corpus, a.on_bad_record, limits, report)
-            convs = list(iter_corpus(a.corpus, a.on_bad_record, ReadStats(keep=0), limits))
-            if a.conversations:
-                convs = select_conversations(convs, a.conversations, a.corpus)
-            convs = convs[:a.limit_conversations]
-        except (CorpusError, ValueError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+        limits = limits_from_args(a)
+        read = check_corpus(a.corpus, a.on_bad_record, limits, report)
+        convs = list(iter_corpus(a.corpus, a.on_bad_record, ReadStats(keep=0), limits))
+        if a.conversations:
+            convs = select_conversations(convs, a.conversations, a.corpus)
         out.mkdir(parents=True, exist_ok=True)
         (out / SKIP_REPORT).unlink(missing_ok=True)  # no stale report from an earlier run
-        if report.tell():  # the run's skips, beside its summary
+        if report.tell():
             report.seek(0)
             (out / SKIP_REPORT).write_text(report.read(), encoding="utf-8")
             print(f"skip report: {out / SKIP_REPORT}", file=sys.stderr)
+    return convs[:a.limit_conversations], read
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    out = Path(a.out)
+    try:
+        methods, budgets = methods_and_budgets(a)
+        config = EvalConfig(eval_build_config_from_args(a),
+                            questions_per_conversation=a.questions_per_conversation,
+                            max_new_tokens=a.max_new_tokens, generate=a.f1)
+        convs, read = read_corpus(a, out)
+    except (CorpusError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     init_ray()
     start = time.perf_counter()
-    allocated = [m for m in methods if config.needs_profile(m)]
-    profiles = {}  # one profile per allocator, measured by the first method that needs it
-    for m in allocated:
-        kind = allocator_of(m)
-        if kind not in profiles:
-            profiles[kind] = ray.get(profile_task.remote(str(out / "profiles"), config, m))
-    layer_budgets = {(m, b): config.build_config(m, b).allocator_strategy().allocate(
-        profiles[allocator_of(m)], b) for m in allocated for b in budgets}
-    kept = LocalStore(out)  # finished cells (atomic writes: a cell is whole or absent)
-    pending, prep_refs, records, reused = {}, [], [], 0
-    for conv in convs:
-        prep = prepare_task.remote(conv, config)
-        prep_refs.append(prep)
-        digest = conversation_digest(conv)  # hashes the whole conversation: once, not per cell
-        cells = [("none", None), ("full", None)] + [(m, b) for m in methods if m != "full"
-                                                    for b in budgets]
-        for method, budget in cells:  # uniform layer budgets unless the method allocates
-            key = cell_key(conv, digest, method, budget, config, layer_budgets.get((method, budget)))
-            if kept.exists(key):
-                records.extend(r | {"method": method} for r in
-                               pq.read_table(io.BytesIO(kept.get(key))).to_pylist())
-                reused += 1
-                continue
-            ref = cell_task.remote(prep, method, budget, config, layer_budgets.get((method, budget)))
-            pending[ref] = (conv.conversation_id, method, budget, key)
-    if reused:
-        print(f"reusing {reused} finished cells from {out}/cells", file=sys.stderr)
-    cell_records, failed = collect_cells(pending, kept)
-    records.extend(cell_records)
-    records = with_retention(records)
-    rows = summarise(records)
-    preps = ray.get(prep_refs)
+    outcome = run_cells(convs, methods, budgets, config, out)
+    records = with_retention(outcome.records)
     summary = {"config": config.as_dict(), "methods": methods, "budgets": budgets,
                "conversations": [{"conversation_id": p.conversation.conversation_id,
                                   "tokens": p.tokens, "questions": len(p.questions),
-                                  "questions_dropped_by_cut": p.dropped_by_cut} for p in preps],
+                                  "questions_dropped_by_cut": p.dropped_by_cut}
+                                 for p in outcome.prepared],
                "context": ("cut at a session boundary to fit" if a.max_context_tokens else
                            "whole conversations"), "seconds": time.perf_counter() - start,
-               "cells_reused": reused, "cells_failed": failed, "rows": rows,
-               "bad_records_skipped": read.records_skipped,
+               "cells_reused": outcome.reused, "cells_failed": outcome.failed,
+               "rows": summarise(records), "bad_records_skipped": read.records_skipped,
                "questions_dropped": read.questions_dropped,
                "by_evidence_position": summarise_by(records, "evidence_third"),
                "by_route_hit": summarise_by(records, "route_hit")}
-    (out / "results.parquet").write_bytes(_records_bytes(records))
-    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-    table = markdown_table(rows) + "\n" + breakdown_table(
-        summary["by_evidence_position"], "evidence in the conversation's first / middle / last third",
-        ["first", "middle", "last"]) + "\n" + breakdown_table(
-        summary["by_route_hit"], "route hit (the routed episode holds an evidence turn)",
-        [True, False])
-    (out / "table.md").write_text(table)
-    plot_retention(rows, out / "retention.png")
-    print(table)
+    print(write_report(out, summary, records))
     print(f"outputs: {out}/results.parquet, summary.json, table.md, retention.png "
           f"({len(records)} question records, {time.perf_counter() - start:.0f}s)")
-    if failed:
-        print(f"error: {len(failed)} cells failed (listed in {out}/summary.json)", file=sys.stderr)
+    if outcome.failed:
+        print(f"error: {len(outcome.failed)} cells failed (listed in {out}/summary.json)",
+              file=sys.stderr)
         return 1
     return 0
 

@@ -17,13 +17,17 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pipeline.build.config import BuildConfig
+from pipeline.cli.options import PREFILL_OPTIONS, add_options
 from pipeline.cli.parser import make_parser
 from pipeline.corpus.reader import iter_corpus, select_conversations
 from pipeline.corpus.schema import CorpusError
 from pipeline.eval.methods import EPISODIC, EvalConfig, parse_method
-from pipeline.eval.screen import screen_conversation, table
-from pipeline.kv import models, prompts
-from pipeline.kv.budgets import CalibrationConfig
+from pipeline.eval.screen import screen_conversation, sensitivity_profile, table
+from pipeline.kv import models
+
+# The screen's conversations are cut as the quality work cuts them (docs/quality.md).
+SCREEN_BUILD = BuildConfig(max_context_tokens=7600)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,8 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "jobs.evaluate's variants (python -m jobs.evaluate --help)")
     p.add_argument("--budgets", default="512,1024",
                    help="comma-separated budgets: mean entries kept per layer and KV head")
-    p.add_argument("--max-context-tokens", type=int, default=7600,
-                   help="cut each conversation at a session boundary to fit")
+    add_options(p, [o for o in PREFILL_OPTIONS if o.flag == "--max-context-tokens"], SCREEN_BUILD)
     p.add_argument("--questions-per-conversation", type=int, default=40,
                    help="the first N questions of each conversation")
     return p
@@ -45,8 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    config = EvalConfig(max_context_tokens=a.max_context_tokens,
-                                 questions_per_conversation=a.questions_per_conversation)
+    config = EvalConfig(BuildConfig(max_context_tokens=a.max_context_tokens),
+                        questions_per_conversation=a.questions_per_conversation)
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     try:
         for m in methods:
@@ -59,23 +62,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     lm, encoder = models.load_llm(config.model), models.load_encoder(config.encoder)
-    profile_cache: list[list[float]] = []
+    profile: list[list[float]] = []  # measured once, only if a recipe allocates
 
-    def profile() -> list[float]:  # measured once, only if a recipe allocates
-        if not profile_cache:
-            from pipeline.build.config import BuildConfig
-            from pipeline.build.profile import calibration_text
-            from pipeline.kv.budgets import layer_similarity
-            cal = CalibrationConfig()
-            text = calibration_text(BuildConfig(calibration=cal))
-            ids = prompts.context_ids(lm.tokenizer, text)[:cal.tokens]
-            profile_cache.append(layer_similarity(lm.model, ids, cal).tolist())
-        return profile_cache[0]
+    def measured_profile() -> list[float]:
+        if not profile:
+            profile.append(sensitivity_profile(lm))
+        return profile[0]
 
     records = []
     for conv in convs:
         records += screen_conversation(lm, encoder, conv, methods,
-                                       [int(b) for b in a.budgets.split(",")], config, profile)
+                                       [int(b) for b in a.budgets.split(",")], config,
+                                       measured_profile)
     print(table(records))
     return 0
 

@@ -17,6 +17,10 @@ WORKER_ENV: dict[str, str] = {
     "TOKENIZERS_PARALLELISM": "false",  # workers are forked after tokenizers may have run
     "TRANSFORMERS_VERBOSITY": "error",
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    # transformers' GGUF loading draws its "Converting and de-quantizing GGUF tensors" bar with
+    # plain tqdm (not its own switchable one): tqdm >= 4.66 reads TQDM_* defaults from the
+    # environment when imported, so no bar is drawn in a worker (the driver's are untouched).
+    "TQDM_DISABLE": "1",
     "HF_HUB_OFFLINE": "1",  # models come from local packages: never reach for the hub
 }
 

@@ -1,7 +1,10 @@
-"""Every `jobs.*` command documents itself, and the README's examples name only real options.
+"""Every `jobs.*` command documents itself, and the README's and docs' examples name only real
+options.
 
 Each command module exposes `build_parser()` (made by `pipeline.cli.parser.make_parser`); these tests
-import every module of `jobs/` (never running its main) and read the parsers.
+import every module of `jobs/` (never running its main) and read the parsers. The reference
+material the README links to lives in docs/: the methods and variants in docs/evaluation.md, the
+scorers in docs/building.md, the serve settings in docs/serving.md.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import jobs
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-_COMMAND = re.compile(r"(?:^|\s)(?:\S*/)?python -m (jobs(?:\.\w+)+)(.*)")
+# a module name followed by `.<name>` is a placeholder (`python -m jobs.bench.<name>`), not an example
+_COMMAND = re.compile(r"(?:^|\s)(?:\S*/)?python -m (jobs(?:\.\w+)+)(?![.\w<])(.*)")
 
 
 def _modules() -> list[str]:
@@ -91,14 +95,16 @@ def test_help_lists_methods_scorers_and_serve_builder_keys(parsers):
 _CODE_BLOCK = re.compile(r"```[a-z]*\n(.*?)```", flags=re.S)
 
 
-def test_readme_names_every_method_variant_and_scorer():
+def test_docs_name_every_method_variant_and_scorer():
+    """docs/evaluation.md names every method and variant, docs/building.md every scorer."""
     from pipeline.eval.methods import EXTRA_METHODS, METHODS, NUMBERED_VARIANTS, VARIANTS
     from pipeline.kv.scorers import SCORERS
 
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    names = (METHODS + EXTRA_METHODS + VARIANTS
-             + NUMBERED_VARIANTS + tuple(SCORERS))
-    assert [name for name in names if f"`{name}`" not in text] == []
+    evaluation = (ROOT / "docs" / "evaluation.md").read_text(encoding="utf-8")
+    names = METHODS + EXTRA_METHODS + VARIANTS + NUMBERED_VARIANTS
+    assert [name for name in names if f"`{name}`" not in evaluation] == []
+    building = (ROOT / "docs" / "building.md").read_text(encoding="utf-8")
+    assert [name for name in SCORERS if f"`{name}`" not in building] == []
 
 
 def _examples() -> list[tuple[str, str, list[str]]]:
@@ -143,14 +149,27 @@ def test_readme_examples_use_real_options(parsers):
     assert not wrong, "\n".join(wrong)
 
 
-def test_readme_names_the_serve_run_keys():
-    """`serve run` takes the ServeSettings fields: the README's example uses only those, and
-    its serve section names every one of them, as `jobs.serve --help` does."""
+def test_docs_name_the_serve_run_keys():
+    """`serve run` takes the ServeSettings fields: docs/serving.md's example uses only those, and
+    it names every one of them, as `jobs.serve --help` does."""
     from jobs.serve import ServeSettings
 
     names = {f.name for f in dataclasses.fields(ServeSettings)}
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    text = (ROOT / "docs" / "serving.md").read_text(encoding="utf-8")
     runs = re.findall(r"serve run jobs\.serve:app_builder([^\n`]*)", text)
     keys = {word.split("=")[0] for run in runs for word in run.split() if "=" in word}
     assert keys and keys <= names, keys - names
     assert {name for name in names if f"`{name}`" not in text} == set()
+
+
+_LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def test_docs_relative_links_point_to_files():
+    """Every relative link of the README and docs/ names a file of the repository."""
+    broken = []
+    for doc in DOCS:
+        for target in _LINK.findall(doc.read_text(encoding="utf-8")):
+            if "://" not in target and not (doc.parent / target).exists():
+                broken.append(f"{doc.name}: {target}")
+    assert not broken, "\n".join(broken)

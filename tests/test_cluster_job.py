@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from jobs import build
+from pipeline.build.config import DriverOptions
 from pipeline.build.driver import run_build
 from jobs.bench.scale import bench
 from pipeline.build.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES, write_synthetic_corpus
@@ -307,8 +308,8 @@ def test_worker_killed_mid_build_does_not_stop_the_job(ray_local, tiny_llm, tmp_
     killer.start()
     try:
         summary = run_build(str(corpus), str(store_dir),
-                                  build.config_from_args(build.parse_args(args)),
-                                  max_in_flight=4, max_retries=2, progress=False)
+                            build.config_from_args(build.parse_args(args)),
+                            DriverOptions(max_in_flight=4, max_retries=2, progress=False))
     finally:
         killer.done.set()
         killer.join()
@@ -411,8 +412,9 @@ def test_worker_deaths_are_retried_a_bounded_number_of_times(ray_local, tmp_path
     corpus = tmp_path / "corpus.jsonl"
     write_synthetic_corpus(corpus, 8, failures={2: "crash", 5: "raise"})
     store = LocalStore(tmp_path / "store")
-    summary = run_build(str(corpus), store, SYNTHETIC_CONFIG, max_in_flight=3,
-                              max_retries=1, progress=False, stages=SYNTHETIC_STAGES)
+    summary = run_build(str(corpus), store, SYNTHETIC_CONFIG,
+                        DriverOptions(max_in_flight=3, max_retries=1, progress=False),
+                        stages=SYNTHETIC_STAGES)
     assert summary.built == 6 and set(summary.failed) == {"bench-0000002", "bench-0000005"}
     assert "WorkerCrashedError" in summary.failed["bench-0000002"]
     assert "RuntimeError: rehearsed failure of bench-0000005" in summary.failed["bench-0000005"]
@@ -427,7 +429,7 @@ def test_bench_scale_drives_the_real_scheduler(ray_local, tmp_path):
     re-run that skips everything."""
     corpus = tmp_path / "corpus.jsonl"
     write_synthetic_corpus(corpus, 150)
-    result = bench(corpus, LocalStore(tmp_path / "store"), max_in_flight=8, progress=False)
+    result = bench(corpus, LocalStore(tmp_path / "store"), DriverOptions(max_in_flight=8, progress=False))
     assert (result.conversations, result.episodes, result.tasks, result.failed) == (150, 300, 450, 0)
     assert result.peak_in_flight == 8
     assert result.manifest_rows == 300 and result.rerun_skipped == 150

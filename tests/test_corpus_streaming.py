@@ -20,6 +20,8 @@ import pytest
 import ray
 
 from jobs import build
+from pipeline.build import job as build_job
+from pipeline.build.config import DriverOptions
 from pipeline.build.driver import run_build
 from pipeline.build.sources import corpus_objects
 from pipeline.build.rehearsal import S3Requests, SYNTHETIC_CONFIG, SYNTHETIC_STAGES, synthetic_lines
@@ -79,8 +81,8 @@ def test_s3_corpus_is_streamed_and_never_written_to_disk(ray_local, s3_env, tmp_
     monkeypatch.setattr(S3Store, "download", no_download)
     monkeypatch.setattr(S3Store, "get", no_download)
     store = LocalStore(tmp_path / "store")
-    summary = run_build(uri, store, SYNTHETIC_CONFIG, progress=False,
-                              stages=SYNTHETIC_STAGES)
+    summary = run_build(uri, store, SYNTHETIC_CONFIG, DriverOptions(progress=False),
+                        stages=SYNTHETIC_STAGES)
     assert summary.built == 12 and not summary.failed
     assert opened == [(f"part-{i}.jsonl", "BufferedReader") for i in range(3)]
     assert list(quiet_tmp.iterdir()) == []
@@ -117,7 +119,7 @@ def test_bad_record_in_s3_corpus_fails_before_ray_and_writes_nothing(s3_env, tmp
     uri = _put_parts(s3_env, "badfirst/corpus", ["".join(lines[:2]) + _bad(lines[2]),
                                                  synthetic_lines(3, 6)])
     calls = []
-    monkeypatch.setattr(build, "init_ray", lambda *a: calls.append(a))
+    monkeypatch.setattr(build_job, "init_ray", lambda *a: calls.append(a))
     ray_was_up = ray.is_initialized()
     store = tmp_path / "store"
     rc = build.main(["--corpus", uri, "--store", str(store), "--no-progress"])
@@ -145,8 +147,9 @@ def test_first_conversations_are_built_before_the_last_object_is_opened(ray_loca
         return CorpusObject(obj.name, open_, obj.size)
 
     corpus = CorpusStream([opener(o) for o in corpus_objects(uri)], where=uri)
-    summary = run_build(corpus, store, SYNTHETIC_CONFIG, max_in_flight=4, progress=False,
-                              stages=SYNTHETIC_STAGES)
+    summary = run_build(corpus, store, SYNTHETIC_CONFIG,
+                        DriverOptions(max_in_flight=4, progress=False),
+                        stages=SYNTHETIC_STAGES)
     assert summary.built == 160
     assert committed_at_open[0] == 0 and committed_at_open[-1] > 0, committed_at_open
 
@@ -162,11 +165,12 @@ def test_bad_record_in_a_later_object_stops_after_committing_the_earlier(ray_loc
     store = LocalStore(tmp_path / "store")
     with pytest.raises(CorpusError, match=r"^part-1\.jsonl, record 5 \(conversation "
                                           r"'bench-0000014'\): field 'turns\[1\]\.speaker'"):
-        run_build(uri, store, SYNTHETIC_CONFIG, progress=False, stages=SYNTHETIC_STAGES)
+        run_build(uri, store, SYNTHETIC_CONFIG, DriverOptions(progress=False),
+                  stages=SYNTHETIC_STAGES)
     assert list_conversations(store) == [f"bench-{i:07d}" for i in range(10)]
     _put_parts(s3_env, "badlater/corpus", [synthetic_lines(0, 10), synthetic_lines(10, 20)])
-    summary = run_build(uri, store, SYNTHETIC_CONFIG, progress=False,
-                              stages=SYNTHETIC_STAGES)
+    summary = run_build(uri, store, SYNTHETIC_CONFIG, DriverOptions(progress=False),
+                        stages=SYNTHETIC_STAGES)
     assert (summary.built, summary.skipped) == (10, 10)
 
 
@@ -179,7 +183,7 @@ def test_skips_in_a_later_object_reach_stderr_and_the_report(ray_local, tmp_path
     (corpus / "a.jsonl").write_text(synthetic_lines(0, 3))
     lines = synthetic_lines(3, 6).splitlines(keepends=True)
     (corpus / "b.jsonl").write_text(lines[0] + _bad(lines[1]) + lines[2])
-    monkeypatch.setattr(build, "run_build",
+    monkeypatch.setattr(build_job, "run_build",
                         functools.partial(run_build, stages=SYNTHETIC_STAGES))
     store = tmp_path / "store"
     rc = build.main(["--corpus", str(corpus), "--store", str(store), "--on-bad-record", "skip",

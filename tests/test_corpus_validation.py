@@ -15,6 +15,8 @@ import pytest
 import ray
 
 from jobs import build
+from pipeline.build import job as build_job
+from pipeline.build.config import DriverOptions
 from pipeline.build.driver import run_build
 from jobs import evaluate as evaluate_job
 from pipeline.build.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES
@@ -82,7 +84,7 @@ def test_malformed_corpus_fails_before_ray_and_writes_nothing(tmp_path, capsys, 
     store = tmp_path / "store"
     ray_was_up = ray.is_initialized()  # a whole-suite run may have the session's Ray up
     calls = []
-    monkeypatch.setattr(build, "init_ray", lambda *a: calls.append(a))
+    monkeypatch.setattr(build_job, "init_ray", lambda *a: calls.append(a))
     start = time.perf_counter()
     rc = build.main(["--corpus", str(corpus), "--store", str(store), "--no-progress", *options])
     elapsed = time.perf_counter() - start
@@ -236,7 +238,7 @@ def test_skip_report_on_stderr_and_in_the_store(tmp_path, capsys, monkeypatch):
     def stop(*_):
         raise Stop
 
-    monkeypatch.setattr(build, "init_ray", stop)
+    monkeypatch.setattr(build_job, "init_ray", stop)
     store = tmp_path / "store"
     with pytest.raises(Stop):
         build.main(["--corpus", str(corpus), "--store", str(store), "--on-bad-record", "skip",
@@ -267,8 +269,8 @@ def test_skip_mode_build_counts_and_keeps_conversations_with_a_dropped_question(
     stats = check_corpus(corpus, "skip", out=io.StringIO())
     assert (stats.read, stats.records_skipped, stats.questions_dropped) == (4, n_records, n_questions)
     store = LocalStore(tmp_path / "store")
-    summary = run_build(str(corpus), store, SYNTHETIC_CONFIG, on_bad_record="skip",
-                              progress=False, stages=SYNTHETIC_STAGES)
+    summary = run_build(str(corpus), store, SYNTHETIC_CONFIG, DriverOptions(progress=False),
+                        on_bad_record="skip", stages=SYNTHETIC_STAGES)
     assert (summary.built, summary.bad_records, summary.questions_dropped) == \
         (4, n_records, n_questions)
     assert not summary.failed

@@ -201,7 +201,7 @@ def test_variance_allocation():
 # --------------------------------------------------------------------------------------------
 
 def test_variants_are_configuration_knobs():
-    config = EvalConfig(model="tiny")
+    config = EvalConfig(BuildConfig(model="tiny"))
     hashes = {m: config.build_config(m, 64).hash for m in
               ("epicache", "epicache-tri", "epicache-dapq", "epicache-merge", "epicache-d2o",
                "epicache+tri+dapq+merge", "epicache+fp8", "keydiff")}

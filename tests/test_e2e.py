@@ -10,6 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from jobs import demo
+from pipeline.build.config import DriverOptions
 from pipeline.build.driver import run_build
 from pipeline.kv import models, prompts
 from pipeline.store import cache_format
@@ -41,7 +42,7 @@ def built(tmp_path_factory, ray_local):
     corpus = root / "corpus.jsonl"
     write_jsonl(make_corpus(2, 1200, seed=7), corpus)
     store_uri = str(root / "store")
-    summary = run_build(str(corpus), store_uri, CONFIG, progress=False)
+    summary = run_build(str(corpus), store_uri, CONFIG, DriverOptions(progress=False))
     return corpus, store_uri, summary
 
 
@@ -134,12 +135,12 @@ def test_identical_rerun_does_no_work_and_changed_config_rebuilds(built, ray_loc
     corpus, store_uri, _ = built
     store = open_store(store_uri)
     before = {k: store.get(k) for k in store.list("manifests/")}
-    again = run_build(str(corpus), store_uri, CONFIG, progress=False)
+    again = run_build(str(corpus), store_uri, CONFIG, DriverOptions(progress=False))
     assert (again.built, again.skipped, again.episodes) == (0, 2, 0)
     assert {k: store.get(k) for k in store.list("manifests/")} == before
     # A changed configuration (here: StreamingLLM, one cache per conversation) rebuilds.
     changed = BuildConfig(**{**CONFIG.__dict__, "scorer": "streamingllm"})
-    rebuilt = run_build(str(corpus), store_uri, changed, progress=False)
+    rebuilt = run_build(str(corpus), store_uri, changed, DriverOptions(progress=False))
     assert (rebuilt.built, rebuilt.skipped, rebuilt.episodes) == (2, 0, 2)
     for cid in [k.removeprefix("manifests/").removesuffix(".parquet") for k in before]:
         assert [r["config_hash"] for r in read_manifest(store, cid)] == [changed.hash]

@@ -21,6 +21,7 @@ import pytest
 from test_store_faults import plant_corrupt_manifest, put_conversation
 
 from jobs import gc, manifests
+from pipeline.build.config import DriverOptions
 from pipeline.build.driver import run_build
 from jobs.bench.scale import INDEX_EPISODES, index_bench
 from pipeline.build.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES, write_synthetic_corpus
@@ -28,6 +29,7 @@ from pipeline.store import table as manifest_table
 from pipeline.store.table_sync import rebuild
 from pipeline.episodes import EpisodeConfig
 from pipeline.store.manifest import list_conversations, read_manifest, write_manifest
+from pipeline.store.s3 import S3Store, parse_s3_uri
 from pipeline.store.table import (ManifestTable, PENDING_PREFIX, TABLE_SCHEMA,
                                   TableError, pending_key)
 from pipeline.store.table_sync import IndexWriter
@@ -53,9 +55,9 @@ def assert_table_equals_manifests(store) -> list[dict]:
     return rows
 
 
-def run(corpus, store, config=SYNTHETIC_CONFIG, **kw):
-    return run_build(str(corpus), store, config, progress=False, stages=SYNTHETIC_STAGES,
-                           index_flush_rows=kw.pop("index_flush_rows", 6), **kw)
+def run(corpus, store, config=SYNTHETIC_CONFIG, **options):
+    options = {"progress": False, "index_flush_rows": 6} | options
+    return run_build(str(corpus), store, config, DriverOptions(**options), stages=SYNTHETIC_STAGES)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,8 +323,8 @@ def test_table_on_s3(s3_env, capsys):
 
 
 def test_s3_table_errors_are_one_line_without_credentials(s3_env, monkeypatch):
-    store = open_store(s3_env.uri(f"table/{uuid.uuid4().hex[:12]}"))
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-1234567890")
+    store = S3Store(*parse_s3_uri(s3_env.uri(f"table/{uuid.uuid4().hex[:12]}")), check=False)
     with pytest.raises(TableError) as e:
         ManifestTable(store).replace(["conv-0"], [])  # create on a refused store
     text = str(e.value)

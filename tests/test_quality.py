@@ -8,6 +8,7 @@ import pytest
 import torch
 from tiny_models import one_torch_thread, random_ids, tiny_model  # noqa: F401
 
+from pipeline.build.config import BuildConfig
 from pipeline.eval.cell import evaluate_cell, evidence_diagnostics, prepare
 from pipeline.eval.methods import EvalConfig, METHODS, parse_method
 from pipeline.kv import models, prompts
@@ -166,7 +167,7 @@ def test_method_variants_change_one_knob_of_the_recipe():
     assert (changed.alpha, changed.scoring.include_patch, changed.scoring.pool,
             changed.scoring.utterance, changed.scoring.focus) == (0.0, False, 7, True, 0.5)
     assert (changed.episodes.medoids, changed.episodes.episodes, changed.head_floor) == (2, 8, 0.1)
-    assert config.recipe("epicache").scoring == config.scoring
+    assert config.recipe("epicache").scoring == config.build.scoring
     assert not config.needs_profile("epicache-paper+alpha0") and config.needs_profile("epicache-paper")
     with pytest.raises(ValueError, match="unknown method"):
         parse_method("epicache+pool")
@@ -236,10 +237,11 @@ def test_cell_records_carry_the_diagnostics(tmp_path):
     from pipeline.episodes import EpisodeConfig, build_episodes, member_turn_ids
 
     conv = _conversation()
-    config = EvalConfig(block=32, episodes=EpisodeConfig(window=2, episodes=2, medoids=1))
+    config = EvalConfig(BuildConfig(prefill=PrefillConfig(block=32),
+                                    episodes=EpisodeConfig(window=2, episodes=2, medoids=1)))
     prep = prepare(conv, config)
     records = evaluate_cell(prep, "epicache", 24, config, None)
-    episodes = build_episodes(conv, models.load_encoder(config.encoder), config.episodes).episodes
+    episodes = build_episodes(conv, models.load_encoder(config.encoder), config.build.episodes).episodes
     for r in records:
         members = set(member_turn_ids(conv, episodes[r["episode"]], 2))
         assert r["route_hit"] == bool(members & set(r["evidence"]))

@@ -144,7 +144,7 @@ def built(tmp_path_factory, ray_local):
     corpus = root / "corpus.jsonl"
     write_jsonl(make_corpus(2, 1500, seed=11), corpus)
     store_dir = root / "store"
-    summary = run_build(str(corpus), str(store_dir), _config(), progress=False)
+    summary = run_build(str(corpus), str(store_dir), _config(), DriverOptions(progress=False))
     assert summary.built == 2 and not summary.failed
     store = LocalStore(store_dir)
     broken_keys = _corrupt_copy(store, "synth-0000", "broken-0000")
@@ -188,7 +188,8 @@ def local_app(built, ray_local):
     bearer token and manifests checked on every request (ttl 0); shut down afterwards."""
     from ray import serve
 
-    from jobs.serve import APP_NAME, ServeSettings, build_app, resolve_models
+    from pipeline.serve.app import APP_NAME, build_app, resolve_models
+    from pipeline.serve.settings import ServeSettings
 
     _, store_dir, _, _ = built
     settings = ServeSettings(store=str(store_dir), auth_token=TOKEN, router_cpus=0,

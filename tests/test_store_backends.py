@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from jobs import build, gc
+from pipeline.build.config import DriverOptions
 from pipeline.build.driver import run_build
 from pipeline.build.rehearsal import SYNTHETIC_CONFIG, synthetic_cache
 from pipeline.store import cache_format
@@ -316,7 +317,7 @@ def twin_builds(s3_server, ray_local, tmp_path_factory):
     s3_server.client().upload_file(str(corpus), s3_server.bucket, "twins/input/corpus.jsonl")
     local_dir = root / "local-store"
     config = build.config_from_args(build.parse_args(["--corpus", "-", "--store", "-", *ARGS]))
-    summary = run_build(str(corpus), str(local_dir), config, progress=False)
+    summary = run_build(str(corpus), str(local_dir), config, DriverOptions(progress=False))
     assert summary.built == 1 and not summary.failed
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("AWS_") and k not in ("RAY_ADDRESS", "EPICACHE_S3_ENDPOINT")}

@@ -18,6 +18,7 @@ import pytest
 from test_store_backends import store  # noqa: F401  (a folder, or a prefix in SeaweedFS)
 
 from jobs import answer, gc, manifests, serve
+from pipeline.serve.errors import classify
 from pipeline.build.rehearsal import SYNTHETIC_CONFIG, synthetic_cache
 from pipeline.store import cache_format
 from pipeline.build.conversation import is_built
@@ -177,7 +178,7 @@ def test_answer_names_the_corrupt_manifest(store, capsys):
 
 
 def test_serve_answers_a_corrupt_manifest_with_a_503_naming_it():
-    status, message = serve.classify(ManifestError("manifests/conv-1.parquet", "file:///s", "no rows"))
+    status, message = classify(ManifestError("manifests/conv-1.parquet", "file:///s", "no rows"))
     assert status == 503
     assert message.startswith("manifest 'manifests/conv-1.parquet' in store file:///s is corrupt")
 

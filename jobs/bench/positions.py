@@ -23,7 +23,8 @@ import sys
 import time
 from dataclasses import replace
 
-from pipeline.cli.options import add_threads_option
+from pipeline.build.config import BuildConfig
+from pipeline.cli.options import PREFILL_BENCH_OPTIONS, add_options, add_threads_option
 from pipeline.cli.parser import make_parser
 from pipeline.corpus.reader import iter_corpus, select_conversations
 from pipeline.corpus.schema import CorpusError
@@ -39,7 +40,8 @@ ROWS = (("cut", "epicache", False), ("cut+compact", "epicache+compact", False),
 def measure(conv, config: EvalConfig, budget: int) -> list[dict]:
     """One row per build of `ROWS`, over the questions the cut keeps."""
     cut = prepare(conv, config)
-    whole = replace(prepare(conv, replace(config, max_context_tokens=None)),
+    whole = replace(prepare(conv, replace(config, build=replace(config.build,
+                                                                 max_context_tokens=None))),
                     questions=cut.questions)
     refs = {m: evaluate_cell(cut, m, None, config, None) for m in ("full", "none")}
     mean = lambda records: sum(r["evidence_nll"] for r in records) / len(records)  # noqa: E731
@@ -65,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="conversation ids, comma-separated (matches locomo-<id>)")
     p.add_argument("--cut-tokens", type=int, default=7600,
                    help="the cut build's length, and which questions are measured")
-    p.add_argument("--budget", type=int, default=1024, help="entries per layer and KV head")
+    add_options(p, PREFILL_BENCH_OPTIONS[:1], BuildConfig())
     p.add_argument("--questions", type=int, default=0,
                    help="questions per conversation (0: every question inside the cut)")
     add_threads_option(p)
@@ -77,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.threads:
         import torch
         torch.set_num_threads(a.threads)
-    config = EvalConfig(max_context_tokens=a.cut_tokens,
-                                 questions_per_conversation=a.questions or None)
+    config = EvalConfig(BuildConfig(max_context_tokens=a.cut_tokens),
+                        questions_per_conversation=a.questions or None)
     try:
         conversations = select_conversations(iter_corpus(a.corpus), a.conversations, a.corpus)
     except CorpusError as e:

@@ -44,6 +44,7 @@ import psutil
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipeline.build.config import DriverOptions
 from pipeline.build.driver import run_build
 from pipeline.build.rehearsal import (
     SYNTHETIC_CONFIG,
@@ -53,6 +54,7 @@ from pipeline.build.rehearsal import (
     write_synthetic_corpus,
 )
 from pipeline.build.sources import corpus_objects
+from pipeline.cli.options import DRIVER_OPTIONS, add_options, driver_options_from_args
 from pipeline.cli.parser import make_parser
 from pipeline.corpus.reader import CorpusStream
 from pipeline.ray_runtime import init_ray
@@ -155,14 +157,20 @@ class MarkedCorpus(CorpusStream):
             yield conv
 
 
-def bench(corpus: Path, store: Store, *, max_in_flight: int = 64, num_cpus: float = 1,
-          trace: bool = False, progress: bool = True) -> BenchResult:
+# The rehearsal's driver: many more tasks in flight than a model build's default (its tasks take
+# milliseconds, so the scheduler is what is measured).
+SCALE_DRIVER = DriverOptions(max_in_flight=64)
+SCALE_DRIVER_OPTIONS = tuple(o for o in DRIVER_OPTIONS
+                             if o.flag in ("--max-in-flight", "--cpus-per-task", "--no-progress"))
+
+
+def bench(corpus: Path, store: Store, options: DriverOptions = DriverOptions(max_in_flight=64),
+          trace: bool = False) -> BenchResult:
     """Build the synthetic corpus, then list and read every manifest, then re-run."""
     if trace:
         tracemalloc.start()
     with RssSampler() as rss:
-        summary = run_build(str(corpus), store, SYNTHETIC_CONFIG, max_in_flight=max_in_flight,
-                            num_cpus=num_cpus, progress=progress, stages=SYNTHETIC_STAGES)
+        summary = run_build(str(corpus), store, SYNTHETIC_CONFIG, options, stages=SYNTHETIC_STAGES)
     traced = tracemalloc.get_traced_memory()[1] / 2**20 if trace else None
     if trace:
         tracemalloc.stop()
@@ -173,14 +181,13 @@ def bench(corpus: Path, store: Store, *, max_in_flight: int = 64, num_cpus: floa
     rows = sum(len(read_manifest(store, cid) or []) for cid in ids)
     read_s = time.perf_counter() - t
     t = time.perf_counter()
-    again = run_build(str(corpus), store, SYNTHETIC_CONFIG, max_in_flight=max_in_flight,
-                      num_cpus=num_cpus, progress=progress, stages=SYNTHETIC_STAGES)
+    again = run_build(str(corpus), store, SYNTHETIC_CONFIG, options, stages=SYNTHETIC_STAGES)
     rerun_s = time.perf_counter() - t
     return BenchResult(
         conversations=summary.built + len(summary.failed), episodes=summary.episodes,
         tasks=summary.tasks, failed=len(summary.failed), build_s=summary.seconds,
         wait_s=summary.wait_seconds,
-        peak_in_flight=summary.peak_in_flight, max_in_flight=max_in_flight,
+        peak_in_flight=summary.peak_in_flight, max_in_flight=options.max_in_flight,
         rss_start_mib=rss.start_rss / 2**20, rss_peak_mib=rss.peak / 2**20,
         traced_peak_mib=traced, list_s=list_s, read_s=read_s, manifest_rows=rows,
         rerun_s=rerun_s, rerun_skipped=again.skipped)
@@ -283,8 +290,8 @@ def index_bench(conversations: int) -> int:
     return 0
 
 
-def bench_large(prefix: str, endpoint: str | None, n: int, *, max_in_flight: int,
-                num_cpus: float, progress: bool, commit_n: int = 1000) -> list[str]:
+def bench_large(prefix: str, endpoint: str | None, n: int, options: DriverOptions,
+                commit_n: int = 1000) -> list[str]:
     """The large rehearsal (see the module's docstring); returns its report lines."""
     base = prefix.rstrip("/")
     corpus_uri = f"{base}/corpus"
@@ -297,8 +304,7 @@ def bench_large(prefix: str, endpoint: str | None, n: int, *, max_in_flight: int
         objects = corpus_objects(corpus_uri, endpoint)
         corpus = MarkedCorpus(objects, marks=marks, where=corpus_uri)
         summary = run_build(corpus, open_store(str(Path(work) / "store")), SYNTHETIC_CONFIG,
-                            max_in_flight=max_in_flight, num_cpus=num_cpus, progress=progress,
-                            stages=SYNTHETIC_STAGES)
+                            options, stages=SYNTHETIC_STAGES)
     busy = summary.seconds - summary.wait_seconds
     r10, r100 = corpus.rss_mib.get(marks[0]), corpus.rss_mib.get(marks[1])
     growth = f"{100 * (r100 - r10) / r10:+.1f}%" if r10 and r100 else "-"
@@ -316,8 +322,7 @@ def bench_large(prefix: str, endpoint: str | None, n: int, *, max_in_flight: int
     requests = S3Requests(store)
     small = CorpusStream(corpus_objects(corpus_uri, endpoint)[:max(1, commit_n // 1000)],
                          where=corpus_uri)
-    summary = run_build(small, store, SYNTHETIC_CONFIG, max_in_flight=max_in_flight,
-                        num_cpus=num_cpus, progress=progress, stages=SYNTHETIC_STAGES)
+    summary = run_build(small, store, SYNTHETIC_CONFIG, options, stages=SYNTHETIC_STAGES)
     gets, heads = requests("GetObject", "caches"), requests("HeadObject", "caches")
     lines += [f"S3 store build: {summary.built:,} conversations, {summary.episodes:,} episodes "
               f"committed; the driver's requests for cache objects: {gets} GetObject, "
@@ -338,8 +343,7 @@ def run_large(a: argparse.Namespace) -> int:
             print(f"SeaweedFS started at {endpoint} (data in {root})", file=sys.stderr)
         init_ray()
         lines = bench_large(prefix, endpoint, a.conversations or 100_000,
-                            max_in_flight=a.max_in_flight, num_cpus=a.cpus_per_task,
-                            progress=not a.no_progress)
+                            driver_options_from_args(a, SCALE_DRIVER_OPTIONS, SCALE_DRIVER))
     except (StoreError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -364,13 +368,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", default=None, help="store URI (default: a temporary folder, removed)")
     p.add_argument("--s3-endpoint", default=None,
                    help="S3-compatible endpoint URL (default: $EPICACHE_S3_ENDPOINT, else AWS)")
-    p.add_argument("--max-in-flight", type=int, default=64, help="tasks submitted at most")
-    p.add_argument("--cpus-per-task", type=float, default=1, help="Ray CPUs per task")
+    add_options(p, SCALE_DRIVER_OPTIONS, SCALE_DRIVER)
     p.add_argument("--fail-every", type=int, default=0,
                    help="every Nth conversation's last episode raises (rehearses failures)")
     p.add_argument("--tracemalloc", action="store_true",
                    help="also trace the driver's Python heap (slows the driver)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--index-rows", type=int, default=0, metavar="CONVERSATIONS",
                    help="instead: time the manifest table with this many synthetic "
                         "conversations x 4 episodes written straight into it (no Ray); "
@@ -391,8 +393,8 @@ def main(argv: list[str] | None = None) -> int:
         corpus = work / "corpus.jsonl"
         write_synthetic_corpus(corpus, n, a.fail_every)
         init_ray()
-        result = bench(corpus, store, max_in_flight=a.max_in_flight, num_cpus=a.cpus_per_task,
-                       trace=a.tracemalloc, progress=not a.no_progress)
+        options = driver_options_from_args(a, SCALE_DRIVER_OPTIONS, SCALE_DRIVER)
+        result = bench(corpus, store, options, trace=a.tracemalloc)
     except StoreError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -403,6 +405,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from jobs.bench.scale import main as _main
-
-    raise SystemExit(_main())
+    raise SystemExit(main())

@@ -80,3 +80,19 @@ class BuildConfig:
         if cls.name == "variance":
             return cls(temperature=self.variance_temperature)
         return cls(alpha=self.alpha)
+
+
+@dataclass(frozen=True)
+class DriverOptions:
+    """How a build runs on Ray. Not hashed: none of it changes a cache."""
+    force: bool = False  # rebuild conversations already built
+    max_in_flight: int = 16  # tasks submitted at most
+    cpus_per_task: float = 1.0
+    gpus_per_task: float | None = None  # None: 1 when the cluster has GPUs when the build starts
+    max_retries: int = 2  # Ray retries per task on worker death
+    progress: bool = True  # the driver's progress bar
+    index_flush_rows: int = 10_000  # manifest-table rows appended per commit (or every minute)
+
+    def __post_init__(self):
+        if self.max_in_flight < 1 or self.max_retries < 0:
+            raise ValueError("--max-in-flight must be at least 1 and --max-retries at least 0")

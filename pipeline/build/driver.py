@@ -23,7 +23,7 @@ import ray
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from pipeline.build.config import BuildConfig
+from pipeline.build.config import BuildConfig, DriverOptions
 from pipeline.build.conversation import commit_manifest, is_built
 from pipeline.build.sources import corpus_objects
 from pipeline.build.tasks import MODEL_STAGES, Stages
@@ -36,7 +36,7 @@ from pipeline.store.s3 import S3Store
 from pipeline.store.table_sync import IndexWriter
 from pipeline.store.uri import open_store
 
-log = logging.getLogger("jobs.build")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -305,33 +305,36 @@ class _Driver:
                                  f"{len(self.corpus.objects)}", refresh=False)
 
 
-def run_build(corpus: str | CorpusStream, store: str | Store, config: BuildConfig, *,
-              force: bool = False, on_bad_record: str = "fail", max_in_flight: int = 16,
-              num_cpus: float = 1, num_gpus: float = 0, max_retries: int = 2,
-              progress: bool = True, stages: Stages = MODEL_STAGES,
-              limits: CorpusLimits = DEFAULT_LIMITS, index_flush_rows: int = 10_000) -> Summary:
+def run_build(corpus: str | CorpusStream, store: str | Store, config: BuildConfig,
+              options: DriverOptions = DriverOptions(), *, on_bad_record: str = "fail",
+              limits: CorpusLimits = DEFAULT_LIMITS, stages: Stages = MODEL_STAGES) -> Summary:
     """Drive the whole build on the connected Ray; returns the summary (the caller decides the
     exit code). `corpus` is a local path or an s3:// URI (read with `on_bad_record` and
-    `limits`), or a `CorpusStream` `main` has already opened and primed; `store` a Store or
-    its URI. The corpus is streamed object by object, each object checked before its
+    `limits`), or a `CorpusStream` already opened and primed (`pipeline.build.job`); `store` a
+    Store or its URI. The corpus is streamed object by object, each object checked before its
     conversations are scheduled; a bad record (fail mode) raises `CorpusError` and stops the
     build (conversations already committed are kept). Committed rows go to the store's
-    manifest table every `index_flush_rows` rows (or minute) and at the end."""
+    manifest table every `options.index_flush_rows` rows (or minute) and at the end."""
     store = open_store(store) if isinstance(store, str) else store
     if isinstance(corpus, str):
         endpoint = store.endpoint_url if isinstance(store, S3Store) else None
         corpus = CorpusStream(corpus_objects(corpus, endpoint), on_bad_record, ReadStats(),
                               limits, where=corpus)
-    resources = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_retries": max_retries}
+    gpus = options.gpus_per_task
+    if gpus is None:
+        gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
+    resources = {"num_cpus": options.cpus_per_task, "num_gpus": gpus,
+                 "max_retries": options.max_retries}
     # log lines go above the bar, not through it; no total: counting an S3 corpus's records
     # would mean reading it all first (the postfix says how many of its objects are started)
+    progress = options.progress
     redirect = logging_redirect_tqdm() if progress else contextlib.nullcontext()
-    with IndexWriter(store, index_flush_rows) as index, redirect, tqdm(
+    with IndexWriter(store, options.index_flush_rows) as index, redirect, tqdm(
             unit="conv", desc="build", disable=not progress, dynamic_ncols=True,
             file=sys.stderr) as bar:
-        summary = _Driver(corpus, store, config, stages, force=force,
-                          max_in_flight=max_in_flight, resources=resources,
-                          max_retries=max_retries, bar=bar, index=index).run()
+        summary = _Driver(corpus, store, config, stages, force=options.force,
+                          max_in_flight=options.max_in_flight, resources=resources,
+                          max_retries=options.max_retries, bar=bar, index=index).run()
     stats = corpus.stats
     summary.bad_records, summary.questions_dropped = stats.records_skipped, stats.questions_dropped
     return summary

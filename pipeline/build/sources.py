@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 from pipeline.corpus.reader import CorpusObject, local_objects
 from pipeline.corpus.schema import CorpusError
-from pipeline.store.s3 import S3_ENDPOINT_ENV, S3Store, parse_s3_uri
+from pipeline.store.s3 import S3Store, parse_s3_uri
 
 
 def corpus_objects(uri: str, endpoint_url: str | None = None) -> list[CorpusObject]:
@@ -19,7 +17,6 @@ def corpus_objects(uri: str, endpoint_url: str | None = None) -> list[CorpusObje
     bucket, key = parse_s3_uri(uri)
     if not key:
         raise CorpusError(f"{uri}: give an object (.jsonl/.json) or a folder inside the bucket")
-    endpoint_url = endpoint_url or os.environ.get(S3_ENDPOINT_ENV) or None
     parent, _, name = key.rpartition("/")
     if name.endswith((".jsonl", ".json")):
         folder = S3Store(bucket, parent, endpoint_url=endpoint_url)

@@ -1,14 +1,243 @@
-"""The options several commands share, added to a parser in one place and read back in one.
+"""The command line's options, made from the configuration dataclasses.
 
-Defaults are read from the configuration dataclasses, never typed twice.
+Each option names the configuration field it sets (`FieldOption`: a flag and a dotted path such
+as "prefill.tristate.window"); its type, choices and default are read from that field, and one
+function reads a group of them back into the configuration. A default is never typed twice: the
+dataclasses are the one place, and `jobs.build`, `jobs.evaluate`, the demo and the benchmarks
+share the groups below.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Sequence, TypeVar
 
-from pipeline.corpus.records import DEFAULT_LIMITS, CorpusLimits
-from pipeline.kv import models
+from pipeline.build.config import STORE_DTYPES, BuildConfig, DriverOptions
+from pipeline.config_fields import choices_of, get_path, parser_of, replace_path
+from pipeline.corpus.records import CorpusLimits
+from pipeline.kv.budgets import ALLOCATORS
+from pipeline.kv.merging import MergeConfig
+from pipeline.kv.scorers import SCORERS, ScoringConfig
+from pipeline.kv.tristate import TriStateConfig
+from pipeline.serve.settings import ServeSettings
+
+C = TypeVar("C")
+_VALUED = object()  # FieldOption.const when the option takes a value
+
+
+@dataclass(frozen=True)
+class FieldOption:
+    """A command-line option bound to the field at `path` of a configuration.
+
+    A valued option takes the field's type, choices (a `Literal`) and default. A flag
+    (`const` given) sets `const` there when present, or `const(current value)` when `const` is
+    callable. `zero_is_none`: the option's 0 stands for the field's None ("no cap")."""
+    flag: str
+    path: str
+    help: str
+    const: Any = _VALUED
+    choices: Sequence | None = None
+    metavar: str | None = None
+    zero_is_none: bool = False
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+    @property
+    def is_flag(self) -> bool:
+        return self.const is not _VALUED
+
+    def add_to(self, p: argparse.ArgumentParser, base: Any, cls: type | None = None) -> None:
+        """Add the option; its default is read from `base` (an instance, or the defaults of
+        the dataclass `cls`: a field without one makes a required option)."""
+        if self.is_flag:
+            p.add_argument(self.flag, action="store_true", help=self.help)
+            return
+        cls = cls or type(base)
+        default = get_path(base, self.path)
+        if self.zero_is_none and default is None:
+            default = 0
+        choices = self.choices or choices_of(cls, self.path)
+        extra = {"required": True} if default is dataclasses.MISSING else {"default": default}
+        p.add_argument(self.flag, type=parser_of(cls, self.path),
+                       choices=list(choices) if choices else None,
+                       metavar=self.metavar or ("NAME" if choices and len(choices) > 6 else None),
+                       help=self.help, **extra)
+
+    def apply(self, config: C, a: argparse.Namespace) -> C:
+        value = getattr(a, self.dest)
+        if self.is_flag:
+            if not value:
+                return config
+            value = self.const(get_path(config, self.path)) if callable(self.const) else self.const
+        elif self.zero_is_none and value == 0:
+            value = None
+        return replace_path(config, self.path, value)
+
+
+def add_options(p: argparse.ArgumentParser, options: Sequence[FieldOption], base: Any,
+                cls: type | None = None) -> None:
+    for option in options:
+        option.add_to(p, base, cls)
+
+
+def apply_options(config: C, options: Sequence[FieldOption], a: argparse.Namespace) -> C:
+    """`config` with every option of `options` read back from the parsed arguments, in order."""
+    for option in options:
+        config = option.apply(config, a)
+    return config
+
+
+# ---------------------------------------------------------------------------------------------
+# The build configuration: the groups `jobs.build` and `jobs.evaluate` share, then the build's own
+# ---------------------------------------------------------------------------------------------
+
+MODEL_OPTIONS = (
+    FieldOption("--model", "model", "LLM: packaged name or local HF folder"),
+    FieldOption("--encoder", "encoder", "sentence encoder (episodes and routing)"),
+)
+EPISODE_OPTIONS = (
+    FieldOption("--episodes", "episodes.episodes", "episodes (K-Means clusters) per conversation"),
+    FieldOption("--medoids", "episodes.medoids", "medoid windows in an episode's patch"),
+    FieldOption("--window", "episodes.window", "utterances per clustering window"),
+    FieldOption("--seed", "episodes.seed", "K-Means seed"),
+)
+PREFILL_OPTIONS = (
+    FieldOption("--block", "prefill.block", "block-prefill block size (tokens)"),
+    FieldOption("--selection", "prefill.selection",
+                "top-k across a layer's heads (AdaKV) or per head"),
+    FieldOption("--max-context-tokens", "max_context_tokens",
+                "cut each conversation at a session boundary to fit this many tokens "
+                "(default: whole)"),
+)
+ALLOCATION_OPTIONS = (
+    FieldOption("--alpha", "alpha",
+                "sensitivity-aware layer allocation sharpness (0: uniform budgets)"),
+    FieldOption("--variance-temperature", "variance_temperature",
+                "D2O inverse-variance softmax temperature (--allocator variance, or the d2o "
+                "variant)"),
+    FieldOption("--calibration-tokens", "calibration.tokens",
+                "calibration text length (layer profiles, with --alpha > 0 or the variance "
+                "allocator)"),
+    FieldOption("--calibration-window", "calibration.window",
+                "calibration: the simulated budget (sink + recent tokens)"),
+)
+TRISTATE_OPTIONS = (
+    FieldOption("--tri-window", "prefill.tristate.window",
+                "tri-state: the recent tokens always kept Original"),
+    FieldOption("--tri-gamma", "prefill.tristate.gamma", "tri-state heavy-hitter gamma"),
+    FieldOption("--tri-original-scale", "prefill.tristate.original_scale",
+                "scales the OQ ratio (share of a layer's bytes spent on Original entries)"),
+    FieldOption("--tri-slack", "prefill.tristate.slack", "tri-state slack factor"),
+    FieldOption("--merge-beta", "prefill.merge.beta", "D2O merging's EMA beta"),
+)
+# What `jobs.evaluate` takes too: there a method's name and variants decide the rest.
+SHARED_BUILD_OPTIONS = (MODEL_OPTIONS + EPISODE_OPTIONS + PREFILL_OPTIONS + ALLOCATION_OPTIONS
+                        + TRISTATE_OPTIONS)
+
+BUILD_OPTIONS = SHARED_BUILD_OPTIONS + (
+    FieldOption("--scorer", "scorer",
+                "how entries are scored for eviction, one of %(choices)s (docs/building.md, "
+                "'Scorers'); epicache builds one cache per episode, the others one per "
+                "conversation", choices=sorted(set(SCORERS) - {"question"}), metavar="SCORER"),
+    FieldOption("--budget", "budget",
+                "mean entries kept per layer and KV head (--tristate: the bytes of that many "
+                "Original entries)"),
+    FieldOption("--full", "budget", "no eviction: store the full cache", const=None),
+    FieldOption("--focus", "scoring.focus",
+                "weight the episode's own turns' scores by 1 + FOCUS (0: off)"),
+    FieldOption("--patch-tokens", "scoring.patch_tokens",
+                "cap on the patched prompt's tokens (0: the whole medoid text)",
+                zero_is_none=True),
+    FieldOption("--paper", "scoring",
+                "EpiCache scored as the paper describes it (max patch attention, token by "
+                "token, whole patch); add --alpha 1 for its layer budgets",
+                const=ScoringConfig.paper()),
+    FieldOption("--positions", "prefill.positions",
+                "original: entries keep their token positions, so a conversation must fit the "
+                "model's positions; compact: kept entries are re-rotated to positions 0, 1, 2, "
+                "... after every eviction, for histories of any length"),
+    FieldOption("--store-dtype", "store_dtype", "dtype of the stored keys and values",
+                choices=STORE_DTYPES),
+    FieldOption("--allocator", "allocator",
+                "layer budgets: EpiCache sensitivity or D2O attention variance",
+                choices=sorted(ALLOCATORS)),
+    FieldOption("--tristate", "prefill.tristate.enabled",
+                "ARKV tri-state compression: --budget M = the bytes of M Original tokens per "
+                "layer and KV head; entries Original, Quantized (int8) or Evicted", const=True),
+    FieldOption("--fp8", "prefill.tristate",
+                "tri-state with fp8 e4m3 codes instead of int8 (implies --tristate)",
+                const=lambda t: dataclasses.replace(t, enabled=True, fp8=True)),
+    FieldOption("--dapq", "prefill.decode_positions",
+                "DapQ: patch queries at the decode positions (after the conversation)",
+                const=True),
+    FieldOption("--merge", "prefill.merge.enabled",
+                "D2O: merge evicted entries into kept ones", const=True),
+)
+
+
+def _calibration_sink(config: BuildConfig) -> BuildConfig:
+    """The calibration's sink follows its window: a quarter of it, at most 128 tokens."""
+    cal = config.calibration
+    return dataclasses.replace(config, calibration=dataclasses.replace(
+        cal, sink=min(128, cal.window // 4)))
+
+
+def build_config_from_args(a: argparse.Namespace, options: Sequence[FieldOption] = BUILD_OPTIONS,
+                           base: BuildConfig | None = None) -> BuildConfig:
+    """The build configuration the options say. The parameters of a strategy left off
+    (tri-state, merging) are dropped, so they do not change the configuration's hash."""
+    config = _calibration_sink(apply_options(base or BuildConfig(), options, a))
+    prefill = config.prefill
+    if not prefill.tristate.enabled:
+        prefill = dataclasses.replace(prefill, tristate=TriStateConfig())
+    if not prefill.merge.enabled:
+        prefill = dataclasses.replace(prefill, merge=MergeConfig())
+    return dataclasses.replace(config, prefill=prefill)
+
+
+def eval_build_config_from_args(a: argparse.Namespace) -> BuildConfig:
+    """The build an evaluation's methods start from (`EvalConfig.build`): the shared options,
+    the tri-state and merging parameters kept (a method's `tri` and `merge` variants use them)."""
+    return _calibration_sink(apply_options(BuildConfig(), SHARED_BUILD_OPTIONS, a))
+
+
+# ---------------------------------------------------------------------------------------------
+# How the build runs on Ray (not hashed), the corpus and the store
+# ---------------------------------------------------------------------------------------------
+
+DRIVER_OPTIONS = (
+    FieldOption("--force", "force", "rebuild conversations already built", const=True),
+    FieldOption("--max-in-flight", "max_in_flight", "tasks submitted at most"),
+    FieldOption("--cpus-per-task", "cpus_per_task", "Ray CPUs per task"),
+    FieldOption("--gpus-per-task", "gpus_per_task",
+                "Ray GPUs per task (default: 1 when the cluster has GPUs now, else 0; give 1 on "
+                "an autoscaling cluster whose GPU workers start at zero)"),
+    FieldOption("--max-retries", "max_retries", "Ray retries per task on worker death"),
+    FieldOption("--no-progress", "progress", "no progress bar (e.g. in a job's log)",
+                const=False),
+)
+
+LIMIT_OPTIONS = (
+    FieldOption("--max-record-bytes", "max_record_bytes",
+                "largest JSONL line (or .json file) accepted, in bytes"),
+    FieldOption("--max-turn-chars", "max_turn_chars",
+                "longest turn text (or caption) accepted, in characters"),
+)
+
+
+def add_driver_options(p: argparse.ArgumentParser) -> None:
+    add_options(p, DRIVER_OPTIONS, DriverOptions())
+
+
+def driver_options_from_args(a: argparse.Namespace,
+                             options: Sequence[FieldOption] = DRIVER_OPTIONS,
+                             base: DriverOptions = DriverOptions()) -> DriverOptions:
+    return apply_options(base, options, a)
 
 
 def add_corpus_options(p: argparse.ArgumentParser) -> None:
@@ -16,25 +245,49 @@ def add_corpus_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--on-bad-record", default="fail", choices=["fail", "skip"],
                    help="a malformed record (or question) stops the run, or is skipped (a "
                         "question: dropped, its conversation kept) and listed in skipped.jsonl")
-    p.add_argument("--max-record-bytes", type=int, default=DEFAULT_LIMITS.max_record_bytes,
-                   help="largest JSONL line (or .json file) accepted, in bytes")
-    p.add_argument("--max-turn-chars", type=int, default=DEFAULT_LIMITS.max_turn_chars,
-                   help="longest turn text (or caption) accepted, in characters")
+    add_options(p, LIMIT_OPTIONS, CorpusLimits())
 
 
 def limits_from_args(a: argparse.Namespace) -> CorpusLimits:
-    return CorpusLimits(max_record_bytes=a.max_record_bytes, max_turn_chars=a.max_turn_chars)
+    return apply_options(CorpusLimits(), LIMIT_OPTIONS, a)
 
 
-def add_store_options(p: argparse.ArgumentParser) -> None:
-    """`--store` and `--s3-endpoint` of the commands that read an existing store (jobs.serve
-    reads the endpoint from the environment at start instead, for its replicas)."""
-    p.add_argument("--store", required=True, help="store folder, or s3://bucket/prefix")
+def add_store_options(p: argparse.ArgumentParser, help: str = "store folder, or s3://bucket/prefix",
+                      region: bool = False) -> None:
+    """`--store` and `--s3-endpoint` (and `--s3-region`), as every command that opens a store
+    takes them; the endpoint's fallbacks are `pipeline.store.s3.s3_endpoint`'s."""
+    p.add_argument("--store", required=True, help=help)
     p.add_argument("--s3-endpoint", default=None,
-                   help="S3-compatible endpoint URL (default: $EPICACHE_S3_ENDPOINT, else AWS)")
+                   help="S3-compatible endpoint URL (default: $EPICACHE_S3_ENDPOINT, else "
+                        "$AWS_ENDPOINT_URL_S3 / $AWS_ENDPOINT_URL, else AWS)")
+    if region:
+        p.add_argument("--s3-region", default=None, help="S3 region (default: the AWS chain)")
 
 
-# -- the benchmarks' options ---------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------
+# The Serve endpoint: one option per ServeSettings field (its help is the field's metadata)
+# ---------------------------------------------------------------------------------------------
+
+SERVE_OPTIONS = tuple(
+    FieldOption(f.metadata.get("flag") or "--" + f.name.replace("_", "-"), f.name,
+                f.metadata["help"], metavar=f.metadata.get("metavar"))
+    for f in dataclasses.fields(ServeSettings) if f.metadata.get("cli", True))
+# The fields' own defaults, not an instance's: an instance would resolve the token and the
+# endpoint from the environment, and --help would print them.
+_SERVE_DEFAULTS = SimpleNamespace(**{f.name: f.default for f in dataclasses.fields(ServeSettings)})
+
+
+def add_serve_options(p: argparse.ArgumentParser) -> None:
+    add_options(p, SERVE_OPTIONS, _SERVE_DEFAULTS, ServeSettings)
+
+
+def settings_from_args(a: argparse.Namespace) -> ServeSettings:
+    return ServeSettings(**{o.path: getattr(a, o.dest) for o in SERVE_OPTIONS})
+
+
+# ---------------------------------------------------------------------------------------------
+# The benchmarks'
+# ---------------------------------------------------------------------------------------------
 
 def add_threads_option(p: argparse.ArgumentParser) -> None:
     """`--threads`: pinning torch's threads gives steadier timings on a busy machine."""
@@ -43,17 +296,20 @@ def add_threads_option(p: argparse.ArgumentParser) -> None:
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
     """`--model` and `--threads`, as every benchmark that loads the model takes them."""
-    p.add_argument("--model", default=models.DEFAULT_LLM,
-                   help="LLM: packaged name or local HF folder")
+    add_options(p, MODEL_OPTIONS[:1], BuildConfig())
     add_threads_option(p)
 
 
+PREFILL_BENCH_OPTIONS = (
+    FieldOption("--budget", "budget", "mean entries kept per layer and KV head"),
+    FieldOption("--block", "prefill.block", "block-prefill block size (tokens)"),
+)
+
+
 def add_prefill_options(p: argparse.ArgumentParser, lengths: str) -> None:
-    """The options of one episode's block prefill at growing lengths (bench_memory,
-    bench_build_speed), `lengths` being the default lengths."""
+    """The options of one episode's block prefill at growing lengths (jobs.bench.memory,
+    jobs.bench.build_speed), `lengths` being the default lengths."""
     p.add_argument("--lengths", default=lengths, help="comma-separated conversation lengths (tokens)")
-    p.add_argument("--budget", type=int, default=1024,
-                   help="mean entries kept per layer and KV head")
-    p.add_argument("--block", type=int, default=512, help="block-prefill block size (tokens)")
+    add_options(p, PREFILL_BENCH_OPTIONS, BuildConfig())
     p.add_argument("--layers", type=int, default=None,
                    help="run the first N decoder layers only (default: all)")

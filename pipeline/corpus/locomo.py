@@ -13,8 +13,8 @@ from pipeline.corpus.records import (
     DEFAULT_LIMITS,
     CorpusLimits,
     QuestionFaults,
-    _parse_questions,
-    _Record,
+    RecordFields,
+    parse_questions,
     resolve_turn_id,
 )
 from pipeline.corpus.schema import Conversation, CorpusError, Question, Turn, check_safe_id
@@ -26,7 +26,7 @@ def parse_locomo(obj: Any, conversation_id: str, where: str, limits: CorpusLimit
                  faults: QuestionFaults | None = None) -> Conversation:
     """Build a `Conversation` from one LoCoMo sample (see shared/data/locomo/README.md); bad
     questions raise, or with `faults` given are dropped and noted there."""
-    rec = _Record(where, conversation_id)
+    rec = RecordFields(where, conversation_id)
     if not isinstance(obj, dict):
         raise CorpusError(f"{where}: a LoCoMo sample must be a JSON object", conversation_id)
     conv = obj.get("conversation", obj)  # the original locomo10.json nests the sessions
@@ -77,10 +77,10 @@ def parse_locomo(obj: Any, conversation_id: str, where: str, limits: CorpusLimit
     if not isinstance(qa, list):
         raise rec.fail("qa", f"must be list, got {type(qa).__name__}")
     return Conversation(check_safe_id(conversation_id), tuple(speakers), tuple(turns),
-                        _parse_questions(qa, question, faults), {"source": "locomo"})
+                        parse_questions(qa, question, faults), {"source": "locomo"})
 
 
-def _locomo_id(sample: Any, default: str) -> str:
+def locomo_id(sample: Any, default: str) -> str:
     sample_id = sample.get("sample_id") if isinstance(sample, dict) else None
     base = str(sample_id or default)
     return base if base.startswith("locomo") else f"locomo-{base}"

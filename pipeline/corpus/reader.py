@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any, BinaryIO, Callable, Iterable, Iterator, Literal, TextIO
 
-from pipeline.corpus.locomo import _locomo_id, parse_locomo
+from pipeline.corpus.locomo import locomo_id, parse_locomo
 from pipeline.corpus.records import DEFAULT_LIMITS, CorpusLimits, QuestionFaults, parse_record
 from pipeline.corpus.schema import Conversation, CorpusError, UnsafeIdError
 
@@ -206,7 +206,7 @@ def _conversations(obj: CorpusObject, skip: bool, stats: ReadStats, limits: Corp
             if item[0] == "jsonl":
                 conv = parse_record(item[1], where, limits, faults)
             else:
-                cid = _locomo_id(item[1], item[2])
+                cid = locomo_id(item[1], item[2])
                 try:
                     conv = parse_locomo(item[1], cid, where, limits, faults)
                 except UnsafeIdError as e:

@@ -34,7 +34,7 @@ class CorpusLimits:
         if self.max_record_bytes < 1 or self.max_turn_chars < 1:
             raise ValueError("--max-record-bytes and --max-turn-chars must be at least 1")
 
-    def check_chars(self, rec: "_Record", path: str, value: str | None) -> None:
+    def check_chars(self, rec: "RecordFields", path: str, value: str | None) -> None:
         if value is not None and len(value) > self.max_turn_chars:
             raise rec.fail(path, f"is {len(value):,} characters, over the limit of "
                                  f"{self.max_turn_chars:,} (--max-turn-chars)")
@@ -46,7 +46,7 @@ _QUESTION_KEYS = {"question", "answer", "evidence", "category"}
 _CONVERSATION_KEYS = {"conversation_id", "speakers", "turns", "questions"}
 
 
-class _Record:
+class RecordFields:
     """Field access that raises a `CorpusError` naming where the record came from."""
 
     def __init__(self, where: str, conversation_id: str | None = None):
@@ -81,7 +81,7 @@ class _Record:
 QuestionFaults = list[tuple[int, CorpusError]]
 
 
-def _parse_questions(items: list, parse_one: Callable[[int, Any], Question],
+def parse_questions(items: list, parse_one: Callable[[int, Any], Question],
                      faults: QuestionFaults | None) -> tuple[Question, ...]:
     """Each question through `parse_one(index, item)`. A bad question raises when `faults` is
     None (fail mode); else it is dropped and noted, so one bad question does not cost its
@@ -115,7 +115,7 @@ def parse_record(obj: Any, where: str, limits: CorpusLimits = DEFAULT_LIMITS,
                  faults: QuestionFaults | None = None) -> Conversation:
     """Validate one JSONL record and build its `Conversation`; bad questions raise, or with
     `faults` given are dropped and noted there."""
-    rec = _Record(where)
+    rec = RecordFields(where)
     if not isinstance(obj, dict):
         raise CorpusError(f"{where}: record must be a JSON object, got {type(obj).__name__}")
     cid = rec.get(obj, "conversation_id", "conversation_id", str, nonempty=True)
@@ -171,7 +171,7 @@ def parse_record(obj: Any, where: str, limits: CorpusLimits = DEFAULT_LIMITS,
         meta = {k: v for k, v in q.items() if k not in _QUESTION_KEYS}
         return Question(text, str(answer), tuple(evidence), category, meta)
 
-    questions = _parse_questions(
+    questions = parse_questions(
         rec.get(obj, "questions", "questions", list, required=False) or [], question, faults)
     meta = {k: v for k, v in obj.items() if k not in _CONVERSATION_KEYS}
     return Conversation(cid, tuple(speakers), tuple(turns), questions, meta)

@@ -27,7 +27,7 @@ from pipeline.eval.metrics import (
     f1_score,
     question_text,
 )
-from pipeline.eval.summary import _mean
+from pipeline.eval.summary import nan_mean
 from pipeline.kv import models, prompts
 from pipeline.kv.cache import EpisodicCache
 from pipeline.kv.layout import TokenLayout, kept_share, token_layout
@@ -116,7 +116,7 @@ def evidence_diagnostics(conv: Conversation, q: Question, layout: TokenLayout,
     spans = [layout.span_of(t) for t in q.evidence]
     return {"evidence_session": min(turns[t].session for t in q.evidence),
             "evidence_position": float(np.mean([s / layout.n_tokens for s, _ in spans])),
-            "evidence_kept": _mean(kept_share(cache, s, e) for s, e in spans)}
+            "evidence_kept": nan_mean(kept_share(cache, s, e) for s, e in spans)}
 
 
 def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalConfig,

@@ -17,8 +17,6 @@ from dataclasses import asdict, dataclass, field, replace
 
 from pipeline.build.config import BuildConfig
 from pipeline.episodes import EpisodeConfig
-from pipeline.kv import models
-from pipeline.kv.budgets import CalibrationConfig
 from pipeline.kv.merging import MergeConfig
 from pipeline.kv.prefill import PrefillConfig
 from pipeline.kv.scorers import ScoringConfig
@@ -96,24 +94,28 @@ class Recipe:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    model: str = models.DEFAULT_LLM
-    encoder: str = models.DEFAULT_ENCODER
-    block: int = 512
-    selection: str = "headwise"
-    head_floor: float = 0.0
-    alpha: float = BuildConfig.alpha
-    scoring: ScoringConfig = field(default_factory=ScoringConfig)
-    episodes: EpisodeConfig = field(default_factory=EpisodeConfig)
-    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
-    max_context_tokens: int | None = None
+    """An evaluation: the build every method starts from (`build`: the model, the encoder and
+    every stage's configuration; a method's name and variants change it, `build_config`), and how
+    the questions are measured. `build.prefill.tristate` and `build.prefill.merge` hold the
+    parameters the `tri` and `merge` variants switch on."""
+    build: BuildConfig = field(default_factory=BuildConfig)
     questions_per_conversation: int | None = None
     generate: bool = False  # generate answers for F1 (slow; at the floor for a 135M model)
     max_new_tokens: int = 32
     recall_words: int = 4
     recall_tokens: int = 32
-    tristate: TriStateConfig = field(default_factory=lambda: TriStateConfig(enabled=True))
-    merge: MergeConfig = field(default_factory=lambda: MergeConfig(enabled=True))
-    variance_temperature: float = 1.0
+
+    @property
+    def model(self) -> str:
+        return self.build.model
+
+    @property
+    def encoder(self) -> str:
+        return self.build.encoder
+
+    @property
+    def max_context_tokens(self) -> int | None:
+        return self.build.max_context_tokens
 
     def recipe(self, method: str) -> Recipe:
         """The scoring, layer allocation, selection and episodes of a method and its variants.
@@ -122,10 +124,12 @@ class EvalConfig:
         base, v = parse_method(method)
         if base == "epicache-paper":
             scoring, alpha, selection, floor = ScoringConfig.paper(), 1.0, "headwise", 0.0
-            episodes = EpisodeConfig(window=self.episodes.window, seed=self.episodes.seed)
+            episodes = EpisodeConfig(window=self.build.episodes.window,
+                                     seed=self.build.episodes.seed)
         else:
-            scoring, alpha, selection, floor = self.scoring, self.alpha, self.selection, self.head_floor
-            episodes = self.episodes
+            b = self.build
+            scoring, alpha, selection = b.scoring, b.alpha, b.prefill.selection
+            floor, episodes = b.prefill.head_floor, b.episodes
         flags = {"pastonly": ("include_patch", False), "withpatch": ("include_patch", True),
                  "qmean": ("reduce", "mean"), "qmax": ("reduce", "max"),
                  "utt": ("utterance", True), "tok": ("utterance", False)}
@@ -150,14 +154,16 @@ class EvalConfig:
         recipe = self.recipe(method)
         scales = [_oq_scale(x) for x in v if _oq_scale(x) is not None]
         tri = bool(v & {"tri", "fp8", "max"}) or bool(scales)
-        tristate = TriStateConfig(**(asdict(self.tristate) | {
-            "enabled": True, "fp8": self.tristate.fp8 or "fp8" in v,
-            "original_scale": scales[0] if scales else self.tristate.original_scale,
-            "heavy_hitter": self.tristate.heavy_hitter and "max" not in v})) if tri else TriStateConfig()
-        return PrefillConfig(block=self.block, selection=recipe.selection,
+        base = self.build.prefill
+        tristate = replace(base.tristate, enabled=True, fp8=base.tristate.fp8 or "fp8" in v,
+                           original_scale=scales[0] if scales else base.tristate.original_scale,
+                           heavy_hitter=base.tristate.heavy_hitter and "max" not in v) \
+            if tri else TriStateConfig()
+        return PrefillConfig(block=base.block, selection=recipe.selection,
                              head_floor=recipe.head_floor,
                              decode_positions="dapq" in v, tristate=tristate,
-                             merge=self.merge if "merge" in v else MergeConfig(),
+                             merge=replace(base.merge, enabled=True) if "merge" in v
+                             else MergeConfig(),
                              positions="compact" if "compact" in v else "original")
 
     def build_config(self, method: str, budget: int | None) -> BuildConfig:
@@ -169,8 +175,8 @@ class EvalConfig:
         return BuildConfig(model=self.model, encoder=self.encoder, scorer=scorer,
                            budget=budget, alpha=recipe.alpha if allocator == "sensitivity" else 0.0,
                            allocator=allocator or "sensitivity",
-                           variance_temperature=self.variance_temperature,
-                           episodes=recipe.episodes, calibration=self.calibration,
+                           variance_temperature=self.build.variance_temperature,
+                           episodes=recipe.episodes, calibration=self.build.calibration,
                            scoring=recipe.scoring, prefill=self.prefill_config(method))
 
     def needs_profile(self, method: str) -> bool:

@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import io
+import json
 import math
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+def records_parquet(records: list[dict]) -> bytes:
+    """Question records as the bytes of one Parquet file."""
+    sink = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(records), sink)
+    return sink.getvalue()
 
 def _fmt(x, pct: bool = False) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
@@ -67,3 +78,18 @@ def plot_retention(rows: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def write_report(out: Path, summary: dict, records: list[dict]) -> str:
+    """results.parquet (per question), summary.json, table.md and retention.png under `out`;
+    returns the tables (the summary's rows, then by evidence position and by route hit)."""
+    (out / "results.parquet").write_bytes(records_parquet(records))
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    table = markdown_table(summary["rows"]) + "\n" + breakdown_table(
+        summary["by_evidence_position"], "evidence in the conversation's first / middle / last third",
+        ["first", "middle", "last"]) + "\n" + breakdown_table(
+        summary["by_route_hit"], "route hit (the routed episode holds an evidence turn)",
+        [True, False])
+    (out / "table.md").write_text(table)
+    plot_retention(summary["rows"], out / "retention.png")
+    return table

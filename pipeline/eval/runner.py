@@ -11,8 +11,9 @@ import hashlib
 import io
 import json
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 from tqdm import tqdm
@@ -20,7 +21,8 @@ from tqdm import tqdm
 from pipeline.build.profile import layer_profile
 from pipeline.corpus.schema import Conversation
 from pipeline.eval.cell import Prepared, evaluate_cell, prepare
-from pipeline.eval.methods import EPISODIC, EvalConfig, parse_method
+from pipeline.eval.methods import EPISODIC, EvalConfig, allocator_of, parse_method
+from pipeline.eval.report import records_parquet
 from pipeline.store.local import LocalStore
 from pipeline.store.uri import open_store
 
@@ -69,12 +71,6 @@ def cell_key(conv: Conversation, digest: str, method: str, budget: int | None,
     return f"cells/{conv.conversation_id}/{digest}/{cell}.parquet"
 
 
-def _records_bytes(records: list[dict]) -> bytes:
-    sink = io.BytesIO()
-    pq.write_table(pa.Table.from_pylist(records), sink)
-    return sink.getvalue()
-
-
 def collect_cells(pending: dict, kept: LocalStore) -> tuple[list[dict], list[dict]]:
     """Wait for every cell task (`pending`: ref -> (conversation id, method, budget, key)); keep
     each finished cell's records under `key`. Returns the records and the failed cells."""
@@ -91,7 +87,60 @@ def collect_cells(pending: dict, kept: LocalStore) -> tuple[list[dict], list[dic
                 failed.append({"conversation_id": cid, "method": method, "budget": budget,
                                "error": reason})
             else:
-                kept.put(key, _records_bytes(cell_records))
+                kept.put(key, records_parquet(cell_records))
                 records.extend(cell_records)
             bar.update(1)
     return records, failed
+
+
+@dataclass
+class Outcome:
+    """What a run of the cells gave: every question's record, the failed cells, the cells
+    reused from an earlier run, and each conversation as prepared."""
+    records: list[dict]
+    failed: list[dict]
+    reused: int
+    prepared: list[Prepared]
+
+
+def layer_budgets_of(config: EvalConfig, methods: list[str], budgets: list[int],
+                     out: Path) -> dict[tuple[str, int], list[int]]:
+    """The layer budgets of every (method, budget) whose method allocates them from a measured
+    profile (one profile per allocator, kept under `out/profiles`); the others are uniform."""
+    allocated = [m for m in methods if config.needs_profile(m)]
+    profiles = {}
+    for m in allocated:
+        kind = allocator_of(m)
+        if kind not in profiles:
+            profiles[kind] = ray.get(profile_task.remote(str(out / "profiles"), config, m))
+    return {(m, b): config.build_config(m, b).allocator_strategy().allocate(
+        profiles[allocator_of(m)], b) for m in allocated for b in budgets}
+
+
+def run_cells(convs: list[Conversation], methods: list[str], budgets: list[int],
+              config: EvalConfig, out: Path) -> Outcome:
+    """Every cell of every conversation on the connected Ray (the two references, then each
+    method at each budget), reusing the cells finished under `out` by an earlier run."""
+    layer_budgets = layer_budgets_of(config, methods, budgets, out)
+    kept = LocalStore(out)  # finished cells (atomic writes: a cell is whole or absent)
+    pending, prep_refs, records, reused = {}, [], [], 0
+    for conv in convs:
+        prep = prepare_task.remote(conv, config)
+        prep_refs.append(prep)
+        digest = conversation_digest(conv)  # hashes the whole conversation: once, not per cell
+        cells = [("none", None), ("full", None)] + [(m, b) for m in methods if m != "full"
+                                                    for b in budgets]
+        for method, budget in cells:  # uniform layer budgets unless the method allocates
+            allocated = layer_budgets.get((method, budget))
+            key = cell_key(conv, digest, method, budget, config, allocated)
+            if kept.exists(key):
+                records.extend(r | {"method": method} for r in
+                               pq.read_table(io.BytesIO(kept.get(key))).to_pylist())
+                reused += 1
+                continue
+            ref = cell_task.remote(prep, method, budget, config, allocated)
+            pending[ref] = (conv.conversation_id, method, budget, key)
+    if reused:
+        print(f"reusing {reused} finished cells from {out}/cells", file=sys.stderr)
+    cell_records, failed = collect_cells(pending, kept)
+    return Outcome(records + cell_records, failed, reused, ray.get(prep_refs))

@@ -15,13 +15,16 @@ import sys
 import numpy as np
 import torch
 
+from pipeline.build.config import BuildConfig
+from pipeline.build.profile import calibration_text
 from pipeline.corpus.render import render_conversation, render_header
 from pipeline.episodes import build_episodes, member_turn_ids, route
 from pipeline.eval.cell import prepare, probe_pairs
 from pipeline.eval.metrics import continuation_nlls
-from pipeline.kv import prompts
+from pipeline.kv import models, prompts
+from pipeline.kv.budgets import CalibrationConfig, layer_similarity
 from pipeline.kv.layout import kept_share, token_layout
-from pipeline.kv.prefill import PrefillConfig, _layer_state, block_prefill, select_keep
+from pipeline.kv.prefill import PrefillConfig, block_prefill, layer_state, select_keep
 from pipeline.kv.scorers import FullScorer, episodic_scorer
 
 
@@ -40,7 +43,7 @@ def patch_states(lm, cache, scorer):
     with cache.scratch(), cache.patched(patch.shape[0], **scorer.patch_options()):
         lm.model.base_model(input_ids=patch[None], past_key_values=cache, use_cache=True,
                             position_ids=torch.arange(seen, seen + patch.shape[0])[None])
-    states = [_layer_state(i, layer, 0) for i, layer in enumerate(cache.layers)]
+    states = [layer_state(i, layer, 0) for i, layer in enumerate(cache.layers)]
     for layer in cache.layers:
         layer.last_request = None
     return states
@@ -109,3 +112,12 @@ def table(records: list[dict]) -> str:
                      f"| {100 * np.mean([r['evidence_kept'] for r in g]):.1f}% "
                      f"| {100 * np.mean([r['route_hit'] for r in g]):.0f}% |")
     return "\n".join(lines)
+
+
+def sensitivity_profile(lm: models.LoadedModel,
+                        calibration: CalibrationConfig = CalibrationConfig()) -> list[float]:
+    """The model's layer sensitivity on the calibration text, as a build measures it
+    (`pipeline.build.profile`), measured here rather than read from a store."""
+    text = calibration_text(BuildConfig(calibration=calibration))
+    ids = prompts.context_ids(lm.tokenizer, text)[:calibration.tokens]
+    return layer_similarity(lm.model, ids, calibration).tolist()

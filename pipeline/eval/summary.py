@@ -48,15 +48,15 @@ def summarise_by(records: list[dict], key: str) -> list[dict]:
     out = []
     for (method, budget, group), g in groups.items():
         keys = [(r["conversation_id"], r["question_index"]) for r in g]
-        full = _mean(refs.get(k + ("full",)) for k in keys)
-        none = _mean(refs.get(k + ("none",)) for k in keys)
+        full = nan_mean(refs.get(k + ("full",)) for k in keys)
+        none = nan_mean(refs.get(k + ("none",)) for k in keys)
         out.append({"method": method, "budget": budget, "group": group, "questions": len(g),
-                    "retention_of_means": retention(none, _mean(r["evidence_nll"] for r in g), full),
-                    "evidence_kept": _mean(r.get("evidence_kept") for r in g)})
+                    "retention_of_means": retention(none, nan_mean(r["evidence_nll"] for r in g), full),
+                    "evidence_kept": nan_mean(r.get("evidence_kept") for r in g)})
     return out
 
 
-def _mean(values) -> float:
+def nan_mean(values) -> float:
     values = [v for v in values if v is not None and not np.isnan(v)]
     return float(np.mean(values)) if values else float("nan")
 
@@ -67,23 +67,23 @@ def summarise(records: list[dict]) -> list[dict]:
     groups: dict[tuple, list[dict]] = {}
     for r in records:
         groups.setdefault((r["method"], r["budget"]), []).append(r)
-    ref = {m: _mean(r["evidence_nll"] for r in records if r["method"] == m) for m in ("full", "none")}
+    ref = {m: nan_mean(r["evidence_nll"] for r in records if r["method"] == m) for m in ("full", "none")}
     gap = ref["none"] - ref["full"]
     rows = []
     for (method, budget), g in groups.items():
         row = {"method": method, "budget": budget, "questions": len(g),
-               "retention": _mean(r["retention"] for r in g),
-               "evidence_nll": _mean(r["evidence_nll"] for r in g),
-               "answer_nll": _mean(r["answer_nll"] for r in g),
-               "f1": _mean(r.get("f1") for r in g), "kept_entries": _mean(r["kept_entries"] for r in g),
-               "kv_bytes": _mean(r.get("kv_bytes") for r in g),
-               "bytes_tokens": _mean(r.get("bytes_tokens") for r in g),
-               "quantized_share": _mean(r.get("quantized_share") for r in g),
-               "merged_entries": _mean(r.get("merged_entries") for r in g),
-               "evidence_kept": _mean(r.get("evidence_kept") for r in g),
-               "route_hit": _mean(float(r["route_hit"]) for r in g if r.get("route_hit") is not None)}
+               "retention": nan_mean(r["retention"] for r in g),
+               "evidence_nll": nan_mean(r["evidence_nll"] for r in g),
+               "answer_nll": nan_mean(r["answer_nll"] for r in g),
+               "f1": nan_mean(r.get("f1") for r in g), "kept_entries": nan_mean(r["kept_entries"] for r in g),
+               "kv_bytes": nan_mean(r.get("kv_bytes") for r in g),
+               "bytes_tokens": nan_mean(r.get("bytes_tokens") for r in g),
+               "quantized_share": nan_mean(r.get("quantized_share") for r in g),
+               "merged_entries": nan_mean(r.get("merged_entries") for r in g),
+               "evidence_kept": nan_mean(r.get("evidence_kept") for r in g),
+               "route_hit": nan_mean(float(r["route_hit"]) for r in g if r.get("route_hit") is not None)}
         row["retention_of_means"] = (ref["none"] - row["evidence_nll"]) / gap if gap > 0 else float("nan")
         for cat in sorted({r["category"] for r in g if r["category"] is not None}):
-            row[f"f1_cat{cat}"] = _mean(r.get("f1") for r in g if r["category"] == cat)
+            row[f"f1_cat{cat}"] = nan_mean(r.get("f1") for r in g if r["category"] == cat)
         rows.append(row)
     return rows

@@ -105,7 +105,7 @@ def select_keep(scores: torch.Tensor, valid: torch.Tensor, budget: int,
     return keep & valid
 
 
-def _layer_state(idx: int, layer: EpisodicLayer, block_start: int) -> LayerState:
+def layer_state(idx: int, layer: EpisodicLayer, block_start: int) -> LayerState:
     request = layer.last_request
     return LayerState(layer_idx=idx, keys=layer.keys[0], values=layer.values[0],
                       valid=layer.valid, positions=layer.positions,
@@ -193,7 +193,7 @@ def block_prefill(model: torch.nn.Module, input_ids: torch.Tensor, scorer: Score
             decoder(input_ids=tokens[None], position_ids=positions[None], past_key_values=cache,
                     use_cache=True)
         if eviction is not None:
-            states = [_layer_state(idx, layer, seen) for idx, layer in enumerate(cache.layers)]
+            states = [layer_state(idx, layer, seen) for idx, layer in enumerate(cache.layers)]
             eviction.step(cache.layers, states, scorer, final=begin + config.block >= total)
         if rotation is not None:
             cache.compact(rotation)

@@ -5,30 +5,32 @@ The replicas get the jobs' worker environment (`pipeline.ray_runtime.WORKER_ENV`
 model libraries) as their runtime environment, as every Ray worker the jobs start does.
 """
 
-import os
+from __future__ import annotations
+
 from dataclasses import asdict
 
+from pipeline.kv.models import DEFAULT_ENCODER, DEFAULT_LLM
 from pipeline.ray_runtime import WORKER_ENV
 from pipeline.serve.decoder import Decoder
 from pipeline.serve.router import Router
-from pipeline.serve.settings import AUTH_ENV, ServeSettings, parse_autoscale
+from pipeline.serve.settings import ServeSettings
+from pipeline.store.base import Store
+from pipeline.store.manifest import list_conversations, read_manifest
+from pipeline.store.uri import open_store
 
 APP_NAME = "epicache"
 
 
-def resolve_models(store, model: str | None, encoder: str | None) -> tuple[str, str]:
+def resolve_models(store: Store, model: str | None, encoder: str | None) -> tuple[str, str]:
     """The model and encoder to serve: as given, else as named in the store's manifests (the
     first conversation's), else the packaged defaults for an empty store."""
-    from pipeline.kv import models
-    from pipeline.store.manifest import list_conversations, read_manifest
-
     if model is None or encoder is None:
         for cid in list_conversations(store)[:1]:
             rows = read_manifest(store, cid) or []
             if rows:
                 model = model or rows[0]["model_id"]
                 encoder = encoder or rows[0]["encoder_id"]
-    return model or models.DEFAULT_LLM, encoder or models.DEFAULT_ENCODER
+    return model or DEFAULT_LLM, encoder or DEFAULT_ENCODER
 
 
 def build_app(settings: ServeSettings, model: str, encoder: str):
@@ -57,23 +59,12 @@ def build_app(settings: ServeSettings, model: str, encoder: str):
 
 
 def app_builder(args: dict[str, str]):
-    """For `serve run jobs.serve:app_builder store=URI [key=value ...]` (keys as in
-    `ServeSettings`; the bearer token from $EPICACHE_SERVE_TOKEN)."""
-    from pipeline.store.uri import open_store
-
-    casts = {"router_replicas": int, "decoder_replicas": int, "decoder_max_ongoing": int,
-             "cache_bytes": int, "max_question_chars": int, "max_new_tokens_limit": int,
-             "default_max_new_tokens": int, "torch_threads": int, "router_cpus": float,
-             "decoder_cpus": float, "decoder_gpus": float, "decoder_target_ongoing": float,
-             "manifest_ttl_s": float, "decoder_autoscale": parse_autoscale, "max_batch": int,
-             "max_batch_tokens": int, "decoder_timeout_s": float,
-             "disk_cache_bytes": int, "prefetch_workers": int}
+    """For `serve run jobs.serve:app_builder store=URI [key=value ...]`: the keys are the
+    `ServeSettings` fields, each value cast by its field's type (the bearer token defaults to
+    $EPICACHE_SERVE_TOKEN)."""
     if "store" not in args:
         raise ValueError("serve run jobs.serve:app_builder needs store=URI")
-    kwargs = {k: casts.get(k, str)(v) for k, v in args.items()}
-    kwargs.setdefault("auth_token", os.environ.get(AUTH_ENV) or None)
-    kwargs.setdefault("s3_endpoint", os.environ.get("EPICACHE_S3_ENDPOINT") or None)
-    settings = ServeSettings(**kwargs)
+    settings = ServeSettings.from_strings(args)
     store = open_store(settings.store, endpoint_url=settings.s3_endpoint, create=False)
     model, encoder = resolve_models(store, settings.model, settings.encoder)
     return build_app(settings, model, encoder)

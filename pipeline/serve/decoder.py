@@ -16,9 +16,20 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
+import torch
 from ray import serve
+from transformers import AsyncTextIteratorStreamer
 
+from pipeline.answer.batcher import DecodeBatcher
+from pipeline.answer.decode import AnswerPieces
+from pipeline.answer.fetch import cache_parser, fetch_object
+from pipeline.answer.lru import CacheLRU
+from pipeline.answer.malloc_tuning import retain_freed_memory
+from pipeline.answer.routing import check_models
+from pipeline.kv import models
 from pipeline.serve.errors import classify
+from pipeline.store.disk_tier import DiskTier
+from pipeline.store.uri import open_store
 
 log = logging.getLogger("epicache.serve")
 
@@ -39,15 +50,6 @@ class Decoder:
                  torch_threads: int | None = None, disk_cache: str | None = None,
                  disk_cache_bytes: int = 0, prefetch_workers: int = 1, max_batch: int = 8,
                  max_batch_tokens: int = 32768):
-        import torch
-
-        from pipeline.answer.batcher import DecodeBatcher
-        from pipeline.answer.lru import CacheLRU
-        from pipeline.answer.malloc_tuning import retain_freed_memory
-        from pipeline.kv import models
-        from pipeline.store.disk_tier import DiskTier
-        from pipeline.store.uri import open_store
-
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -74,8 +76,6 @@ class Decoder:
     def _fetch(self, row: dict, parse=None):
         """The episode's object from the disk tier, else the store (then kept in the tier),
         with `parse` run on it while its checksum is verified; counted. What `parse` made."""
-        from pipeline.answer.fetch import fetch_object
-
         fetched = fetch_object(self.store, row, self.disk, parse)
         self._count(**({"disk_reads": 1} if fetched.from_disk else
                        {"store_reads": 1, "fetched_bytes": len(fetched.data)}))
@@ -83,13 +83,9 @@ class Decoder:
 
     def _load(self, row: dict):
         """The episode's cache: fetched, and parsed while its checksum is verified."""
-        from pipeline.answer.fetch import cache_parser
-
         return self._fetch(row, cache_parser(row, self.lm.model.dtype, self.device))
 
     def _cache(self, row: dict):
-        from pipeline.answer.routing import check_models
-
         check_models([row], self.model_name, None)
         t = time.perf_counter()
         cache, hit = self.caches.get_or_load((row["object_key"], row["sha256"]),
@@ -121,10 +117,6 @@ class Decoder:
                      temperature: float) -> AsyncIterator[dict]:
         """First {"cache_hit", "fetch_ms"} (or {"error": ...}), then {"text": piece}s, then
         {"done": {"tokens", "finish_reason", "decode_ms", "queue_ms"}} (or {"error": ...})."""
-        from transformers import AsyncTextIteratorStreamer
-
-        from pipeline.answer.decode import AnswerPieces
-
         try:
             cache, hit, fetch_ms = await asyncio.to_thread(self._cache, row)
         except Exception as e:
@@ -158,8 +150,6 @@ class Decoder:
         """Load these episodes in the background (a follow-up question often routes to another
         episode of the conversation): into the disk tier, and into memory when the LRU has room
         without evicting anything. Returns at once with the number queued; never raises."""
-        from pipeline.answer.routing import check_models
-
         if self.prefetcher is None:
             return 0
         queued = 0

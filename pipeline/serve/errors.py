@@ -9,7 +9,15 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pipeline.answer.routing import ConversationNotFound, ModelMismatchError
+from pipeline.corpus.schema import UnsafeIdError
+from pipeline.store.base import ObjectNotFound, StoreError
+from pipeline.store.cache_format import CacheCorruptError
+from pipeline.store.manifest import ManifestError
 
 log = logging.getLogger("epicache.serve")
 
@@ -40,15 +48,6 @@ def _error_response(status: int, message: str, kind: str | None = None) -> JSONR
 
 def classify(e: BaseException) -> tuple[int, str]:
     """(HTTP status, message) of an error raised while answering."""
-    from ray.exceptions import RayActorError
-    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
-
-    from pipeline.answer.routing import ConversationNotFound, ModelMismatchError
-    from pipeline.corpus.schema import UnsafeIdError
-    from pipeline.store.base import ObjectNotFound, StoreError
-    from pipeline.store.cache_format import CacheCorruptError
-    from pipeline.store.manifest import ManifestError
-
     if isinstance(e, ApiError):
         return e.status, e.message
     if isinstance(e, RayActorError):  # died or unreachable (ActorDiedError, ActorUnavailable...)

@@ -14,11 +14,23 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from ray import serve
+from ray.exceptions import RayActorError
 
+from pipeline.answer.routing import (
+    centroid_matrix,
+    check_models,
+    embed_question,
+    load_manifest,
+    route_question,
+)
+from pipeline.corpus.schema import check_safe_id
+from pipeline.kv import models
 from pipeline.serve import openai_chat
 from pipeline.serve.errors import ApiError, add_exception_handlers, classify
 from pipeline.serve.schemas import AnswerRequest, ChatRequest, parse_body
 from pipeline.serve.settings import ServeSettings
+from pipeline.store.base import ObjectNotFound, manifest_key
+from pipeline.store.uri import open_store
 
 log = logging.getLogger("epicache.serve")
 
@@ -41,8 +53,6 @@ class Router:
     """Embeds the question, routes it to an episode, and asks the decoder for the answer."""
 
     def __init__(self, decoder, settings: dict, model: str, encoder: str):
-        from pipeline.kv import models
-        from pipeline.store.uri import open_store
 
         self.decoder = decoder
         self.settings = ServeSettings(**settings)
@@ -68,10 +78,6 @@ class Router:
 
     def _load_conversation(self, conversation_id: str) -> _Conversation:
         """Blocking: the cached manifest, re-read if the object changed since it was read."""
-        from pipeline.answer.routing import centroid_matrix, check_models, load_manifest
-        from pipeline.corpus.schema import check_safe_id
-        from pipeline.store.base import ObjectNotFound, manifest_key
-
         check_safe_id(conversation_id)
         now = time.monotonic()
         known = self._conversations.get(conversation_id)
@@ -94,8 +100,6 @@ class Router:
         return conv
 
     def _embed(self, question: str):
-        from pipeline.answer.routing import embed_question
-
         with self.encoder_lock:
             return embed_question(self.encoder, question)
 
@@ -116,8 +120,6 @@ class Router:
 
     async def _route(self, conversation_id: str, question: str) -> tuple[dict, float, dict]:
         """(manifest row, similarity, timings) for a question; manifest lookup counts as route."""
-        from pipeline.answer.routing import route_question
-
         t0 = time.perf_counter()
         conv = await asyncio.to_thread(self._load_conversation, conversation_id)
         t1 = time.perf_counter()
@@ -163,8 +165,6 @@ class Router:
         answer has no side effect; Serve sends the retry to a live or replacement replica); a
         second death (503) or no answer within `decoder_timeout_s` in all (504) is an error,
         never a hang."""
-        from ray.exceptions import RayActorError
-
         deadline = time.monotonic() + self.settings.decoder_timeout_s
         for attempt in (1, 2):
             response = self.decoder.answer.remote(self._decoder_row(row), question, max_new,

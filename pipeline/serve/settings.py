@@ -1,40 +1,99 @@
-"""The serving settings: what the CLI and `app_builder` build, and what the deployments read."""
+"""The serving settings: what the deployments read, and the one description of each setting.
 
+`jobs.serve` makes its options from these fields (each field's help is its metadata; the
+option is the field's name with `-` for `_` unless the metadata names another flag), and `serve
+run jobs.serve:app_builder key=value ...` casts its text by the field's type (`from_strings`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
 from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.config_fields import parser_of
+from pipeline.store.s3 import s3_endpoint
 
 AUTH_ENV = "EPICACHE_SERVE_TOKEN"
+
+
+def parse_autoscale(value: str | None) -> tuple[int, int] | None:
+    """`MIN:MAX` (the CLI's --decoder-autoscale, the builder's decoder_autoscale) as a pair."""
+    if not value:
+        return None
+    lo, sep, hi = str(value).partition(":")
+    if not sep:
+        raise ValueError(f"autoscale takes MIN:MAX, got {value!r}")
+    return int(lo), int(hi)
+
+
+def setting(default: Any, help: str, **metadata: Any) -> Any:
+    """A field with its help (and `flag`, `metavar`, `parse`, or `cli=False`) in its metadata."""
+    return field(default=default, metadata={"help": help, **metadata})
 
 
 @dataclass
 class ServeSettings:
     """Everything the two deployments need; built by the CLI or by `app_builder`."""
-    store: str
-    s3_endpoint: str | None = None
-    model: str | None = None  # None: the model named in the store's manifests
-    encoder: str | None = None  # None: the encoder named in the store's manifests
-    auth_token: str | None = field(default=None, repr=False)
-    router_replicas: int = 1
-    router_cpus: float = 0.5
-    decoder_replicas: int = 1
-    decoder_autoscale: tuple[int, int] | None = None  # (min, max) replicas
-    decoder_target_ongoing: float = 2.0  # autoscaling target per decoder replica
-    decoder_cpus: float = 1.0
-    decoder_gpus: float = 0.0
-    decoder_max_ongoing: int = 16
-    cache_bytes: int = 2 * 2**30  # the decoder's LRU of loaded caches, per replica
-    manifest_ttl_s: float = 5.0  # how long a manifest is trusted before checking the store
-    max_question_chars: int = 2000
-    max_new_tokens_limit: int = 512
-    default_max_new_tokens: int = 32
-    torch_threads: int | None = None  # decoder torch threads (default: Ray's assignment)
-    max_batch: int = 8  # requests decoded together per decoder replica
-    max_batch_tokens: int = 32768  # tokens in flight per replica: cache slots + prompt + answer
-    decoder_timeout_s: float = 300.0  # the router's wait for a decoder answer (or stream piece)
-    disk_cache: str | None = None  # a local folder: the decoder's disk tier (None: no tier)
-    disk_cache_bytes: int = 8 * 2**30  # the disk tier's bound, per folder
-    prefetch_workers: int = 1  # decoder threads prefetching a conversation's other episodes
+    store: str = field(metadata={"help": "local folder or s3://bucket/prefix"})
+    s3_endpoint: str | None = setting(
+        None, "S3-compatible endpoint URL (default: $EPICACHE_S3_ENDPOINT, else "
+              "$AWS_ENDPOINT_URL_S3 / $AWS_ENDPOINT_URL, else AWS)")
+    model: str | None = setting(None, "LLM (default: the model named in the store's manifests)")
+    encoder: str | None = setting(
+        None, "sentence encoder (default: the encoder named in the store's manifests)")
+    auth_token: str | None = field(default=None, repr=False, metadata={
+        "help": f"require 'Authorization: Bearer <token>' on /v1 (default: ${AUTH_ENV}, else "
+                "no token)"})
+    router_replicas: int = setting(1, "router (HTTP ingress) replicas")
+    router_cpus: float = setting(0.5, "Ray CPUs per router replica")
+    decoder_replicas: int = setting(1, "decoder replicas (fixed; see --decoder-autoscale)")
+    decoder_autoscale: tuple[int, int] | None = setting(
+        None, "autoscale the decoder between MIN and MAX replicas instead (default: fixed "
+              "--decoder-replicas)", metavar="MIN:MAX", parse=parse_autoscale)
+    decoder_target_ongoing: float = setting(
+        2.0, "autoscaling target: ongoing requests per decoder replica")
+    decoder_cpus: float = setting(1.0, "Ray CPUs per decoder replica")
+    decoder_gpus: float = setting(0.0, "Ray GPUs per decoder replica, e.g. 1 to decode on a GPU")
+    decoder_max_ongoing: int = setting(
+        16, "requests queued or running per decoder replica (up to --max-batch of them decode "
+            "together; fetches overlap)")
+    cache_bytes: int = setting(
+        2 * 2**30, "bytes of resident caches per decoder replica, its LRU (default: 2 GiB)")
+    manifest_ttl_s: float = setting(
+        5.0, "seconds a manifest is trusted before the store is checked for changes",
+        flag="--manifest-ttl")
+    max_question_chars: int = setting(2000, "longest question accepted (longer: 422)")
+    max_new_tokens_limit: int = setting(
+        512, "largest max_new_tokens a request may ask for (larger: 422)")
+    default_max_new_tokens: int = setting(
+        32, "the answer length when a request names none", cli=False)
+    torch_threads: int | None = setting(
+        None, "decoder torch threads (default: Ray's assignment)")
+    max_batch: int = setting(
+        8, "requests a decoder replica decodes together (continuous batching; 1: one at a time)")
+    max_batch_tokens: int = setting(
+        32768, "tokens in flight per decoder replica, summed over the batch: each request's "
+               "cache slots + prompt + max_new_tokens (bounds the memory of the batch; a larger "
+               "request runs alone)")
+    decoder_timeout_s: float = setting(
+        300.0, "seconds the router waits for a decoder answer or the next streamed piece "
+               "before answering 504", flag="--decoder-timeout")
+    disk_cache: str | None = setting(
+        None, "a local folder for a bounded disk tier of verified cache objects under the "
+              "decoder's memory LRU (a restart or an eviction reads it, not the store); "
+              "replicas on one host may share it (default: no disk tier)", metavar="DIR")
+    disk_cache_bytes: int = setting(
+        8 * 2**30, "bytes the --disk-cache folder may hold; least recently read objects are "
+                   "evicted (default: 8 GiB)")
+    prefetch_workers: int = setting(
+        1, "decoder threads that load a conversation's other episodes in the background when "
+           "it is first asked about (0: no prefetch)")
 
     def __post_init__(self) -> None:
+        self.s3_endpoint = s3_endpoint(self.s3_endpoint)
+        self.auth_token = self.auth_token or os.environ.get(AUTH_ENV) or None
         if self.decoder_autoscale is not None:
             lo, hi = self.decoder_autoscale
             if not 0 <= lo <= hi or hi < 1:
@@ -51,12 +110,14 @@ class ServeSettings:
         if self.disk_cache_bytes < 0 or self.prefetch_workers < 0:
             raise ValueError("disk_cache_bytes and prefetch_workers must be >= 0")
 
-
-def parse_autoscale(value: str | None) -> tuple[int, int] | None:
-    """`MIN:MAX` (the CLI's --decoder-autoscale, the builder's decoder_autoscale) as a pair."""
-    if not value:
-        return None
-    lo, sep, hi = str(value).partition(":")
-    if not sep:
-        raise ValueError(f"autoscale takes MIN:MAX, got {value!r}")
-    return int(lo), int(hi)
+    @classmethod
+    def from_strings(cls, args: dict[str, str], **defaults: Any) -> "ServeSettings":
+        """Settings from `key=value` text (Serve's builder arguments), each value cast by its
+        field's type; `defaults` fill the keys not given. An unknown key is a ValueError."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(args) - names)
+        if unknown:
+            raise ValueError(f"unknown setting(s) {', '.join(unknown)}; the settings are: "
+                             f"{', '.join(sorted(names))}")
+        values = {name: parser_of(cls, name)(text) for name, text in args.items()}
+        return cls(**(defaults | values))

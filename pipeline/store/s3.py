@@ -16,13 +16,24 @@ from typing import BinaryIO
 
 from pipeline.store.base import ObjectInfo, ObjectNotFound, Partial, Store, StoreError, check_key
 
-
 S3_ENDPOINT_ENV = "EPICACHE_S3_ENDPOINT"
+# boto3's own endpoint variables, read here too so that the store's client and the manifest
+# table's Delta writer (which does not read them) use the same endpoint
+_AWS_ENDPOINT_ENVS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _DENIED = {"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "Forbidden",
            "InvalidToken", "ExpiredToken", "AuthorizationHeaderMalformed"}
 _NO_BUCKET = {"NoSuchBucket"}
 _NO_KEY = {"404", "NoSuchKey", "NotFound"}
+
+
+def s3_endpoint(given: str | None = None) -> str | None:
+    """The S3 endpoint, resolved in this one place: `given`, else $EPICACHE_S3_ENDPOINT, else
+    boto3's $AWS_ENDPOINT_URL_S3 / $AWS_ENDPOINT_URL, else None (AWS itself)."""
+    for value in (given, os.environ.get(S3_ENDPOINT_ENV), *map(os.environ.get, _AWS_ENDPOINT_ENVS)):
+        if value:
+            return value
+    return None
 
 
 def _public(url: str) -> str:
@@ -62,7 +73,7 @@ class S3Store(Store):
         self.bucket, self.prefix = bucket, prefix.strip("/")
         if self.prefix:
             check_key(self.prefix)
-        self.endpoint_url, self.region, self.profile = endpoint_url or None, region, profile
+        self.endpoint_url, self.region, self.profile = s3_endpoint(endpoint_url), region, profile
         # botocore's own variables, read here because an explicit retry config overrides them
         self.retry_mode = retry_mode or os.environ.get("AWS_RETRY_MODE") or "adaptive"
         self.max_attempts = max_attempts or int(os.environ.get("AWS_MAX_ATTEMPTS") or 5)
@@ -70,17 +81,17 @@ class S3Store(Store):
         self.max_concurrency = max_concurrency
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
         self.uri = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
-        self._client = None
+        self._client = self._session = None
         if check:
             self.check()
 
-    # -- pickling: everything but the client (it holds credentials and sockets) ----------------
+    # -- pickling: everything but the session and client (credentials, sockets) ---------------
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "_client"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_client", "_session")}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._client = None
+        self._client = self._session = None
 
     def __repr__(self) -> str:
         where = f", endpoint={_public(self.endpoint_url)}" if self.endpoint_url else ""
@@ -91,13 +102,25 @@ class S3Store(Store):
         return self.uri + (f" (endpoint {_public(self.endpoint_url)})" if self.endpoint_url else "")
 
     @property
-    def client(self):
-        if self._client is None:
+    def session(self):
+        """boto3's session of this store (kept: it refreshes expiring credentials itself)."""
+        if self._session is None:
             import boto3
-            from botocore.config import Config
 
             try:
-                session = boto3.session.Session(profile_name=self.profile, region_name=self.region)
+                self._session = boto3.session.Session(profile_name=self.profile,
+                                                      region_name=self.region)
+            except Exception as e:
+                raise self._error(e, "open") from None
+        return self._session
+
+    @property
+    def client(self):
+        if self._client is None:
+            from botocore.config import Config
+
+            session = self.session
+            try:
                 region = session.region_name or ("us-east-1" if self.endpoint_url else None)
                 config = Config(
                     retries={"mode": self.retry_mode, "total_max_attempts": self.max_attempts},
@@ -110,6 +133,27 @@ class S3Store(Store):
             except Exception as e:
                 raise self._error(e, "open") from None
         return self._client
+
+    def delta_storage_options(self, what: str) -> dict[str, str]:
+        """delta-rs storage options for this store's bucket, from boto3's chain now (never
+        stored): the same credentials, region and endpoint as the store's own client. `what`
+        names the reader in the error when there are no credentials."""
+        credentials = self.session.get_credentials()
+        if credentials is None:
+            raise StoreError(f"no usable AWS credentials for {what}: set AWS_ACCESS_KEY_ID and "
+                             "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or run with an instance role")
+        frozen = credentials.get_frozen_credentials()
+        options = {"AWS_ACCESS_KEY_ID": frozen.access_key,
+                   "AWS_SECRET_ACCESS_KEY": frozen.secret_key,
+                   "AWS_REGION": self.session.region_name or "us-east-1",
+                   "AWS_CONDITIONAL_PUT": "etag"}  # commits are put-if-absent
+        if frozen.token:
+            options["AWS_SESSION_TOKEN"] = frozen.token
+        if self.endpoint_url:  # an S3-compatible server: path-style, http allowed for a local one
+            options |= {"AWS_ENDPOINT_URL": self.endpoint_url,
+                        "AWS_VIRTUAL_HOSTED_STYLE_REQUEST": "false",
+                        "AWS_ALLOW_HTTP": str(self.endpoint_url.startswith("http://")).lower()}
+        return options
 
     def _transfer_config(self):
         from boto3.s3.transfer import TransferConfig

@@ -17,7 +17,6 @@ querying it is `pipeline.store.table_query`.
 from __future__ import annotations
 
 import logging
-import os
 import tempfile
 from collections.abc import Iterable, Sequence
 
@@ -89,7 +88,6 @@ class ManifestTable:
 
     def __init__(self, store: Store):
         self.store = store
-        self._session = None  # boto3's, for S3 credentials (never pickled: not shipped to Ray)
         if isinstance(store, LocalStore):
             self.uri = str(store.root / "index" / "episodes")
         elif isinstance(store, S3Store):
@@ -99,33 +97,13 @@ class ManifestTable:
 
     # -- where and how -------------------------------------------------------------------------
     def _options(self) -> dict[str, str] | None:
-        """delta-rs storage options of an S3 store, from boto3's chain now (never stored)."""
+        """delta-rs storage options of an S3 store (credentials read now, never kept)."""
         if not isinstance(self.store, S3Store):
             return None
-        s = self.store
-        if self._session is None:  # kept: it refreshes expiring credentials itself
-            import boto3
-
-            self._session = boto3.session.Session(profile_name=s.profile, region_name=s.region)
-        session = self._session
-        credentials = session.get_credentials()
-        if credentials is None:
-            raise TableError(f"no usable AWS credentials for the manifest table {self.uri}: set "
-                             "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or run "
-                             "with an instance role")
-        frozen = credentials.get_frozen_credentials()
-        endpoint = (s.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3")
-                    or os.environ.get("AWS_ENDPOINT_URL"))
-        options = {"AWS_ACCESS_KEY_ID": frozen.access_key,
-                   "AWS_SECRET_ACCESS_KEY": frozen.secret_key,
-                   "AWS_REGION": session.region_name or "us-east-1",
-                   "AWS_CONDITIONAL_PUT": "etag"}  # commits are put-if-absent
-        if frozen.token:
-            options["AWS_SESSION_TOKEN"] = frozen.token
-        if endpoint:  # an S3-compatible server: path-style, http allowed for a local one
-            options |= {"AWS_ENDPOINT_URL": endpoint, "AWS_VIRTUAL_HOSTED_STYLE_REQUEST": "false",
-                        "AWS_ALLOW_HTTP": "true" if endpoint.startswith("http://") else "false"}
-        return options
+        try:
+            return self.store.delta_storage_options(f"the manifest table {self.uri}")
+        except StoreError as e:
+            raise TableError(str(e)) from None
 
     def _call(self, what: str, fn, *args, **kwargs):
         """Run a delta-rs call; its failure becomes one line naming the table (any credential

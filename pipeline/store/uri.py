@@ -2,27 +2,24 @@
 
 from __future__ import annotations
 
-import os
-
 from pipeline.store.base import Store, StoreError
 from pipeline.store.local import LocalStore
-from pipeline.store.s3 import S3_ENDPOINT_ENV, S3Store, parse_s3_uri
+from pipeline.store.s3 import S3Store, parse_s3_uri
 
 
 def open_store(uri: str, *, endpoint_url: str | None = None, region: str | None = None,
                create: bool = True) -> Store:
     """A store from a URI: a local folder (path or file://) or `s3://bucket/prefix`.
 
-    For S3, the endpoint is `endpoint_url`, else $EPICACHE_S3_ENDPOINT, else boto3's own
-    resolution (AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, or AWS). Opening checks the bucket: a
+    For S3, the endpoint is `endpoint_url`, else as `pipeline.store.s3.s3_endpoint` resolves
+    it (the environment, or AWS). Opening checks the bucket: a
     missing bucket is a `StoreError` (buckets are never created; an empty prefix is an empty
     store). A local folder is created unless `create=False`, which read-only commands pass so
     that a store that does not exist is a `StoreError` naming it.
     """
     if uri.startswith("s3://"):
         bucket, prefix = parse_s3_uri(uri)
-        return S3Store(bucket, prefix, region=region,
-                       endpoint_url=endpoint_url or os.environ.get(S3_ENDPOINT_ENV) or None)
+        return S3Store(bucket, prefix, region=region, endpoint_url=endpoint_url)
     if uri.startswith("file://"):
         return LocalStore(uri.removeprefix("file://"), create=create)
     if "://" in uri:

@@ -1,0 +1,236 @@
+"""Run everything that needs a GPU and write one Markdown report: the compiled kernel tests, the
+kernel benchmark, one real build's tokens/s and the decode benchmark.
+
+    python -m jobs.bench.gpu [--out gpu-report]
+    make gpu-report
+
+For a machine with CUDA, which is rarely at hand: one command gathers the figures the project
+still owes. Each step runs as a subprocess of the same Python from the repository root, with
+TRITON_INTERPRET unset (the Triton kernels compile); its output is captured, and a failed step
+is recorded and the next one runs. The steps:
+
+1. the kernel tests (`KERNEL_TESTS`, or tests/test_kernels.py where that folder is absent), which
+   run the compiled kernels against their torch references when CUDA is present;
+2. the kernel benchmark (`jobs.bench.kernels_speed`): the fused kernels against torch;
+3. a small real build (`jobs.build`, the packaged model, tasks on the GPU) of one LoCoMo
+   conversation (`LOCOMO`) or, where that folder is absent, of a synthetic corpus
+   (`jobs.make_corpus`), cut to fit the model's positions; run twice, the second time with
+   `--force` (model converted, layer profile stored), each with its tokens/s from the build's
+   summary line (end to end: Ray start, model loads and clustering included);
+4. the decode benchmark (`jobs.bench.decode`), with fewer questions than its default (its
+   builds run on the GPU; its answers on the CPU, the `Answerer`'s default device).
+
+The report (`<out>/gpu-report.md`) has the device, the torch / Triton / CUDA versions and per
+step the command, exit code, wall time and the tail of its output; the command prints the
+report's path and exits 1 if any step failed. Without CUDA nothing runs and nothing is written:
+one line says so, and the exit code is 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline.cli.parser import make_parser
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository root: every step runs there
+KERNEL_TESTS = "tests/unit/kernels"
+KERNEL_TESTS_FALLBACK = "tests/test_kernels.py"
+LOCOMO = "../shared/data/locomo"  # relative to the repository root
+LOCOMO_FILE = "30.json"  # the shortest conversation; any file of the folder when it is absent
+CONTEXT_TOKENS = 7500  # the build cuts at a session boundary to fit SmolLM2's 8,192 positions
+REPORT = "gpu-report.md"
+TAIL_LINES = 60  # lines of each step's output kept in the report
+STEP_TIMEOUT_S = 1800
+NO_CUDA = ("jobs.bench.gpu: no CUDA device found (torch.cuda.is_available() is False): nothing "
+           "was run and no report was written")
+_SUMMARY = re.compile(r"built (\d+) conversations \((\d+) episode caches, ([\d,]+) tokens, "
+                      r"[\d.]+ MiB\) in ([\d.]+)s")
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+@dataclass
+class Step:
+    """One subprocess, run: what it was, how it ended, what it printed."""
+    title: str
+    command: list[str]
+    returncode: int | None  # None: killed at the timeout
+    seconds: float
+    output: str
+    figure: str = ""  # one line for the summary table (e.g. tokens/s)
+
+
+def step_env() -> dict[str, str]:
+    """The parent's environment without TRITON_INTERPRET, so the kernels compile."""
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+def run_step(title: str, args: list[str], timeout: float = STEP_TIMEOUT_S) -> Step:
+    """Run `python <args>` from the repository root; never raises for the command's failure."""
+    command = [sys.executable, *args]
+    print(f"[{title}] {' '.join(command)}", flush=True)
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(command, check=False, cwd=ROOT, env=step_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              errors="replace", timeout=timeout)
+        code, output = proc.returncode, proc.stdout
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout or ""
+        code = None
+        output = (out.decode(errors="replace") if isinstance(out, bytes) else out) + \
+            f"\n[killed after {timeout:.0f} s]"
+    step = Step(title, command, code, time.perf_counter() - start, output)
+    print(f"[{title}] exit {code}, {step.seconds:.1f} s", flush=True)
+    return step
+
+
+def kernel_tests_path(root: Path = ROOT) -> str:
+    """`KERNEL_TESTS`, or the single test file the suite had before it was reorganised."""
+    return KERNEL_TESTS if (root / KERNEL_TESTS).exists() else KERNEL_TESTS_FALLBACK
+
+
+def parse_build_summary(output: str) -> tuple[int, float] | None:
+    """(tokens, seconds) from the last summary line of `jobs.build` in `output`, else None."""
+    found = _SUMMARY.findall(output)
+    if not found:
+        return None
+    _, _, tokens, seconds = found[-1]
+    return int(tokens.replace(",", "")), float(seconds)
+
+
+def build_figure(output: str) -> str:
+    parsed = parse_build_summary(output)
+    if parsed is None:
+        return "no summary line"
+    tokens, seconds = parsed
+    return f"{tokens:,} tokens in {seconds:.1f} s: {tokens / max(seconds, 1e-9):,.0f} tokens/s"
+
+
+def build_corpus(work: Path) -> tuple[str, Step | None]:
+    """The build's corpus and the step that wrote it (if any): one LoCoMo file, else a small
+    synthetic corpus."""
+    locomo = (ROOT / LOCOMO).resolve()
+    if locomo.is_dir():
+        files = sorted(locomo.glob("*.json"))
+        chosen = locomo / LOCOMO_FILE if (locomo / LOCOMO_FILE).is_file() else \
+            (files[0] if files else None)
+        if chosen is not None:
+            return str(chosen), None
+    corpus = work / "corpus.jsonl"
+    step = run_step("synthetic corpus", ["-m", "jobs.make_corpus", "--out", str(corpus),
+                                         "--conversations", "2", "--target-tokens", "6000"])
+    return str(corpus), step
+
+
+def build_steps(work: Path) -> list[Step]:
+    """The corpus (if written), then the build twice into one temporary store: cold, and again
+    with `--force` once the model is converted and the layer profile stored."""
+    corpus, corpus_step = build_corpus(work)
+    steps = [corpus_step] if corpus_step else []
+    if corpus_step and corpus_step.returncode != 0:
+        return steps
+    args = ["-m", "jobs.build", "--corpus", corpus, "--store", str(work / "store"),
+            "--max-context-tokens", str(CONTEXT_TOKENS), "--no-progress"]
+    for title, more in (("build (first run)", []), ("build (re-run, --force)", ["--force"])):
+        step = run_step(title, args + more)
+        step.figure = build_figure(step.output)
+        steps.append(step)
+    return steps
+
+
+def run_all() -> list[Step]:
+    """Every step, in order; each one runs whatever happened to the ones before it."""
+    steps = [run_step("kernel tests", ["-m", "pytest", "-q", "-rs", kernel_tests_path()]),
+             run_step("kernel benchmark", ["-m", "jobs.bench.kernels_speed", "--reps", "10"])]
+    with tempfile.TemporaryDirectory(prefix="gpu-report-") as work:  # stores, corpus: removed
+        steps += build_steps(Path(work))
+        steps.append(run_step("decode benchmark", ["-m", "jobs.bench.decode", "--questions", "4",
+                                                   "--max-new-tokens", "32",
+                                                   "--store", str(Path(work) / "decode")]))
+    return steps
+
+
+def _version(module: str) -> str:
+    try:
+        return __import__(module).__version__
+    except Exception as e:  # noqa: BLE001 - the report says why instead
+        return f"unavailable ({type(e).__name__})"
+
+
+def environment() -> dict[str, str]:
+    """What the figures were measured on."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False, cwd=ROOT,
+                            text=True, capture_output=True).stdout.strip()
+    major, minor = torch.cuda.get_device_capability()
+    return {"device": f"{torch.cuda.get_device_name()} (compute capability {major}.{minor})",
+            "torch": torch.__version__, "triton": _version("triton"),
+            "CUDA (torch built with)": str(torch.version.cuda),
+            "python": platform.python_version(), "commit": commit or "unknown",
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def output_tail(output: str, lines: int = TAIL_LINES) -> str:
+    """The last `lines` lines, as a terminal would show them: colours dropped, a line redrawn
+    with carriage returns (a progress bar) reduced to its last state."""
+    shown = [_ANSI.sub("", line).rstrip("\r").split("\r")[-1].rstrip()
+             for line in output.rstrip().split("\n")]  # not splitlines(): it splits at "\r"
+    return "\n".join(shown[-lines:]).strip("\n")
+
+
+def render_report(env: dict[str, str], steps: list[Step]) -> str:
+    """The Markdown report: the environment, a summary table, then each step in full."""
+    out = ["# GPU report", ""] + [f"- {k}: {v}" for k, v in env.items()] + ["", "## Summary", "",
+           "| step | exit code | wall time | figure |", "| --- | --- | --- | --- |"]
+    for s in steps:
+        code = "timeout" if s.returncode is None else str(s.returncode)
+        out.append(f"| {s.title} | {code} | {s.seconds:.1f} s | {s.figure} |")
+    for i, s in enumerate(steps, 1):
+        code = f"killed at the {STEP_TIMEOUT_S} s timeout" if s.returncode is None \
+            else f"exit code {s.returncode}"
+        out += ["", f"## {i}. {s.title}", "", "```sh", " ".join(s.command), "```", "",
+                f"{code}, {s.seconds:.1f} s" + (f"; {s.figure}" if s.figure else ""), "",
+                f"Last {TAIL_LINES} lines of its output:", "", "```text", output_tail(s.output),
+                "```"]
+    return "\n".join(out) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = make_parser("jobs.bench.gpu", __doc__)
+    p.add_argument("--out", type=Path, default=Path("gpu-report"),
+                   help=f"folder of the report ({REPORT}); created when CUDA is present")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    if not torch.cuda.is_available():
+        print(NO_CUDA)
+        return 0
+    out = a.out.resolve()  # the steps run from the repository root
+    env = environment()
+    print(f"jobs.bench.gpu: {env['device']}; report in {out / REPORT}", flush=True)
+    steps = run_all()
+    out.mkdir(parents=True, exist_ok=True)
+    report = out / REPORT
+    report.write_text(render_report(env, steps), encoding="utf-8")
+    failed = [s.title for s in steps if s.returncode != 0]
+    print(f"failed steps: {', '.join(failed)}" if failed else "every step passed")
+    print(report)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
