@@ -86,8 +86,8 @@ def compare(answerer: Answerer, conv: Conversation, n_questions: int,
     """Per question: the routed episode, both answers (text, tokens, decode seconds), the
     evidence-recall NLL from the episodic, full and no-history caches, and the bytes of the
     episodic and full caches (the episodic one as its manifest counts it)."""
-    rows = answerer.manifest(conv.conversation_id)
-    config = BuildConfig.from_json(rows[0]["config_json"])
+    records = answerer.manifest(conv.conversation_id)
+    config = BuildConfig.from_json(records[0].config_json)
     lm = models.load_llm(config.model, answerer.device)
     encoder = models.load_encoder(config.encoder, answerer.device)
     probe_config = EvalConfig(BuildConfig(model=config.model,
@@ -103,14 +103,14 @@ def compare(answerer: Answerer, conv: Conversation, n_questions: int,
     timed_answer(lm, none, "Hello?", 2)  # warm-up: the first generate() pays one-time costs
     records = []
     for i, q in enumerate(questions):
-        row, _ = route_question(embed_question(encoder, q.question), rows)
-        episodic, _ = answerer.load_cache(row)
+        record, _ = route_question(embed_question(encoder, q.question), records)
+        episodic, _ = answerer.load_cache(record)
         nll = {"episodic": measure_all(lm, conv, [q], episodic, probe_config)[0]["evidence_nll"],
                "full": reference["full"][i], "none": reference["none"][i]}
         records.append({"conversation_id": conv.conversation_id, "question": q.question,
-                        "gold": q.answer, "episode": int(row["episode"]), "nll": nll,
+                        "gold": q.answer, "episode": record.episode, "nll": nll,
                         "retention": retention(nll["none"], nll["episodic"], nll["full"]),
-                        "bytes": {"episodic": int(row["kv_bytes"]), "full": full_bytes},
+                        "bytes": {"episodic": record.kv_bytes, "full": full_bytes},
                         **{name: timed_answer(lm, cache, q.question, max_new_tokens)
                            for name, cache in zip(CACHES, (episodic, full))}})
     return records

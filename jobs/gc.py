@@ -21,119 +21,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-from dataclasses import dataclass, field
 
 from pipeline.cli.options import add_store_options
 from pipeline.cli.parser import make_parser
-from pipeline.store.base import ObjectNotFound, Partial, Store, StoreError, manifest_key
-from pipeline.store.cache_format import sha256
-from pipeline.store.manifest import ManifestError, list_conversations, read_manifest
+from pipeline.store.base import StoreError
+from pipeline.store.garbage import FAULT_KINDS, find_garbage, remove
 from pipeline.store.uri import open_store
-
-
-@dataclass(frozen=True)
-class Fault:
-    """Something a manifest promises that the store does not hold."""
-    kind: str  # one of FAULT_KINDS
-    key: str  # the manifest (corrupt manifest) or the object
-    detail: str
-
-
-FAULT_KINDS = ("corrupt manifest", "missing object", "wrong size", "checksum failure")
-
-
-@dataclass
-class Garbage:
-    """What `find_garbage` found: garbage to collect, and faults of the committed objects."""
-    orphans: list[tuple[str, int, float]] = field(default_factory=list)  # (key, bytes, age s)
-    partials: list[Partial] = field(default_factory=list)
-    young: int = 0  # orphans or partials too recent to touch
-    manifests: int = 0  # readable manifests
-    referenced: int = 0
-    faults: list[Fault] = field(default_factory=list)
-    protected: int = 0  # unnamed objects kept because their conversation's manifest is corrupt
-    verified: int = 0  # objects whose size and SHA-256 were checked (--verify)
-
-    @property
-    def bytes(self) -> int:
-        return sum(size for _, size, _ in self.orphans)
-
-    def count(self, kind: str) -> int:
-        return sum(f.kind == kind for f in self.faults)
-
-
-def find_garbage(store: Store, min_age_seconds: float = 3600.0, verify: bool = False) -> Garbage:
-    """Every cache object no manifest names, and every unfinished write, older than the age;
-    every manifest that cannot be read and every object a manifest names that is missing (with
-    `verify`, or whose size or SHA-256 differs from what the manifest records)."""
-    g = Garbage()
-    named: dict[str, tuple[str, dict]] = {}  # object key -> (manifest key, row)
-    corrupt: list[str] = []  # "caches/<id>/" of conversations whose manifest is unreadable
-    for cid in list_conversations(store):
-        try:
-            rows = read_manifest(store, cid) or []
-        except ManifestError as e:
-            g.faults.append(Fault("corrupt manifest", e.key, e.reason))
-            corrupt.append(f"caches/{cid}/")
-            continue
-        named.update((r["object_key"], (manifest_key(cid), r)) for r in rows)
-        g.manifests += 1
-    g.referenced = len(named)
-    now = time.time()
-    stored = store.list("caches/")
-    for key in stored:
-        if key in named:
-            continue
-        if any(key.startswith(prefix) for prefix in corrupt):
-            g.protected += 1
-            continue
-        try:
-            info = store.info(key)
-        except ObjectNotFound:  # removed meanwhile
-            continue
-        if now - info.modified >= min_age_seconds:
-            g.orphans.append((key, info.size, now - info.modified))
-        else:
-            g.young += 1
-    present = set(stored)
-    for key, (mkey, row) in sorted(named.items()):
-        if key not in present and not store.exists(key):
-            g.faults.append(Fault("missing object", key, f"named by {mkey}"))
-        elif verify:
-            g.verified += 1
-            fault = check_object(store, key, mkey, row)
-            if fault is not None:
-                g.faults.append(fault)
-    for partial in store.list_partial():
-        if partial.age_seconds >= min_age_seconds:
-            g.partials.append(partial)
-        else:
-            g.young += 1
-    return g
-
-
-def check_object(store: Store, key: str, manifest: str, row: dict) -> Fault | None:
-    """The object's size and SHA-256 against its manifest row; None when both match."""
-    try:
-        size = store.info(key).size
-        if row.get("object_bytes") is None or size != row["object_bytes"]:
-            return Fault("wrong size", key, f"{size} bytes, {manifest} records "
-                                            f"{row.get('object_bytes')}")
-        digest = sha256(store.get(key))
-    except ObjectNotFound:  # removed meanwhile
-        return Fault("missing object", key, f"named by {manifest}")
-    if digest != row.get("sha256"):
-        return Fault("checksum failure", key, f"sha256 {digest[:16]}..., {manifest} records "
-                                              f"{str(row.get('sha256'))[:16]}...")
-    return None
-
-
-def remove(store: Store, garbage: Garbage) -> None:
-    for key, _, _ in garbage.orphans:
-        store.delete(key)
-    for partial in garbage.partials:
-        store.delete_partial(partial)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -30,7 +30,8 @@ from pipeline.cli.parser import make_parser
 from pipeline.corpus.schema import UnsafeIdError
 from pipeline.store import table_sync
 from pipeline.store.base import Store, StoreError
-from pipeline.store.manifest import ManifestError, list_conversations, read_manifest
+from pipeline.store.manifest import (ManifestError, ManifestRecord, list_conversations,
+                                     read_manifest)
 from pipeline.store.table import PENDING_PREFIX, TABLE_SCHEMA, ManifestTable
 from pipeline.store.table_query import connect, select, totals
 from pipeline.store.table_sync import repair
@@ -42,14 +43,15 @@ _TABLE_COLUMNS = ("conversation_id", "episode", "tokens", "build_seconds", "kv_b
                   "object_bytes", "scorer", "config_hash", "episode_note")
 
 
-def summarise(row: dict) -> dict:
-    budgets, peaks = row["layer_budgets"] or [], row["peak_entries_per_layer"] or []
-    return {"conversation_id": row["conversation_id"], **{k: row[k] for k in _COLUMNS},
+def summarise(record: ManifestRecord) -> dict:
+    budgets, peaks = record.layer_budgets or [], record.peak_entries_per_layer or []
+    return {"conversation_id": record.conversation_id,
+            **{k: getattr(record, k) for k in _COLUMNS},
             "mean_budget": sum(budgets) / len(budgets) if budgets else None,
             "max_peak_entries": max(peaks, default=None), "max_peak_over_budget": max(
                 (p - b for p, b in zip(peaks, budgets)), default=None),
-            "scorer": row["scorer"], "config_hash": row["config_hash"],
-            "episode_note": row["episode_note"], "worker": row["worker"]}
+            "scorer": record.scorer, "config_hash": record.config_hash,
+            "episode_note": record.episode_note, "worker": record.worker}
 
 
 def _cell(value, spec: str) -> str:
@@ -125,7 +127,7 @@ def from_manifests(store: Store, filters: dict, as_json: bool) -> int:
     """The per-conversation manifests, read one by one (stores without a table)."""
     rows, corrupt = [], []
     keep = lambda r: all(  # noqa: E731
-        not values or r[column] in values for column, values in
+        not values or getattr(r, column) in values for column, values in
         (("config_hash", filters["config_hashes"]), ("model_id", filters["models"])))
     for cid in filters["conversations"] or list_conversations(store):
         try:

@@ -7,6 +7,8 @@ import dataclasses
 import os
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from tiny_models import StandIn, one_torch_thread, random_ids, tiny_model  # noqa: F401
@@ -20,7 +22,7 @@ from pipeline.kv.tristate import TriStateConfig
 from pipeline.build.config import BuildConfig
 from pipeline.corpus.schema import UnsafeIdError
 from pipeline.episodes import EpisodeConfig
-from pipeline.store.manifest import (MANIFEST_SCHEMA, list_conversations, read_manifest,
+from pipeline.store.manifest import (MANIFEST_SCHEMA, ManifestRecord, list_conversations, read_manifest,
                                      write_manifest)
 from pipeline.kv.prefill import PrefillConfig, block_prefill
 from pipeline.kv.scorers import EpiCacheScorer, ScoringConfig
@@ -233,8 +235,8 @@ def test_open_store(tmp_path):
 # Manifests
 # --------------------------------------------------------------------------------------------
 
-def manifest_row(episode: int) -> dict:
-    return {
+def manifest_row(episode: int) -> ManifestRecord:
+    return ManifestRecord(**{
         "conversation_id": "conv-1", "episode": episode, "episodes_requested": 4,
         "episodes_built": 2, "episode_note": "2 of 4 episodes",
         "object_key": cache_key("conv-1", "abcd", episode), "sha256": "f" * 64,
@@ -245,19 +247,20 @@ def manifest_row(episode: int) -> dict:
         "model_id": "tiny", "encoder_id": "bow", "config_hash": "abcd", "config_json": "{}",
         "cluster_seconds": 0.5, "build_seconds": 1.5, "worker": "w1", "node_id": "n1",
         "built_at": "2024-01-01T00:00:00Z",
-    }
+    })
 
 
 def test_manifest_round_trip(tmp_path):
-    """Rows come back equal, sorted by episode, with every schema column."""
+    """Records come back equal, sorted by episode, every schema column written."""
     store = LocalStore(tmp_path)
     assert read_manifest(store, "conv-1") is None
     rows = [manifest_row(1), manifest_row(0)]
     write_manifest(store, "conv-1", rows)
     back = read_manifest(store, "conv-1")
-    assert [r["episode"] for r in back] == [0, 1]
+    assert [r.episode for r in back] == [0, 1]
     assert back == [manifest_row(0), manifest_row(1)]  # the values chosen are exact in float32
-    assert set(back[0]) == set(MANIFEST_SCHEMA.names)
+    columns = pq.read_schema(pa.BufferReader(store.get("manifests/conv-1.parquet"))).names
+    assert set(MANIFEST_SCHEMA.names) <= set(columns)
     assert list_conversations(store) == ["conv-1"]
 
 

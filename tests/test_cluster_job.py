@@ -83,9 +83,9 @@ def verify_store(store: Store, expected: set[str]) -> list[dict]:
     rows = []
     for cid in expected:
         for row in read_manifest(store, cid):
-            data = store.get(row["object_key"])
-            assert len(data) == row["object_bytes"]
-            cache_format.deserialize(data, row["sha256"], row["object_key"])  # raises if corrupt
+            data = store.get(row.object_key)
+            assert len(data) == row.object_bytes
+            cache_format.deserialize(data, row.sha256, row.object_key)  # raises if corrupt
             rows.append(row)
     return rows
 
@@ -258,9 +258,9 @@ def test_two_node_build_submitted_with_ray_job_submit(two_node_cluster, s3_serve
 
     store = open_store(store_uri)
     rows = verify_store(store, {f"synth-{i:04d}" for i in range(4)})
-    nodes = {r["node_id"] for r in rows}
+    nodes = {r.node_id for r in rows}
     assert len(nodes) == 2 and all(re.fullmatch(r"[0-9a-f]{56}", n) for n in nodes), nodes
-    assert all(re.fullmatch(r".+:\d+", r["worker"]) for r in rows)
+    assert all(re.fullmatch(r".+:\d+", r.worker) for r in rows)
 
     refused = subprocess.run([str(Path(VENV_BIN) / "ray"), "job", "list", "--address",
                               cluster.address], env=subprocess_env(RAY_AUTH_MODE="disabled",
@@ -368,7 +368,7 @@ def test_interrupted_driver_resumes_without_rebuilding(ray_local, tiny_llm, tmp_
     assert 1 <= len(done) < n, f"{len(done)} of {n} built before the interrupt landed"
     committed = {}
     for cid in done:
-        keys = [f"manifests/{cid}.parquet"] + [r["object_key"] for r in read_manifest(store, cid)]
+        keys = [f"manifests/{cid}.parquet"] + [r.object_key for r in read_manifest(store, cid)]
         committed.update({k: v for k, v in snapshot().items() if k in keys})
 
     assert build.main(args) == 0  # the same command again (on this session's Ray)

@@ -4,6 +4,8 @@ decoder's prefetch of a conversation's other episodes. Tiny random models, local
 
 from __future__ import annotations
 
+import dataclasses
+
 import gc
 import io
 import threading
@@ -23,6 +25,7 @@ from pipeline.kv.prefill import PrefillConfig, block_prefill
 from pipeline.kv.scorers import EpiCacheScorer
 from pipeline.store.base import cache_key
 from pipeline.store.local import LocalStore
+from pipeline.store.manifest import CacheRef
 
 MODEL = "tiny-llama"
 
@@ -55,14 +58,14 @@ def objects():
     return model, out
 
 
-def _rows(store, objects) -> list[dict]:
+def _rows(store, objects) -> list[CacheRef]:
     rows = []
     for episode, data in enumerate(objects):
         key = cache_key("conv-1", "abcd", episode)
         store.put(key, data)
-        rows.append({"conversation_id": "conv-1", "episode": episode, "object_key": key,
-                     "sha256": sha256(data), "object_bytes": len(data), "model_id": MODEL,
-                     "encoder_id": "enc"})
+        rows.append(CacheRef(conversation_id="conv-1", episode=episode, object_key=key,
+                             sha256=sha256(data), object_bytes=len(data), model_id=MODEL,
+                             encoder_id="enc"))
     return rows
 
 
@@ -104,13 +107,13 @@ def test_read_checks_length_and_checksum_beside_the_parse(objects):
 def test_fetch_of_a_corrupt_store_object_raises_naming_it(tmp_path, objects):
     store = LocalStore(tmp_path / "store")
     rows = _rows(store, objects[1])
-    data = bytearray(store.get(rows[0]["object_key"]))
+    data = bytearray(store.get(rows[0].object_key))
     data[-100] ^= 0xFF
-    store.put(rows[0]["object_key"], bytes(data))
+    store.put(rows[0].object_key, bytes(data))
     disk = DiskTier(tmp_path / "disk", 10**9)
-    with pytest.raises(CacheCorruptError, match=rows[0]["object_key"]):
+    with pytest.raises(CacheCorruptError, match=rows[0].object_key):
         fetch_cache(store, rows[0], disk=disk)
-    assert rows[0]["sha256"] not in disk  # a bad object never reaches the tier
+    assert rows[0].sha256 not in disk  # a bad object never reaches the tier
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,15 +147,15 @@ def test_corrupt_disk_file_is_deleted_and_fetched_again_never_served(tmp_path, o
     rows = _rows(store, data)
     disk = DiskTier(tmp_path / "disk", 10**9)
     reference = fetch_cache(store, rows[0], disk=disk)
-    assert len(store.reads) == 1 and rows[0]["sha256"] in disk
-    path = disk.root / f"{rows[0]['sha256']}.safetensors"
+    assert len(store.reads) == 1 and rows[0].sha256 in disk
+    path = disk.root / f"{rows[0].sha256}.safetensors"
     raw = bytearray(path.read_bytes())
     if damage == "flip":
         raw[-100] ^= 0xFF
         path.write_bytes(bytes(raw))
     else:
         path.write_bytes(bytes(raw[: len(raw) // 2]))
-    assert disk.get(rows[0]["sha256"], "obj") is None and not path.exists()
+    assert disk.get(rows[0].sha256, "obj") is None and not path.exists()
     path.write_bytes(bytes(raw) if damage == "flip" else bytes(raw[: len(raw) // 2]))
     again = fetch_cache(store, rows[0], disk=disk)  # detected, deleted, fetched from the store
     assert len(store.reads) == 2 and _same(again, reference)
@@ -254,7 +257,7 @@ def test_prefetch_loads_the_other_episodes(tmp_path, objects, monkeypatch):
     stats = _wait(decoder, 2)
     assert (stats["prefetch_fetched"], stats["prefetch_resident"], stats["prefetch_failed"]) == \
         (2, 2, 0)
-    assert all(r["sha256"] in decoder.disk for r in rows)
+    assert all(r.sha256 in decoder.disk for r in rows)
     assert decoder._cache(rows[2])[1] is True and len(store.reads) == 3  # resident: no fetch
     # A budget with no room: the prefetch goes to disk only, the cache in use stays resident.
     (tmp_path / "tight" / "store").mkdir(parents=True)
@@ -264,7 +267,7 @@ def test_prefetch_loads_the_other_episodes(tmp_path, objects, monkeypatch):
     assert tight.prefetch(rows[1:]) == 2
     stats = _wait(tight, 2)
     assert stats["prefetch_resident"] == 0 and stats["entries"] == 1
-    assert all(r["sha256"] in tight.disk for r in rows[1:])
+    assert all(r.sha256 in tight.disk for r in rows[1:])
 
 
 def test_prefetch_errors_are_counted_not_raised(tmp_path, objects, monkeypatch):
@@ -273,8 +276,8 @@ def test_prefetch_errors_are_counted_not_raised(tmp_path, objects, monkeypatch):
     rows = _rows(store, data)
     decoder = _decoder(tmp_path, model, monkeypatch, disk=False)
     decoder.store = store
-    missing = dict(rows[1], object_key="caches/conv-1/abcd/episode-9.safetensors")
-    wrong_model = dict(rows[2], model_id="another-model")
+    missing = dataclasses.replace(rows[1], object_key="caches/conv-1/abcd/episode-9.safetensors")
+    wrong_model = dataclasses.replace(rows[2], model_id="another-model")
     assert decoder.prefetch([missing, wrong_model]) == 1  # the other model's is not queued
     stats = _wait(decoder, 2)
     assert stats["prefetch_failed"] == 2 and stats["entries"] == 0

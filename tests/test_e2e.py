@@ -58,27 +58,27 @@ def test_build_writes_manifests_and_objects_that_reload(built):
     n_layers = lm.config.num_hidden_layers
     for conv in read_corpus(corpus)[0]:
         rows = read_manifest(store, conv.conversation_id)
-        assert [r["episode"] for r in rows] == list(range(len(rows))) and 1 <= len(rows) <= 4
+        assert [r.episode for r in rows] == list(range(len(rows))) and 1 <= len(rows) <= 4
         for row in rows:
-            builders.add((row["node_id"], int(row["worker"].rsplit(":", 1)[1])))
-            assert row["config_hash"] == CONFIG.hash
-            budgets = row["layer_budgets"]
+            builders.add((row.node_id, int(row.worker.rsplit(":", 1)[1])))
+            assert row.config_hash == CONFIG.hash
+            budgets = row.layer_budgets
             assert len(budgets) == n_layers and sum(budgets) == BUDGET * n_layers
             assert min(budgets) >= BUDGET // 4
             # every layer holds exactly its budget and never held more than budget + block
-            assert row["entries_per_layer"] == pytest.approx(budgets)
-            assert all(p <= b + BLOCK for p, b in zip(row["peak_entries_per_layer"], budgets))
-            cache, header = cache_format.deserialize(store.get(row["object_key"]), row["sha256"],
-                                                 row["object_key"])
+            assert row.entries_per_layer == pytest.approx(budgets)
+            assert all(p <= b + BLOCK for p, b in zip(row.peak_entries_per_layer, budgets))
+            cache, header = cache_format.deserialize(store.get(row.object_key), row.sha256,
+                                                 row.object_key)
             assert header["conversation_id"] == conv.conversation_id
-            assert cache.tokens_seen == row["tokens"]
+            assert cache.tokens_seen == row.tokens
             assert cache.entries_per_layer() == pytest.approx(budgets)
     assert builders and all(summary.loads.get(b) == 1 for b in builders), (builders, summary.loads)
 
 
 def _episode_topic(conv, row) -> str:
     topic_of = {t.turn_id: t.meta["topic"] for t in conv.turns}
-    return Counter(topic_of[t] for t in row["medoid_turn_ids"]).most_common(1)[0][0]
+    return Counter(topic_of[t] for t in row.medoid_turn_ids).most_common(1)[0][0]
 
 
 def test_questions_route_to_the_episode_of_their_topic(built):
@@ -88,7 +88,7 @@ def test_questions_route_to_the_episode_of_their_topic(built):
     hits = total = 0
     for conv in read_corpus(corpus)[0]:
         rows = answerer.manifest(conv.conversation_id)
-        centroids = np.stack([np.asarray(r["centroid"]) for r in rows])
+        centroids = np.stack([np.asarray(r.centroid) for r in rows])
         for q in conv.questions:
             emb = encoder.encode([q.question], normalize_embeddings=True)[0]
             episode = int(np.argmax(centroids @ emb))
@@ -116,14 +116,14 @@ def test_demo_compares_the_episodic_cache_with_the_full_history(built, capsys):
     conv = read_corpus(corpus)[0][0]
     answerer = Answerer(open_store(store_uri))
     rows = answerer.manifest(conv.conversation_id)
-    config = BuildConfig.from_json(rows[0]["config_json"])
+    config = BuildConfig.from_json(rows[0].config_json)
     full, none = demo.reference_caches(models.load_llm(), conv, config)
-    assert full.tokens_seen == rows[0]["tokens"] > none.tokens_seen
-    assert full.entries_per_layer() == pytest.approx([rows[0]["tokens"]] * len(full.layers))
+    assert full.tokens_seen == rows[0].tokens > none.tokens_seen
+    assert full.entries_per_layer() == pytest.approx([rows[0].tokens] * len(full.layers))
     records = demo.compare(answerer, conv, 2, max_new_tokens=4)
     assert len(records) == 2
     for r in records:
-        assert 0 <= r["episode"] < len(rows) and r["bytes"]["episodic"] < r["bytes"]["full"]
+        assert 0 <= r.episode < len(rows) and r["bytes"]["episodic"] < r["bytes"]["full"]
         assert all(np.isfinite(v) for v in r["nll"].values())
         assert all(1 <= r[c]["tokens"] <= 4 and r[c]["seconds"] > 0 for c in demo.CACHES)
     demo.print_summary(records, models.DEFAULT_LLM, "cpu")
@@ -143,7 +143,7 @@ def test_identical_rerun_does_no_work_and_changed_config_rebuilds(built, ray_loc
     rebuilt = run_build(str(corpus), store_uri, changed, DriverOptions(progress=False))
     assert (rebuilt.built, rebuilt.skipped, rebuilt.episodes) == (2, 0, 2)
     for cid in [k.removeprefix("manifests/").removesuffix(".parquet") for k in before]:
-        assert [r["config_hash"] for r in read_manifest(store, cid)] == [changed.hash]
+        assert [r.config_hash for r in read_manifest(store, cid)] == [changed.hash]
 
 
 @pytest.mark.parametrize("selection", ["headwise"])

@@ -10,6 +10,8 @@ and the filters are exercised through the command itself.
 
 from __future__ import annotations
 
+import dataclasses
+
 import csv
 import io
 import json
@@ -32,6 +34,7 @@ from pipeline.store.manifest import list_conversations, read_manifest, write_man
 from pipeline.store.s3 import S3Store, parse_s3_uri
 from pipeline.store.table import (ManifestTable, PENDING_PREFIX, TABLE_SCHEMA,
                                   TableError, pending_key)
+from pipeline.store.table import table_row
 from pipeline.store.table_sync import IndexWriter
 from pipeline.store.local import LocalStore
 from pipeline.store.uri import open_store
@@ -43,7 +46,7 @@ def table_rows(store) -> list[dict]:
 
 
 def manifest_rows(store) -> list[dict]:
-    rows = [{k: r.get(k) for k in TABLE_SCHEMA.names}
+    rows = [table_row(r)
             for cid in list_conversations(store) for r in read_manifest(store, cid)]
     return sorted(rows, key=lambda r: (r["conversation_id"], r["episode"]))
 
@@ -175,9 +178,9 @@ def filled(tmp_path):
     for i in range(4):
         rows = put_conversation(store, f"conv-{i}")
         if i >= 2:  # as if built by another model and configuration
-            for r in rows:
-                r |= {"model_id": "other-model", "config_hash": "feedfacecafebeef"}
-            write_manifest(store, f"conv-{i}", rows)
+            write_manifest(store, f"conv-{i}", [
+                dataclasses.replace(r, model_id="other-model", config_hash="feedfacecafebeef")
+                for r in rows])
     return store
 
 
@@ -198,7 +201,7 @@ def test_rebuild_recreates_the_table_and_names_corrupt_manifests(filled, capsys)
 
 
 def manifest_rows_without(store, bad: str) -> list[dict]:
-    rows = [{k: r.get(k) for k in TABLE_SCHEMA.names}
+    rows = [table_row(r)
             for cid in list_conversations(store) if cid != bad
             for r in read_manifest(store, cid)]
     return sorted(rows, key=lambda r: (r["conversation_id"], r["episode"]))

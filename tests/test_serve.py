@@ -10,6 +10,8 @@ asked through the answer endpoint and the OpenAI chat endpoint (streamed, read b
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import signal
@@ -122,13 +124,13 @@ def _corrupt_copy(store, source_id: str, new_id: str) -> list[str]:
     recorded checksums): every answer from it must fail its checksum."""
     from pipeline.store.manifest import read_manifest, write_manifest
 
-    rows, keys = read_manifest(store, source_id), []
-    for row in rows:
-        data = bytearray(store.get(row["object_key"]))
+    rows, keys = [], []
+    for row in read_manifest(store, source_id):
+        data = bytearray(store.get(row.object_key))
         data[-100] ^= 0xFF  # inside the tensor data: the header still parses
-        key = row["object_key"].replace(f"caches/{source_id}/", f"caches/{new_id}/")
+        key = row.object_key.replace(f"caches/{source_id}/", f"caches/{new_id}/")
         store.put(key, bytes(data))
-        row.update(conversation_id=new_id, object_key=key)
+        rows.append(dataclasses.replace(row, conversation_id=new_id, object_key=key))
         keys.append(key)
     write_manifest(store, new_id, rows)
     return keys
@@ -137,6 +139,7 @@ def _corrupt_copy(store, source_id: str, new_id: str) -> list[str]:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, ray_local):
     """Two synthetic conversations (~1,600 tokens, 2 episodes, budget 128) and a corrupted one."""
+    from pipeline.build.config import DriverOptions
     from pipeline.build.driver import run_build
     from pipeline.corpus.synthetic import make_corpus
 
@@ -262,7 +265,7 @@ def test_second_question_routed_to_the_same_episode_does_not_fetch_again(local_a
     by_episode: dict[int, list[str]] = {}
     for q in conv.questions:
         row, _ = route_question(embed_question(encoder, q.question), rows)
-        by_episode.setdefault(row["episode"], []).append(q.question)
+        by_episode.setdefault(row.episode, []).append(q.question)
     first_q, second_q = next(qs for qs in by_episode.values() if len(qs) >= 2)[:2]
 
     before = _settled_stats(url)
@@ -270,7 +273,7 @@ def test_second_question_routed_to_the_same_episode_does_not_fetch_again(local_a
     middle = _settled_stats(url, len(rows) - 1)  # the first touch prefetched the other episodes
     second = _answer(url, conv.conversation_id, second_q).json()
     after = _stats(url)
-    assert second["episode"] == first["episode"]
+    assert second["episode"] == first.episode
     assert middle["prefetch_requested"] >= len(rows) - 1  # on its first touch, here or before
     assert middle["prefetch_failed"] == before["prefetch_failed"]
     assert middle["misses"] == before["misses"] + (0 if first["cache_hit"] else 1)
@@ -410,9 +413,9 @@ def test_model_mismatch_is_an_error(local_app, built):
 
     url, _ = local_app
     store = LocalStore(built[1])
-    rows = read_manifest(store, "synth-0000")
-    for row in rows:
-        row.update(conversation_id="other-model-0000", model_id="SomeOtherModel-1B")
+    rows = [dataclasses.replace(row, conversation_id="other-model-0000",
+                                model_id="SomeOtherModel-1B")
+            for row in read_manifest(store, "synth-0000")]
     write_manifest(store, "other-model-0000", rows)
     r = _answer(url, "other-model-0000", "Who?")
     assert r.status_code == 409 and "SomeOtherModel-1B" in r.json()["error"]["message"]
@@ -424,17 +427,16 @@ def test_a_changed_manifest_is_read_again(local_app, built):
 
     url, _ = local_app
     store = LocalStore(built[1])
-    rows = read_manifest(store, "synth-0001")
-    for row in rows:
-        row["conversation_id"] = "changing-0000"
+    rows = [dataclasses.replace(row, conversation_id="changing-0000")
+            for row in read_manifest(store, "synth-0001")]
     write_manifest(store, "changing-0000", rows)
     info = lambda: requests.get(f"{url}/v1/conversations/changing-0000", headers=AUTH,  # noqa: E731
                                 timeout=60).json()
     assert len(info()["episodes"]) == 2
     write_manifest(store, "changing-0000", rows[1:])  # rebuilt with one episode
-    assert [e["episode"] for e in info()["episodes"]] == [rows[1]["episode"]]
+    assert [e["episode"] for e in info()["episodes"]] == [rows[1].episode]
     body = _answer(url, "changing-0000", "Where did they go hiking?").json()
-    assert body["episode"] == rows[1]["episode"]
+    assert body["episode"] == rows[1].episode
 
 
 @e2e

@@ -26,7 +26,7 @@ from pipeline.store import cache_format
 from pipeline.answer.fetch import fetch_cache
 from pipeline.answer.answerer import Answerer
 from pipeline.corpus.reader import read_corpus, write_jsonl
-from pipeline.store.manifest import (MANIFEST_SCHEMA, list_conversations, read_manifest,
+from pipeline.store.manifest import (ManifestRecord, list_conversations, read_manifest,
                                      write_manifest)
 from pipeline.store.base import ObjectNotFound, StoreError, cache_key
 from pipeline.store.local import LocalStore
@@ -118,22 +118,22 @@ def test_manifest_round_trip_and_checksum_verified_on_read(store):
     data = synthetic_cache("conv-1", 0, 8, SYNTHETIC_CONFIG)
     key = cache_key("conv-1", SYNTHETIC_CONFIG.hash, 0)
     store.put(key, data)
-    row = {name: None for name in MANIFEST_SCHEMA.names} | {
+    row = ManifestRecord.from_row({
         "conversation_id": "conv-1", "episode": 0, "object_key": key,
         "sha256": cache_format.sha256(data), "object_bytes": len(data), "centroid": [1.0, 0.0],
-        "config_hash": SYNTHETIC_CONFIG.hash, "node_id": "ab" * 28, "worker": "host:1"}
+        "config_hash": SYNTHETIC_CONFIG.hash, "node_id": "ab" * 28, "worker": "host:1"})
     write_manifest(store, "conv-1", [row])
     [back] = read_manifest(store, "conv-1")
-    assert back == row and set(back) == set(MANIFEST_SCHEMA.names)
+    assert back == row and back.node_id == "ab" * 28
     assert list_conversations(store) == ["conv-1"]
-    cache, header = cache_format.deserialize(store.get(key), back["sha256"], key)
+    cache, header = cache_format.deserialize(store.get(key), back.sha256, key)
     assert header["conversation_id"] == "conv-1" and cache.tokens_seen == 8
     assert fetch_cache(store, back).tokens_seen == 8  # read by Store.open, hashed beside the parse
     tampered = bytearray(data)
     tampered[-5] ^= 0xFF
     store.put(key, bytes(tampered))
     with pytest.raises(cache_format.CacheCorruptError, match="checksum"):
-        cache_format.deserialize(store.get(key), back["sha256"], key)
+        cache_format.deserialize(store.get(key), back.sha256, key)
     with pytest.raises(cache_format.CacheCorruptError, match=f"{key} failed its checksum"):
         fetch_cache(store, back)
 
@@ -257,8 +257,8 @@ def _committed_and_orphan(store) -> tuple[str, str]:
     kept, orphan = (cache_key("conv-1", "abcd", e) for e in (0, 1))
     for key in (kept, orphan):
         store.put(key, b"cache bytes")
-    row = {name: None for name in MANIFEST_SCHEMA.names} | {
-        "conversation_id": "conv-1", "episode": 0, "object_key": kept, "config_hash": "abcd"}
+    row = ManifestRecord.from_row({"conversation_id": "conv-1", "episode": 0, "object_key": kept,
+                                   "config_hash": "abcd"})
     write_manifest(store, "conv-1", [row])
     return kept, orphan
 
@@ -293,7 +293,7 @@ def test_gc_lists_then_deletes_orphans_and_unfinished_writes(store, capsys, s3_s
     out = capsys.readouterr().out
     assert out.startswith("orphan") and "removed " in out
     assert not store.exists(orphan) and store.exists(kept)
-    assert read_manifest(store, "conv-1")[0]["object_key"] == kept
+    assert read_manifest(store, "conv-1")[0].object_key == kept
     assert store.list_partial() == []
     assert gc.main(uri + ["--min-age-seconds", "0"]) == 0
     assert "found 0 orphan objects" in capsys.readouterr().out

@@ -22,7 +22,7 @@ from pipeline.serve.errors import classify
 from pipeline.build.rehearsal import SYNTHETIC_CONFIG, synthetic_cache
 from pipeline.store import cache_format
 from pipeline.build.conversation import is_built
-from pipeline.store.manifest import (MANIFEST_SCHEMA, ManifestError, list_conversations,
+from pipeline.store.manifest import (MANIFEST_SCHEMA, ManifestRecord, ManifestError, list_conversations,
                                      read_manifest, write_manifest)
 from pipeline.store.base import StoreError, cache_key, manifest_key
 from pipeline.store.local import LocalStore
@@ -36,7 +36,7 @@ COMMANDS = {  # every read-only command, with the arguments it needs besides --s
 }
 
 
-def put_conversation(store, cid: str, episodes: int = 2) -> list[dict]:
+def put_conversation(store, cid: str, episodes: int = 2) -> list[ManifestRecord]:
     """Committed like a build commits: the objects, then a manifest naming them with their
     sizes and SHA-256 (columns a test does not need stay null)."""
     rows = []
@@ -44,11 +44,11 @@ def put_conversation(store, cid: str, episodes: int = 2) -> list[dict]:
         data = synthetic_cache(cid, e, 8, SYNTHETIC_CONFIG)
         key = cache_key(cid, SYNTHETIC_CONFIG.hash, e)
         store.put(key, data)
-        rows.append({name: None for name in MANIFEST_SCHEMA.names} | {
+        rows.append(ManifestRecord.from_row({
             "conversation_id": cid, "episode": e, "object_key": key, "object_bytes": len(data),
             "sha256": cache_format.sha256(data), "centroid": [1.0, 0.0], "tokens": 8,
             "config_hash": SYNTHETIC_CONFIG.hash, "model_id": "synthetic",
-            "encoder_id": "synthetic", "scorer": "epicache"})
+            "encoder_id": "synthetic", "scorer": "epicache"}))
     write_manifest(store, cid, rows)
     return rows
 
@@ -207,7 +207,7 @@ def plant_fault(fault: str, store, rows: list[dict]) -> str:
     """Break a store committed by `put_conversation` in one way; the key the fault names."""
     if fault == "corrupt manifest":
         return plant_corrupt_manifest(store)
-    key = rows[1]["object_key"]
+    key = rows[1].object_key
     data = store.get(key)
     if fault == "missing object":
         store.delete(key)
@@ -244,10 +244,10 @@ def test_gc_verify_finds_each_planted_fault(fault, store, capsys):
     [line] = [line for line in out.splitlines() if line.startswith(fault)]
     assert line.startswith(f"{fault:<17} {key}: ")
     if fault == "checksum failure":
-        assert f"records {rows[1]['sha256'][:16]}..." in line
+        assert f"records {rows[1].sha256[:16]}..." in line
     if fault == "wrong size":
-        assert f"{rows[1]['object_bytes'] + 1} bytes, manifests/conv-1.parquet records " \
-               f"{rows[1]['object_bytes']}" in line
+        assert f"{rows[1].object_bytes + 1} bytes, manifests/conv-1.parquet records " \
+               f"{rows[1].object_bytes}" in line
     if fault == "missing object":
         assert "named by manifests/conv-1.parquet" in line
     assert f"store has faults: 1 {fault};" in out
@@ -272,12 +272,12 @@ def test_commit_checks_the_objects_without_downloading_them(store, monkeypatch):
     monkeypatch.setattr(store, "get", lambda key: gets.append(key) or real_get(key))
     commit_manifest(store, "conv-1", rows)
     assert [k for k in gets if k.startswith("caches/")] == []
-    assert read_manifest(store, "conv-1")[0]["sha256"] == rows[0]["sha256"]
+    assert read_manifest(store, "conv-1")[0].sha256 == rows[0].sha256
 
-    store.put(rows[0]["object_key"], b"short")
+    store.put(rows[0].object_key, b"short")
     with pytest.raises(cache_format.CacheCorruptError, match=r"holds 5 bytes, \d+ were written"):
         commit_manifest(store, "conv-2", rows)
-    store.delete(rows[1]["object_key"])
+    store.delete(rows[1].object_key)
     with pytest.raises(cache_format.CacheCorruptError, match="is missing from the store"):
         commit_manifest(store, "conv-2", rows[1:])
     assert "conv-2" not in list_conversations(store)

@@ -47,7 +47,7 @@ from pipeline.kv import models
 from pipeline.store import cache_format
 from pipeline.store.disk_tier import DiskTier
 from pipeline.store.local import LocalStore
-from pipeline.store.manifest import read_manifest
+from pipeline.store.manifest import ManifestRecord, read_manifest
 
 STAGES = ("embed", "route", "load", "decode")
 
@@ -65,7 +65,7 @@ class CountingStore(LocalStore):
         return super().get(key)
 
 
-def cold_loads(root: Path, rows: list[dict], dtype: torch.dtype, repeats: int = 3) -> list[dict]:
+def cold_loads(root: Path, records: list[ManifestRecord], dtype: torch.dtype, repeats: int = 3) -> list[dict]:
     """Median ms of loading each episode's cache: from the store (split into the read, and the
     parse + rebuild with the SHA-256 computed beside it; the hash alone for reference), and from
     a filled disk tier as a restarted replica (a new `DiskTier` over the folder) reads it; with
@@ -76,13 +76,13 @@ def cold_loads(root: Path, rows: list[dict], dtype: torch.dtype, repeats: int = 
     from_store, from_disk = [], []
     with tempfile.TemporaryDirectory(prefix="bench-disk-tier-") as folder:
         for _ in range(repeats):
-            for row in rows:
+            for record in records:
                 t0 = time.perf_counter()
-                with store.open(row["object_key"]) as f:
-                    data = cache_format.read_object(f, row["object_key"], row["object_bytes"])
+                with store.open(record.object_key) as f:
+                    data = cache_format.read_object(f, record.object_key, record.object_bytes)
                 t1 = time.perf_counter()
-                with cache_format.verifying(data, row["sha256"], row["object_key"]):
-                    cache_format.parse(data, row["object_key"], dtype)
+                with cache_format.verifying(data, record.sha256, record.object_key):
+                    cache_format.parse(data, record.object_key, dtype)
                 t2 = time.perf_counter()
                 cache_format.sha256(data)
                 split["read"].append((t1 - t0) * 1000)
@@ -91,15 +91,15 @@ def cold_loads(root: Path, rows: list[dict], dtype: torch.dtype, repeats: int = 
                 from_store.append((t2 - t0) * 1000)
                 del data
         store_reads = store.reads
-        filled = DiskTier(folder, sum(r["object_bytes"] for r in rows))
-        for row in rows:
-            fetch_cache(store, row, dtype, disk=filled)
+        filled = DiskTier(folder, sum(r.object_bytes for r in records))
+        for record in records:
+            fetch_cache(store, record.ref, dtype, disk=filled)
         before_restart = store.reads
         for _ in range(repeats):
             restarted = DiskTier(folder, filled.max_bytes)  # a new replica over the folder
-            for row in rows:
+            for record in records:
                 t = time.perf_counter()
-                fetch_cache(store, row, dtype, disk=restarted)
+                fetch_cache(store, record.ref, dtype, disk=restarted)
                 from_disk.append((time.perf_counter() - t) * 1000)
         restart_reads = store.reads - before_restart
     out = [{"load": "store (cold)", "ms": statistics.median(from_store), "reads": store_reads,
@@ -113,7 +113,7 @@ def cold_loads(root: Path, rows: list[dict], dtype: torch.dtype, repeats: int = 
 
 def turn(answerer: Answerer, conversation_id: str, question: str, max_new_tokens: int) -> dict:
     result = answerer.answer(conversation_id, question, max_new_tokens)
-    lm = models.load_llm(answerer.manifest(conversation_id)[0]["model_id"])
+    lm = models.load_llm(answerer.manifest(conversation_id)[0].model_id)
     generated = len(lm.tokenizer(result.answer, add_special_tokens=False)["input_ids"]) + 1
     return result.timings_ms | {"tokens": min(generated, max_new_tokens), "hit": result.cache_hit}
 
@@ -162,15 +162,15 @@ def main(argv: list[str] | None = None) -> int:
     entries = {}
     for name, config in (("episodic", episodic), ("full", full)):
         done = is_built(stores[name], conv.conversation_id, config)
-        rows = read_manifest(stores[name], conv.conversation_id) if done else \
+        records = read_manifest(stores[name], conv.conversation_id) if done else \
             build_conversation(conv, config, stores[name])
-        entries[name] = statistics.mean(e for r in rows for e in r["entries_per_layer"])
-        print(f"{'found' if done else 'built'} {name}: {len(rows)} cache(s), "
-              f"{rows[0]['tokens']} tokens, {sum(r['build_seconds'] for r in rows):.0f} s of build",
+        entries[name] = statistics.mean(e for r in records for e in r.entries_per_layer)
+        print(f"{'found' if done else 'built'} {name}: {len(records)} cache(s), "
+              f"{records[0].tokens} tokens, {sum(r.build_seconds for r in records):.0f} s of build",
               file=sys.stderr, flush=True)
     questions = [q.question for q in conv.questions][:a.questions]
     first = read_manifest(stores["episodic"], conv.conversation_id)[0]
-    models.load_llm(first["model_id"], "cpu"), models.load_encoder(first["encoder_id"], "cpu")
+    models.load_llm(first.model_id, "cpu"), models.load_encoder(first.encoder_id, "cpu")
     gc.freeze()  # as the Serve deployments do: no collector pass over the models inside a turn
     if not a.return_freed_memory:
         retain_freed_memory()  # as the Serve decoder does: caches load into reused memory
@@ -195,11 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     by = {r["cache"]: r for r in rows}
     print(f"\ndecode ms/token, full / episodic (warm): "
           f"{by['full (warm)']['ms_per_token'] / by['episodic (warm)']['ms_per_token']:.2f}x")
-    rows = read_manifest(stores["episodic"], conv.conversation_id)
-    dtype = models.load_llm(rows[0]["model_id"]).model.dtype
-    loads = cold_loads(root / "episodic", rows, dtype)
-    print(f"\ncold load of the {len(rows)} episodic caches "
-          f"({statistics.mean(r['object_bytes'] for r in rows) / 2**20:.1f} MiB each), medians:")
+    records = read_manifest(stores["episodic"], conv.conversation_id)
+    dtype = models.load_llm(records[0].model_id).model.dtype
+    loads = cold_loads(root / "episodic", records, dtype)
+    print(f"\ncold load of the {len(records)} episodic caches "
+          f"({statistics.mean(r.object_bytes for r in records) / 2**20:.1f} MiB each), medians:")
     print_table(loads, [("load", "from", "s"), ("ms", "ms per cache", ".1f"),
                         ("loads", "loads", "d"), ("reads", "objects read from the store", "d")])
     print(f"restart from the disk tier / cold load from the store: "

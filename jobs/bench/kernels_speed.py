@@ -92,7 +92,7 @@ def score_inputs(shape: Shape, dtype: torch.dtype, device: str, seed: int = 0) -
 def score_implementations(device: str) -> dict[str, Callable]:
     impls = {"reference": patch_attention_scores_reference, "naive": naive_full_softmax_scores}
     if device == "cuda":
-        from kernels.score_triton import patch_attention_scores_triton
+        from kernels.score_triton import patch_attention_scores_triton  # CUDA only (see kernels)
         impls = {"triton": patch_attention_scores_triton, **impls}
     return impls
 
@@ -189,7 +189,7 @@ def bench_scoring(shape_key: str, device: str, dtype: str, reps: int, threads: i
 
 def bench_quant(shape_key: str, dtype: str, reps: int) -> list[dict]:
     """CUDA only: quantize and gather-dequantize kernels vs torch on [Hkv, N, d] keys."""
-    from kernels.quant_triton import dequantize_triton, quantize_triton
+    from kernels.quant_triton import dequantize_triton, quantize_triton  # CUDA only (see kernels)
 
     shape = SHAPES[shape_key]
     g = torch.Generator().manual_seed(1)

@@ -36,6 +36,7 @@ import numpy as np
 import requests
 
 from pipeline.cli.parser import make_parser
+from pipeline.corpus.reader import read_corpus
 
 STAGES = ("embed", "route", "fetch", "decode")
 GENERIC_QUESTIONS = ("What did they talk about most?", "Where did they go last weekend?",
@@ -59,8 +60,6 @@ def load_questions(corpus: str | None, conversations: list[str], limit: int,
     """(conversation id, question) pairs: the corpus's own questions, else generic ones."""
     pairs: list[tuple[str, str]] = []
     if corpus:
-        from pipeline.corpus.reader import read_corpus
-
         convs = read_corpus(corpus)[0]
         if conversations:
             convs = [c for c in convs if c.conversation_id in set(conversations)]

@@ -18,6 +18,7 @@ from pipeline.kv import models
 from pipeline.kv.cache import EpisodicCache
 from pipeline.store.base import Store
 from pipeline.store.disk_tier import DiskTier
+from pipeline.store.manifest import CacheRef, ManifestRecord
 
 
 @dataclass
@@ -42,44 +43,45 @@ class Answerer:
                  device: str = "cpu", resident_bytes: int = 0, disk: DiskTier | None = None):
         self.store, self.device, self.disk = store, device, disk
         self.model_name, self.encoder_name = model, encoder
-        self._manifests: dict[str, list[dict]] = {}
+        self._manifests: dict[str, list[ManifestRecord]] = {}
         self.caches = CacheLRU(resident_bytes)
 
-    def manifest(self, conversation_id: str) -> list[dict]:
+    def manifest(self, conversation_id: str) -> list[ManifestRecord]:
         if conversation_id not in self._manifests:
             self._manifests[conversation_id] = load_manifest(self.store, conversation_id)
         return self._manifests[conversation_id]
 
-    def _models(self, row: dict) -> tuple[models.LoadedModel, object]:
-        check_models([row], self.model_name, self.encoder_name)
-        return (models.load_llm(row["model_id"], self.device),
-                models.load_encoder(row["encoder_id"], self.device))
+    def _models(self, record: ManifestRecord) -> tuple[models.LoadedModel, object]:
+        check_models([record], self.model_name, self.encoder_name)
+        return (models.load_llm(record.model_id, self.device),
+                models.load_encoder(record.encoder_id, self.device))
 
-    def load_cache(self, row: dict) -> tuple[EpisodicCache, bool]:
+    def load_cache(self, episode: ManifestRecord | CacheRef) -> tuple[EpisodicCache, bool]:
         """The episode's cache, from residency (True) or fetched and verified (False)."""
-        lm = models.load_llm(row["model_id"], self.device)
+        ref = episode if isinstance(episode, CacheRef) else episode.ref
+        lm = models.load_llm(ref.model_id, self.device)
         return self.caches.get_or_load(
-            (row["object_key"], row["sha256"]),
-            lambda: fetch_cache(self.store, row, lm.model.dtype, self.device, self.disk))
+            (ref.object_key, ref.sha256),
+            lambda: fetch_cache(self.store, ref, lm.model.dtype, self.device, self.disk))
 
     def answer(self, conversation_id: str, question: str, max_new_tokens: int = 32,
                temperature: float = 0.0) -> AnswerResult:
         if not question or not question.strip():
             raise ValueError("the question is empty")
-        rows = self.manifest(conversation_id)
-        lm, encoder = self._models(rows[0])
+        records = self.manifest(conversation_id)
+        lm, encoder = self._models(records[0])
         timings = {}
         t = time.perf_counter()
         q_emb = embed_question(encoder, question)
         timings["embed"] = (time.perf_counter() - t) * 1000
         t = time.perf_counter()
-        row, similarity = route_question(q_emb, rows)
+        record, similarity = route_question(q_emb, records)
         timings["route"] = (time.perf_counter() - t) * 1000
         t = time.perf_counter()
-        cache, hit = self.load_cache(row)
+        cache, hit = self.load_cache(record)
         timings["load"] = (time.perf_counter() - t) * 1000
         t = time.perf_counter()
         decoded = decode_answer(lm, cache, question, max_new_tokens, temperature)
         timings["decode"] = (time.perf_counter() - t) * 1000
-        return AnswerResult(conversation_id, question, decoded.text, int(row["episode"]),
+        return AnswerResult(conversation_id, question, decoded.text, record.episode,
                             similarity, hit, {k: round(v, 2) for k, v in timings.items()})

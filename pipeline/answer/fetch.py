@@ -14,6 +14,7 @@ from pipeline.kv.cache import EpisodicCache
 from pipeline.store import cache_format
 from pipeline.store.base import Store
 from pipeline.store.disk_tier import DiskTier
+from pipeline.store.manifest import CacheRef
 
 
 class Fetched(NamedTuple):
@@ -22,32 +23,32 @@ class Fetched(NamedTuple):
     from_disk: bool  # read from the local disk tier, not the store
 
 
-def fetch_object(store: Store, row: dict, disk: DiskTier | None = None,
+def fetch_object(store: Store, ref: CacheRef, disk: DiskTier | None = None,
                  parse: Callable[[bytes], object] | None = None) -> Fetched:
     """An episode's object from the local disk tier if it holds it, else from the store (then
     kept in the tier), with `parse` run on it while its SHA-256 is checked against the manifest
     (`cache_format.read_parsed`). A bad object raises `CacheCorruptError` naming it; a bad disk file
     is fetched again."""
-    key, expected = row["object_key"], row["sha256"]
+    key, expected = ref.object_key, ref.sha256
 
     def from_store() -> tuple[bytes, object]:
         with store.open(key) as f:
-            return cache_format.read_parsed(f, expected, key, row.get("object_bytes") or None, parse)
+            return cache_format.read_parsed(f, expected, key, ref.object_bytes or None, parse)
 
     if disk is None:
         return Fetched(*from_store(), False)
     return Fetched(*disk.load(expected, key, from_store, parse))
 
 
-def cache_parser(row: dict, dtype: torch.dtype = torch.float32,
+def cache_parser(ref: CacheRef, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu") -> Callable[[bytes], EpisodicCache]:
     """The `parse` of `fetch_object` that rebuilds an episode's `EpisodicCache`."""
-    return lambda data: cache_format.parse(data, row["object_key"], dtype=dtype, device=device)[0]
+    return lambda data: cache_format.parse(data, ref.object_key, dtype=dtype, device=device)[0]
 
 
-def fetch_cache(store: Store, row: dict, dtype: torch.dtype = torch.float32,
+def fetch_cache(store: Store, ref: CacheRef, dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "cpu", disk: DiskTier | None = None) -> EpisodicCache:
     """An episode's cache (from the disk tier if given and holding it), its object's SHA-256
     checked against the manifest while it is parsed; a bad object raises `CacheCorruptError`
     naming it."""
-    return fetch_object(store, row, disk, cache_parser(row, dtype, device)).parsed
+    return fetch_object(store, ref, disk, cache_parser(ref, dtype, device)).parsed

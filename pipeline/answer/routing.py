@@ -7,12 +7,14 @@ space the centroids live in: anything else is an error, never a silent answer.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 
 from pipeline.corpus.schema import check_safe_id
 from pipeline.episodes import route
 from pipeline.store.base import Store
-from pipeline.store.manifest import read_manifest
+from pipeline.store.manifest import CacheRef, ManifestRecord, read_manifest
 
 
 class ConversationNotFound(LookupError):
@@ -23,30 +25,31 @@ class ModelMismatchError(ValueError):
     pass
 
 
-def load_manifest(store: Store, conversation_id: str) -> list[dict]:
-    """The manifest rows of a conversation; `ConversationNotFound` if it was never built."""
+def load_manifest(store: Store, conversation_id: str) -> list[ManifestRecord]:
+    """The manifest records of a conversation; `ConversationNotFound` if it was never built."""
     check_safe_id(conversation_id)
-    rows = read_manifest(store, conversation_id)
-    if not rows:
+    records = read_manifest(store, conversation_id)
+    if not records:
         raise ConversationNotFound(f"conversation {conversation_id!r} has no manifest in "
                                    f"store {store.uri} (not built yet?)")
-    return rows
+    return records
 
 
-def check_models(rows: list[dict], model: str | None, encoder: str | None) -> None:
+def check_models(episodes: Iterable[ManifestRecord | CacheRef], model: str | None,
+                 encoder: str | None) -> None:
     """A cache only makes sense with the model that built it, and routing only with the encoder
     whose space the centroids live in: anything else is an error, never a silent answer."""
-    for row in rows:
-        for wanted, column, what in ((model, "model_id", "model"), (encoder, "encoder_id", "encoder")):
-            built = row.get(column) if wanted is not None else None
+    for episode in episodes:
+        for wanted, built, what in ((model, episode.model_id, "model"),
+                                    (encoder, episode.encoder_id, "encoder")):
             if wanted is not None and wanted != built:
-                raise ModelMismatchError(f"conversation {row['conversation_id']!r} was built with "
-                                         f"{what} {built!r}, not {wanted!r}")
+                raise ModelMismatchError(f"conversation {episode.conversation_id!r} was built "
+                                         f"with {what} {built!r}, not {wanted!r}")
 
 
-def centroid_matrix(rows: list[dict]) -> np.ndarray:
-    """[episodes, dim] centroids of the manifest rows, in row order."""
-    return np.stack([np.asarray(r["centroid"], dtype=np.float32) for r in rows])
+def centroid_matrix(records: list[ManifestRecord]) -> np.ndarray:
+    """[episodes, dim] centroids of the manifest records, in order."""
+    return np.stack([np.asarray(r.centroid, dtype=np.float32) for r in records])
 
 
 def embed_question(encoder, question: str) -> np.ndarray:
@@ -54,9 +57,9 @@ def embed_question(encoder, question: str) -> np.ndarray:
     return encoder.encode([question], normalize_embeddings=True, show_progress_bar=False)[0]
 
 
-def route_question(question_embedding: np.ndarray, rows: list[dict],
-                   centroids: np.ndarray | None = None) -> tuple[dict, float]:
-    """The manifest row of the episode nearest the question, and its cosine similarity."""
+def route_question(question_embedding: np.ndarray, records: list[ManifestRecord],
+                   centroids: np.ndarray | None = None) -> tuple[ManifestRecord, float]:
+    """The manifest record of the episode nearest the question, and its cosine similarity."""
     index, similarity = route(question_embedding,
-                              centroid_matrix(rows) if centroids is None else centroids)
-    return rows[index], similarity
+                              centroid_matrix(records) if centroids is None else centroids)
+    return records[index], similarity

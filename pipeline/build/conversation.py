@@ -16,7 +16,7 @@ from pipeline.corpus.schema import Conversation
 from pipeline.kv import models
 from pipeline.store import cache_format
 from pipeline.store.base import ObjectNotFound, Store
-from pipeline.store.manifest import ManifestError, read_manifest, write_manifest
+from pipeline.store.manifest import ManifestError, ManifestRecord, read_manifest, write_manifest
 
 log = logging.getLogger(__name__)
 
@@ -25,11 +25,11 @@ def is_built(store: Store, conversation_id: str, config: BuildConfig) -> bool:
     """Whether the conversation's manifest carries this configuration; a corrupt manifest is
     not a build (rebuilding replaces it), so it is logged and the conversation rebuilt."""
     try:
-        rows = read_manifest(store, conversation_id)
+        records = read_manifest(store, conversation_id)
     except ManifestError as e:
         log.warning("%s; rebuilding the conversation", e)
         return False
-    return bool(rows) and all(r["config_hash"] == config.hash for r in rows)
+    return bool(records) and all(r.config_hash == config.hash for r in records)
 
 
 def check_stored(store: Store, key: str, size: int) -> None:
@@ -46,19 +46,19 @@ def check_stored(store: Store, key: str, size: int) -> None:
                                          f"{size} were written")
 
 
-def commit_manifest(store: Store, conversation_id: str, rows: list[dict]) -> None:
+def commit_manifest(store: Store, conversation_id: str, records: list[ManifestRecord]) -> None:
     """Write the manifest last, once every object it names is in the store at its size."""
-    for row in rows:
-        check_stored(store, row["object_key"], row["object_bytes"])
-    write_manifest(store, conversation_id, rows)
+    for record in records:
+        check_stored(store, record.object_key, record.object_bytes)
+    write_manifest(store, conversation_id, records)
 
 
-def build_conversation(conv: Conversation, config: BuildConfig, store: Store) -> list[dict]:
+def build_conversation(conv: Conversation, config: BuildConfig, store: Store) -> list[ManifestRecord]:
     """The whole build of one conversation in this process (the Ray job fans the same steps out)."""
     clustered = cluster_conversation(conv, config)
     lm = models.load_llm(config.model)
     budgets = layer_budgets(store, config, lm.config.num_hidden_layers)
-    rows = [build_episode(clustered, e, budgets, config, store)
+    records = [build_episode(clustered, e, budgets, config, store)
             for e in range(len(clustered.episodes.episodes))]
-    commit_manifest(store, conv.conversation_id, rows)
-    return rows
+    commit_manifest(store, conv.conversation_id, records)
+    return records

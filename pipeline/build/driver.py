@@ -26,12 +26,12 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from pipeline.build.config import BuildConfig, DriverOptions
 from pipeline.build.conversation import commit_manifest, is_built
 from pipeline.build.sources import corpus_objects
-from pipeline.build.tasks import MODEL_STAGES, Stages
+from pipeline.build.tasks import MODEL_STAGES, Stages, WorkerStamp
 from pipeline.corpus.reader import CorpusStream, ReadStats
 from pipeline.corpus.records import DEFAULT_LIMITS, CorpusLimits
 from pipeline.corpus.schema import CorpusError
 from pipeline.store.base import Store
-from pipeline.store.manifest import list_conversations
+from pipeline.store.manifest import ManifestRecord, list_conversations
 from pipeline.store.s3 import S3Store
 from pipeline.store.table_sync import IndexWriter
 from pipeline.store.uri import open_store
@@ -83,7 +83,7 @@ class _Conversation:
     """What the driver holds for one conversation in flight (and only while in flight)."""
     clustered: Any = None  # ObjectRef of its ClusterResult, shared by its episode tasks
     outstanding: int = 0  # its tasks submitted or queued
-    rows: list[dict] = field(default_factory=list)
+    records: list[ManifestRecord] = field(default_factory=list)
     error: str | None = None
 
 
@@ -137,7 +137,7 @@ class _Driver:
         except Exception as exc:  # nothing can be built without the budgets
             raise BuildError(f"layer budgets (model {self.config.model!r}): {_describe(exc)}") \
                 from None
-        self._loads(stamp["_loads"])
+        self._loads(stamp)
         log.info("layer budgets: %s", self.budgets)
         if not self.force:  # one listing instead of a manifest read per conversation
             self.built_before = set(list_conversations(self.store))
@@ -242,15 +242,15 @@ class _Driver:
             conv.outstanding += result
             self.pending.extend((cid, i) for i in range(result))
         elif kind == "episode" and result is not None:
-            self._loads(result.pop("_loads"))
-            conv.rows.append(result)
+            record, stamp = result
+            self._loads(stamp)
+            conv.records.append(record)
             s = self.summary
             s.episodes += 1
-            s.tokens += result["tokens"]
-            s.bytes += result["object_bytes"]
+            s.tokens += record.tokens
+            s.bytes += record.object_bytes
             log.debug("built %s episode %d on node %s by %s: %d tokens in %.1fs", cid, e,
-                      result["node_id"][:12], result["worker"], result["tokens"],
-                      result["build_seconds"])
+                      stamp.node_id[:12], stamp.worker, record.tokens, record.build_seconds)
             self._postfix()
         self.finish(cid)
 
@@ -276,22 +276,22 @@ class _Driver:
             try:
                 if self.index is not None:
                     self.index.begin(cid)
-                commit_manifest(self.store, cid, conv.rows)
+                commit_manifest(self.store, cid, conv.records)
                 self.summary.built += 1
-                log.info("committed %s: %d episodes", cid, len(conv.rows))
+                log.info("committed %s: %d episodes", cid, len(conv.records))
             except Exception as exc:  # a commit that fails marks the conversation failed
                 conv.error = f"manifest commit: {type(exc).__name__}: {exc}"
             else:
                 if self.index is not None:
-                    self.index.add(cid, conv.rows)
+                    self.index.add(cid, conv.records)
         if conv.error is not None:
             self.summary.failed[cid] = conv.error
             log.error("conversation %s failed: %s", cid, conv.error)
         self.bar.update(1)
         self._postfix()
 
-    def _loads(self, stamp: tuple[str, int, int]) -> None:
-        node, pid, loads = stamp
+    def _loads(self, stamp: WorkerStamp) -> None:
+        node, pid, loads = stamp.node_id, stamp.pid, stamp.loads
         self.summary.loads[(node, pid)] = max(loads, self.summary.loads.get((node, pid), 0))
 
     def _postfix(self) -> None:

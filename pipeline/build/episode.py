@@ -20,6 +20,7 @@ from pipeline.kv.prefill import block_prefill
 from pipeline.kv.scorers import Scorer, build_scorer, episodic_scorer
 from pipeline.store import cache_format
 from pipeline.store.base import Store, cache_key
+from pipeline.store.manifest import ManifestRecord
 
 
 def episode_scorer(tokenizer, conv: Conversation, ep: Episode, config: BuildConfig) -> Scorer:
@@ -34,8 +35,8 @@ def episode_scorer(tokenizer, conv: Conversation, ep: Episode, config: BuildConf
 
 
 def build_episode(clustered: ClusterResult, episode: int, budgets: list[int] | None,
-                  config: BuildConfig, store: Store) -> dict:
-    """Block-prefill one episode's cache, store it, and return its manifest row."""
+                  config: BuildConfig, store: Store) -> ManifestRecord:
+    """Block-prefill one episode's cache, store it, and return its manifest record."""
     lm = models.load_llm(config.model)
     conv, episodes = clustered.conversation, clustered.episodes
     ep = episodes.episodes[episode]
@@ -52,25 +53,25 @@ def build_episode(clustered: ClusterResult, episode: int, budgets: list[int] | N
     key = cache_key(conv.conversation_id, config.hash, episode)
     store.put(key, data)  # checked at the commit (`check_stored`), not read back here
     checksum = cache_format.sha256(data)
-    return {
-        "conversation_id": conv.conversation_id, "episode": episode,
-        "episodes_requested": episodes.requested if is_episodic(config) else 1,
-        "episodes_built": len(episodes.episodes), "episode_note": episodes.note,
-        "object_key": key, "sha256": checksum, "object_bytes": len(data),
-        "kv_bytes": cache.nbytes(element_size),
-        "original_entries": stats.original_entries, "original_bytes": stats.original_bytes,
-        "quantized_entries": stats.quantized_entries, "quantized_bytes": stats.quantized_bytes,
-        "evicted_entries": stats.evicted_entries, "evicted_bytes": stats.evicted_bytes,
-        "merged_entries": stats.merged_entries,
-        "layer_byte_budgets": stats.byte_budgets or None,
-        "oq_ratios": stats.oq_ratios or None,
-        "centroid": ep.centroid.astype(np.float32).tolist(), "medoid_text": ep.patch_text,
-        "medoid_turn_ids": list(ep.medoid_turn_ids), "n_windows": len(ep.windows),
-        "layer_budgets": budgets, "entries_per_layer": stats.final_entries,
-        "peak_entries_per_layer": stats.peak_entries, "tokens": stats.tokens,
-        "scorer": config.scorer, "model_id": config.model, "encoder_id": config.encoder,
-        "config_hash": config.hash, "config_json": config.to_json(),
-        "cluster_seconds": clustered.seconds, "build_seconds": stats.seconds,
-        "worker": f"{socket.gethostname()}:{os.getpid()}",
-        "built_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-    }
+    return ManifestRecord(
+        conversation_id=conv.conversation_id, episode=episode,
+        episodes_requested=episodes.requested if is_episodic(config) else 1,
+        episodes_built=len(episodes.episodes), episode_note=episodes.note,
+        object_key=key, sha256=checksum, object_bytes=len(data),
+        kv_bytes=cache.nbytes(element_size),
+        original_entries=stats.original_entries, original_bytes=stats.original_bytes,
+        quantized_entries=stats.quantized_entries, quantized_bytes=stats.quantized_bytes,
+        evicted_entries=stats.evicted_entries, evicted_bytes=stats.evicted_bytes,
+        merged_entries=stats.merged_entries,
+        layer_byte_budgets=stats.byte_budgets or None,
+        oq_ratios=stats.oq_ratios or None,
+        centroid=ep.centroid.astype(np.float32).tolist(), medoid_text=ep.patch_text,
+        medoid_turn_ids=list(ep.medoid_turn_ids), n_windows=len(ep.windows),
+        layer_budgets=budgets, entries_per_layer=stats.final_entries,
+        peak_entries_per_layer=stats.peak_entries, tokens=stats.tokens,
+        scorer=config.scorer, model_id=config.model, encoder_id=config.encoder,
+        config_hash=config.hash, config_json=config.to_json(),
+        cluster_seconds=clustered.seconds, build_seconds=stats.seconds,
+        worker=f"{socket.gethostname()}:{os.getpid()}",
+        built_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    )

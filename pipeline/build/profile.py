@@ -8,14 +8,13 @@ import time
 
 from pipeline.build.config import BuildConfig
 from pipeline.corpus.render import render_conversation
+from pipeline.corpus.synthetic import make_conversation
 from pipeline.kv import models, prompts
 from pipeline.store.base import Store, profile_key
 
 
 def calibration_text(config: BuildConfig) -> str:
     """A long, model-independent text: a synthetic multi-topic conversation (no dataset shipped)."""
-    from pipeline.corpus.synthetic import make_conversation
-
     conv = make_conversation("calibration", target_tokens=int(config.calibration.tokens * 1.5),
                              seed=config.calibration.seed)
     return render_conversation(conv).text

@@ -24,11 +24,12 @@ from safetensors.torch import save as st_save
 
 from pipeline.build.cluster import ClusterResult
 from pipeline.build.config import BuildConfig
-from pipeline.build.tasks import Stages, worker_stamp
+from pipeline.build.tasks import Stages, WorkerStamp
 from pipeline.corpus.schema import Conversation
 from pipeline.episodes import Episode, EpisodeConfig, EpisodeSet
 from pipeline.store import cache_format
 from pipeline.store.base import Store, cache_key
+from pipeline.store.manifest import ManifestRecord
 from pipeline.store.s3 import S3Store
 
 LAYERS, KV_HEADS, HEAD_DIM, DIM = 2, 2, 8, 8
@@ -73,8 +74,8 @@ def synthetic_cache(conversation_id: str, episode: int, entries: int, config: Bu
 
 
 def synthetic_episode(clustered: ClusterResult, episode: int, budgets: list[int] | None,
-                      config: BuildConfig, store: Store) -> dict:
-    """Write one tiny cache and return its manifest row, like `builder.build_episode`."""
+                      config: BuildConfig, store: Store) -> ManifestRecord:
+    """Write one tiny cache and return its manifest record, like `build_episode`."""
     start = time.perf_counter()
     conv = clustered.conversation
     failure = conv.meta.get("rehearse_failure")
@@ -87,21 +88,21 @@ def synthetic_episode(clustered: ClusterResult, episode: int, budgets: list[int]
     key = cache_key(conv.conversation_id, config.hash, episode)
     store.put(key, data)
     ep = clustered.episodes.episodes[episode]
-    return {
-        "conversation_id": conv.conversation_id, "episode": episode,
-        "episodes_requested": clustered.episodes.requested,
-        "episodes_built": len(clustered.episodes.episodes), "episode_note": "",
-        "object_key": key, "sha256": cache_format.sha256(data), "object_bytes": len(data),
-        "kv_bytes": 2 * LAYERS * KV_HEADS * entries * HEAD_DIM * 2,
-        "centroid": ep.centroid.tolist(), "medoid_text": ep.patch_text, "medoid_turn_ids": [],
-        "n_windows": 1, "layer_budgets": budgets, "entries_per_layer": [float(entries)] * LAYERS,
-        "peak_entries_per_layer": [float(entries)] * LAYERS, "tokens": len(conv.turns),
-        "scorer": config.scorer, "model_id": config.model, "encoder_id": config.encoder,
-        "config_hash": config.hash, "config_json": config.to_json(), "cluster_seconds": 0.0,
-        "build_seconds": time.perf_counter() - start,
-        "worker": f"{socket.gethostname()}:{os.getpid()}",
-        "built_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-    }
+    return ManifestRecord(
+        conversation_id=conv.conversation_id, episode=episode,
+        episodes_requested=clustered.episodes.requested,
+        episodes_built=len(clustered.episodes.episodes), episode_note="",
+        object_key=key, sha256=cache_format.sha256(data), object_bytes=len(data),
+        kv_bytes=2 * LAYERS * KV_HEADS * entries * HEAD_DIM * 2,
+        centroid=ep.centroid.tolist(), medoid_text=ep.patch_text, medoid_turn_ids=[],
+        n_windows=1, layer_budgets=budgets, entries_per_layer=[float(entries)] * LAYERS,
+        peak_entries_per_layer=[float(entries)] * LAYERS, tokens=len(conv.turns),
+        scorer=config.scorer, model_id=config.model, encoder_id=config.encoder,
+        config_hash=config.hash, config_json=config.to_json(), cluster_seconds=0.0,
+        build_seconds=time.perf_counter() - start,
+        worker=f"{socket.gethostname()}:{os.getpid()}",
+        built_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    )
 
 
 @ray.remote
@@ -111,14 +112,17 @@ def synthetic_cluster_task(conv: Conversation, config: BuildConfig) -> tuple[int
 
 
 @ray.remote
-def synthetic_budgets_task(store: Store, config: BuildConfig) -> tuple[list[int] | None, dict]:
-    return [config.budget or 16] * LAYERS, worker_stamp()
+def synthetic_budgets_task(store: Store,
+                           config: BuildConfig) -> tuple[list[int] | None, WorkerStamp]:
+    return [config.budget or 16] * LAYERS, WorkerStamp.here()
 
 
 @ray.remote(max_calls=0)
 def synthetic_episode_task(clustered: ClusterResult, episode: int, budgets: list[int] | None,
-                           config: BuildConfig, store: Store) -> dict:
-    return synthetic_episode(clustered, episode, budgets, config, store) | worker_stamp()
+                           config: BuildConfig,
+                           store: Store) -> tuple[ManifestRecord, WorkerStamp]:
+    stamp = WorkerStamp.here()
+    return stamp.on(synthetic_episode(clustered, episode, budgets, config, store)), stamp
 
 
 SYNTHETIC_STAGES = Stages(cluster=synthetic_cluster_task, budgets=synthetic_budgets_task,

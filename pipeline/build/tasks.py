@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
@@ -20,13 +20,26 @@ from pipeline.build.profile import layer_budgets
 from pipeline.corpus.schema import Conversation
 from pipeline.kv import models
 from pipeline.store.base import Store
+from pipeline.store.manifest import ManifestRecord
 
 
-def worker_stamp() -> dict:
-    """Where a task ran and how many models its process has loaded so far."""
-    node = ray.get_runtime_context().get_node_id()
-    return {"node_id": node, "worker": f"{socket.gethostname()}:{os.getpid()}",
-            "_loads": (node, os.getpid(), models.load_count())}
+@dataclass(frozen=True)
+class WorkerStamp:
+    """Where a task ran (the Ray node, host:pid) and how many models its process has loaded so
+    far (a worker should load each model once)."""
+    node_id: str
+    worker: str
+    pid: int
+    loads: int
+
+    @classmethod
+    def here(cls) -> "WorkerStamp":
+        return cls(ray.get_runtime_context().get_node_id(),
+                   f"{socket.gethostname()}:{os.getpid()}", os.getpid(), models.load_count())
+
+    def on(self, record: ManifestRecord) -> ManifestRecord:
+        """The record as built here: its node and worker set."""
+        return replace(record, node_id=self.node_id, worker=self.worker)
 
 
 @ray.remote
@@ -38,17 +51,18 @@ def cluster_task(conv: Conversation, config: BuildConfig) -> tuple[int, ClusterR
 
 
 @ray.remote
-def budgets_task(store: Store, config: BuildConfig) -> tuple[list[int] | None, dict]:
+def budgets_task(store: Store, config: BuildConfig) -> tuple[list[int] | None, WorkerStamp]:
     lm = models.load_llm(config.model)
-    return layer_budgets(store, config, lm.config.num_hidden_layers), worker_stamp()
+    return layer_budgets(store, config, lm.config.num_hidden_layers), WorkerStamp.here()
 
 
 # max_calls=0: the worker process is reused, so its model stays loaded (Ray's default for GPU
 # tasks is one call per process, which would reload the model for every episode).
 @ray.remote(max_calls=0)
 def episode_task(clustered: ClusterResult, episode: int, budgets: list[int] | None,
-                 config: BuildConfig, store: Store) -> dict:
-    return build_episode(clustered, episode, budgets, config, store) | worker_stamp()
+                 config: BuildConfig, store: Store) -> tuple[ManifestRecord, WorkerStamp]:
+    stamp = WorkerStamp.here()
+    return stamp.on(build_episode(clustered, episode, budgets, config, store)), stamp
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,10 @@ def resolve_models(store: Store, model: str | None, encoder: str | None) -> tupl
     first conversation's), else the packaged defaults for an empty store."""
     if model is None or encoder is None:
         for cid in list_conversations(store)[:1]:
-            rows = read_manifest(store, cid) or []
-            if rows:
-                model = model or rows[0]["model_id"]
-                encoder = encoder or rows[0]["encoder_id"]
+            records = read_manifest(store, cid) or []
+            if records:
+                model = model or records[0].model_id
+                encoder = encoder or records[0].encoder_id
     return model or DEFAULT_LLM, encoder or DEFAULT_ENCODER
 
 

@@ -29,6 +29,7 @@ from pipeline.answer.routing import check_models
 from pipeline.kv import models
 from pipeline.serve.errors import classify
 from pipeline.store.disk_tier import DiskTier
+from pipeline.store.manifest import CacheRef
 from pipeline.store.uri import open_store
 
 log = logging.getLogger("epicache.serve")
@@ -73,31 +74,31 @@ class Decoder:
             for name, n in increments.items():
                 self.figures[name] += n
 
-    def _fetch(self, row: dict, parse=None):
+    def _fetch(self, ref: CacheRef, parse=None):
         """The episode's object from the disk tier, else the store (then kept in the tier),
         with `parse` run on it while its checksum is verified; counted. What `parse` made."""
-        fetched = fetch_object(self.store, row, self.disk, parse)
+        fetched = fetch_object(self.store, ref, self.disk, parse)
         self._count(**({"disk_reads": 1} if fetched.from_disk else
                        {"store_reads": 1, "fetched_bytes": len(fetched.data)}))
         return fetched.parsed
 
-    def _load(self, row: dict):
+    def _load(self, ref: CacheRef):
         """The episode's cache: fetched, and parsed while its checksum is verified."""
-        return self._fetch(row, cache_parser(row, self.lm.model.dtype, self.device))
+        return self._fetch(ref, cache_parser(ref, self.lm.model.dtype, self.device))
 
-    def _cache(self, row: dict):
-        check_models([row], self.model_name, None)
+    def _cache(self, ref: CacheRef):
+        check_models([ref], self.model_name, None)
         t = time.perf_counter()
-        cache, hit = self.caches.get_or_load((row["object_key"], row["sha256"]),
-                                             lambda: self._load(row))
+        cache, hit = self.caches.get_or_load((ref.object_key, ref.sha256),
+                                             lambda: self._load(ref))
         return cache, hit, (time.perf_counter() - t) * 1000
 
-    async def answer(self, row: dict, question: str, max_new_tokens: int,
+    async def answer(self, ref: CacheRef, question: str, max_new_tokens: int,
                      temperature: float) -> dict:
         """{"answer", "tokens", "finish_reason", "cache_hit", "fetch_ms", "decode_ms",
         "queue_ms"} or {"error": {"status", "message"}}."""
         try:
-            cache, hit, fetch_ms = await asyncio.to_thread(self._cache, row)
+            cache, hit, fetch_ms = await asyncio.to_thread(self._cache, ref)
             job = await asyncio.to_thread(self.batcher.submit, cache, question, max_new_tokens,
                                           temperature)
         except Exception as e:
@@ -113,12 +114,12 @@ class Decoder:
                 "fetch_ms": round(fetch_ms, 3), "decode_ms": round(job.decode_ms, 3),
                 "queue_ms": round(job.queue_ms, 3)}
 
-    async def stream(self, row: dict, question: str, max_new_tokens: int,
+    async def stream(self, ref: CacheRef, question: str, max_new_tokens: int,
                      temperature: float) -> AsyncIterator[dict]:
         """First {"cache_hit", "fetch_ms"} (or {"error": ...}), then {"text": piece}s, then
         {"done": {"tokens", "finish_reason", "decode_ms", "queue_ms"}} (or {"error": ...})."""
         try:
-            cache, hit, fetch_ms = await asyncio.to_thread(self._cache, row)
+            cache, hit, fetch_ms = await asyncio.to_thread(self._cache, ref)
         except Exception as e:
             yield _decoder_error(e)
             return
@@ -146,40 +147,40 @@ class Decoder:
         yield {"done": {"tokens": decoded.tokens, "finish_reason": decoded.finish_reason,
                         "decode_ms": round(job.decode_ms, 3), "queue_ms": round(job.queue_ms, 3)}}
 
-    def prefetch(self, rows: list[dict]) -> int:
+    def prefetch(self, refs: list[CacheRef]) -> int:
         """Load these episodes in the background (a follow-up question often routes to another
         episode of the conversation): into the disk tier, and into memory when the LRU has room
         without evicting anything. Returns at once with the number queued; never raises."""
         if self.prefetcher is None:
             return 0
         queued = 0
-        for row in rows:
+        for ref in refs:
             try:
-                check_models([row], self.model_name, None)
-                self.prefetcher.submit(self._prefetch_one, row)
+                check_models([ref], self.model_name, None)
+                self.prefetcher.submit(self._prefetch_one, ref)
                 queued += 1
             except Exception as e:  # noqa: BLE001 - a prefetch is best effort
-                log.warning("prefetch of %s not queued: %s", row.get("object_key"), e)
+                log.warning("prefetch of %s not queued: %s", ref.object_key, e)
                 self._count(prefetch_failed=1)
         self._count(prefetch_requested=queued)
         return queued
 
-    def _prefetch_one(self, row: dict) -> None:
-        key = (row["object_key"], row["sha256"])
+    def _prefetch_one(self, ref: CacheRef) -> None:
+        key = (ref.object_key, ref.sha256)
         try:
             if key in self.caches:
                 self._count(prefetch_skipped=1)
             elif self.caches.bytes < self.caches.max_bytes:  # room in memory: load and offer
-                cache = self._load(row)
+                cache = self._load(ref)
                 self._count(prefetch_fetched=1,
                             prefetch_resident=int(self.caches.offer(key, cache)))
-            elif self.disk is not None and row["sha256"] not in self.disk:  # to disk only
-                self._fetch(row)
+            elif self.disk is not None and ref.sha256 not in self.disk:  # to disk only
+                self._fetch(ref)
                 self._count(prefetch_fetched=1)
             else:
                 self._count(prefetch_skipped=1)
         except Exception as e:  # noqa: BLE001 - logged, never raised: no request waits on it
-            log.warning("prefetch of %s failed: %s", row.get("object_key"), e)
+            log.warning("prefetch of %s failed: %s", ref.object_key, e)
             self._count(prefetch_failed=1)
 
     @property

@@ -30,6 +30,7 @@ from pipeline.serve.errors import ApiError, add_exception_handlers, classify
 from pipeline.serve.schemas import AnswerRequest, ChatRequest, parse_body
 from pipeline.serve.settings import ServeSettings
 from pipeline.store.base import ObjectNotFound, manifest_key
+from pipeline.store.manifest import CacheRef, ManifestRecord
 from pipeline.store.uri import open_store
 
 log = logging.getLogger("epicache.serve")
@@ -40,7 +41,7 @@ add_exception_handlers(app)
 
 @dataclass
 class _Conversation:
-    rows: list[dict]
+    records: list[ManifestRecord]
     centroids: Any  # np.ndarray [episodes, dim]
     stamp: tuple[int, float]  # (size, modified) of the manifest object when read
     checked: float  # time.monotonic() of the last check against the store
@@ -93,9 +94,9 @@ class Router:
         if known is not None and known.stamp == stamp:
             known.checked = now
             return known
-        rows = load_manifest(self.store, conversation_id)
-        check_models(rows, self.model_name, self.encoder_name)
-        conv = _Conversation(rows, centroid_matrix(rows), stamp, now)
+        records = load_manifest(self.store, conversation_id)
+        check_models(records, self.model_name, self.encoder_name)
+        conv = _Conversation(records, centroid_matrix(records), stamp, now)
         self._conversations[conversation_id] = conv
         return conv
 
@@ -119,47 +120,42 @@ class Router:
         return value
 
     async def _route(self, conversation_id: str, question: str) -> tuple[dict, float, dict]:
-        """(manifest row, similarity, timings) for a question; manifest lookup counts as route."""
+        """(manifest record, similarity, timings) for a question; manifest lookup counts as
+        route."""
         t0 = time.perf_counter()
         conv = await asyncio.to_thread(self._load_conversation, conversation_id)
         t1 = time.perf_counter()
         emb = await asyncio.to_thread(self._embed, question)
         t2 = time.perf_counter()
-        row, similarity = route_question(emb, conv.rows, conv.centroids)
+        row, similarity = route_question(emb, conv.records, conv.centroids)
         t3 = time.perf_counter()
         if not conv.prefetched:  # first touch: a follow-up often routes to another episode
             conv.prefetched = True
-            self._prefetch([self._decoder_row(r) for r in conv.rows if r is not row])
+            self._prefetch([r.ref for r in conv.records if r is not row])
         return row, similarity, {"embed": (t2 - t1) * 1000, "route": (t1 - t0 + t3 - t2) * 1000}
 
-    def _prefetch(self, rows: list[dict]) -> None:
-        """Ask the decoder to load `rows` in the background; no request waits on it, and a
+    def _prefetch(self, refs: list[CacheRef]) -> None:
+        """Ask the decoder to load `refs` in the background; no request waits on it, and a
         failure is logged, never raised."""
-        if not rows:
+        if not refs:
             return
 
         async def send() -> None:
             try:
-                await self.decoder.prefetch.remote(rows)
+                await self.decoder.prefetch.remote(refs)
             except Exception as e:  # noqa: BLE001 - a prefetch is best effort
-                log.warning("prefetch of %d episode(s) failed: %s", len(rows), e)
+                log.warning("prefetch of %d episode(s) failed: %s", len(refs), e)
 
         task = asyncio.get_running_loop().create_task(send())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
     @staticmethod
-    def _decoder_row(row: dict) -> dict:
-        keys = ("conversation_id", "episode", "object_key", "sha256", "object_bytes", "model_id",
-                "encoder_id")
-        return {k: row[k] for k in keys}
-
-    @staticmethod
     def _raise_if_error(result: dict) -> None:
         if "error" in result:
             raise ApiError(result["error"]["status"], result["error"]["message"])
 
-    async def _ask_decoder(self, row: dict, question: str, max_new: int,
+    async def _ask_decoder(self, row: ManifestRecord, question: str, max_new: int,
                            temperature: float) -> dict:
         """The decoder's whole answer, asked again once if the replica died meanwhile (an
         answer has no side effect; Serve sends the retry to a live or replacement replica); a
@@ -167,7 +163,7 @@ class Router:
         never a hang."""
         deadline = time.monotonic() + self.settings.decoder_timeout_s
         for attempt in (1, 2):
-            response = self.decoder.answer.remote(self._decoder_row(row), question, max_new,
+            response = self.decoder.answer.remote(row.ref, question, max_new,
                                                   temperature)
             try:
                 result = await asyncio.wait_for(response, max(0.0, deadline - time.monotonic()))
@@ -202,20 +198,21 @@ class Router:
             conv = await asyncio.to_thread(self._load_conversation, conversation_id)
         except Exception as e:
             raise ApiError(*classify(e)) from None
-        first = conv.rows[0]
+        first = conv.records[0]
         return {
-            "conversation_id": conversation_id, "model_id": first["model_id"],
-            "encoder_id": first["encoder_id"], "config_hash": first["config_hash"],
-            "scorer": first["scorer"], "tokens": first["tokens"],
-            "episodes_requested": first["episodes_requested"],
-            "episodes_built": first["episodes_built"], "episode_note": first["episode_note"],
+            "conversation_id": conversation_id, "model_id": first.model_id,
+            "encoder_id": first.encoder_id, "config_hash": first.config_hash,
+            "scorer": first.scorer, "tokens": first.tokens,
+            "episodes_requested": first.episodes_requested,
+            "episodes_built": first.episodes_built, "episode_note": first.episode_note,
             "episodes": [{
-                "episode": r["episode"], "medoid_text": r["medoid_text"],
-                "medoid_turn_ids": r["medoid_turn_ids"], "n_windows": r["n_windows"],
-                "layer_budgets": r["layer_budgets"],
-                "mean_budget": sum(r["layer_budgets"]) / max(1, len(r["layer_budgets"])),
-                "object_key": r["object_key"], "object_bytes": r["object_bytes"],
-                "kv_bytes": r["kv_bytes"], "built_at": r["built_at"]} for r in conv.rows]}
+                "episode": r.episode, "medoid_text": r.medoid_text,
+                "medoid_turn_ids": r.medoid_turn_ids, "n_windows": r.n_windows,
+                "layer_budgets": r.layer_budgets,
+                "mean_budget": (sum(r.layer_budgets) / max(1, len(r.layer_budgets))
+                                if r.layer_budgets else None),
+                "object_key": r.object_key, "object_bytes": r.object_bytes,
+                "kv_bytes": r.kv_bytes, "built_at": r.built_at} for r in conv.records]}
 
     @app.post("/v1/conversations/{conversation_id}/answer")
     async def answer(self, conversation_id: str, request: Request) -> dict:
@@ -232,7 +229,7 @@ class Router:
         result = await self._ask_decoder(row, question, max_new, body.temperature or 0.0)
         timings |= {"fetch": result["fetch_ms"], "decode": result["decode_ms"]}
         return {"conversation_id": conversation_id, "answer": result["answer"],
-                "episode": int(row["episode"]), "similarity": round(similarity, 6),
+                "episode": row.episode, "similarity": round(similarity, 6),
                 "cache_hit": result["cache_hit"], "tokens": result["tokens"],
                 "finish_reason": result["finish_reason"],
                 "decoder_queue_ms": result["queue_ms"],
@@ -260,7 +257,7 @@ class Router:
             raise
         except Exception as e:
             raise ApiError(*classify(e)) from None
-        meta = {"conversation_id": body.conversation_id, "episode": int(row["episode"]),
+        meta = {"conversation_id": body.conversation_id, "episode": row.episode,
                 "similarity": round(similarity, 6)}
         base = openai_chat.completion_base(self.model_name)
         if not body.stream:
@@ -269,7 +266,7 @@ class Router:
             return openai_chat.completion(base, question, result, meta, timings)
 
         gen = self.decoder.options(stream=True).stream.remote(
-            self._decoder_row(row), question, max_new, temperature)
+            row.ref, question, max_new, temperature)
         try:  # the fetch: a bad cache (or a dead replica) is an HTTP error, not a stream
             first = await asyncio.wait_for(gen.__anext__(), self.settings.decoder_timeout_s)
         except Exception as e:
@@ -277,8 +274,8 @@ class Router:
             raise ApiError(*classify(e)) from None
         if "error" in first:
             gen.cancel()
-            raise ApiError(first["error"]["status"], first["error"]["message"])
-        timings["fetch"] = first["fetch_ms"]
-        meta |= {"cache_hit": first["cache_hit"]}
+            raise ApiError(first.error["status"], first.error["message"])
+        timings["fetch"] = first.fetch_ms
+        meta |= {"cache_hit": first.cache_hit}
         return openai_chat.stream_response(gen, base, meta, timings,
                                            self.settings.decoder_timeout_s)

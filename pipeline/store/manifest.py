@@ -2,62 +2,107 @@
 
 The manifest is the commit point of a conversation's build: it exists only once every object
 it names is stored and verified, and it records the configuration hash that built it, so a
-re-run can tell finished work from stale work. The schema is documented in the README.
+re-run can tell finished work from stale work. Its schema is `ManifestRecord`'s fields
+(docs/store.md lists them).
 """
 
 from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.store.base import ObjectNotFound, Store, StoreError, check_key, manifest_key
 
-MANIFEST_SCHEMA = pa.schema([
-    ("conversation_id", pa.string()),
-    ("episode", pa.int32()),
-    ("episodes_requested", pa.int32()),
-    ("episodes_built", pa.int32()),
-    ("episode_note", pa.string()),
-    ("object_key", pa.string()),
-    ("sha256", pa.string()),
-    ("object_bytes", pa.int64()),
-    ("kv_bytes", pa.int64()),
-    ("centroid", pa.list_(pa.float32())),
-    ("medoid_text", pa.string()),
-    ("medoid_turn_ids", pa.list_(pa.string())),
-    ("n_windows", pa.int32()),
-    ("layer_budgets", pa.list_(pa.int32())),
-    ("entries_per_layer", pa.list_(pa.float32())),
-    ("peak_entries_per_layer", pa.list_(pa.float32())),
-    ("tokens", pa.int64()),
-    ("scorer", pa.string()),
-    ("model_id", pa.string()),
-    ("encoder_id", pa.string()),
-    ("config_hash", pa.string()),
-    ("config_json", pa.string()),
-    ("cluster_seconds", pa.float64()),
-    ("build_seconds", pa.float64()),
-    ("worker", pa.string()),
-    ("node_id", pa.string()),  # the Ray node that built the episode (None outside Ray)
-    ("built_at", pa.string()),
-])
+
+def column(arrow: pa.DataType, *, state: bool = False, **kw: Any) -> Any:
+    """A manifest column: the field's Arrow type (and whether it is a state column, written
+    only once some episode carries it) in its metadata."""
+    return field(metadata={"arrow": arrow, "state": state}, **kw)
 
 
-# Columns added with tri-state compression and merging, after the columns above: written when
-# the rows carry them (every build since), so rows of older writers read back as written.
-STATE_SCHEMA = pa.schema([
-    # Entries (token x KV head x layer) per state, and their bytes (evicted: what they would
-    # take Original, i.e. the bytes saved); all Original/Evicted without tri-state compression.
-    ("original_entries", pa.int64()),
-    ("original_bytes", pa.int64()),
-    ("quantized_entries", pa.int64()),
-    ("quantized_bytes", pa.int64()),
-    ("evicted_entries", pa.int64()),
-    ("evicted_bytes", pa.int64()),
-    ("merged_entries", pa.int64()),  # evicted entries merged into kept ones (D2O)
-    ("layer_byte_budgets", pa.list_(pa.int64())),  # tri-state: bytes per layer (else null)
-    ("oq_ratios", pa.list_(pa.float32())),  # tri-state: ARKV OQ ratio per layer, last step
-])
+@dataclass(frozen=True, kw_only=True)
+class CacheRef:
+    """What a reader needs of an episode to fetch and check its cache object: where it is, the
+    bytes to expect, and the models it belongs to (small: it crosses Ray handles)."""
+    conversation_id: str
+    episode: int
+    object_key: str
+    sha256: str
+    object_bytes: int | None
+    model_id: str
+    encoder_id: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ManifestRecord:
+    """One episode of a built conversation: a row of its manifest. The manifest's schema (and
+    the manifest table's, a subset) is these fields, in this order."""
+    conversation_id: str = column(pa.string())
+    episode: int = column(pa.int32())
+    # fewer episodes than requested, and why (short conversations)
+    episodes_requested: int = column(pa.int32())
+    episodes_built: int = column(pa.int32())
+    episode_note: str = column(pa.string())
+    object_key: str = column(pa.string())  # the cache object
+    sha256: str = column(pa.string())  # of the object's bytes, checked by every reader
+    object_bytes: int = column(pa.int64())
+    kv_bytes: int = column(pa.int64())  # bytes of the kept keys and values
+    centroid: list[float] = column(pa.list_(pa.float32()))  # unit norm, the encoder's space
+    medoid_text: str = column(pa.string())  # the patched prompt
+    medoid_turn_ids: list[str] = column(pa.list_(pa.string()))
+    n_windows: int = column(pa.int32())
+    layer_budgets: list[int] | None = column(pa.list_(pa.int32()))  # None: the full cache
+    entries_per_layer: list[float] = column(pa.list_(pa.float32()))  # per KV head
+    peak_entries_per_layer: list[float] = column(pa.list_(pa.float32()))
+    tokens: int = column(pa.int64())  # of the conversation, fed to the model
+    scorer: str = column(pa.string())
+    model_id: str = column(pa.string())
+    encoder_id: str = column(pa.string())
+    config_hash: str = column(pa.string())
+    config_json: str = column(pa.string())
+    cluster_seconds: float = column(pa.float64())
+    build_seconds: float = column(pa.float64())
+    worker: str = column(pa.string())  # host:pid
+    node_id: str | None = column(pa.string(), default=None)  # the Ray node (None outside Ray)
+    built_at: str = column(pa.string())
+    # Added with tri-state compression and merging: entries (token x KV head x layer) per state
+    # and their bytes (evicted: what they would take Original, i.e. the bytes saved); all
+    # Original/Evicted without tri-state. Older manifests read back with these None.
+    original_entries: int | None = column(pa.int64(), state=True, default=None)
+    original_bytes: int | None = column(pa.int64(), state=True, default=None)
+    quantized_entries: int | None = column(pa.int64(), state=True, default=None)
+    quantized_bytes: int | None = column(pa.int64(), state=True, default=None)
+    evicted_entries: int | None = column(pa.int64(), state=True, default=None)
+    evicted_bytes: int | None = column(pa.int64(), state=True, default=None)
+    merged_entries: int | None = column(pa.int64(), state=True, default=None)  # D2O merging
+    # tri-state only (else None): bytes per layer, and ARKV's OQ ratio per layer at the last step
+    layer_byte_budgets: list[int] | None = column(pa.list_(pa.int64()), state=True, default=None)
+    oq_ratios: list[float] | None = column(pa.list_(pa.float32()), state=True, default=None)
+
+    @property
+    def ref(self) -> CacheRef:
+        return CacheRef(**{f.name: getattr(self, f.name) for f in dataclasses.fields(CacheRef)})
+
+    def to_row(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> "ManifestRecord":
+        """A record from a manifest row; columns a row lacks (an older writer's) are None."""
+        return cls(**{f.name: row.get(f.name) for f in dataclasses.fields(cls)})
+
+
+def _schema(state: bool) -> pa.Schema:
+    return pa.schema([(f.name, f.metadata["arrow"]) for f in dataclasses.fields(ManifestRecord)
+                      if f.metadata["state"] == state])
+
+
+MANIFEST_SCHEMA = _schema(state=False)
+STATE_SCHEMA = _schema(state=True)  # written once some episode carries them (every build since)
 
 
 # Every writer since the first has written these (node_id came later; the state columns later).
@@ -77,18 +122,18 @@ class ManifestError(StoreError):
         return f"manifest {self.key!r} in store {self.store_uri} is corrupt: {self.reason}"
 
 
-def write_manifest(store: Store, conversation_id: str, rows: list[dict]) -> None:
-    rows = sorted(rows, key=lambda r: r["episode"])
+def write_manifest(store: Store, conversation_id: str, records: list[ManifestRecord]) -> None:
+    rows = [r.to_row() for r in sorted(records, key=lambda r: r.episode)]
     schema = pa.schema(list(MANIFEST_SCHEMA) + [f for f in STATE_SCHEMA
-                                                if any(f.name in r for r in rows)])
+                                                if any(r[f.name] is not None for r in rows)])
     table = pa.Table.from_pylist(rows, schema=schema)
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink)
     store.put(manifest_key(conversation_id), sink.getvalue().to_pybytes())
 
 
-def read_manifest(store: Store, conversation_id: str) -> list[dict] | None:
-    """The manifest rows of a conversation, or None if it has not been built; a manifest that
+def read_manifest(store: Store, conversation_id: str) -> list[ManifestRecord] | None:
+    """The manifest records of a conversation, or None if it has not been built; a manifest that
     cannot be read raises `ManifestError` naming it."""
     key = manifest_key(conversation_id)
     try:
@@ -98,8 +143,8 @@ def read_manifest(store: Store, conversation_id: str) -> list[dict] | None:
     return parse_manifest(data, key, store.uri)
 
 
-def parse_manifest(data: bytes, key: str, store_uri: str) -> list[dict]:
-    """Rows of a manifest's bytes, or `ManifestError` saying why they are not a manifest."""
+def parse_manifest(data: bytes, key: str, store_uri: str) -> list[ManifestRecord]:
+    """Records of a manifest's bytes, or `ManifestError` saying why they are not a manifest."""
     def bad(reason: str) -> ManifestError:
         return ManifestError(key, store_uri, reason)
 
@@ -121,7 +166,7 @@ def parse_manifest(data: bytes, key: str, store_uri: str) -> list[dict]:
         except StoreError:
             raise bad(f"episode {r['episode']} names no valid object_key "
                       f"({r['object_key']!r})") from None
-    return rows
+    return [ManifestRecord.from_row(r) for r in rows]
 
 
 def list_conversations(store: Store) -> list[str]:

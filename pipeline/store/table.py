@@ -27,7 +27,7 @@ import pyarrow.dataset as pads
 from pipeline.corpus.schema import check_safe_id
 from pipeline.store.base import Store, StoreError
 from pipeline.store.local import LocalStore
-from pipeline.store.manifest import MANIFEST_SCHEMA, STATE_SCHEMA
+from pipeline.store.manifest import MANIFEST_SCHEMA, STATE_SCHEMA, ManifestRecord
 from pipeline.store.s3 import S3Store
 
 log = logging.getLogger(__name__)
@@ -67,11 +67,17 @@ def pending_key(conversation_id: str) -> str:
     return PENDING_PREFIX + check_safe_id(conversation_id)
 
 
-def table_rows(rows: Iterable[dict]) -> pa.Table:
-    """Manifest rows as table rows (its columns only; state counts null for older manifests),
-    sorted by conversation and episode so files and row groups cover narrow id ranges."""
-    table = pa.Table.from_pylist([{k: r.get(k) for k in TABLE_SCHEMA.names} for r in rows],
-                                 schema=TABLE_SCHEMA)
+def table_row(record: ManifestRecord) -> dict:
+    """A manifest record as a table row: its scalar columns (state counts None for older
+    manifests)."""
+    return {name: getattr(record, name) for name in TABLE_SCHEMA.names}
+
+
+def table_rows(records: Iterable[ManifestRecord | dict]) -> pa.Table:
+    """Manifest records (or their `table_row`s) as the table's rows, sorted by conversation and
+    episode so files and row groups cover narrow id ranges."""
+    rows = [r if isinstance(r, dict) else table_row(r) for r in records]
+    table = pa.Table.from_pylist(rows, schema=TABLE_SCHEMA)
     return table.sort_by([("conversation_id", "ascending"), ("episode", "ascending")])
 
 
@@ -158,7 +164,8 @@ class ManifestTable:
         self._call(what, write_deltalake, self.uri, data, writer_properties=props,
                    configuration=_TABLE_CONFIG, storage_options=self._options(), **kwargs)
 
-    def replace(self, conversation_ids: Sequence[str], rows: list[dict] | pa.Table) -> None:
+    def replace(self, conversation_ids: Sequence[str],
+                rows: list[ManifestRecord | dict] | pa.Table) -> None:
         """These conversations' rows become `rows` (manifest rows, or a table of `TABLE_SCHEMA`;
         none: they are removed): one commit per `_MAX_IDS` conversations, so each
         conversation's rows change in one commit."""

@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from pipeline.store.base import Store, StoreError
-from pipeline.store.manifest import ManifestError, list_conversations, read_manifest
+from pipeline.store.manifest import ManifestError, ManifestRecord, list_conversations, read_manifest
 from pipeline.store.table import (
     PENDING_PREFIX,
-    TABLE_SCHEMA,
     ManifestTable,
     pending_key,
+    table_row,
     table_rows,
 )
 
@@ -34,7 +34,8 @@ _READ_THREADS = 16  # manifests read at once by repair and rebuild (S3 GETs are 
 _REBUILD_CHUNK = 2_000  # conversations per record batch of a rebuild
 
 
-def _read_many(store: Store, ids: Sequence[str]) -> Iterator[tuple[str, list[dict] | ManifestError]]:
+def _read_many(store: Store,
+               ids: Sequence[str]) -> Iterator[tuple[str, list[ManifestRecord] | ManifestError]]:
     """(id, rows or the ManifestError) per conversation, read by a few threads, in order; an
     absent manifest gives no rows."""
     def read(cid: str):
@@ -55,10 +56,10 @@ class SyncResult:
     rows: int = 0
     corrupt: list[ManifestError] = field(default_factory=list)
 
-    def manifest_rows(self, store: Store, ids: Sequence[str]) -> list[dict]:
+    def manifest_rows(self, store: Store, ids: Sequence[str]) -> list[ManifestRecord]:
         """The manifest rows of `ids` (read by a few threads); a corrupt manifest is recorded
         and gives no rows, as `builder.is_built` counts it as not built."""
-        rows: list[dict] = []
+        rows: list[ManifestRecord] = []
         for _, got in _read_many(store, ids):
             if isinstance(got, ManifestError):
                 self.corrupt.append(got)
@@ -96,7 +97,7 @@ def rebuild(store: Store, table: ManifestTable | None = None) -> SyncResult:
     def batches() -> Iterator[pa.RecordBatch]:
         for start in range(0, len(ids), _REBUILD_CHUNK):
             rows = result.manifest_rows(store, ids[start:start + _REBUILD_CHUNK])
-            result.conversations += len({r["conversation_id"] for r in rows})
+            result.conversations += len({r.conversation_id for r in rows})
             result.rows += len(rows)
             yield from table_rows(rows).to_batches()
 
@@ -129,7 +130,7 @@ class IndexWriter:
         self.store, self.flush_rows, self.flush_seconds = store, flush_rows, flush_seconds
         self.table = ManifestTable(store)
         self.ids: list[str] = []
-        self.rows: list[dict] = []
+        self.rows: list[dict] = []  # table rows: the scalar columns only
         self.last_flush = time.monotonic()
         self.appended = self.commits = 0
         self.healthy = True
@@ -156,10 +157,10 @@ class IndexWriter:
         """Before the manifest commit: a marker saying the table may lag this conversation."""
         self.store.put(pending_key(conversation_id), b"")
 
-    def add(self, conversation_id: str, rows: list[dict]) -> None:
+    def add(self, conversation_id: str, records: list[ManifestRecord]) -> None:
         """After the manifest commit: buffer its rows (scalar columns only)."""
         self.ids.append(conversation_id)
-        self.rows.extend({k: r.get(k) for k in TABLE_SCHEMA.names} for r in rows)
+        self.rows.extend(table_row(r) for r in records)
         if (len(self.rows) >= self.flush_rows
                 or time.monotonic() - self.last_flush >= self.flush_seconds):
             self.flush()
