@@ -168,7 +168,7 @@ def print_next(store: Path, corpus: Path, records: list[dict], a: argparse.Names
     print(f"  {py} -m jobs.answer --store {store} --conversation {records[0]['conversation_id']} "
           f"--question {records[0]['question']!r}")
     print(f"  {py} -m jobs.serve --store {store}   # then POST /v1/conversations/<id>/answer on "
-          f"127.0.0.1:8000 (README, Serving)")
+          f"127.0.0.1:8000 (docs/serving.md)")
     print(f"  {py} -m jobs.evaluate --corpus {corpus} --out {store.parent / 'eval'} "
           f"--model {a.model} --methods epicache --budgets {a.budget} --episodes {a.episodes} "
           f"--medoids {DEMO_CONFIG.episodes.medoids} --block {a.block}")

@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default=", ".join(METHODS),
                    help="comma-separated, each <method>, <method>-<variant> or "
                         f"<method>+<variant>+... ({describe_methods()}; what each does: "
-                        "the README's 'Evaluation')")
+                        "docs/evaluation.md)")
     p.add_argument("--budgets", default="256,512,1024",
                    help="comma-separated budgets, one cell each; a budget is the mean entries "
                         "kept per layer and KV head (tri-state variants: the bytes of that many "

@@ -9,8 +9,8 @@ changes); it embeds the question and picks the episode. The *decoder* holds the 
 byte-bounded LRU of episodic caches fetched from the store (checksum verified; the previous
 turn's cache always stays resident) and decodes, whole or streamed. The router calls the
 decoder through a `DeploymentHandle`, so each scales on its own (`--decoder-replicas`,
-`--decoder-autoscale MIN:MAX`, `--decoder-gpus`). The HTTP API is documented in the README
-("Serving").
+`--decoder-autoscale MIN:MAX`, `--decoder-gpus`). The HTTP API is documented in
+docs/serving.md.
 """
 
 from __future__ import annotations

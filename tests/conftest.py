@@ -27,7 +27,7 @@ def ray_local():
 
 # A real S3 server (SeaweedFS on 127.0.0.1, free ports) for the S3 store and cluster tests:
 # `s3_server` for the session, `s3_env` to point this process's AWS variables at it.
-from s3_server import s3_env, s3_server  # noqa: E402,F401
+from tests.support.s3_server import s3_env, s3_server  # noqa: E402,F401
 
 
 # A test that loads a packaged model (SmolLM2-135M-Instruct, all-MiniLM-L6-v2, or the SmolLM2

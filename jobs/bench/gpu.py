@@ -9,8 +9,8 @@ still owes. Each step runs as a subprocess of the same Python from the repositor
 TRITON_INTERPRET unset (the Triton kernels compile); its output is captured, and a failed step
 is recorded and the next one runs. The steps:
 
-1. the kernel tests (`KERNEL_TESTS`, or tests/test_kernels.py where that folder is absent), which
-   run the compiled kernels against their torch references when CUDA is present;
+1. the kernel tests (`KERNEL_TESTS`), which run the compiled kernels against their torch
+   references when CUDA is present;
 2. the kernel benchmark (`jobs.bench.kernels_speed`): the fused kernels against torch;
 3. a small real build (`jobs.build`, the packaged model, tasks on the GPU) of one LoCoMo
    conversation (`LOCOMO`) or, where that folder is absent, of a synthetic corpus
@@ -29,94 +29,25 @@ one line says so, and the exit code is 0.
 from __future__ import annotations
 
 import argparse
-import os
 import platform
-import re
 import subprocess
-import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from pipeline.cli.parser import make_parser
+from pipeline.eval.command_steps import Step, build_figure, render_report, run_step
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root: every step runs there
 KERNEL_TESTS = "tests/unit/kernels"
-KERNEL_TESTS_FALLBACK = "tests/test_kernels.py"
 LOCOMO = "../shared/data/locomo"  # relative to the repository root
 LOCOMO_FILE = "30.json"  # the shortest conversation; any file of the folder when it is absent
 CONTEXT_TOKENS = 7500  # the build cuts at a session boundary to fit SmolLM2's 8,192 positions
 REPORT = "gpu-report.md"
-TAIL_LINES = 60  # lines of each step's output kept in the report
-STEP_TIMEOUT_S = 1800
 NO_CUDA = ("jobs.bench.gpu: no CUDA device found (torch.cuda.is_available() is False): nothing "
            "was run and no report was written")
-_SUMMARY = re.compile(r"built (\d+) conversations \((\d+) episode caches, ([\d,]+) tokens, "
-                      r"[\d.]+ MiB\) in ([\d.]+)s")
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-
-
-@dataclass
-class Step:
-    """One subprocess, run: what it was, how it ended, what it printed."""
-    title: str
-    command: list[str]
-    returncode: int | None  # None: killed at the timeout
-    seconds: float
-    output: str
-    figure: str = ""  # one line for the summary table (e.g. tokens/s)
-
-
-def step_env() -> dict[str, str]:
-    """The parent's environment without TRITON_INTERPRET, so the kernels compile."""
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)
-    return env
-
-
-def run_step(title: str, args: list[str], timeout: float = STEP_TIMEOUT_S) -> Step:
-    """Run `python <args>` from the repository root; never raises for the command's failure."""
-    command = [sys.executable, *args]
-    print(f"[{title}] {' '.join(command)}", flush=True)
-    start = time.perf_counter()
-    try:
-        proc = subprocess.run(command, check=False, cwd=ROOT, env=step_env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              errors="replace", timeout=timeout)
-        code, output = proc.returncode, proc.stdout
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout or ""
-        code = None
-        output = (out.decode(errors="replace") if isinstance(out, bytes) else out) + \
-            f"\n[killed after {timeout:.0f} s]"
-    step = Step(title, command, code, time.perf_counter() - start, output)
-    print(f"[{title}] exit {code}, {step.seconds:.1f} s", flush=True)
-    return step
-
-
-def kernel_tests_path(root: Path = ROOT) -> str:
-    """`KERNEL_TESTS`, or the single test file the suite had before it was reorganised."""
-    return KERNEL_TESTS if (root / KERNEL_TESTS).exists() else KERNEL_TESTS_FALLBACK
-
-
-def parse_build_summary(output: str) -> tuple[int, float] | None:
-    """(tokens, seconds) from the last summary line of `jobs.build` in `output`, else None."""
-    found = _SUMMARY.findall(output)
-    if not found:
-        return None
-    _, _, tokens, seconds = found[-1]
-    return int(tokens.replace(",", "")), float(seconds)
-
-
-def build_figure(output: str) -> str:
-    parsed = parse_build_summary(output)
-    if parsed is None:
-        return "no summary line"
-    tokens, seconds = parsed
-    return f"{tokens:,} tokens in {seconds:.1f} s: {tokens / max(seconds, 1e-9):,.0f} tokens/s"
 
 
 def build_corpus(work: Path) -> tuple[str, Step | None]:
@@ -130,7 +61,7 @@ def build_corpus(work: Path) -> tuple[str, Step | None]:
         if chosen is not None:
             return str(chosen), None
     corpus = work / "corpus.jsonl"
-    step = run_step("synthetic corpus", ["-m", "jobs.make_corpus", "--out", str(corpus),
+    step = run_step(ROOT, "synthetic corpus", ["-m", "jobs.make_corpus", "--out", str(corpus),
                                          "--conversations", "2", "--target-tokens", "6000"])
     return str(corpus), step
 
@@ -145,7 +76,7 @@ def build_steps(work: Path) -> list[Step]:
     args = ["-m", "jobs.build", "--corpus", corpus, "--store", str(work / "store"),
             "--max-context-tokens", str(CONTEXT_TOKENS), "--no-progress"]
     for title, more in (("build (first run)", []), ("build (re-run, --force)", ["--force"])):
-        step = run_step(title, args + more)
+        step = run_step(ROOT, title, args + more)
         step.figure = build_figure(step.output)
         steps.append(step)
     return steps
@@ -153,11 +84,11 @@ def build_steps(work: Path) -> list[Step]:
 
 def run_all() -> list[Step]:
     """Every step, in order; each one runs whatever happened to the ones before it."""
-    steps = [run_step("kernel tests", ["-m", "pytest", "-q", "-rs", kernel_tests_path()]),
-             run_step("kernel benchmark", ["-m", "jobs.bench.kernels_speed", "--reps", "10"])]
+    steps = [run_step(ROOT, "kernel tests", ["-m", "pytest", "-q", "-rs", KERNEL_TESTS]),
+             run_step(ROOT, "kernel benchmark", ["-m", "jobs.bench.kernels_speed", "--reps", "10"])]
     with tempfile.TemporaryDirectory(prefix="gpu-report-") as work:  # stores, corpus: removed
         steps += build_steps(Path(work))
-        steps.append(run_step("decode benchmark", ["-m", "jobs.bench.decode", "--questions", "4",
+        steps.append(run_step(ROOT, "decode benchmark", ["-m", "jobs.bench.decode", "--questions", "4",
                                                    "--max-new-tokens", "32",
                                                    "--store", str(Path(work) / "decode")]))
     return steps
@@ -180,31 +111,6 @@ def environment() -> dict[str, str]:
             "CUDA (torch built with)": str(torch.version.cuda),
             "python": platform.python_version(), "commit": commit or "unknown",
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-
-
-def output_tail(output: str, lines: int = TAIL_LINES) -> str:
-    """The last `lines` lines, as a terminal would show them: colours dropped, a line redrawn
-    with carriage returns (a progress bar) reduced to its last state."""
-    shown = [_ANSI.sub("", line).rstrip("\r").split("\r")[-1].rstrip()
-             for line in output.rstrip().split("\n")]  # not splitlines(): it splits at "\r"
-    return "\n".join(shown[-lines:]).strip("\n")
-
-
-def render_report(env: dict[str, str], steps: list[Step]) -> str:
-    """The Markdown report: the environment, a summary table, then each step in full."""
-    out = ["# GPU report", ""] + [f"- {k}: {v}" for k, v in env.items()] + ["", "## Summary", "",
-           "| step | exit code | wall time | figure |", "| --- | --- | --- | --- |"]
-    for s in steps:
-        code = "timeout" if s.returncode is None else str(s.returncode)
-        out.append(f"| {s.title} | {code} | {s.seconds:.1f} s | {s.figure} |")
-    for i, s in enumerate(steps, 1):
-        code = f"killed at the {STEP_TIMEOUT_S} s timeout" if s.returncode is None \
-            else f"exit code {s.returncode}"
-        out += ["", f"## {i}. {s.title}", "", "```sh", " ".join(s.command), "```", "",
-                f"{code}, {s.seconds:.1f} s" + (f"; {s.figure}" if s.figure else ""), "",
-                f"Last {TAIL_LINES} lines of its output:", "", "```text", output_tail(s.output),
-                "```"]
-    return "\n".join(out) + "\n"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,6 +1,7 @@
 """The build: a corpus in, episodic caches and manifests out, one conversation at a time or on Ray.
 
-    config.py        BuildConfig: every stage's configuration, hashed into the manifests
+    config.py        BuildConfig: every stage's configuration, hashed into the manifests;
+                     DriverOptions: how the driver runs (not hashed)
     cluster.py       stage 1: the conversation cut to fit, and its episodes
     profile.py       stage 2: the layer profile (once per model) and the layer budgets
     episode.py       stage 3: one episode's cache and its manifest record
@@ -8,5 +9,6 @@
     tasks.py         the stages as Ray tasks
     sources.py       a corpus's objects, local or on S3
     driver.py        the Ray driver: run_build
+    job.py           the build as one job (corpus checked first, skip report, Ray): run_job
     rehearsal.py     synthetic stages for the scale rehearsal and the tests
 """

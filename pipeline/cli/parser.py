@@ -2,7 +2,7 @@
 
 Every command module exposes `build_parser()`, built on `make_parser`: `--help` shows the
 module docstring's first paragraph as written, and every option's help line with its default
-(tests/test_cli_help.py holds each command, and the README's examples, to that).
+(a test holds each command, and the examples in README.md and docs/, to that).
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ def summarise(records: list[dict]) -> list[dict]:
     gap = ref["none"] - ref["full"]
     rows = []
     for (method, budget), g in groups.items():
-        row = {"method": method, "budget": budget, "questions": len(g),
+        summary = {"method": method, "budget": budget, "questions": len(g),
                "retention": nan_mean(r["retention"] for r in g),
                "evidence_nll": nan_mean(r["evidence_nll"] for r in g),
                "answer_nll": nan_mean(r["answer_nll"] for r in g),
@@ -82,8 +82,9 @@ def summarise(records: list[dict]) -> list[dict]:
                "merged_entries": nan_mean(r.get("merged_entries") for r in g),
                "evidence_kept": nan_mean(r.get("evidence_kept") for r in g),
                "route_hit": nan_mean(float(r["route_hit"]) for r in g if r.get("route_hit") is not None)}
-        row["retention_of_means"] = (ref["none"] - row["evidence_nll"]) / gap if gap > 0 else float("nan")
+        summary["retention_of_means"] = ((ref["none"] - summary["evidence_nll"]) / gap
+                                         if gap > 0 else float("nan"))
         for cat in sorted({r["category"] for r in g if r["category"] is not None}):
             row[f"f1_cat{cat}"] = nan_mean(r.get("f1") for r in g if r["category"] == cat)
-        rows.append(row)
+        rows.append(summary)
     return rows

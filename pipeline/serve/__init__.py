@@ -10,6 +10,7 @@
                     the manifests
     app.py          resolve_models, build_app (router bound to decoder), app_builder
 
-Importing this package imports none of them; the HTTP API is documented in the README
-("Serving").
+The package sits on `pipeline.answer` (and nothing in the library imports it); `jobs/serve.py`
+is its command. Importing the package imports none of its modules; the HTTP API is documented in
+docs/serving.md.
 """

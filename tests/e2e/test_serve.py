@@ -1,0 +1,591 @@
+"""The Ray Serve decode endpoint, over real HTTP on 127.0.0.1.
+
+The LRU of loaded caches is tested on its own first (no models). Then one small store is built
+with the real SmolLM2 and MiniLM on the session's Ray; an app over it runs in this process's
+Ray (local store, bearer token), and `python -m jobs.serve` runs as a subprocess over a copy of
+the store in SeaweedFS S3 (its own local Ray, credentials from its environment only). Both are
+asked through the answer endpoint and the OpenAI chat endpoint (streamed, read by the official
+`openai` client), and checked against the library's `Answerer`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from pipeline.answer.answerer import Answerer
+from pipeline.answer.lru import CacheLRU
+from pipeline.corpus.reader import read_corpus, write_jsonl
+from pipeline.store.local import LocalStore
+from pipeline.store.uri import open_store
+from tests.support.paths import REPO
+
+TOKEN = "serve-test-token"
+MAX_NEW = 8
+e2e = pytest.mark.e2e
+
+
+# ---------------------------------------------------------------------------------------------
+# The byte-bounded LRU (no models)
+# ---------------------------------------------------------------------------------------------
+
+def _lru(max_bytes: int) -> CacheLRU:
+    return CacheLRU(max_bytes, sizeof=len)  # values are bytes: their size is their length
+
+
+def test_lru_evicts_least_recently_used_within_the_byte_budget():
+    lru, loads = _lru(10), []
+
+    def get(key, size):
+        return lru.get_or_load(key, lambda: loads.append(key) or b"x" * size)
+
+    assert get("a", 4)[1] is False and get("b", 4)[1] is False
+    assert get("a", 4)[1] is True  # a is now the most recent
+    get("c", 4)  # 12 bytes > 10: b (least recent) goes
+    assert "b" not in lru and "a" in lru and "c" in lru and lru.bytes == 8
+    assert get("b", 4)[1] is False and loads == ["a", "b", "c", "b"]
+    stats = lru.stats()
+    assert (stats["hits"], stats["misses"], stats["evictions"]) == (1, 4, 2)
+
+
+def test_lru_keeps_the_previous_turn_whatever_its_size():
+    lru = _lru(0)
+    lru.get_or_load("big", lambda: b"x" * 100)
+    assert "big" in lru and lru.get_or_load("big", lambda: b"")[1] is True
+    lru.get_or_load("next", lambda: b"y" * 100)
+    assert list(lru._entries) == ["next"]
+
+
+def test_lru_loads_a_key_once_under_concurrency_and_never_keeps_a_failed_load():
+    lru, calls, gate = _lru(1000), [], threading.Event()
+
+    def slow():
+        calls.append(1)
+        gate.wait(5)
+        return b"v" * 10
+
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(lru.get_or_load, "k", slow) for _ in range(8)]
+        time.sleep(0.2)
+        gate.set()
+        results = [f.result() for f in futures]
+    assert len(calls) == 1 and sum(not hit for _, hit in results) == 1
+
+    def broken():
+        raise ValueError("bad object")
+
+    with pytest.raises(ValueError):
+        lru.get_or_load("bad", broken)
+    assert "bad" not in lru and lru.get_or_load("bad", lambda: b"ok")[1] is False
+
+
+def test_a_dead_decoder_replica_is_a_503_and_no_answer_in_time_a_504():
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+    from ray.serve.exceptions import BackPressureError
+
+    from pipeline.serve.errors import classify
+
+    for error in (ActorDiedError(), ActorUnavailableError("gone", None), BackPressureError(
+            num_queued_requests=9, max_queued_requests=8)):
+        status, message = classify(error)
+        assert status == 503 and "retry" in message
+    assert classify(TimeoutError())[0] == 504
+
+
+# ---------------------------------------------------------------------------------------------
+# One small store with the real models
+# ---------------------------------------------------------------------------------------------
+
+def _config():
+    from pipeline.build.config import BuildConfig
+    from pipeline.episodes import EpisodeConfig
+    from pipeline.kv.budgets import CalibrationConfig
+    from pipeline.kv.prefill import PrefillConfig
+
+    return BuildConfig(budget=128, episodes=EpisodeConfig(episodes=2, medoids=2),
+                       prefill=PrefillConfig(block=256),
+                       calibration=CalibrationConfig(tokens=1024, window=256, sink=64))
+
+
+def _corrupt_copy(store, source_id: str, new_id: str) -> list[str]:
+    """A conversation whose manifest names corrupted copies of `source_id`'s objects (same
+    recorded checksums): every answer from it must fail its checksum."""
+    from pipeline.store.manifest import read_manifest, write_manifest
+
+    rows, keys = [], []
+    for row in read_manifest(store, source_id):
+        data = bytearray(store.get(row.object_key))
+        data[-100] ^= 0xFF  # inside the tensor data: the header still parses
+        key = row.object_key.replace(f"caches/{source_id}/", f"caches/{new_id}/")
+        store.put(key, bytes(data))
+        rows.append(dataclasses.replace(row, conversation_id=new_id, object_key=key))
+        keys.append(key)
+    write_manifest(store, new_id, rows)
+    return keys
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, ray_local):
+    """Two synthetic conversations (~1,600 tokens, 2 episodes, budget 128) and a corrupted one."""
+    from pipeline.build.config import DriverOptions
+    from pipeline.build.driver import run_build
+    from pipeline.corpus.synthetic import make_corpus
+
+    root = tmp_path_factory.mktemp("serve")
+    corpus = root / "corpus.jsonl"
+    write_jsonl(make_corpus(2, 1500, seed=11), corpus)
+    store_dir = root / "store"
+    summary = run_build(str(corpus), str(store_dir), _config(), DriverOptions(progress=False))
+    assert summary.built == 2 and not summary.failed
+    store = LocalStore(store_dir)
+    broken_keys = _corrupt_copy(store, "synth-0000", "broken-0000")
+    conversations = read_corpus(corpus)[0]
+    return corpus, store_dir, conversations, broken_keys
+
+
+def _free_port() -> int:
+    from tests.support.s3_server import free_ports
+
+    return free_ports(1)[0]
+
+
+def _wait_healthy(url: str, timeout: float = 240.0, proc: subprocess.Popen | None = None,
+                  log=None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"server exited early:\n{log.read()[-3000:]}")
+        try:
+            if requests.get(f"{url}/healthz", timeout=5).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"{url} not healthy after {timeout:.0f}s")
+
+
+def _listens_on_loopback_only(port: int) -> bool:
+    import psutil
+
+    addrs = {c.laddr.ip for c in psutil.net_connections("tcp")
+             if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+    return addrs == {"127.0.0.1"}
+
+
+@pytest.fixture(scope="module")
+def local_app(built, ray_local):
+    """The app over the local store in this session's Ray, on a free loopback port, with a
+    bearer token and manifests checked on every request (ttl 0); shut down afterwards."""
+    from ray import serve
+
+    from pipeline.serve.app import APP_NAME, build_app, resolve_models
+    from pipeline.serve.settings import ServeSettings
+
+    _, store_dir, _, _ = built
+    settings = ServeSettings(store=str(store_dir), auth_token=TOKEN, router_cpus=0,
+                             decoder_cpus=0, manifest_ttl_s=0, cache_bytes=256 * 2**20)
+    model, encoder = resolve_models(LocalStore(store_dir), None, None)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(build_app(settings, model, encoder), name=APP_NAME, route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url)
+        yield url, port
+    finally:
+        serve.shutdown()
+
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def _answer(url: str, cid: str, question: str, headers: dict = AUTH, **extra) -> requests.Response:
+    return requests.post(f"{url}/v1/conversations/{cid}/answer", headers=headers, timeout=300,
+                         json={"question": question, "max_new_tokens": MAX_NEW, **extra})
+
+
+def _stats(url: str) -> dict:
+    return requests.get(f"{url}/healthz", timeout=60).json()["decoder"]
+
+
+def _settled_stats(url: str, requested: int = 0, timeout: float = 120.0) -> dict:
+    """The decoder's figures once it was asked for `requested` prefetches at least and every
+    prefetch it was asked for has ended."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = _stats(url)
+        ended = sum(stats[f"prefetch_{k}"] for k in ("fetched", "skipped", "failed"))
+        settled = stats["prefetch_requested"] >= requested and ended >= stats["prefetch_requested"]
+        if settled or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.2)
+
+
+def _questions(conversations, per: int = 2) -> list[tuple[str, str]]:
+    return [(c.conversation_id, q.question) for c in conversations for q in c.questions[:per]]
+
+
+# ---------------------------------------------------------------------------------------------
+# The local app
+# ---------------------------------------------------------------------------------------------
+
+@e2e
+def test_app_listens_on_loopback_and_reports_health(local_app):
+    url, port = local_app
+    assert _listens_on_loopback_only(port)
+    health = requests.get(f"{url}/healthz", timeout=60).json()
+    assert health["status"] == "ok" and health["model"] == "SmolLM2-135M-Instruct"
+    assert health["encoder"] == "all-MiniLM-L6-v2" and health["decoder"]["max_bytes"] == 256 * 2**20
+
+
+@e2e
+def test_second_question_routed_to_the_same_episode_does_not_fetch_again(local_app, built):
+    url, _ = local_app
+    _, store_dir, conversations, _ = built
+    conv = conversations[1]
+    # two different questions that the library routes to the same episode
+    answerer = Answerer(LocalStore(store_dir))
+    from pipeline.answer.routing import embed_question, route_question
+    from pipeline.kv import models
+
+    encoder, rows = models.load_encoder(), answerer.manifest(conv.conversation_id)
+    by_episode: dict[int, list[str]] = {}
+    for q in conv.questions:
+        row, _ = route_question(embed_question(encoder, q.question), rows)
+        by_episode.setdefault(row.episode, []).append(q.question)
+    first_q, second_q = next(qs for qs in by_episode.values() if len(qs) >= 2)[:2]
+
+    before = _settled_stats(url)
+    first = _answer(url, conv.conversation_id, first_q).json()
+    middle = _settled_stats(url, len(rows) - 1)  # the first touch prefetched the other episodes
+    second = _answer(url, conv.conversation_id, second_q).json()
+    after = _stats(url)
+    assert second["episode"] == first.episode
+    assert middle["prefetch_requested"] >= len(rows) - 1  # on its first touch, here or before
+    assert middle["prefetch_failed"] == before["prefetch_failed"]
+    assert middle["misses"] == before["misses"] + (0 if first["cache_hit"] else 1)
+    assert second["cache_hit"] is True
+    assert after["misses"] == middle["misses"] and after["fetched_bytes"] == middle["fetched_bytes"]
+    assert after["hits"] == middle["hits"] + 1
+
+
+@e2e
+def test_answer_endpoint_routes_like_the_library(local_app, built):
+    url, _ = local_app
+    _, store_dir, conversations, _ = built
+    answerer = Answerer(LocalStore(store_dir))
+    for cid, question in _questions(conversations):
+        r = _answer(url, cid, question)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["answer"].strip()
+        assert set(body["timings_ms"]) == {"embed", "route", "fetch", "decode"}
+        assert all(v >= 0 for v in body["timings_ms"].values())
+        lib = answerer.answer(cid, question, max_new_tokens=MAX_NEW)
+        assert body["episode"] == lib.episode
+        assert body["similarity"] == pytest.approx(lib.similarity, abs=1e-4)
+
+
+@e2e
+def test_chat_completions_stream_read_by_the_openai_client(local_app, built):
+    import openai
+
+    url, _ = local_app
+    conversations = built[2]
+    cid, question = _questions(conversations, 1)[0]
+    client = openai.OpenAI(api_key=TOKEN, base_url=f"{url}/v1", max_retries=0)
+    messages = [{"role": "system", "content": "You answer briefly."},
+                {"role": "user", "content": "an earlier question"},
+                {"role": "assistant", "content": "an earlier answer"},
+                {"role": "user", "content": question}]
+    stream = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=messages, max_tokens=MAX_NEW, stream=True,
+        extra_body={"conversation_id": cid})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
+    whole = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=messages, max_tokens=MAX_NEW,
+        extra_body={"conversation_id": cid})
+    plain = _answer(url, cid, question).json()
+    assert streamed and streamed == whole.choices[0].message.content == plain["answer"]
+    assert whole.model_extra["epicache"]["episode"] == plain["episode"]
+    assert whole.usage.completion_tokens == plain["tokens"]
+
+
+@e2e
+def test_stream_is_openai_server_sent_events(local_app, built):
+    url, _ = local_app
+    cid, question = _questions(built[2], 1)[-1]
+    r = requests.post(f"{url}/v1/chat/completions", headers=AUTH, stream=True, timeout=300,
+                      json={"conversation_id": cid, "stream": True, "max_tokens": MAX_NEW,
+                            "messages": [{"role": "user",
+                                          "content": [{"type": "text", "text": question}]}]})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    lines = [line for line in r.iter_lines(decode_unicode=True) if line]
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert len({c["id"] for c in chunks}) == 1
+    assert all("delta" in c["choices"][0] for c in chunks)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks).strip()
+    assert chunks[-1]["epicache"]["timings_ms"].keys() == {"embed", "route", "fetch", "decode"}
+
+
+@e2e
+def test_conversation_endpoint_lists_episodes(local_app, built):
+    url, _ = local_app
+    conv = built[2][0]
+    r = requests.get(f"{url}/v1/conversations/{conv.conversation_id}", headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["episodes_built"] == len(body["episodes"]) == 2
+    for ep in body["episodes"]:
+        assert ep["medoid_text"] and ep["object_bytes"] > 0 and ep["kv_bytes"] > 0
+        assert ep["mean_budget"] == pytest.approx(128) and len(ep["layer_budgets"]) == 30
+
+
+@e2e
+def test_error_statuses_and_messages(local_app, built):
+    url, _ = local_app
+    broken_keys = built[3]
+    cid = built[2][0].conversation_id
+    post = f"{url}/v1/conversations/{cid}/answer"
+
+    def error(r, status):
+        assert r.status_code == status, (r.status_code, r.text)
+        assert "Traceback" not in r.text
+        return r.json()["error"]["message"]
+
+    assert "no manifest" in error(_answer(url, "unknown-0000", "Who?"), 404)
+    assert "no manifest" in error(requests.get(f"{url}/v1/conversations/unknown-0000",
+                                               headers=AUTH, timeout=60), 404)
+    assert "invalid conversation id" in error(_answer(url, "a..b", "Who?"), 400)
+    assert "not valid JSON" in error(requests.post(post, headers=AUTH, data='{"question": ',
+                                                   timeout=60), 400)
+    assert "field 'question'" in error(requests.post(post, headers=AUTH, json={}, timeout=60), 422)
+    assert "field 'question'" in error(requests.post(post, headers=AUTH, json={"question": 3},
+                                                     timeout=60), 422)
+    assert "must be a JSON object" in error(requests.post(post, headers=AUTH, json=["q"],
+                                                          timeout=60), 422)
+    assert "empty" in error(_answer(url, cid, "   "), 422)
+    assert "limit is 2000" in error(_answer(url, cid, "why " * 600), 422)
+    assert "max_new_tokens" in error(_answer(url, cid, "Who?", max_new_tokens=0), 422)
+    assert "temperature" in error(_answer(url, cid, "Who?", temperature=-1), 422)
+    chat = f"{url}/v1/chat/completions"
+    assert "conversation_id" in error(requests.post(chat, headers=AUTH, timeout=60, json={
+        "messages": [{"role": "user", "content": "Who?"}]}), 422)
+    assert "role 'user'" in error(requests.post(chat, headers=AUTH, timeout=60, json={
+        "conversation_id": cid, "messages": [{"role": "system", "content": "Hi"}]}), 422)
+    # bearer token
+    assert "bearer token" in error(_answer(url, cid, "Who?", headers={}), 401)
+    r = _answer(url, cid, "Who?", headers={"Authorization": "Bearer wrong"})
+    assert "bearer token" in error(r, 401) and r.headers["www-authenticate"] == "Bearer"
+    assert error(requests.post(post, data="{", timeout=60), 401)  # auth before parsing
+    # a cache failing its checksum: 503 naming the object, on both endpoints, never an answer
+    message = error(_answer(url, "broken-0000", "What did they cook?"), 503)
+    assert "failed its checksum" in message and any(k in message for k in broken_keys)
+    r = requests.post(chat, headers=AUTH, timeout=60, json={
+        "conversation_id": "broken-0000", "stream": True,
+        "messages": [{"role": "user", "content": "Where did they go hiking?"}]})
+    message = error(r, 503)
+    assert "failed its checksum" in message and any(k in message for k in broken_keys)
+    assert _answer(url, cid, "Who?").status_code == 200  # and the app still answers
+
+
+@e2e
+def test_model_mismatch_is_an_error(local_app, built):
+    from pipeline.store.manifest import read_manifest, write_manifest
+
+    url, _ = local_app
+    store = LocalStore(built[1])
+    rows = [dataclasses.replace(row, conversation_id="other-model-0000",
+                                model_id="SomeOtherModel-1B")
+            for row in read_manifest(store, "synth-0000")]
+    write_manifest(store, "other-model-0000", rows)
+    r = _answer(url, "other-model-0000", "Who?")
+    assert r.status_code == 409 and "SomeOtherModel-1B" in r.json()["error"]["message"]
+
+
+@e2e
+def test_a_changed_manifest_is_read_again(local_app, built):
+    from pipeline.store.manifest import read_manifest, write_manifest
+
+    url, _ = local_app
+    store = LocalStore(built[1])
+    rows = [dataclasses.replace(row, conversation_id="changing-0000")
+            for row in read_manifest(store, "synth-0001")]
+    write_manifest(store, "changing-0000", rows)
+    info = lambda: requests.get(f"{url}/v1/conversations/changing-0000", headers=AUTH,  # noqa: E731
+                                timeout=60).json()
+    assert len(info()["episodes"]) == 2
+    write_manifest(store, "changing-0000", rows[1:])  # rebuilt with one episode
+    assert [e["episode"] for e in info()["episodes"]] == [rows[1].episode]
+    body = _answer(url, "changing-0000", "Where did they go hiking?").json()
+    assert body["episode"] == rows[1].episode
+
+
+@e2e
+def test_concurrent_requests_all_succeed(local_app, built):
+    url, _ = local_app
+    pairs = _questions(built[2], 4)
+    jobs = [pairs[i % len(pairs)] for i in range(32)]
+
+    def one(i_pair):
+        i, (cid, q) = i_pair
+        if i % 4 == 3:  # a quarter through the OpenAI endpoint
+            r = requests.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=600, json={
+                "conversation_id": cid, "max_tokens": 4,
+                "messages": [{"role": "user", "content": q}]})
+            return r.status_code, r.json()["choices"][0]["message"]["content"] if r.ok else r.text
+        r = requests.post(f"{url}/v1/conversations/{cid}/answer", headers=AUTH, timeout=600,
+                          json={"question": q, "max_new_tokens": 4})
+        return r.status_code, r.json()["answer"] if r.ok else r.text
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, enumerate(jobs)))
+    assert [s for s, _ in results] == [200] * 32, results
+    assert all(text.strip() for _, text in results)
+
+
+@e2e
+def test_answers_decoded_in_a_batch_equal_those_decoded_alone(local_app, built):
+    """Greedy answers asked one at a time, then all at once (the replica batches them: JSON
+    and streamed requests over different conversations and episodes), are the same."""
+    url, _ = local_app
+    pairs = _questions(built[2], 3)
+
+    def chat_stream(cid, q):
+        r = requests.post(f"{url}/v1/chat/completions", headers=AUTH, stream=True, timeout=300,
+                          json={"conversation_id": cid, "stream": True, "max_tokens": MAX_NEW,
+                                "messages": [{"role": "user", "content": q}]})
+        assert r.status_code == 200, r.text
+        chunks = [json.loads(line.removeprefix("data: ")) for line in
+                  r.iter_lines(decode_unicode=True) if line and line != "data: [DONE]"]
+        return "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+
+    def one(i_pair):
+        i, (cid, q) = i_pair
+        if i % 2:
+            return chat_stream(cid, q)
+        r = _answer(url, cid, q)
+        assert r.status_code == 200, r.text
+        return r.json()["answer"]
+
+    alone = [one(p) for p in enumerate(pairs)]
+    before = _stats(url)["batch"]
+    with ThreadPoolExecutor(len(pairs)) as pool:
+        together = list(pool.map(one, enumerate(pairs)))
+    after = _stats(url)["batch"]
+    assert after["peak_batch"] >= 2 and after["mean_batch"] > before["mean_batch"]
+    assert together == alone and all(a.strip() for a in alone)
+
+
+@e2e
+def test_bench_serve_reports_the_split(local_app, built, tmp_path):
+    """`python -m jobs.bench.serve` against the running app: its table and its figures."""
+    url, _ = local_app
+    figures = tmp_path / "figures.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "jobs.bench.serve", "--url", url, "--corpus", str(built[0]),
+         "--conversations", "2", "--questions-per-conversation", "2", "--requests", "8",
+         "--concurrency", "4", "--max-new-tokens", "4", "--token", TOKEN, "--json",
+         str(figures)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "share of the turn" in proc.stdout
+    result = json.loads(figures.read_text())
+    assert result["errors"] == 0 and result["cache_hit_rate"] == 1.0  # warmed up first
+    assert 0 < result["overhead_share"] < 1 and result["requests_per_s"] > 0
+    assert set(result["stages_ms"]) == {"embed", "route", "fetch", "decode"}
+
+
+# ---------------------------------------------------------------------------------------------
+# `python -m jobs.serve` over S3
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def s3_app(built, s3_server, tmp_path_factory):
+    """The same store copied object by object into SeaweedFS, served by `python -m jobs.serve`
+    in a subprocess (its own local Ray; AWS credentials and the token only in its environment)."""
+    local = LocalStore(built[1])
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("AWS_") and k not in ("RAY_ADDRESS", "EPICACHE_S3_ENDPOINT")}
+    env |= s3_server.env() | {"EPICACHE_SERVE_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
+    uri = s3_server.uri("serve/store")
+    saved = {k: os.environ.get(k) for k in s3_server.env()}
+    os.environ.update(s3_server.env())
+    try:
+        s3 = open_store(uri)
+        for key in local.list():
+            s3.put(key, local.get(key))
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    port = _free_port()
+    log = open(tmp_path_factory.mktemp("serve-s3") / "serve.log", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jobs.serve", "--store", uri, "--port", str(port),
+         "--router-cpus", "0", "--decoder-cpus", "0", "--cache-bytes", "0"],
+        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, proc=proc, log=log)
+        yield url, port, uri, proc, log
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+        log.close()
+
+
+@e2e
+def test_s3_app_answers_like_the_library_and_streams(s3_app, built, s3_env):
+    import openai
+
+    url, port, uri, *_ = s3_app
+    assert _listens_on_loopback_only(port)
+    answerer = Answerer(open_store(uri))
+    for cid, question in _questions(built[2], 1):
+        r = _answer(url, cid, question)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        lib = answerer.answer(cid, question, max_new_tokens=MAX_NEW)
+        assert body["episode"] == lib.episode and body["answer"].strip()
+        assert body["similarity"] == pytest.approx(lib.similarity, abs=1e-4)
+        client = openai.OpenAI(api_key=TOKEN, base_url=f"{url}/v1", max_retries=0)
+        chunks = list(client.chat.completions.create(
+            model="any", messages=[{"role": "user", "content": question}], max_tokens=MAX_NEW,
+            stream=True, extra_body={"conversation_id": cid}))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == body["answer"]
+    assert _answer(url, cid, "Who?", headers={}).status_code == 401  # token from the env
+    r = _answer(url, "broken-0000", "What did they cook?")
+    assert r.status_code == 503 and "failed its checksum" in r.json()["error"]["message"]
+    assert "caches/broken-0000/" in r.json()["error"]["message"]
+
+
+@e2e
+def test_s3_app_stops_on_interrupt(s3_app, s3_server):
+    *_, proc, log = s3_app
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=90)
+    log.seek(0)
+    out = log.read()
+    assert proc.returncode == 0, out[-3000:]
+    assert "serving s3://" in out and "stopped" in out
+    assert s3_server.secret_key not in out and TOKEN not in out

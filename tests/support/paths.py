@@ -1,0 +1,6 @@
+"""Where the tests find the repository (for subprocesses and the docs) and the shared data."""
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED = REPO.parent / "shared"  # ../shared: the evaluation data, absent on a user's clone

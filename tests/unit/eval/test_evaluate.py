@@ -1,0 +1,251 @@
+"""The baselines' scorers, the quality metrics, and the evaluation harness end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from jobs import evaluate as evaluate_job
+from pipeline.corpus.reader import write_jsonl
+from pipeline.corpus.synthetic import make_corpus
+from pipeline.eval.methods import METHODS, parse_method
+from pipeline.eval.metrics import (
+    continuation_nll,
+    evidence_probe,
+    f1_score,
+    normalize_answer,
+    retention,
+)
+from pipeline.eval.runner import collect_cells
+from pipeline.kv import models, prompts
+from pipeline.kv.prefill import PrefillConfig, block_prefill
+from pipeline.kv.scorers import (
+    BlockContext,
+    FullScorer,
+    InfiniPotScorer,
+    KeyDiffScorer,
+    KVzipScorer,
+    LayerState,
+    SnapKVScorer,
+    build_scorer,
+)
+
+
+def _encode(text: str) -> torch.Tensor:
+    return torch.tensor([ord(c) % 100 for c in text])
+
+
+def test_patch_choices_of_the_baselines():
+    block = BlockContext(block_ids=torch.arange(200), tokens_seen=512)
+    assert SnapKVScorer().patch_ids(block).tolist() == list(range(136, 200))
+    kvzip = build_scorer("kvzip", _encode)
+    assert kvzip.patch_ids(block).tolist() == _encode(KVzipScorer.INSTRUCTION).tolist() + list(range(200))
+    infinipot = build_scorer("infinipot", _encode)
+    assert infinipot.patch_ids(block).tolist() == _encode(InfiniPotScorer.INSTRUCTION).tolist()
+    assert build_scorer("question", _encode, "Where?").patch_ids(block).tolist() == _encode("Where?").tolist()
+    assert build_scorer("keydiff", _encode).patch_ids(block) is None
+    with pytest.raises(ValueError, match="unknown method"):
+        build_scorer("h2o", _encode)
+    with pytest.raises(ValueError, match="needs a patch text"):
+        build_scorer("epicache", _encode)
+
+
+def test_keydiff_block_scores_are_negative_cosine_to_the_block_mean_key():
+    torch.manual_seed(0)
+    keys = torch.randn(2, 10, 8)
+    positions = torch.arange(10).expand(2, -1)
+    valid = torch.ones(2, 10, dtype=torch.bool)
+    valid[1, 9] = False  # an empty slot does not enter the anchor
+    state = LayerState(0, keys, keys, valid, positions, None, block_start=6)
+    scores = build_scorer("keydiff-block", _encode).score(state)
+    for h in range(2):
+        members = [i for i in range(6, 10) if valid[h, i]]
+        anchor = keys[h, members].mean(0)
+        expected = -torch.nn.functional.cosine_similarity(keys[h], anchor[None], dim=-1)
+        torch.testing.assert_close(scores[h], expected)
+
+
+def test_keydiff_anchors_on_the_mean_of_every_key_being_compressed():
+    """KeyDiff as its paper and kvpress define it, by hand on 2-d keys: the anchor is the
+    mean of all valid keys (kept and new), the score minus the cosine to it."""
+    keys = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [5.0, 5.0]]])
+    valid = torch.tensor([[True, True, True, False]])  # the padded slot is not in the anchor
+    state = LayerState(0, keys, keys, valid, torch.arange(4)[None], None, block_start=2)
+    scores = KeyDiffScorer().score(state)
+    # anchor = mean of (1,0), (0,1), (1,1) = (2/3, 2/3): direction (1,1)/sqrt(2)
+    expected = torch.tensor([[-1 / 2 ** 0.5, -1 / 2 ** 0.5, -1.0, -1.0]])
+    torch.testing.assert_close(scores, expected)
+    assert KeyDiffScorer.name == "keydiff" and "keydiff" in METHODS
+
+
+def test_random_scores_are_reproducible_per_layer_and_block_and_not_a_default_method():
+    positions = torch.arange(10).expand(2, -1)
+    valid = torch.ones(2, 10, dtype=torch.bool)
+    keys = torch.zeros(2, 10, 8)
+
+    def scores(layer_idx: int, block_start: int, seed: int = 0) -> torch.Tensor:
+        state = LayerState(layer_idx, keys, keys, valid, positions, None, block_start=block_start)
+        return build_scorer("random", _encode, seed=seed).score(state)
+
+    first = scores(1, 512)
+    assert first.shape == (2, 10) and ((first >= 0) & (first < 1)).all()
+    assert torch.equal(first, scores(1, 512))
+    for other in (scores(2, 512), scores(1, 1024), scores(1, 512, seed=1)):
+        assert not torch.equal(first, other)
+    assert parse_method("random") == ("random", frozenset())
+    assert "random" not in METHODS  # a diagnostic floor, run only when asked for
+
+
+def test_f1_and_normalisation_follow_locomo():
+    assert normalize_answer("The Cat, and a Dog!") == "cat dog"
+    assert f1_score("a cat", "The cat") == 1.0
+    assert f1_score("blue sky", "sky") == pytest.approx(2 / 3)
+    assert f1_score("", "x") == 0.0
+    assert retention(4.0, 2.0, 1.0) == pytest.approx(2 / 3)
+    assert math.isnan(retention(1.0, 1.0, 1.0))
+
+
+def test_evidence_probe_takes_at_most_four_words_and_a_third():
+    from pipeline.corpus.schema import Turn
+    prefix, rest = evidence_probe(Turn("D1:1", "Ann", "one two three four five six seven eight nine "
+                                       "ten eleven twelve thirteen", 1, ""))
+    assert prefix == '\nAnn said, "one two three four' and rest.startswith(" five")
+    prefix, _ = evidence_probe(Turn("D1:2", "Bo", "alpha beta gamma delta eps zeta", 1, ""))
+    assert prefix == '\nBo said, "alpha beta'
+
+
+@pytest.fixture(scope="module")
+def tiny_llm_dir(tmp_path_factory):
+    """A tiny random Llama with the real SmolLM2 tokenizer, saved as a model folder."""
+    tokenizer = models.load_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+        tie_word_embeddings=True))
+    path = tmp_path_factory.mktemp("tiny-llm")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.e2e
+def test_continuation_nll_equals_a_full_forward(tiny_llm_dir):
+    lm = models.load_llm(tiny_llm_dir)
+    ids = prompts.encode(lm.tokenizer, "Alice said hello to Bob and Bob said hello back to Alice.")
+    cache, _ = block_prefill(lm.model, ids[:8], FullScorer(), None, PrefillConfig(block=4))
+    nll = continuation_nll(lm.model, cache, ids[8:10], ids[10:])
+    with torch.inference_mode():
+        logits = lm.model(input_ids=ids[None]).logits[0].float()
+    expected = -torch.log_softmax(logits[9:-1], -1).gather(1, ids[10:, None]).mean()
+    assert nll == pytest.approx(float(expected), rel=1e-4)
+    assert cache.tokens_seen == 8  # the probe left the cache as it was
+
+
+def _run_evaluate(corpus, out, model, methods, budgets):
+    return evaluate_job.main([
+        "--corpus", str(corpus), "--out", str(out), "--model", model, "--methods", methods,
+        "--budgets", budgets, "--block", "64", "--medoids", "1", "--questions-per-conversation", "2",
+        "--max-new-tokens", "4", "--calibration-tokens", "256", "--calibration-window", "64"])
+
+
+def _check_outputs(out, methods):
+    for name in ("results.parquet", "summary.json", "table.md", "retention.png"):
+        assert (out / name).stat().st_size > 0, name
+    records = pq.read_table(out / "results.parquet").to_pylist()
+    assert {r["method"] for r in records} == set(methods) | {"none"}
+    ref = {(r["conversation_id"], r["question_index"], r["method"]): r["evidence_nll"]
+           for r in records if r["method"] in ("full", "none")}
+    for r in records:
+        key = (r["conversation_id"], r["question_index"])
+        if ref[key + ("full",)] >= ref[key + ("none",)]:  # no signal: retention is undefined
+            assert math.isnan(r["retention"])
+        elif r["method"] in ("full", "none"):
+            assert r["retention"] == pytest.approx(1.0 if r["method"] == "full" else 0.0)
+    summary = json.loads((out / "summary.json").read_text())
+    assert {row["method"] for row in summary["rows"]} == set(methods) | {"none"}
+    return records
+
+
+@pytest.mark.e2e
+def test_harness_end_to_end_on_a_tiny_model(tmp_path, tiny_llm_dir, ray_local):
+    corpus = tmp_path / "corpus.jsonl"
+    write_jsonl(make_corpus(2, 500, seed=11), corpus)
+    methods = ["full", "streamingllm", "snapkv", "infinipot", "kvzip", "keydiff", "epicache",
+               "question"]
+    assert _run_evaluate(corpus, tmp_path / "out", tiny_llm_dir, ",".join(methods), "32,64") == 0
+    records = _check_outputs(tmp_path / "out", methods)
+    assert {r["budget"] for r in records if r["method"] == "keydiff"} == {32, 64}
+    assert all(r["kept_entries"] == r["budget"] for r in records if r["budget"])
+
+
+@pytest.mark.e2e
+def test_a_rerun_computes_only_the_cells_it_does_not_have(tmp_path, tiny_llm_dir, ray_local):
+    corpus = tmp_path / "corpus.jsonl"
+    write_jsonl(make_corpus(1, 400, seed=13), corpus)
+    out = tmp_path / "out"
+    assert _run_evaluate(corpus, out, tiny_llm_dir, "streamingllm,keydiff", "32") == 0
+    first = pq.read_table(out / "results.parquet").to_pylist()
+    kept = sorted(out.glob("cells/*/*/*.parquet"))
+    method_of = lambda p: pq.read_table(p).column("method")[0].as_py()  # noqa: E731
+    assert sorted(method_of(p) for p in kept) == ["full", "keydiff", "none", "streamingllm"]
+    mtimes = {p: p.stat().st_mtime_ns for p in kept}
+    [keydiff] = [p for p in kept if method_of(p) == "keydiff"]
+    keydiff.unlink()  # as if the run had stopped before this cell finished
+    assert _run_evaluate(corpus, out, tiny_llm_dir, "streamingllm,keydiff,epicache", "32") == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["cells_reused"] == 3
+    assert all(p.stat().st_mtime_ns == t for p, t in mtimes.items() if p != keydiff)
+    assert keydiff.exists() and "epicache" in {method_of(p) for p in keydiff.parent.glob("*.parquet")}
+    second = pq.read_table(out / "results.parquet").to_pylist()
+    key = lambda r: (r["method"], r["question_index"])  # noqa: E731
+    again = {key(r): r for r in second}
+    for r in first:  # the recomputed cell is deterministic, the reused ones are read back
+        assert again[key(r)]["evidence_nll"] == pytest.approx(r["evidence_nll"])
+        assert again[key(r)]["retention"] == pytest.approx(r["retention"], nan_ok=True)
+    # another configuration never reuses them
+    assert evaluate_job.main(["--corpus", str(corpus), "--out", str(out), "--model", tiny_llm_dir,
+                              "--methods", "keydiff", "--budgets", "32", "--block", "32",
+                              "--questions-per-conversation", "2", "--max-new-tokens", "4"]) == 0
+    assert json.loads((out / "summary.json").read_text())["cells_reused"] == 0
+
+
+@pytest.mark.e2e
+def test_harness_end_to_end_with_smollm2(tmp_path, ray_local):
+    corpus = tmp_path / "corpus.jsonl"
+    write_jsonl(make_corpus(2, 600, seed=12), corpus)
+    methods = ["full", "streamingllm", "epicache"]
+    assert _run_evaluate(corpus, tmp_path / "out", models.DEFAULT_LLM, ",".join(methods), "96") == 0
+    records = _check_outputs(tmp_path / "out", methods)
+    # with the real model, the full cache recalls the evidence far better than no history
+    full = [r["evidence_nll"] for r in records if r["method"] == "full"]
+    none = [r["evidence_nll"] for r in records if r["method"] == "none"]
+    assert sum(full) < sum(none)
+
+
+def test_a_failed_cell_is_reported_and_the_others_kept(tmp_path, ray_local):
+    """`collect_cells` over real Ray tasks: the failing cell is listed with its error, the
+    finished one is kept under its key and returned."""
+    import ray
+
+    from pipeline.store.local import LocalStore
+
+    @ray.remote(max_retries=0)
+    def cell(fail: bool) -> list[dict]:
+        if fail:
+            raise RuntimeError("out of memory in layer 3")
+        return [{"method": "keydiff", "evidence_nll": 1.5}]
+
+    kept = LocalStore(tmp_path)
+    pending = {cell.remote(False): ("c1", "keydiff", 32, "cells/c1/x/ok.parquet"),
+               cell.remote(True): ("c1", "snapkv", 32, "cells/c1/x/bad.parquet")}
+    records, failed = collect_cells(pending, kept)
+    assert records == [{"method": "keydiff", "evidence_nll": 1.5}]
+    assert failed == [{"conversation_id": "c1", "method": "snapkv", "budget": 32,
+                       "error": "RuntimeError: out of memory in layer 3"}]
+    assert kept.exists("cells/c1/x/ok.parquet") and not kept.exists("cells/c1/x/bad.parquet")

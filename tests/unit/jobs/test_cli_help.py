@@ -1,0 +1,174 @@
+"""Every `jobs.*` command documents itself, and the README's and docs' examples name only real
+options.
+
+Each command module exposes `build_parser()` (made by `pipeline.cli.parser.make_parser`); these tests
+import every module of `jobs/` (never running its main) and read the parsers. The reference
+material the README links to lives in docs/: the methods and variants in docs/evaluation.md, the
+scorers in docs/building.md, the serve settings in docs/serving.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import pkgutil
+import re
+import shlex
+
+import pytest
+
+import jobs
+from tests.support.paths import REPO as ROOT
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# a module name followed by `.<name>` is a placeholder (`python -m jobs.bench.<name>`), not an example
+_COMMAND = re.compile(r"(?:^|\s)(?:\S*/)?python -m (jobs(?:\.\w+)+)(?![.\w<])(.*)")
+
+
+def _modules() -> list[str]:
+    return sorted(m.name for m in pkgutil.walk_packages(jobs.__path__, "jobs.") if not m.ispkg)
+
+
+def _parsers() -> dict[str, argparse.ArgumentParser]:
+    """Every command's parser; a module with a main() but no build_parser() fails the test."""
+    parsers = {}
+    for name in _modules():
+        module = importlib.import_module(name)
+        if hasattr(module, "build_parser"):
+            parsers[name] = module.build_parser()
+        else:
+            assert not hasattr(module, "main"), f"{name} has main() but no build_parser()"
+    return parsers
+
+
+@pytest.fixture(scope="module")
+def parsers() -> dict[str, argparse.ArgumentParser]:
+    return _parsers()
+
+
+def _options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The options a user sees: every action but --help and the ones hidden on purpose."""
+    return [a for a in parser._actions
+            if not isinstance(a, argparse._HelpAction) and a.help != argparse.SUPPRESS]
+
+
+def test_every_command_has_a_parser(parsers):
+    commands = {name for name in _modules() if hasattr(importlib.import_module(name), "main")}
+    assert commands == set(parsers) and len(parsers) >= 15
+
+
+def test_every_option_has_help_and_shows_its_default(parsers):
+    missing = []
+    for name, parser in parsers.items():
+        assert parser.description, f"{name}: no description"
+        for action in _options(parser):
+            flag = f"{name} {'/'.join(action.option_strings)}"
+            if not (action.help or "").strip():
+                missing.append(f"{flag}: no help")
+            # a None default shows nothing by itself: the help must say what it falls back to
+            elif (action.default is None and not action.required and action.nargs != 0
+                  and "default" not in action.help):
+                missing.append(f"{flag}: default None, not explained")
+        parser.format_help()  # every help string formats (no stray %)
+    assert not missing, "\n".join(missing)
+
+
+def test_help_lists_methods_scorers_and_serve_builder_keys(parsers):
+    from jobs.serve import ServeSettings
+    from pipeline.eval.methods import EXTRA_METHODS, METHODS, VARIANTS
+    from pipeline.kv.scorers import SCORERS
+
+    methods = parsers["jobs.evaluate"].format_help().replace("\n", " ")
+    for name in METHODS + EXTRA_METHODS + VARIANTS:
+        assert name in methods
+    assert "oq<P>" in methods and "entries" in methods
+    scorer = next(a for a in parsers["jobs.build"]._actions if a.dest == "scorer")
+    assert set(scorer.choices) == set(SCORERS) - {"question"}
+    build_help = " ".join(parsers["jobs.build"].format_help().split())
+    assert all(name in build_help for name in scorer.choices)
+    serve_help = " ".join(parsers["jobs.serve"].format_help().split())
+    assert all(f.name in serve_help for f in dataclasses.fields(ServeSettings))
+
+
+_CODE_BLOCK = re.compile(r"```[a-z]*\n(.*?)```", flags=re.S)
+
+
+def test_docs_name_every_method_variant_and_scorer():
+    """docs/evaluation.md names every method and variant, docs/building.md every scorer."""
+    from pipeline.eval.methods import EXTRA_METHODS, METHODS, NUMBERED_VARIANTS, VARIANTS
+    from pipeline.kv.scorers import SCORERS
+
+    evaluation = (ROOT / "docs" / "evaluation.md").read_text(encoding="utf-8")
+    names = METHODS + EXTRA_METHODS + VARIANTS + NUMBERED_VARIANTS
+    assert [name for name in names if f"`{name}`" not in evaluation] == []
+    building = (ROOT / "docs" / "building.md").read_text(encoding="utf-8")
+    assert [name for name in SCORERS if f"`{name}`" not in building] == []
+
+
+def _examples() -> list[tuple[str, str, list[str]]]:
+    """(where, module, arguments) of every `python -m jobs.X ...` in the docs: code-block lines
+    (continuations joined) and inline code spans (which may wrap)."""
+    found = []
+    for doc in DOCS:
+        text = doc.read_text(encoding="utf-8")
+        blocks = _CODE_BLOCK.findall(text)
+        lines = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
+        prose = _CODE_BLOCK.sub("", text).replace("\n", " ")
+        lines += re.findall(r"`([^`]*python -m jobs\.[^`]*)`", prose)
+        for line in lines:
+            match = _COMMAND.search(line)
+            if match:
+                found.append((f"{doc.name}: {line.strip()}", match.group(1),
+                              shlex.split(match.group(2), comments=True)))
+    return found
+
+
+def test_readme_examples_use_real_options(parsers):
+    examples = _examples()
+    assert len(examples) >= 15
+    wrong = []
+    for where, module, args in examples:
+        assert module in parsers, f"{where}: no command {module}"
+        options = parsers[module]._option_string_actions
+        tokens = [t.strip("[]") for t in args]
+        for i, token in enumerate(tokens):
+            if not token.startswith("--"):
+                continue
+            flag = token.split("=")[0]
+            action = options.get(flag)
+            if action is None:
+                wrong.append(f"{where}: {flag} is not an option of {module}")
+            elif action.choices and i + 1 < len(tokens):
+                # `--scorer a|b|c` lists every choice; a single value must be one of them
+                given = set(tokens[i + 1].split("|"))
+                choices = set(action.choices)
+                if not given <= choices or (len(given) > 1 and given != choices):
+                    wrong.append(f"{where}: {flag} {sorted(given)}, choices {sorted(choices)}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_docs_name_the_serve_run_keys():
+    """`serve run` takes the ServeSettings fields: docs/serving.md's example uses only those, and
+    it names every one of them, as `jobs.serve --help` does."""
+    from jobs.serve import ServeSettings
+
+    names = {f.name for f in dataclasses.fields(ServeSettings)}
+    text = (ROOT / "docs" / "serving.md").read_text(encoding="utf-8")
+    runs = re.findall(r"serve run jobs\.serve:app_builder([^\n`]*)", text)
+    keys = {word.split("=")[0] for run in runs for word in run.split() if "=" in word}
+    assert keys and keys <= names, keys - names
+    assert {name for name in names if f"`{name}`" not in text} == set()
+
+
+_LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def test_docs_relative_links_point_to_files():
+    """Every relative link of the README and docs/ names a file of the repository."""
+    broken = []
+    for doc in DOCS:
+        for target in _LINK.findall(doc.read_text(encoding="utf-8")):
+            if "://" not in target and not (doc.parent / target).exists():
+                broken.append(f"{doc.name}: {target}")
+    assert not broken, "\n".join(broken)

@@ -1,0 +1,128 @@
+"""Compact positions: key re-rotation, a compacted block prefill, its storage, and the refusal
+of conversations longer than the model's positions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from pipeline.answer.decode import generate_from_cache
+from pipeline.eval.metrics import continuation_nll
+from pipeline.kv.positions import ContextTooLongError, KeyRotation, check_fits
+from pipeline.kv.prefill import PrefillConfig, block_prefill
+from pipeline.kv.scorers import EpiCacheScorer, StreamingLLMScorer
+from pipeline.kv.tristate import TriStateConfig
+from pipeline.store import cache_format
+from tests.support.tiny_models import StandIn, one_torch_thread, random_ids, tiny_model  # noqa: F401
+
+
+def rotated(model, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """`keys` [n, d] rotated at `positions` [n] the way the model does it."""
+    cos, sin = model.model.rotary_emb(keys[None], positions[None])
+    _, k = apply_rotary_pos_emb(keys[None, None], keys[None, None], cos, sin)
+    return k[0, 0]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_rotation_moves_a_key_to_the_shifted_position(family):
+    model = tiny_model(family)
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(40, model.config.head_dim, generator=g)
+    start = torch.randint(0, 900, (40,), generator=g)
+    shift = torch.randint(-900, 900, (40,), generator=g).clamp(min=-start)
+    moved = KeyRotation.for_model(model).rotate(rotated(model, keys, start), shift)
+    torch.testing.assert_close(moved, rotated(model, keys, start + shift), atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(moved, rotated(model, keys, start), atol=1e-3)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_compacting_a_recent_window_is_invisible(family):
+    """StreamingLLM without sinks keeps a contiguous window, so compacting it only shifts every
+    position by the same amount: RoPE attention is relative, so the answers are those of the
+    uncompacted build, while the positions stay within the window."""
+    model = tiny_model(family)
+    ids, question = random_ids(300, seed=3), random_ids(5, seed=4)
+    built = {mode: block_prefill(model, ids, StreamingLLMScorer(sink=0), [24] * 3,
+                                 PrefillConfig(block=16, positions=mode))[0]
+             for mode in ("original", "compact")}
+    original, compact = built["original"], built["compact"]
+    assert original.next_position == compact.tokens_seen == 300
+    assert compact.next_position == 24 + 16 - 16  # the window, the last block evicted into it
+    for a, b in zip(original.layers, compact.layers):
+        assert torch.equal(a.positions, b.positions)  # the tokens kept: the same
+        assert torch.equal(b.rope_positions[b.valid], torch.arange(24).repeat(b.valid.shape[0]))
+        torch.testing.assert_close(a.values, b.values, atol=1e-4, rtol=0)
+    prefix, target = question[:2], question[2:]
+    assert continuation_nll(model, compact, prefix, target) == pytest.approx(
+        continuation_nll(model, original, prefix, target), abs=1e-4)
+    assert generate_from_cache(StandIn(model), compact, question, 8).tolist() == \
+        generate_from_cache(StandIn(model), original, question, 8).tolist()
+
+
+def test_compact_prefill_reads_past_the_model_positions_and_round_trips():
+    """A history 3x the tiny model's 1,024 positions: every block, patch and question stays
+    within them; the stored cache keeps the positions mode and decodes the same after loading."""
+    model = tiny_model("llama")
+    limit = model.config.max_position_embeddings
+    ids = random_ids(3 * limit, seed=5)
+    budget, block = 32, 64
+    cache, stats = block_prefill(model, ids, EpiCacheScorer(random_ids(12, seed=6)), [budget] * 3,
+                                 PrefillConfig(block=block, positions="compact"))
+    assert cache.tokens_seen == stats.tokens == 3 * limit
+    held = max(layer.valid.shape[1] for layer in cache.layers)
+    assert cache.next_position == held <= budget * model.config.num_key_value_heads
+    for layer in cache.layers:
+        counts = layer.valid.sum(dim=1)
+        for h, n in enumerate(counts.tolist()):
+            assert layer.rope_positions[h, :n].tolist() == list(range(n))
+        assert int(layer.positions[layer.valid].max()) >= 2 * limit  # late tokens are kept too
+    data = cache_format.serialize(cache, {"conversation_id": "c", "episode": 0}, torch.float32)
+    assert cache_format.read_header(data)["positions"] == "compact"
+    loaded, header = cache_format.deserialize(data, None)
+    assert loaded.next_position == cache.next_position and header["next_position"] == held
+    for a, b in zip(cache.layers, loaded.layers):
+        assert torch.equal(a.rope_positions[a.valid], b.rope_positions[b.valid])
+    question = random_ids(6, seed=7)
+    assert continuation_nll(model, loaded, question[:3], question[3:]) == pytest.approx(
+        continuation_nll(model, cache, question[:3], question[3:]), abs=1e-5)
+
+
+def test_original_positions_are_stored_as_original():
+    model = tiny_model("qwen2")
+    cache, _ = block_prefill(model, random_ids(100, seed=8), StreamingLLMScorer(sink=4), [16] * 3,
+                             PrefillConfig(block=16))
+    header = cache_format.read_header(cache_format.serialize(cache, {}, torch.float32))
+    assert header["positions"] == "original" and header["next_position"] == 100
+
+
+@pytest.mark.parametrize("other", [{"decode_positions": True},
+                                   {"tristate": TriStateConfig(enabled=True)}])
+def test_compact_positions_refuse_what_they_cannot_re_rotate(other):
+    with pytest.raises(ValueError, match="compact positions"):
+        PrefillConfig(positions="compact", **other)
+
+
+def test_a_history_past_the_positions_is_refused_with_both_ways_out():
+    check_fits("c1", 7680, 8192)  # fits: 512 positions left for the question and answer
+    with pytest.raises(ContextTooLongError) as e:
+        check_fits("c1", 23456, 8192)
+    message = str(e.value)
+    assert "'c1' is 23,456 tokens" in message and "8,192 positions" in message
+    assert "--max-context-tokens 7680" in message and "--positions compact" in message
+
+
+@pytest.mark.e2e
+def test_a_build_refuses_a_long_conversation_unless_cut_or_compact():
+    """With SmolLM2 (8,192 positions): a ~9,500-token conversation is refused by default, cut
+    at a session boundary with --max-context-tokens, kept whole with compact positions."""
+    from pipeline.build.cluster import fit_context
+    from pipeline.build.config import BuildConfig
+    from pipeline.corpus.synthetic import make_conversation
+
+    conv = make_conversation("long", target_tokens=9500, seed=0)
+    with pytest.raises(ContextTooLongError, match="'long' is .* tokens.*--positions compact"):
+        fit_context(conv, BuildConfig())
+    cut = fit_context(conv, BuildConfig(max_context_tokens=7600))
+    assert 0 < len(cut.turns) < len(conv.turns) and cut.meta["cut"]["max_tokens"] == 7600
+    assert fit_context(conv, BuildConfig(prefill=PrefillConfig(positions="compact"))) is conv

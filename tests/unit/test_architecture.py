@@ -1,0 +1,174 @@
+"""The shape of the code, held as tests: no import circles, imports only down the layers, nothing
+imports a command or a benchmark, imports at the top of modules (the few lazy ones with a reason),
+small files and functions, and manifest rows read as `ManifestRecord` attributes."""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from tests.support.paths import REPO
+
+PACKAGES = ("kernels", "pipeline", "jobs", "tests")
+
+# The layers, lowest first: a module imports only from its own layer's package and from lower
+# ones. Packages of one rank do not import each other.
+LAYERS = [
+    ("kernels", 0), ("pipeline.config_fields", 0), ("pipeline.ray_runtime", 0),
+    ("pipeline.corpus", 1),
+    ("pipeline.kv", 2), ("pipeline.episodes", 2),
+    ("pipeline.store", 3),
+    ("pipeline.build", 4),
+    ("pipeline.answer", 5),
+    ("pipeline.eval", 6), ("pipeline.serve", 6),
+    ("pipeline.cli", 7),
+    ("jobs", 8), ("jobs.bench", 8),
+    ("tests", 9),
+]
+
+# Imports inside functions, each with its reason. Anything else goes at the top of its module.
+LAZY = {
+    # Triton is imported on first use on CUDA: a CPU process never loads it (a kernel test holds
+    # the dispatch to that).
+    ("kernels.quant", "kernels.quant_triton"), ("kernels.score", "kernels.score_triton"),
+    ("jobs.bench.kernels_speed", "kernels.quant_triton"),
+    ("jobs.bench.kernels_speed", "kernels.score_triton"),
+    # Start-up time: `jobs.serve --help` and an argument error answer before Ray Serve, torch
+    # and the models load.
+    ("jobs.serve", "pipeline.serve.app"), ("jobs.serve", "pipeline.ray_runtime"),
+    ("jobs.serve", "pipeline.store.base"), ("jobs.serve", "pipeline.store.uri"),
+}
+
+MAX_FILE_LINES = 500  # in pipeline/ and jobs/
+MAX_FUNCTION_LINES = 80
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for top in PACKAGES:
+        for path in sorted((REPO / top).rglob("*.py")):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            out[name] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _owner(name: str) -> str | None:
+    """The project module an imported name lives in (a module, or a name in one)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports() -> list[tuple[str, str, bool]]:
+    """(importer, imported project module, inside a function) for every import statement."""
+    found = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                targets = [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            for target in targets:
+                owner = _owner(target) if target.split(".")[0] in PACKAGES else None
+                if owner and owner != name:
+                    found.append((name, owner, node.col_offset > 0))
+    return found
+
+
+IMPORTS = _imports()
+
+
+def _rank(module: str) -> tuple[str, int]:
+    prefix, rank = max(((p, r) for p, r in LAYERS if module == p or module.startswith(p + ".")),
+                       key=lambda pr: len(pr[0]))
+    return prefix, rank
+
+
+def test_no_import_circles():
+    graph = defaultdict(set)
+    for a, b, _ in IMPORTS:
+        graph[a].add(b)
+    index, low, stack, on, circles = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in list(graph):
+        if v not in index:
+            visit(v)
+    assert circles == []
+
+
+def test_imports_go_down_the_layers_only():
+    wrong = []
+    for a, b, _ in IMPORTS:
+        (pa, ra), (pb, rb) = _rank(a), _rank(b)
+        if rb > ra or (rb == ra and pa != pb):
+            wrong.append(f"{a} -> {b}")
+    assert wrong == []
+
+
+def test_nothing_imports_a_command_or_a_benchmark():
+    """Commands and benchmarks are entry points: the library and the other commands never import
+    them; the tests run a command's `main` (that is how a command is tested), never import a
+    benchmark (a benchmark's tests run it as a command)."""
+    wrong = [f"{a} -> {b}" for a, b, _ in IMPORTS if b.startswith("jobs.")
+             and (not a.startswith("tests.") or b.startswith("jobs.bench."))]
+    assert wrong == []
+
+
+def test_imports_sit_at_the_top_unless_a_reason_is_given():
+    lazy = {(a, b) for a, b, inside in IMPORTS if inside and not a.startswith("tests")}
+    assert lazy - LAZY == set()
+
+
+@pytest.mark.parametrize("top", ["pipeline", "jobs"])
+def test_files_and_functions_are_small(top):
+    long_files, long_functions = [], []
+    for path in sorted((REPO / top).rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        if len(text.splitlines()) > MAX_FILE_LINES:
+            long_files.append(str(path.relative_to(REPO)))
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                if node.end_lineno - start + 1 > MAX_FUNCTION_LINES:
+                    long_functions.append(f"{path.relative_to(REPO)}:{node.name}")
+    assert (long_files, long_functions) == ([], [])
+
+
+def test_manifest_rows_are_read_as_records():
+    """Outside the record type, nothing in the library indexes a row by a string key."""
+    found = [f"{p.relative_to(REPO)}:{i}" for p in sorted((REPO / "pipeline").rglob("*.py"))
+             if p.name != "manifest.py"
+             for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+             if re.search(r'\brow\["', line)]
+    assert found == []
