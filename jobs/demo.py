@@ -86,8 +86,8 @@ def compare(answerer: Answerer, conv: Conversation, n_questions: int,
     """Per question: the routed episode, both answers (text, tokens, decode seconds), the
     evidence-recall NLL from the episodic, full and no-history caches, and the bytes of the
     episodic and full caches (the episodic one as its manifest counts it)."""
-    records = answerer.manifest(conv.conversation_id)
-    config = BuildConfig.from_json(records[0].config_json)
+    manifest = answerer.manifest(conv.conversation_id)
+    config = BuildConfig.from_json(manifest[0].config_json)
     lm = models.load_llm(config.model, answerer.device)
     encoder = models.load_encoder(config.encoder, answerer.device)
     probe_config = EvalConfig(BuildConfig(model=config.model,
@@ -103,14 +103,14 @@ def compare(answerer: Answerer, conv: Conversation, n_questions: int,
     timed_answer(lm, none, "Hello?", 2)  # warm-up: the first generate() pays one-time costs
     records = []
     for i, q in enumerate(questions):
-        record, _ = route_question(embed_question(encoder, q.question), records)
-        episodic, _ = answerer.load_cache(record)
+        episode, _ = route_question(embed_question(encoder, q.question), manifest)
+        episodic, _ = answerer.load_cache(episode)
         nll = {"episodic": measure_all(lm, conv, [q], episodic, probe_config)[0]["evidence_nll"],
                "full": reference["full"][i], "none": reference["none"][i]}
         records.append({"conversation_id": conv.conversation_id, "question": q.question,
-                        "gold": q.answer, "episode": record.episode, "nll": nll,
+                        "gold": q.answer, "episode": episode.episode, "nll": nll,
                         "retention": retention(nll["none"], nll["episodic"], nll["full"]),
-                        "bytes": {"episodic": record.kv_bytes, "full": full_bytes},
+                        "bytes": {"episodic": episode.kv_bytes, "full": full_bytes},
                         **{name: timed_answer(lm, cache, q.question, max_new_tokens)
                            for name, cache in zip(CACHES, (episodic, full))}})
     return records

@@ -170,14 +170,15 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)
     questions = [q.question for q in conv.questions][:a.questions]
     first = read_manifest(stores["episodic"], conv.conversation_id)[0]
-    models.load_llm(first.model_id, "cpu"), models.load_encoder(first.encoder_id, "cpu")
+    device = models.default_device()  # the GPU where there is one, as the Serve decoder does
+    models.load_llm(first.model_id, device), models.load_encoder(first.encoder_id, device)
     gc.freeze()  # as the Serve deployments do: no collector pass over the models inside a turn
     if not a.return_freed_memory:
         retain_freed_memory()  # as the Serve decoder does: caches load into reused memory
     turns = {(name, cold): [] for name in stores for cold in (True, False)}
     for question in questions:  # the two caches alternate, turn by turn
         for name, store in stores.items():
-            answerer = Answerer(store)  # holds no cache yet (the models stay loaded)
+            answerer = Answerer(store, device=device)  # no cache yet; the models stay loaded
             for cold in (True, False):  # the same question again: its episode is resident
                 turns[name, cold].append(turn(answerer, conv.conversation_id, question,
                                               a.max_new_tokens))

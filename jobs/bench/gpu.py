@@ -18,7 +18,7 @@ is recorded and the next one runs. The steps:
    `--force` (model converted, layer profile stored), each with its tokens/s from the build's
    summary line (end to end: Ray start, model loads and clustering included);
 4. the decode benchmark (`jobs.bench.decode`), with fewer questions than its default (its
-   builds run on the GPU; its answers on the CPU, the `Answerer`'s default device).
+   builds and its answers on the GPU).
 
 The report (`<out>/gpu-report.md`) has the device, the torch / Triton / CUDA versions and per
 step the command, exit code, wall time and the tail of its output; the command prints the

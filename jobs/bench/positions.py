@@ -23,6 +23,8 @@ import sys
 import time
 from dataclasses import replace
 
+import torch
+
 from pipeline.build.config import BuildConfig
 from pipeline.cli.options import PREFILL_BENCH_OPTIONS, add_options, add_threads_option
 from pipeline.cli.parser import make_parser
@@ -77,7 +79,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if a.threads:
-        import torch
         torch.set_num_threads(a.threads)
     config = EvalConfig(BuildConfig(max_context_tokens=a.cut_tokens),
                         questions_per_conversation=a.questions or None)

@@ -85,6 +85,6 @@ def summarise(records: list[dict]) -> list[dict]:
         summary["retention_of_means"] = ((ref["none"] - summary["evidence_nll"]) / gap
                                          if gap > 0 else float("nan"))
         for cat in sorted({r["category"] for r in g if r["category"] is not None}):
-            row[f"f1_cat{cat}"] = nan_mean(r.get("f1") for r in g if r["category"] == cat)
+            summary[f"f1_cat{cat}"] = nan_mean(r.get("f1") for r in g if r["category"] == cat)
         rows.append(summary)
     return rows

@@ -274,8 +274,8 @@ class Router:
             raise ApiError(*classify(e)) from None
         if "error" in first:
             gen.cancel()
-            raise ApiError(first.error["status"], first.error["message"])
-        timings["fetch"] = first.fetch_ms
-        meta |= {"cache_hit": first.cache_hit}
+            raise ApiError(first["error"]["status"], first["error"]["message"])
+        timings["fetch"] = first["fetch_ms"]
+        meta |= {"cache_hit": first["cache_hit"]}
         return openai_chat.stream_response(gen, base, meta, timings,
                                            self.settings.decoder_timeout_s)

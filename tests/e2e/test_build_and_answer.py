@@ -122,7 +122,7 @@ def test_demo_compares_the_episodic_cache_with_the_full_history(built, capsys):
     records = demo.compare(answerer, conv, 2, max_new_tokens=4)
     assert len(records) == 2
     for r in records:
-        assert 0 <= r.episode < len(rows) and r["bytes"]["episodic"] < r["bytes"]["full"]
+        assert 0 <= r["episode"] < len(rows) and r["bytes"]["episodic"] < r["bytes"]["full"]
         assert all(np.isfinite(v) for v in r["nll"].values())
         assert all(1 <= r[c]["tokens"] <= 4 and r[c]["seconds"] > 0 for c in demo.CACHES)
     demo.print_summary(records, models.DEFAULT_LLM, "cpu")

@@ -271,7 +271,7 @@ def test_second_question_routed_to_the_same_episode_does_not_fetch_again(local_a
     middle = _settled_stats(url, len(rows) - 1)  # the first touch prefetched the other episodes
     second = _answer(url, conv.conversation_id, second_q).json()
     after = _stats(url)
-    assert second["episode"] == first.episode
+    assert second["episode"] == first["episode"]
     assert middle["prefetch_requested"] >= len(rows) - 1  # on its first touch, here or before
     assert middle["prefetch_failed"] == before["prefetch_failed"]
     assert middle["misses"] == before["misses"] + (0 if first["cache_hit"] else 1)

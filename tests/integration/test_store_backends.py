@@ -338,12 +338,12 @@ def test_same_build_into_s3_and_a_folder_gives_equivalent_manifests(twin_builds,
         a, b = read_manifest(local, cid), read_manifest(s3, cid)
         assert len(a) == len(b) == 2
         for ra, rb in zip(a, b):
-            assert ra["config_hash"] == config.hash
-            assert {k: ra[k] for k in same} == {k: rb[k] for k in same}
-            assert ra["centroid"] == pytest.approx(rb["centroid"], abs=1e-5)
-            assert ra["sha256"] == rb["sha256"]  # CPU builds are deterministic: same bytes
-            assert s3.get(rb["object_key"]) == local.get(ra["object_key"])
-            assert rb["node_id"] and ra["node_id"]
+            assert ra.config_hash == config.hash
+            assert {k: getattr(ra, k) for k in same} == {k: getattr(rb, k) for k in same}
+            assert ra.centroid == pytest.approx(rb.centroid, abs=1e-5)
+            assert ra.sha256 == rb.sha256  # CPU builds are deterministic: same bytes
+            assert s3.get(rb.object_key) == local.get(ra.object_key)
+            assert rb.node_id and ra.node_id
 
 
 @pytest.mark.e2e
