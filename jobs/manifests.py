@@ -30,8 +30,7 @@ from pipeline.cli.parser import make_parser
 from pipeline.corpus.schema import UnsafeIdError
 from pipeline.store import table_sync
 from pipeline.store.base import Store, StoreError
-from pipeline.store.manifest import (ManifestError, ManifestRecord, list_conversations,
-                                     read_manifest)
+from pipeline.store.manifest import ManifestError, ManifestRecord, list_conversations, read_manifest
 from pipeline.store.table import PENDING_PREFIX, TABLE_SCHEMA, ManifestTable
 from pipeline.store.table_query import connect, select, totals
 from pipeline.store.table_sync import repair

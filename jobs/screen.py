@@ -18,7 +18,7 @@ import argparse
 import sys
 
 from pipeline.build.config import BuildConfig
-from pipeline.cli.options import PREFILL_OPTIONS, add_options
+from pipeline.cli.options import PREFILL_OPTIONS, add_options, options_named
 from pipeline.cli.parser import make_parser
 from pipeline.corpus.reader import iter_corpus, select_conversations
 from pipeline.corpus.schema import CorpusError
@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "jobs.evaluate's variants (python -m jobs.evaluate --help)")
     p.add_argument("--budgets", default="512,1024",
                    help="comma-separated budgets: mean entries kept per layer and KV head")
-    add_options(p, [o for o in PREFILL_OPTIONS if o.flag == "--max-context-tokens"], SCREEN_BUILD)
+    add_options(p, options_named(PREFILL_OPTIONS, "--max-context-tokens"), SCREEN_BUILD)
     p.add_argument("--questions-per-conversation", type=int, default=40,
                    help="the first N questions of each conversation")
     return p

@@ -38,11 +38,16 @@ from pipeline.answer.fetch import fetch_cache
 from pipeline.answer.malloc_tuning import retain_freed_memory
 from pipeline.build.config import BuildConfig
 from pipeline.build.conversation import build_conversation, is_built
-from pipeline.cli.options import add_model_options
+from pipeline.cli.options import (
+    BUILD_OPTIONS,
+    add_model_options,
+    add_options,
+    apply_options,
+    options_named,
+)
 from pipeline.cli.parser import make_parser
 from pipeline.cli.tables import print_table
 from pipeline.corpus.synthetic import make_conversation
-from pipeline.episodes import EpisodeConfig
 from pipeline.kv import models
 from pipeline.store import cache_format
 from pipeline.store.disk_tier import DiskTier
@@ -130,14 +135,14 @@ def summarise(name: str, turns: list[dict], entries: float) -> dict:
     return row
 
 
+# The episodic build's knobs (the rest as `jobs.build`'s defaults).
+DECODE_BUILD_OPTIONS = options_named(BUILD_OPTIONS, "--budget", "--episodes", "--alpha")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = make_parser("jobs.bench.decode", __doc__)
     p.add_argument("--tokens", type=int, default=8000, help="length of the synthetic conversation")
-    p.add_argument("--budget", type=int, default=1024,
-                   help="mean entries kept per layer and KV head")
-    p.add_argument("--episodes", type=int, default=4, help="EpiCache episodes")
-    p.add_argument("--alpha", type=float, default=BuildConfig.alpha,
-                   help="layer-allocation sharpness (0: uniform budgets)")
+    add_options(p, DECODE_BUILD_OPTIONS, BuildConfig())
     p.add_argument("--questions", type=int, default=8, help="planted questions answered (turns)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="answer length at most (tokens)")
     p.add_argument("--store", default=None, help="a local folder to build into (default: a temp dir)")
@@ -153,9 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     conv = make_conversation("bench-decode", target_tokens=a.tokens, seed=0)
-    episodic = BuildConfig(model=a.model, budget=a.budget, alpha=a.alpha,
-                           max_context_tokens=a.tokens,
-                           episodes=EpisodeConfig(episodes=a.episodes))
+    episodic = apply_options(BuildConfig(model=a.model, max_context_tokens=a.tokens),
+                             DECODE_BUILD_OPTIONS, a)
     full = BuildConfig(model=a.model, scorer="full", budget=None, max_context_tokens=a.tokens)
     root = Path(a.store or tempfile.mkdtemp(prefix="bench-decode-"))
     stores = {"episodic": LocalStore(root / "episodic"), "full": LocalStore(root / "full")}

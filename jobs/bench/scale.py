@@ -54,7 +54,12 @@ from pipeline.build.rehearsal import (
     write_synthetic_corpus,
 )
 from pipeline.build.sources import corpus_objects
-from pipeline.cli.options import DRIVER_OPTIONS, add_options, driver_options_from_args
+from pipeline.cli.options import (
+    DRIVER_OPTIONS,
+    add_options,
+    driver_options_from_args,
+    options_named,
+)
 from pipeline.cli.parser import make_parser
 from pipeline.corpus.reader import CorpusStream
 from pipeline.ray_runtime import init_ray
@@ -160,8 +165,8 @@ class MarkedCorpus(CorpusStream):
 # The rehearsal's driver: many more tasks in flight than a model build's default (its tasks take
 # milliseconds, so the scheduler is what is measured).
 SCALE_DRIVER = DriverOptions(max_in_flight=64)
-SCALE_DRIVER_OPTIONS = tuple(o for o in DRIVER_OPTIONS
-                             if o.flag in ("--max-in-flight", "--cpus-per-task", "--no-progress"))
+SCALE_DRIVER_OPTIONS = options_named(DRIVER_OPTIONS, "--max-in-flight", "--cpus-per-task",
+                                     "--no-progress")
 
 
 def bench(corpus: Path, store: Store, options: DriverOptions = DriverOptions(max_in_flight=64),

@@ -36,7 +36,7 @@ from pipeline.store.s3 import S3Store
 from pipeline.store.table_sync import IndexWriter
 from pipeline.store.uri import open_store
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("jobs.build")  # its lines carry the name of the command users run
 
 
 @dataclass

@@ -34,7 +34,7 @@ SKIPS_SHOWN = 20  # skips printed to stderr; all of them are in the report
 def configure_logging(level: str = "INFO") -> None:
     """Warnings from everything, and the build's own progress lines at `level`."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("pipeline.build").setLevel(level)
+    logging.getLogger("jobs.build").setLevel(level)  # the driver's logger
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,12 @@ def add_options(p: argparse.ArgumentParser, options: Sequence[FieldOption], base
         option.add_to(p, base, cls)
 
 
+def options_named(options: Sequence[FieldOption], *flags: str) -> tuple[FieldOption, ...]:
+    """The options of a group with these flags, in the order given."""
+    by_flag = {o.flag: o for o in options}
+    return tuple(by_flag[f] for f in flags)
+
+
 def apply_options(config: C, options: Sequence[FieldOption], a: argparse.Namespace) -> C:
     """`config` with every option of `options` read back from the parsed arguments, in order."""
     for option in options:
