@@ -26,16 +26,9 @@ import ray
 from pipeline.build.config import BuildConfig
 from pipeline.build.driver import BuildError
 from pipeline.build.job import BuildJob, configure_logging, print_outcome, run_job
-from pipeline.cli.options import (
-    BUILD_OPTIONS,
-    add_corpus_options,
-    add_driver_options,
-    add_options,
-    add_store_options,
-    build_config_from_args,
-    driver_options_from_args,
-    limits_from_args,
-)
+from pipeline.cli.options import (BUILD_OPTIONS, add_corpus_options, add_driver_options,
+                                  add_options, add_store_options, build_config_from_args,
+                                  driver_options_from_args, limits_from_args)
 from pipeline.cli.parser import make_parser
 from pipeline.corpus.schema import CorpusError
 from pipeline.kv.models import ModelNotFoundError

@@ -29,13 +29,8 @@ from pipeline.answer.routing import embed_question, route_question
 from pipeline.build.config import BuildConfig
 from pipeline.build.driver import BuildError
 from pipeline.build.job import BuildJob, configure_logging, print_outcome, run_job
-from pipeline.cli.options import (
-    EPISODE_OPTIONS,
-    MODEL_OPTIONS,
-    PREFILL_BENCH_OPTIONS,
-    add_options,
-    build_config_from_args,
-)
+from pipeline.cli.options import (EPISODE_OPTIONS, MODEL_OPTIONS, PREFILL_BENCH_OPTIONS,
+                                  add_options, build_config_from_args)
 from pipeline.cli.parser import make_parser
 from pipeline.corpus.reader import read_corpus, write_jsonl
 from pipeline.corpus.schema import Conversation, CorpusError

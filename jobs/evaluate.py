@@ -28,21 +28,11 @@ import time
 from pathlib import Path
 
 from pipeline.build.config import BuildConfig
-from pipeline.cli.options import (
-    SHARED_BUILD_OPTIONS,
-    add_corpus_options,
-    add_options,
-    eval_build_config_from_args,
-    limits_from_args,
-)
+from pipeline.cli.options import (SHARED_BUILD_OPTIONS, add_corpus_options, add_options,
+                                  eval_build_config_from_args, limits_from_args)
 from pipeline.cli.parser import make_parser
-from pipeline.corpus.reader import (
-    SKIP_REPORT,
-    ReadStats,
-    check_corpus,
-    iter_corpus,
-    select_conversations,
-)
+from pipeline.corpus.reader import (SKIP_REPORT, ReadStats, check_corpus, iter_corpus,
+                                    select_conversations)
 from pipeline.corpus.schema import Conversation, CorpusError
 from pipeline.eval.methods import METHODS, EvalConfig, describe_methods, parse_method
 from pipeline.eval.report import write_report

@@ -9,14 +9,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pipeline.corpus.records import (
-    DEFAULT_LIMITS,
-    CorpusLimits,
-    QuestionFaults,
-    RecordFields,
-    parse_questions,
-    resolve_turn_id,
-)
+from pipeline.corpus.records import (DEFAULT_LIMITS, CorpusLimits, QuestionFaults, RecordFields,
+                                     parse_questions, resolve_turn_id)
 from pipeline.corpus.schema import Conversation, CorpusError, Question, Turn, check_safe_id
 
 _SESSION_KEY = re.compile(r"^session_(\d+)$")

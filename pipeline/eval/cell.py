@@ -20,13 +20,8 @@ from pipeline.corpus.render import cut_at_session, render_conversation, render_h
 from pipeline.corpus.schema import Conversation, Question
 from pipeline.episodes import build_episodes, member_turn_ids, route
 from pipeline.eval.methods import EPISODIC, EvalConfig, parse_method
-from pipeline.eval.metrics import (
-    ADVERSARIAL_CATEGORY,
-    continuation_nlls,
-    evidence_probe,
-    f1_score,
-    question_text,
-)
+from pipeline.eval.metrics import (ADVERSARIAL_CATEGORY, continuation_nlls, evidence_probe,
+                                   f1_score, question_text)
 from pipeline.eval.summary import nan_mean
 from pipeline.kv import models, prompts
 from pipeline.kv.cache import EpisodicCache

@@ -16,13 +16,8 @@ from fastapi import FastAPI, Request
 from ray import serve
 from ray.exceptions import RayActorError
 
-from pipeline.answer.routing import (
-    centroid_matrix,
-    check_models,
-    embed_question,
-    load_manifest,
-    route_question,
-)
+from pipeline.answer.routing import (centroid_matrix, check_models, embed_question, load_manifest,
+                                     route_question)
 from pipeline.corpus.schema import check_safe_id
 from pipeline.kv import models
 from pipeline.serve import openai_chat

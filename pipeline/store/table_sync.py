@@ -21,13 +21,7 @@ import pyarrow as pa
 
 from pipeline.store.base import Store, StoreError
 from pipeline.store.manifest import ManifestError, ManifestRecord, list_conversations, read_manifest
-from pipeline.store.table import (
-    PENDING_PREFIX,
-    ManifestTable,
-    pending_key,
-    table_row,
-    table_rows,
-)
+from pipeline.store.table import PENDING_PREFIX, ManifestTable, pending_key, table_row, table_rows
 
 log = logging.getLogger(__name__)
 _READ_THREADS = 16  # manifests read at once by repair and rebuild (S3 GETs are latency-bound)

@@ -29,13 +29,7 @@ from pipeline.store import table as manifest_table
 from pipeline.store.local import LocalStore
 from pipeline.store.manifest import list_conversations, read_manifest, write_manifest
 from pipeline.store.s3 import S3Store, parse_s3_uri
-from pipeline.store.table import (
-    PENDING_PREFIX,
-    ManifestTable,
-    TableError,
-    pending_key,
-    table_row,
-)
+from pipeline.store.table import PENDING_PREFIX, ManifestTable, TableError, pending_key, table_row
 from pipeline.store.table_sync import IndexWriter, rebuild
 from pipeline.store.uri import open_store
 from tests.support.stores import plant_corrupt_manifest, put_conversation

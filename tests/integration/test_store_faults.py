@@ -20,11 +20,7 @@ from pipeline.serve.errors import classify
 from pipeline.store import cache_format
 from pipeline.store.base import StoreError
 from pipeline.store.local import LocalStore
-from pipeline.store.manifest import (
-    ManifestError,
-    list_conversations,
-    read_manifest,
-)
+from pipeline.store.manifest import ManifestError, list_conversations, read_manifest
 from pipeline.store.uri import open_store
 from tests.support.stores import (
     CORRUPT,

@@ -14,11 +14,7 @@ from pipeline.build.rehearsal import SYNTHETIC_CONFIG, synthetic_cache
 from pipeline.store import cache_format
 from pipeline.store.base import cache_key, manifest_key
 from pipeline.store.local import LocalStore
-from pipeline.store.manifest import (
-    MANIFEST_SCHEMA,
-    ManifestRecord,
-    write_manifest,
-)
+from pipeline.store.manifest import MANIFEST_SCHEMA, ManifestRecord, write_manifest
 from pipeline.store.uri import open_store
 
 

@@ -14,26 +14,13 @@ from jobs import evaluate as evaluate_job
 from pipeline.corpus.reader import write_jsonl
 from pipeline.corpus.synthetic import make_corpus
 from pipeline.eval.methods import METHODS, parse_method
-from pipeline.eval.metrics import (
-    continuation_nll,
-    evidence_probe,
-    f1_score,
-    normalize_answer,
-    retention,
-)
+from pipeline.eval.metrics import (continuation_nll, evidence_probe, f1_score, normalize_answer,
+                                   retention)
 from pipeline.eval.runner import collect_cells
 from pipeline.kv import models, prompts
 from pipeline.kv.prefill import PrefillConfig, block_prefill
-from pipeline.kv.scorers import (
-    BlockContext,
-    FullScorer,
-    InfiniPotScorer,
-    KeyDiffScorer,
-    KVzipScorer,
-    LayerState,
-    SnapKVScorer,
-    build_scorer,
-)
+from pipeline.kv.scorers import (BlockContext, FullScorer, InfiniPotScorer, KeyDiffScorer,
+                                 KVzipScorer, LayerState, SnapKVScorer, build_scorer)
 
 
 def _encode(text: str) -> torch.Tensor:

@@ -16,19 +16,9 @@ from pipeline.eval.metrics import continuation_nll, continuation_nlls
 from pipeline.kv import models, prompts
 from pipeline.kv.layout import kept_share, token_layout
 from pipeline.kv.prefill import PrefillConfig, block_prefill, select_keep
-from pipeline.kv.scorers import (
-    FocusScorer,
-    FullScorer,
-    LayerState,
-    OldestScorer,
-    PooledScorer,
-    ProtectedScorer,
-    Scorer,
-    ScoringConfig,
-    UtteranceScorer,
-    build_scorer,
-    episodic_scorer,
-)
+from pipeline.kv.scorers import (FocusScorer, FullScorer, LayerState, OldestScorer, PooledScorer,
+                                 ProtectedScorer, Scorer, ScoringConfig, UtteranceScorer,
+                                 build_scorer, episodic_scorer)
 from tests.support.tiny_models import one_torch_thread, random_ids, tiny_model  # noqa: F401
 
 

@@ -13,13 +13,8 @@ from pipeline.build.config import BuildConfig
 from pipeline.eval.cell import cache_footprint
 from pipeline.eval.methods import EvalConfig, allocator_of, parse_method
 from pipeline.kv.attention import attention_column_sums
-from pipeline.kv.budgets import (
-    ALLOCATORS,
-    VarianceAllocator,
-    allocate_from_weights,
-    attention_variance,
-    variance_weights,
-)
+from pipeline.kv.budgets import (ALLOCATORS, VarianceAllocator, allocate_from_weights,
+                                 attention_variance, variance_weights)
 from pipeline.kv.cache import EpisodicCache
 from pipeline.kv.merging import MergeConfig, Merger
 from pipeline.kv.prefill import PrefillConfig, block_prefill, patch_positions

@@ -16,14 +16,8 @@ from pipeline.answer.decode import generate_from_cache
 from pipeline.kv.attention import patch_attention_moments
 from pipeline.kv.prefill import PrefillConfig, block_prefill, entry_bytes
 from pipeline.kv.scorers import EpiCacheScorer, FullScorer
-from pipeline.kv.tristate import (
-    EntryBytes,
-    TriStateConfig,
-    heavy_hitter_scores,
-    oq_ratios,
-    oq_score,
-    plan_tristate,
-)
+from pipeline.kv.tristate import (EntryBytes, TriStateConfig, heavy_hitter_scores, oq_ratios,
+                                  oq_score, plan_tristate)
 from pipeline.store import cache_format
 from tests.support.tiny_models import StandIn, one_torch_thread, random_ids, tiny_model  # noqa: F401
 

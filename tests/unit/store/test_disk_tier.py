@@ -19,13 +19,8 @@ from pipeline.kv import models
 from pipeline.kv.prefill import PrefillConfig, block_prefill
 from pipeline.kv.scorers import EpiCacheScorer
 from pipeline.store.base import cache_key
-from pipeline.store.cache_format import (
-    CacheCorruptError,
-    ChecksumError,
-    read_parsed,
-    serialize,
-    sha256,
-)
+from pipeline.store.cache_format import (CacheCorruptError, ChecksumError, read_parsed, serialize,
+                                         sha256)
 from pipeline.store.disk_tier import DiskTier
 from pipeline.store.local import LocalStore
 from pipeline.store.manifest import CacheRef
