@@ -121,8 +121,9 @@ def synthetic_budgets_task(store: Store,
 def synthetic_episode_task(clustered: ClusterResult, episode: int, budgets: list[int] | None,
                            config: BuildConfig,
                            store: Store) -> tuple[ManifestRecord, WorkerStamp]:
+    record = synthetic_episode(clustered, episode, budgets, config, store)
     stamp = WorkerStamp.here()
-    return stamp.on(synthetic_episode(clustered, episode, budgets, config, store)), stamp
+    return stamp.on(record), stamp
 
 
 SYNTHETIC_STAGES = Stages(cluster=synthetic_cluster_task, budgets=synthetic_budgets_task,

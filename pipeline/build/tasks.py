@@ -61,8 +61,9 @@ def budgets_task(store: Store, config: BuildConfig) -> tuple[list[int] | None, W
 @ray.remote(max_calls=0)
 def episode_task(clustered: ClusterResult, episode: int, budgets: list[int] | None,
                  config: BuildConfig, store: Store) -> tuple[ManifestRecord, WorkerStamp]:
-    stamp = WorkerStamp.here()
-    return stamp.on(build_episode(clustered, episode, budgets, config, store)), stamp
+    record = build_episode(clustered, episode, budgets, config, store)
+    stamp = WorkerStamp.here()  # after the build: its model load counted
+    return stamp.on(record), stamp
 
 
 @dataclass(frozen=True)
