@@ -18,12 +18,13 @@ import argparse
 import sys
 
 from pipeline.build.config import BuildConfig
+from pipeline.build.profile import measure_profile
 from pipeline.cli.options import PREFILL_OPTIONS, add_options, options_named
 from pipeline.cli.parser import make_parser
 from pipeline.corpus.reader import iter_corpus, select_conversations
 from pipeline.corpus.schema import CorpusError
 from pipeline.eval.methods import EPISODIC, EvalConfig, parse_method
-from pipeline.eval.screen import screen_conversation, sensitivity_profile, table
+from pipeline.eval.screen import screen_conversation, table
 from pipeline.kv import models
 
 # The screen's conversations are cut as the quality work cuts them (docs/quality.md).
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def measured_profile() -> list[float]:
         if not profile:
-            profile.append(sensitivity_profile(lm))
+            profile.append(measure_profile(lm, BuildConfig()))  # the sensitivity profile
         return profile[0]
 
     records = []

@@ -18,7 +18,7 @@ from pipeline.kv import models
 from pipeline.kv.cache import EpisodicCache
 from pipeline.store.base import Store
 from pipeline.store.disk_tier import DiskTier
-from pipeline.store.manifest import CacheRef, ManifestRecord
+from pipeline.store.manifest import ManifestRecord
 
 
 @dataclass
@@ -56,9 +56,9 @@ class Answerer:
         return (models.load_llm(record.model_id, self.device),
                 models.load_encoder(record.encoder_id, self.device))
 
-    def load_cache(self, episode: ManifestRecord | CacheRef) -> tuple[EpisodicCache, bool]:
+    def load_cache(self, record: ManifestRecord) -> tuple[EpisodicCache, bool]:
         """The episode's cache, from residency (True) or fetched and verified (False)."""
-        ref = episode if isinstance(episode, CacheRef) else episode.ref
+        ref = record.ref
         lm = models.load_llm(ref.model_id, self.device)
         return self.caches.get_or_load(
             (ref.object_key, ref.sha256),

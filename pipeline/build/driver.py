@@ -110,12 +110,14 @@ class _Driver:
     POSTFIX_S = 0.5  # the progress bar's postfix is refreshed at most this often
 
     def __init__(self, corpus: CorpusStream, store: Store, config: BuildConfig, stages: Stages,
-                 *, force: bool, max_in_flight: int, resources: dict, max_retries: int,
-                 bar: tqdm, index: IndexWriter | None = None):
+                 options: DriverOptions, gpus: float, *, bar: tqdm,
+                 index: IndexWriter | None = None):
         self.corpus, self.conversations = corpus, iter(corpus)
         self.store, self.config, self.stages = store, config, stages
-        self.force, self.max_in_flight, self.bar = force, max(1, max_in_flight), bar
-        self.resources, self.max_retries = resources, max_retries
+        self.force, self.max_in_flight, self.bar = options.force, options.max_in_flight, bar
+        self.max_retries = options.max_retries
+        self.resources = {"num_cpus": options.cpus_per_task, "num_gpus": gpus,
+                          "max_retries": options.max_retries}
         self.index = index  # the manifest table: told before and after each commit
         self.summary = Summary()
         self.in_flight: dict[ray.ObjectRef, tuple[str, str, int]] = {}  # ref -> (kind, id, ep)
@@ -323,8 +325,6 @@ def run_build(corpus: str | CorpusStream, store: str | Store, config: BuildConfi
     gpus = options.gpus_per_task
     if gpus is None:
         gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
-    resources = {"num_cpus": options.cpus_per_task, "num_gpus": gpus,
-                 "max_retries": options.max_retries}
     # log lines go above the bar, not through it; no total: counting an S3 corpus's records
     # would mean reading it all first (the postfix says how many of its objects are started)
     progress = options.progress
@@ -332,9 +332,8 @@ def run_build(corpus: str | CorpusStream, store: str | Store, config: BuildConfi
     with IndexWriter(store, options.index_flush_rows) as index, redirect, tqdm(
             unit="conv", desc="build", disable=not progress, dynamic_ncols=True,
             file=sys.stderr) as bar:
-        summary = _Driver(corpus, store, config, stages, force=options.force,
-                          max_in_flight=options.max_in_flight, resources=resources,
-                          max_retries=options.max_retries, bar=bar, index=index).run()
+        summary = _Driver(corpus, store, config, stages, options, gpus, bar=bar,
+                          index=index).run()
     stats = corpus.stats
     summary.bad_records, summary.questions_dropped = stats.records_skipped, stats.questions_dropped
     return summary

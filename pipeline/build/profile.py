@@ -20,6 +20,13 @@ def calibration_text(config: BuildConfig) -> str:
     return render_conversation(conv).text
 
 
+def measure_profile(lm: models.LoadedModel, config: BuildConfig) -> list[float]:
+    """The configured allocator's per-layer profile, measured on the calibration text."""
+    cal = config.calibration
+    ids = prompts.context_ids(lm.tokenizer, calibration_text(config))[:cal.tokens]
+    return config.allocator_strategy().measure(lm.model, ids, cal).tolist()
+
+
 def layer_profile(store: Store, config: BuildConfig) -> list[float]:
     """The model's per-layer profile for the configured allocator (Key similarity for
     "sensitivity", cumulative-attention variance for "variance"): read from the store, or
@@ -33,9 +40,8 @@ def layer_profile(store: Store, config: BuildConfig) -> list[float]:
     if store.exists(key):
         return json.loads(store.get(key))["similarity"]
     lm = models.load_llm(config.model)
-    ids = prompts.context_ids(lm.tokenizer, calibration_text(config))[:cal.tokens]
     start = time.perf_counter()
-    sims = allocator.measure(lm.model, ids, cal).tolist()
+    sims = measure_profile(lm, config)
     # "similarity" holds the profile whatever the allocator (the key name predates D2O)
     store.put(key, json.dumps({"model_id": config.model, "calibration": cal.as_dict(),
                                "allocator": allocator.name, "similarity": sims,

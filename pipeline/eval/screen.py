@@ -15,14 +15,11 @@ import sys
 import numpy as np
 import torch
 
-from pipeline.build.config import BuildConfig
-from pipeline.build.profile import calibration_text
 from pipeline.corpus.render import render_conversation, render_header
 from pipeline.episodes import build_episodes, member_turn_ids, route
 from pipeline.eval.cell import prepare, probe_pairs
 from pipeline.eval.metrics import continuation_nlls
-from pipeline.kv import models, prompts
-from pipeline.kv.budgets import CalibrationConfig, layer_similarity
+from pipeline.kv import prompts
 from pipeline.kv.layout import kept_share, token_layout
 from pipeline.kv.prefill import PrefillConfig, block_prefill, layer_state, select_keep
 from pipeline.kv.scorers import FullScorer, episodic_scorer
@@ -112,12 +109,3 @@ def table(records: list[dict]) -> str:
                      f"| {100 * np.mean([r['evidence_kept'] for r in g]):.1f}% "
                      f"| {100 * np.mean([r['route_hit'] for r in g]):.0f}% |")
     return "\n".join(lines)
-
-
-def sensitivity_profile(lm: models.LoadedModel,
-                        calibration: CalibrationConfig = CalibrationConfig()) -> list[float]:
-    """The model's layer sensitivity on the calibration text, as a build measures it
-    (`pipeline.build.profile`), measured here rather than read from a store."""
-    text = calibration_text(BuildConfig(calibration=calibration))
-    ids = prompts.context_ids(lm.tokenizer, text)[:calibration.tokens]
-    return layer_similarity(lm.model, ids, calibration).tolist()

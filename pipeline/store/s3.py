@@ -1,8 +1,8 @@
 """The S3 store: AWS S3 or any S3-compatible server, through boto3.
 
 Credentials and region come from boto3's standard chain and are never stored, logged or pickled;
-`S3Store.endpoint` is the one place the endpoint is resolved (given, else $EPICACHE_S3_ENDPOINT,
-else boto3's own resolution), for the store and for the manifest table's Delta writer alike.
+`s3_endpoint` is the one place the endpoint is resolved (given, else $EPICACHE_S3_ENDPOINT, else
+boto3's own variables), for the store and for the manifest table's Delta writer alike.
 """
 
 from __future__ import annotations

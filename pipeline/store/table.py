@@ -73,11 +73,10 @@ def table_row(record: ManifestRecord) -> dict:
     return {name: getattr(record, name) for name in TABLE_SCHEMA.names}
 
 
-def table_rows(records: Iterable[ManifestRecord | dict]) -> pa.Table:
-    """Manifest records (or their `table_row`s) as the table's rows, sorted by conversation and
-    episode so files and row groups cover narrow id ranges."""
-    rows = [r if isinstance(r, dict) else table_row(r) for r in records]
-    table = pa.Table.from_pylist(rows, schema=TABLE_SCHEMA)
+def table_rows(rows: Iterable[dict]) -> pa.Table:
+    """Table rows (`table_row`s) as an Arrow table, sorted by conversation and episode so files
+    and row groups cover narrow id ranges."""
+    table = pa.Table.from_pylist(list(rows), schema=TABLE_SCHEMA)
     return table.sort_by([("conversation_id", "ascending"), ("episode", "ascending")])
 
 
@@ -165,8 +164,8 @@ class ManifestTable:
                    configuration=_TABLE_CONFIG, storage_options=self._options(), **kwargs)
 
     def replace(self, conversation_ids: Sequence[str],
-                rows: list[ManifestRecord | dict] | pa.Table) -> None:
-        """These conversations' rows become `rows` (manifest rows, or a table of `TABLE_SCHEMA`;
+                rows: list[dict] | pa.Table) -> None:
+        """These conversations' rows become `rows` (`table_row`s, or a table of `TABLE_SCHEMA`;
         none: they are removed): one commit per `_MAX_IDS` conversations, so each
         conversation's rows change in one commit."""
         ids = sorted(set(conversation_ids))

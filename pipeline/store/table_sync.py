@@ -50,15 +50,15 @@ class SyncResult:
     rows: int = 0
     corrupt: list[ManifestError] = field(default_factory=list)
 
-    def manifest_rows(self, store: Store, ids: Sequence[str]) -> list[ManifestRecord]:
-        """The manifest rows of `ids` (read by a few threads); a corrupt manifest is recorded
-        and gives no rows, as `builder.is_built` counts it as not built."""
-        rows: list[ManifestRecord] = []
+    def manifest_rows(self, store: Store, ids: Sequence[str]) -> list[dict]:
+        """The table rows of `ids`' manifests (read by a few threads); a corrupt manifest is
+        recorded and gives no rows, as `is_built` counts it as not built."""
+        rows: list[dict] = []
         for _, got in _read_many(store, ids):
             if isinstance(got, ManifestError):
                 self.corrupt.append(got)
             else:
-                rows.extend(got)
+                rows.extend(table_row(r) for r in got)
         return rows
 
 
@@ -91,7 +91,7 @@ def rebuild(store: Store, table: ManifestTable | None = None) -> SyncResult:
     def batches() -> Iterator[pa.RecordBatch]:
         for start in range(0, len(ids), _REBUILD_CHUNK):
             rows = result.manifest_rows(store, ids[start:start + _REBUILD_CHUNK])
-            result.conversations += len({r.conversation_id for r in rows})
+            result.conversations += len({r["conversation_id"] for r in rows})
             result.rows += len(rows)
             yield from table_rows(rows).to_batches()
 
