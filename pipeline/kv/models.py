@@ -21,12 +21,10 @@ from pathlib import Path
 
 import torch
 
+from pipeline.configs import DEFAULT_ENCODER, DEFAULT_LLM
 from pipeline.kv.attention import EPISODIC_ATTENTION, register_episodic_attention
 
 log = logging.getLogger(__name__)
-
-DEFAULT_LLM = "SmolLM2-135M-Instruct"
-DEFAULT_ENCODER = "all-MiniLM-L6-v2"
 
 # Aliases of the packaged models: name -> (package, file or folder inside it, pip name)
 _PACKAGED_LLMS = {
