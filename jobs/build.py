@@ -12,26 +12,24 @@ corpus. Conversations whose manifest already carries this configuration's hash a
 Committed rows are also appended, in batches, to the store's manifest table
 (`pipeline.store.table`), which the driver keeps equal to the manifests.
 Alone it starts a local Ray; under `ray job submit` (RAY_ADDRESS set) it joins the cluster.
+The arguments and the corpus's first object are checked before Ray, torch and the models load:
+bad input fails in well under a second.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import time
 
-import ray
-
 from pipeline.build.config import BuildConfig
-from pipeline.build.driver import BuildError
-from pipeline.build.job import BuildJob, configure_logging, print_outcome, run_job
+from pipeline.build.job import BuildError, BuildJob, configure_logging, open_job, print_outcome
 from pipeline.cli.options import (BUILD_OPTIONS, add_corpus_options, add_driver_options,
                                   add_options, add_store_options, build_config_from_args,
                                   driver_options_from_args, limits_from_args)
 from pipeline.cli.parser import make_parser
 from pipeline.corpus.schema import CorpusError
-from pipeline.kv.models import ModelNotFoundError
+from pipeline.kv.errors import ModelNotFoundError
 from pipeline.store.base import StoreError
 
 
@@ -67,17 +65,18 @@ def main(argv: list[str] | None = None) -> int:
         config, options = config_from_args(a), driver_options_from_args(a)
         job = BuildJob(a.corpus, a.store, a.on_bad_record, limits_from_args(a), a.s3_endpoint,
                        a.s3_region, a.ray_address)
-        summary, store = run_job(job, config, options)
+        with open_job(job) as opened:
+            # Ray, torch and the models load here, once the corpus and the store are known good
+            from pipeline.build.driver import run_job
+            summary = run_job(opened, config, options)
     except (ValueError, CorpusError, StoreError, ModelNotFoundError, BuildError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        with contextlib.suppress(Exception):  # stop the tasks (and a local Ray) before the line
-            ray.shutdown()
+    except KeyboardInterrupt:  # run_job has stopped the tasks (and a local Ray)
         print("interrupted: committed conversations are kept; run the same command again to "
               "build the rest", file=sys.stderr)
         return 130
-    print_outcome(summary, time.perf_counter() - start, store)
+    print_outcome(summary, time.perf_counter() - start, opened.store)
     return 1 if summary.failed else 0
 
 

@@ -36,9 +36,6 @@ from pipeline.corpus.reader import (SKIP_REPORT, ReadStats, check_corpus, iter_c
 from pipeline.corpus.schema import Conversation, CorpusError
 from pipeline.eval.methods import METHODS, EvalConfig, describe_methods, parse_method
 from pipeline.eval.report import write_report
-from pipeline.eval.runner import run_cells
-from pipeline.eval.summary import summarise, summarise_by, with_retention
-from pipeline.ray_runtime import init_ray
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,6 +113,18 @@ def main(argv: list[str] | None = None) -> int:
     except (CorpusError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    return evaluate(a, methods, budgets, config, convs, read)
+
+
+def evaluate(a: argparse.Namespace, methods: list[str], budgets: list[int], config: EvalConfig,
+             convs: list[Conversation], read: ReadStats) -> int:
+    """Run every cell on Ray and write the report; the exit code. Ray, torch and the models
+    load here, once the arguments and the corpus are known good."""
+    from pipeline.eval.runner import run_cells
+    from pipeline.eval.summary import summarise, summarise_by, with_retention
+    from pipeline.ray_runtime import init_ray
+
+    out = Path(a.out)
     init_ray()
     start = time.perf_counter()
     outcome = run_cells(convs, methods, budgets, config, out)

@@ -18,14 +18,11 @@ import argparse
 import sys
 
 from pipeline.build.config import BuildConfig
-from pipeline.build.profile import measure_profile
 from pipeline.cli.options import PREFILL_OPTIONS, add_options, options_named
 from pipeline.cli.parser import make_parser
 from pipeline.corpus.reader import iter_corpus, select_conversations
-from pipeline.corpus.schema import CorpusError
+from pipeline.corpus.schema import Conversation, CorpusError
 from pipeline.eval.methods import EPISODIC, EvalConfig, parse_method
-from pipeline.eval.screen import screen_conversation, table
-from pipeline.kv import models
 
 # The screen's conversations are cut as the quality work cuts them (docs/quality.md).
 SCREEN_BUILD = BuildConfig(max_context_tokens=7600)
@@ -56,12 +53,35 @@ def main(argv: list[str] | None = None) -> int:
         for m in methods:
             if parse_method(m)[0] not in EPISODIC:
                 raise ValueError(f"{m!r}: the screen runs EpiCache recipes only")
+        budgets = parse_budgets(a.budgets)
         convs = list(iter_corpus(a.corpus))
         if a.conversations:
             convs = select_conversations(convs, a.conversations, a.corpus)
     except (ValueError, CorpusError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    return screen(convs, methods, budgets, config)
+
+
+def parse_budgets(text: str) -> list[int]:
+    """`--budgets`: comma-separated positive integers; ValueError naming the option."""
+    try:
+        budgets = [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        budgets = []
+    if not budgets or min(budgets) < 1:
+        raise ValueError(f"--budgets takes comma-separated positive integers, got {text!r}")
+    return budgets
+
+
+def screen(convs: list[Conversation], methods: list[str], budgets: list[int],
+           config: EvalConfig) -> int:
+    """Screen every conversation and print the table. torch and the models load here, once
+    the arguments and the corpus are known good."""
+    from pipeline.build.profile import measure_profile
+    from pipeline.eval.screen import screen_conversation, table
+    from pipeline.kv import models
+
     lm, encoder = models.load_llm(config.model), models.load_encoder(config.encoder)
     profile: list[list[float]] = []  # measured once, only if a recipe allocates
 
@@ -72,8 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
     records = []
     for conv in convs:
-        records += screen_conversation(lm, encoder, conv, methods,
-                                       [int(b) for b in a.budgets.split(",")], config,
+        records += screen_conversation(lm, encoder, conv, methods, budgets, config,
                                        measured_profile)
     print(table(records))
     return 0

@@ -16,6 +16,7 @@ package imports only from packages above it:
     cli/           the command line's shared parser and options
     ray_runtime.py the Ray worker environment and joining or starting Ray
     config_fields.py  configuration fields by dotted path (types, defaults, text casts)
+    configs.py     the stages' configurations and default models, without torch
 
 `jobs/` holds the commands that wire these together; `kernels/` the Triton kernels.
 """

@@ -9,30 +9,14 @@ episodes. An episode keeps its centroid (for routing questions) and its medoid w
 from __future__ import annotations
 
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 from sklearn.cluster import KMeans
 
+from pipeline.configs import EpisodeConfig
 from pipeline.corpus.render import render_turns
 from pipeline.corpus.schema import Conversation, Turn
-
-
-@dataclass(frozen=True)
-class EpisodeConfig:
-    window: int = 4  # utterances per window
-    episodes: int = 4  # K-Means clusters requested
-    medoids: int = 4  # windows per patched prompt
-    seed: int = 0
-    n_init: int = 10
-
-    def __post_init__(self):
-        for name in ("window", "episodes", "medoids", "n_init"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass(frozen=True)

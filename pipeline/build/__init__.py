@@ -8,7 +8,8 @@
     conversation.py  stage 4: the commit; the whole build of one conversation in one process
     tasks.py         the stages as Ray tasks
     sources.py       a corpus's objects, local or on S3
-    driver.py        the Ray driver: run_build
-    job.py           the build as one job (corpus checked first, skip report, Ray): run_job
+    driver.py        the Ray driver: run_build; run_job (an opened job, on Ray)
+    job.py           the build as one job: corpus checked and store opened first (no torch,
+                     no Ray: open_job), skip report, Summary, BuildError
     rehearsal.py     synthetic stages for the scale rehearsal and the tests
 """

@@ -10,14 +10,9 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 
-from pipeline.episodes import EpisodeConfig
-from pipeline.kv.budgets import ALLOCATORS, CalibrationConfig
-from pipeline.kv.merging import MergeConfig
-from pipeline.kv.models import DEFAULT_ENCODER, DEFAULT_LLM
-from pipeline.kv.prefill import PrefillConfig
-from pipeline.kv.scorers import ScoringConfig
-from pipeline.kv.tristate import TriStateConfig
-from pipeline.store.cache_format import FORMAT
+from pipeline.configs import (DEFAULT_ENCODER, DEFAULT_LLM, CalibrationConfig, EpisodeConfig,
+                              MergeConfig, PrefillConfig, ScoringConfig, TriStateConfig)
+from pipeline.store.format_version import FORMAT
 
 STORE_DTYPES = ("float16", "bfloat16", "float32")
 
@@ -71,15 +66,6 @@ class BuildConfig:
         scoring = ScoringConfig(**d.pop("scoring")) if "scoring" in d else ScoringConfig.paper()
         return cls(episodes=EpisodeConfig(**d.pop("episodes")), prefill=prefill, scoring=scoring,
                    calibration=CalibrationConfig(**d.pop("calibration")), **d)
-
-    def allocator_strategy(self):
-        """The layer-budget allocator this configuration names."""
-        cls = ALLOCATORS.get(self.allocator)
-        if cls is None:
-            raise ValueError(f"unknown allocator {self.allocator!r}; known: {', '.join(ALLOCATORS)}")
-        if cls.name == "variance":
-            return cls(temperature=self.variance_temperature)
-        return cls(alpha=self.alpha)
 
 
 @dataclass(frozen=True)

@@ -25,11 +25,13 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from pipeline.build.config import BuildConfig, DriverOptions
 from pipeline.build.conversation import commit_manifest, is_built
+from pipeline.build.job import BuildError, OpenedJob, Summary
 from pipeline.build.sources import corpus_objects
 from pipeline.build.tasks import MODEL_STAGES, Stages, WorkerStamp
 from pipeline.corpus.reader import CorpusStream, ReadStats
 from pipeline.corpus.records import DEFAULT_LIMITS, CorpusLimits
 from pipeline.corpus.schema import CorpusError
+from pipeline.ray_runtime import init_ray
 from pipeline.store.base import Store
 from pipeline.store.manifest import ManifestRecord, list_conversations
 from pipeline.store.s3 import S3Store
@@ -37,45 +39,6 @@ from pipeline.store.table_sync import IndexWriter
 from pipeline.store.uri import open_store
 
 log = logging.getLogger("jobs.build")  # its lines carry the name of the command users run
-
-
-@dataclass
-class Summary:
-    built: int = 0
-    skipped: int = 0
-    failed: dict[str, str] = field(default_factory=dict)
-    episodes: int = 0
-    tokens: int = 0
-    bytes: int = 0
-    loads: dict[tuple[str, int], int] = field(default_factory=dict)  # (node, pid) -> model loads
-    bad_records: int = 0
-    questions_dropped: int = 0  # bad questions dropped from kept conversations (skip mode)
-    tasks: int = 0  # tasks submitted
-    peak_in_flight: int = 0  # most tasks submitted and not yet collected at any time
-    seconds: float = 0.0
-    wait_seconds: float = 0.0  # of which the driver waited in ray.wait with nothing to do
-
-    @property
-    def nodes(self) -> set[str]:
-        return {node for node, _ in self.loads}
-
-    def line(self, seconds: float | None = None, store: str = "") -> str:
-        seconds = self.seconds if seconds is None else seconds
-        return (f"built {self.built} conversations ({self.episodes} episode caches, "
-                f"{self.tokens:,} tokens, {self.bytes / 2**20:.1f} MiB) in {seconds:.1f}s; "
-                f"skipped {self.skipped} up to date; failed {len(self.failed)}; "
-                f"bad records skipped {self.bad_records}; questions dropped "
-                f"{self.questions_dropped}; model loads {sum(self.loads.values())} "
-                f"in {_n(len(self.loads), 'worker')} on {_n(len(self.nodes), 'node')}; "
-                f"store {store}")
-
-
-def _n(count: int, noun: str) -> str:
-    return f"{count} {noun}{'' if count == 1 else 's'}"
-
-
-class BuildError(RuntimeError):
-    """A failure that stops the whole build (not one conversation)."""
 
 
 @dataclass
@@ -337,3 +300,17 @@ def run_build(corpus: str | CorpusStream, store: str | Store, config: BuildConfi
     stats = corpus.stats
     summary.bad_records, summary.questions_dropped = stats.records_skipped, stats.questions_dropped
     return summary
+
+
+def run_job(opened: OpenedJob, config: BuildConfig,
+            options: DriverOptions = DriverOptions()) -> Summary:
+    """Run a build whose corpus and store `pipeline.build.job.open_job` has checked: Ray joined
+    (or started), then `run_build`. On Ctrl-C the tasks (and a local Ray) are stopped before
+    the interrupt goes on."""
+    init_ray(opened.job.ray_address)
+    try:
+        return run_build(opened.corpus, opened.store, config, options)
+    except KeyboardInterrupt:
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        raise

@@ -1,11 +1,13 @@
 """The build as one job, as `jobs.build` and the demo run it: the corpus checked before anything
-starts, the store opened, Ray joined, the driver run, and every skipped record reported.
+starts, the store opened, and every skipped record reported; and the build's outcome.
 
 The corpus is read up to its first conversation (its first object checked whole) before the
 store is opened (a local one would be created) and before Ray and the model start: a bad or
-empty corpus fails in seconds and writes nothing. Later objects are checked each before its own
-conversations are scheduled. Skips go to `<store>/reports/<UTC time>-<pid>/skipped.jsonl` (a
-folder per run: no run overwrites another's report) and the first 20 to stderr.
+empty corpus fails in well under a second and writes nothing, since this module imports
+neither torch nor Ray (`pipeline.build.driver.run_job` runs the build once `open_job` has
+checked its input). Later objects are checked each before its own conversations are scheduled.
+Skips go to `<store>/reports/<UTC time>-<pid>/skipped.jsonl` (a folder per run: no run
+overwrites another's report) and the first 20 to stderr.
 """
 
 from __future__ import annotations
@@ -16,19 +18,58 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import IO
 
-from pipeline.build.config import BuildConfig, DriverOptions
-from pipeline.build.driver import Summary, run_build
 from pipeline.build.sources import corpus_objects
 from pipeline.corpus.reader import SKIP_REPORT, CorpusStream, OnBadRecord, ReadStats
 from pipeline.corpus.records import DEFAULT_LIMITS, CorpusLimits
-from pipeline.ray_runtime import init_ray
 from pipeline.store.base import Store
 from pipeline.store.uri import open_store
 
 SKIPS_SHOWN = 20  # skips printed to stderr; all of them are in the report
+
+
+@dataclass
+class Summary:
+    """What a build did: the figures of its summary line."""
+    built: int = 0
+    skipped: int = 0
+    failed: dict[str, str] = field(default_factory=dict)
+    episodes: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    loads: dict[tuple[str, int], int] = field(default_factory=dict)  # (node, pid) -> model loads
+    bad_records: int = 0
+    questions_dropped: int = 0  # bad questions dropped from kept conversations (skip mode)
+    tasks: int = 0  # tasks submitted
+    peak_in_flight: int = 0  # most tasks submitted and not yet collected at any time
+    seconds: float = 0.0
+    wait_seconds: float = 0.0  # of which the driver waited in ray.wait with nothing to do
+
+    @property
+    def nodes(self) -> set[str]:
+        return {node for node, _ in self.loads}
+
+    def line(self, seconds: float | None = None, store: str = "") -> str:
+        seconds = self.seconds if seconds is None else seconds
+        return (f"built {self.built} conversations ({self.episodes} episode caches, "
+                f"{self.tokens:,} tokens, {self.bytes / 2**20:.1f} MiB) in {seconds:.1f}s; "
+                f"skipped {self.skipped} up to date; failed {len(self.failed)}; "
+                f"bad records skipped {self.bad_records}; questions dropped "
+                f"{self.questions_dropped}; model loads {sum(self.loads.values())} "
+                f"in {_n(len(self.loads), 'worker')} on {_n(len(self.nodes), 'node')}; "
+                f"store {store}")
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+class BuildError(RuntimeError):
+    """A failure that stops the whole build (not one conversation)."""
 
 
 def configure_logging(level: str = "INFO") -> None:
@@ -78,11 +119,20 @@ def print_skips(stats: ReadStats, shown: int, out: IO[str]) -> int:
     return shown
 
 
-def run_job(job: BuildJob, config: BuildConfig, options: DriverOptions = DriverOptions(),
-            err: IO[str] | None = None) -> tuple[Summary, Store]:
-    """Run the build; returns its summary and the store. A bad corpus raises `CorpusError`, a
-    store that cannot be opened `StoreError`, a failure of the whole build `BuildError`; one
-    conversation's failure is in the summary. Skips are printed to `err` (stderr)."""
+@dataclass(frozen=True)
+class OpenedJob:
+    """A job whose corpus is primed (its first object checked) and whose store is open."""
+    job: BuildJob
+    corpus: CorpusStream
+    store: Store
+
+
+@contextmanager
+def open_job(job: BuildJob, err: IO[str] | None = None) -> Iterator[OpenedJob]:
+    """Check the corpus up to its first conversation, open the store and report the skips so
+    far; the build runs inside the block, and skips met later are reported on leaving it. A
+    bad corpus raises `CorpusError`, a store that cannot be opened `StoreError`. Skips are
+    printed to `err` (stderr)."""
     err = err if err is not None else sys.stderr
     with tempfile.TemporaryFile("w+", encoding="utf-8") as report:
         def to_report(skip) -> None:
@@ -97,16 +147,14 @@ def run_job(job: BuildJob, config: BuildConfig, options: DriverOptions = DriverO
         key = skip_report_key()
         if put_skip_report(store, report, key):
             print(f"skip report: {store.uri}/{key}", file=err)
-        init_ray(job.ray_address)
         reported = stats.total_skipped
         try:
-            summary = run_build(corpus, store, config, options)
+            yield OpenedJob(job, corpus, store)
         finally:  # skips met in later objects: the report is rewritten whole
             if stats.total_skipped > reported:
                 print_skips(stats, shown, err)
                 put_skip_report(store, report, key)
                 print(f"skip report: {store.uri}/{key}", file=err)
-    return summary, store
 
 
 def print_outcome(summary: Summary, seconds: float, store: Store) -> None:

@@ -10,7 +10,18 @@ from pipeline.build.config import BuildConfig
 from pipeline.corpus.render import render_conversation
 from pipeline.corpus.synthetic import make_conversation
 from pipeline.kv import models, prompts
+from pipeline.kv.budgets import ALLOCATORS, Allocator
 from pipeline.store.base import Store, profile_key
+
+
+def allocator(config: BuildConfig) -> Allocator:
+    """The layer-budget allocator the configuration names."""
+    cls = ALLOCATORS.get(config.allocator)
+    if cls is None:
+        raise ValueError(f"unknown allocator {config.allocator!r}; known: {', '.join(ALLOCATORS)}")
+    if cls.name == "variance":
+        return cls(temperature=config.variance_temperature)
+    return cls(alpha=config.alpha)
 
 
 def calibration_text(config: BuildConfig) -> str:
@@ -24,7 +35,7 @@ def measure_profile(lm: models.LoadedModel, config: BuildConfig) -> list[float]:
     """The configured allocator's per-layer profile, measured on the calibration text."""
     cal = config.calibration
     ids = prompts.context_ids(lm.tokenizer, calibration_text(config))[:cal.tokens]
-    return config.allocator_strategy().measure(lm.model, ids, cal).tolist()
+    return allocator(config).measure(lm.model, ids, cal).tolist()
 
 
 def layer_profile(store: Store, config: BuildConfig) -> list[float]:
@@ -32,9 +43,9 @@ def layer_profile(store: Store, config: BuildConfig) -> list[float]:
     "sensitivity", cumulative-attention variance for "variance"): read from the store, or
     measured once on the calibration text and stored."""
     cal = config.calibration
-    allocator = config.allocator_strategy()
-    described = cal.as_dict() if allocator.name == "sensitivity" else \
-        cal.as_dict() | {"profile": allocator.name}  # sensitivity keeps its historical key
+    strategy = allocator(config)
+    described = cal.as_dict() if strategy.name == "sensitivity" else \
+        cal.as_dict() | {"profile": strategy.name}  # sensitivity keeps its historical key
     cal_hash = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:12]
     key = profile_key(models.model_key(config.model), cal_hash)
     if store.exists(key):
@@ -44,7 +55,7 @@ def layer_profile(store: Store, config: BuildConfig) -> list[float]:
     sims = measure_profile(lm, config)
     # "similarity" holds the profile whatever the allocator (the key name predates D2O)
     store.put(key, json.dumps({"model_id": config.model, "calibration": cal.as_dict(),
-                               "allocator": allocator.name, "similarity": sims,
+                               "allocator": strategy.name, "similarity": sims,
                                "seconds": time.perf_counter() - start}, indent=1).encode())
     return sims
 
@@ -54,4 +65,4 @@ def layer_budgets(store: Store, config: BuildConfig, n_layers: int) -> list[int]
         return None
     if config.allocator == "sensitivity" and config.alpha == 0:
         return [config.budget] * n_layers
-    return config.allocator_strategy().allocate(layer_profile(store, config), config.budget)
+    return allocator(config).allocate(layer_profile(store, config), config.budget)

@@ -17,11 +17,9 @@ from typing import Any, Sequence, TypeVar
 
 from pipeline.build.config import STORE_DTYPES, BuildConfig, DriverOptions
 from pipeline.config_fields import choices_of, get_path, parser_of, replace_path
+from pipeline.configs import (ALLOCATOR_NAMES, SCORER_NAMES, MergeConfig, ScoringConfig,
+                              TriStateConfig)
 from pipeline.corpus.records import CorpusLimits
-from pipeline.kv.budgets import ALLOCATORS
-from pipeline.kv.merging import MergeConfig
-from pipeline.kv.scorers import SCORERS, ScoringConfig
-from pipeline.kv.tristate import TriStateConfig
 from pipeline.serve.settings import ServeSettings
 
 C = TypeVar("C")
@@ -149,7 +147,7 @@ BUILD_OPTIONS = SHARED_BUILD_OPTIONS + (
     FieldOption("--scorer", "scorer",
                 "how entries are scored for eviction, one of %(choices)s (docs/building.md, "
                 "'Scorers'); epicache builds one cache per episode, the others one per "
-                "conversation", choices=sorted(set(SCORERS) - {"question"}), metavar="SCORER"),
+                "conversation", choices=sorted(set(SCORER_NAMES) - {"question"}), metavar="SCORER"),
     FieldOption("--budget", "budget",
                 "mean entries kept per layer and KV head (--tristate: the bytes of that many "
                 "Original entries)"),
@@ -171,7 +169,7 @@ BUILD_OPTIONS = SHARED_BUILD_OPTIONS + (
                 choices=STORE_DTYPES),
     FieldOption("--allocator", "allocator",
                 "layer budgets: EpiCache sensitivity or D2O attention variance",
-                choices=sorted(ALLOCATORS)),
+                choices=sorted(ALLOCATOR_NAMES)),
     FieldOption("--tristate", "prefill.tristate.enabled",
                 "ARKV tri-state compression: --budget M = the bytes of M Original tokens per "
                 "layer and KV head; entries Original, Quantized (int8) or Evicted", const=True),

@@ -16,11 +16,8 @@ import re
 from dataclasses import asdict, dataclass, field, replace
 
 from pipeline.build.config import BuildConfig
-from pipeline.episodes import EpisodeConfig
-from pipeline.kv.merging import MergeConfig
-from pipeline.kv.prefill import PrefillConfig
-from pipeline.kv.scorers import ScoringConfig
-from pipeline.kv.tristate import TriStateConfig
+from pipeline.configs import (EpisodeConfig, MergeConfig, PrefillConfig, ScoringConfig,
+                              TriStateConfig)
 
 METHODS = ("full", "streamingllm", "snapkv", "infinipot", "kvzip", "keydiff", "epicache", "question")
 

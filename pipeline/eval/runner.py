@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import ray
 from tqdm import tqdm
 
-from pipeline.build.profile import layer_profile
+from pipeline.build.profile import allocator, layer_profile
 from pipeline.corpus.schema import Conversation
 from pipeline.eval.cell import Prepared, evaluate_cell, prepare
 from pipeline.eval.methods import EPISODIC, EvalConfig, allocator_of, parse_method
@@ -113,7 +113,7 @@ def layer_budgets_of(config: EvalConfig, methods: list[str], budgets: list[int],
         kind = allocator_of(m)
         if kind not in profiles:
             profiles[kind] = ray.get(profile_task.remote(str(out / "profiles"), config, m))
-    return {(m, b): config.build_config(m, b).allocator_strategy().allocate(
+    return {(m, b): allocator(config.build_config(m, b)).allocate(
         profiles[allocator_of(m)], b) for m in allocated for b in budgets}
 
 

@@ -15,6 +15,7 @@ import sys
 import numpy as np
 import torch
 
+from pipeline.build.profile import allocator
 from pipeline.corpus.render import render_conversation, render_header
 from pipeline.episodes import build_episodes, member_turn_ids, route
 from pipeline.eval.cell import prepare, probe_pairs
@@ -66,7 +67,7 @@ def screen_conversation(lm, encoder, conv, methods, budgets, config, profile) ->
         for budget in budgets:
             layer_budgets = [budget] * lm.config.num_hidden_layers
             if recipe.alpha > 0:
-                layer_budgets = config.build_config(method, budget).allocator_strategy().allocate(
+                layer_budgets = allocator(config.build_config(method, budget)).allocate(
                     profile(), budget)
             for ep in episodes:
                 readers = [i for i, r in enumerate(routes) if r == ep.index]

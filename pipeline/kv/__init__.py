@@ -1,6 +1,7 @@
 """The KV method: models, the episodic cache, and block prefill under a budget.
 
     models.py     the model and encoder registry (packaged or local; GGUF converted once)
+    errors.py     ModelNotFoundError, importable without torch
     prompts.py    token ids of the context, a patched prompt and a question (the chat template)
     layout.py     where each turn's tokens sit in the rendered conversation
     attention.py  the episodic attention function (transformers' AttentionInterface)

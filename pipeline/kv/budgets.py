@@ -14,25 +14,15 @@ attention, get more budget).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 import torch
 from transformers import DynamicCache
 
+from pipeline.configs import CalibrationConfig
 from pipeline.kv.attention import attention_column_sums
-
-
-@dataclass(frozen=True)
-class CalibrationConfig:
-    tokens: int = 4096  # length of the calibration text
-    sink: int = 128  # tokens every query may always see
-    window: int = 1024  # the simulated budget: sink + most recent tokens
-    seed: int = 0  # the synthetic calibration text's seed
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def sink_recent_mask(n: int, sink: int, window: int) -> torch.Tensor:

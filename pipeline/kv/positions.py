@@ -10,13 +10,8 @@ cache then spans at most its budget plus a block, whatever the history's length.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from transformers.models.llama.modeling_llama import rotate_half
-
-PositionMode = Literal["original", "compact"]
-POSITION_MODES: tuple[str, ...] = ("original", "compact")
 
 # Positions kept free after the history for the question, the answer and the scoring patch.
 RESERVED_POSITIONS = 512

@@ -20,43 +20,17 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Callable
 
 import torch
 
+from pipeline.configs import PrefillConfig, Selection
 from pipeline.kv.cache import EpisodicCache, EpisodicLayer
 from pipeline.kv.eviction import Eviction, TokenEviction
-from pipeline.kv.merging import MergeConfig, Merger
-from pipeline.kv.positions import POSITION_MODES, KeyRotation, PositionMode
+from pipeline.kv.merging import Merger
+from pipeline.kv.positions import KeyRotation
 from pipeline.kv.scorers import BlockContext, LayerState, Scorer
-from pipeline.kv.tristate import EntryBytes, TriStateConfig, TriStateEviction
-
-Selection = Literal["headwise", "perhead"]
-
-
-@dataclass(frozen=True)
-class PrefillConfig:
-    block: int = 512  # tokens fed per step
-    selection: Selection = "headwise"  # AdaKV head-wise non-uniform top-k, or a uniform per-head top-k
-    head_floor: float = 0.0  # head-wise: each head keeps at least this share of the budget (AdaKV)
-    decode_positions: bool = False  # DapQ: patch queries at the decode positions (after the text)
-    tristate: TriStateConfig = field(default_factory=TriStateConfig)  # ARKV
-    merge: MergeConfig = field(default_factory=MergeConfig)  # D2O token merging
-    positions: PositionMode = "original"  # or "compact": entries re-rotated to 0, 1, 2, ...
-
-    def __post_init__(self):
-        if self.block < 1:
-            raise ValueError(f"block must be positive, got {self.block}")
-        if self.selection not in ("headwise", "perhead"):
-            raise ValueError(f"selection must be 'headwise' or 'perhead', got {self.selection!r}")
-        if not 0 <= self.head_floor <= 1:
-            raise ValueError(f"head_floor must be in [0, 1], got {self.head_floor}")
-        if self.positions not in POSITION_MODES:
-            raise ValueError(f"positions must be one of {POSITION_MODES}, got {self.positions!r}")
-        if self.positions == "compact" and (self.tristate.enabled or self.decode_positions):
-            raise ValueError("compact positions work with token eviction only: not with "
-                             "tri-state (Quantized keys cannot be re-rotated) nor DapQ (the "
-                             "decode positions are not known before the end)")
+from pipeline.kv.tristate import EntryBytes, TriStateEviction
 
 
 @dataclass

@@ -15,6 +15,8 @@ from typing import Callable, ClassVar
 
 import torch
 
+from pipeline.configs import SCORER_NAMES, ScoringConfig
+
 
 @dataclass(frozen=True)
 class BlockContext:
@@ -63,6 +65,8 @@ SCORERS: dict[str, type[Scorer]] = {}
 
 
 def register(cls: type[Scorer]) -> type[Scorer]:
+    if cls.name not in SCORER_NAMES:  # the command line offers the names without importing this
+        raise ValueError(f"scorer {cls.name!r} is not listed in pipeline.configs.SCORER_NAMES")
     SCORERS[cls.name] = cls
     return cls
 
@@ -296,38 +300,6 @@ class ProtectedScorer(ShapedScorer):
         newest = int(layer.positions.masked_fill(~layer.valid, -1).max()) + 1
         protect = (layer.positions < self.sink) | (layer.positions >= newest - self.recent)
         return scores.masked_fill(protect, float("inf"))
-
-
-@dataclass(frozen=True)
-class ScoringConfig:
-    """How an episode's patch attention becomes the scores its eviction ranks by (hashed into
-    the build configuration). `paper()` is EpiCache as the paper describes it: max attention
-    over the patch queries, token by token, the whole medoid patch. The default keeps the
-    episode's own turns first (`focus`), whole (`utterance`), ranked by the attention of the
-    patch's first 256 tokens: measured in docs/quality.md."""
-    reduce: str = "max"  # over the patch queries and the query heads of a KV group: max | mean
-    include_patch: bool = True  # the patch's own keys share the softmax with the cached keys
-    pool: int = 0  # max-pool the scores over this many neighbouring entries (SnapKV); 0: off
-    utterance: bool = True  # score whole lines (turns): keep or evict utterances whole
-    focus: float = 10.0  # weight the episode's own turns' scores by (1 + focus)
-    sink: int = 0  # always keep the first `sink` tokens
-    recent: int = 0  # always keep the `recent` most recent tokens
-    patch_tokens: int | None = 256  # cap on the patched prompt's length (its first tokens)
-
-    def __post_init__(self):
-        if self.reduce not in ("max", "mean"):
-            raise ValueError(f"reduce must be 'max' or 'mean', got {self.reduce!r}")
-        if self.pool < 0 or self.pool % 2 == 0 and self.pool:
-            raise ValueError(f"pool must be 0 or an odd width, got {self.pool}")
-        if min(self.focus, self.sink, self.recent) < 0:
-            raise ValueError("focus, sink and recent must be non-negative")
-        if self.patch_tokens is not None and self.patch_tokens < 1:
-            raise ValueError(f"patch_tokens must be positive, got {self.patch_tokens}")
-
-    @classmethod
-    def paper(cls) -> "ScoringConfig":
-        return cls(reduce="max", include_patch=True, pool=0, utterance=False, focus=0.0,
-                   sink=0, recent=0, patch_tokens=None)
 
 
 def episodic_scorer(patch: torch.Tensor, config: ScoringConfig, line_ids: torch.Tensor | None = None,

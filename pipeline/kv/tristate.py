@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeline.configs import TriStateConfig
 from pipeline.kv.eviction import Eviction
 from pipeline.kv.merging import Merger
 from pipeline.kv.scorers import LayerState
@@ -21,31 +22,6 @@ from pipeline.kv.scorers import LayerState
 # Bytes of one quantized (token, KV head) entry beyond its codes: a float32 scale for the key
 # row and one for the value row.
 SCALE_BYTES = 4
-
-
-@dataclass(frozen=True)
-class TriStateConfig:
-    """ARKV tri-state compression (paper §IV-C..F; defaults from §V-E)."""
-    enabled: bool = False
-    fp8: bool = False  # quantized tier: fp8 e4m3 instead of int8 (same bytes, per-row scale)
-    window: int = 32  # W: the most recent tokens, always Original (§V-E)
-    gamma: float = 263.81  # heavy-hitter score mean + gamma * variance (eq. 9, §V-E)
-    tau_entropy: float = 7.774  # OQ score temperatures (eq. 6, §V-E)
-    tau_variance: float = 5.407
-    tau_kurtosis: float = 5.528
-    original_scale: float = 1.0  # rho_l = min(1, original_scale * q_l / max q) (eq. 7 at 1.0)
-    slack: float = 0.75  # between blocks a layer may hold budget / slack bytes before it is cut
-    heavy_hitter: bool = True  # rank by the heavy-hitter score; False: by the scorer's scores
-
-    def __post_init__(self):
-        if self.window < 0:
-            raise ValueError(f"tri-state window must be non-negative, got {self.window}")
-        if min(self.tau_entropy, self.tau_variance, self.tau_kurtosis) <= 0:
-            raise ValueError("OQ temperatures must be positive")
-        if self.original_scale < 0 or self.gamma < 0:
-            raise ValueError("original_scale and gamma must be non-negative")
-        if self.slack <= 0:
-            raise ValueError(f"slack must be positive, got {self.slack}")
 
 
 def heavy_hitter_scores(patch_sum: torch.Tensor, patch_sumsq: torch.Tensor, count: int,

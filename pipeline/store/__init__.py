@@ -5,6 +5,7 @@
     s3.py           S3Store: S3 or an S3-compatible server (credentials from the AWS chain)
     uri.py          open_store: a store from a folder path, file:// or s3:// URI
     cache_format.py one episode's cache as safetensors (never pickle), checksummed
+    format_version.py  the cache format's version (hashed into the build configuration)
     manifest.py     ManifestRecord (the schema), CacheRef, the per-conversation Parquet
                     manifest (the commit point)
     table.py        the manifest table: every episode of a store in one Delta table

@@ -34,10 +34,9 @@ from safetensors.torch import save as st_save
 
 from kernels.quant import dequantize
 from pipeline.kv.cache import EpisodicCache
+from pipeline.store.format_version import FORMAT, READABLE_FORMATS
 
-FORMAT = "epicache-kv/2"
 _SERIAL_ELEMENTS = 32767  # a copy this small runs on the calling thread (grain: 32,768)
-READABLE_FORMATS = ("epicache-kv/1", FORMAT)
 
 
 class CacheCorruptError(RuntimeError):

@@ -9,11 +9,11 @@ is a fault; the objects of a conversation whose manifest is unreadable are never
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 
 from pipeline.store.base import ObjectNotFound, Partial, Store, manifest_key
-from pipeline.store.cache_format import sha256
 from pipeline.store.manifest import ManifestError, ManifestRecord, list_conversations, read_manifest
 
 
@@ -105,7 +105,7 @@ def check_object(store: Store, key: str, manifest: str, record: ManifestRecord) 
         if record.object_bytes is None or size != record.object_bytes:
             return Fault("wrong size", key, f"{size} bytes, {manifest} records "
                                             f"{record.object_bytes}")
-        digest = sha256(store.get(key))
+        digest = hashlib.sha256(store.get(key)).hexdigest()  # as the manifest records it
     except ObjectNotFound:  # removed meanwhile
         return Fault("missing object", key, f"named by {manifest}")
     if digest != record.sha256:

@@ -19,7 +19,7 @@ import pytest
 import ray
 
 from jobs import build
-from pipeline.build import job as build_job
+from pipeline.build import driver as build_driver
 from pipeline.build.config import DriverOptions
 from pipeline.build.driver import run_build
 from pipeline.build.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES, S3Requests, synthetic_lines
@@ -117,7 +117,7 @@ def test_bad_record_in_s3_corpus_fails_before_ray_and_writes_nothing(s3_env, tmp
     uri = _put_parts(s3_env, "badfirst/corpus", ["".join(lines[:2]) + _bad(lines[2]),
                                                  synthetic_lines(3, 6)])
     calls = []
-    monkeypatch.setattr(build_job, "init_ray", lambda *a: calls.append(a))
+    monkeypatch.setattr(build_driver, "init_ray", lambda *a: calls.append(a))
     ray_was_up = ray.is_initialized()
     store = tmp_path / "store"
     rc = build.main(["--corpus", uri, "--store", str(store), "--no-progress"])
@@ -181,7 +181,7 @@ def test_skips_in_a_later_object_reach_stderr_and_the_report(ray_local, tmp_path
     (corpus / "a.jsonl").write_text(synthetic_lines(0, 3))
     lines = synthetic_lines(3, 6).splitlines(keepends=True)
     (corpus / "b.jsonl").write_text(lines[0] + _bad(lines[1]) + lines[2])
-    monkeypatch.setattr(build_job, "run_build",
+    monkeypatch.setattr(build_driver, "run_build",
                         functools.partial(run_build, stages=SYNTHETIC_STAGES))
     store = tmp_path / "store"
     rc = build.main(["--corpus", str(corpus), "--store", str(store), "--on-bad-record", "skip",

@@ -16,7 +16,7 @@ import ray
 
 from jobs import build
 from jobs import evaluate as evaluate_job
-from pipeline.build import job as build_job
+from pipeline.build import driver as build_driver
 from pipeline.build.config import DriverOptions
 from pipeline.build.driver import run_build
 from pipeline.build.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES
@@ -84,7 +84,7 @@ def test_malformed_corpus_fails_before_ray_and_writes_nothing(tmp_path, capsys, 
     store = tmp_path / "store"
     ray_was_up = ray.is_initialized()  # a whole-suite run may have the session's Ray up
     calls = []
-    monkeypatch.setattr(build_job, "init_ray", lambda *a: calls.append(a))
+    monkeypatch.setattr(build_driver, "init_ray", lambda *a: calls.append(a))
     start = time.perf_counter()
     rc = build.main(["--corpus", str(corpus), "--store", str(store), "--no-progress", *options])
     elapsed = time.perf_counter() - start
@@ -238,7 +238,7 @@ def test_skip_report_on_stderr_and_in_the_store(tmp_path, capsys, monkeypatch):
     def stop(*_):
         raise Stop
 
-    monkeypatch.setattr(build_job, "init_ray", stop)
+    monkeypatch.setattr(build_driver, "init_ray", stop)
     store = tmp_path / "store"
     with pytest.raises(Stop):
         build.main(["--corpus", str(corpus), "--store", str(store), "--on-bad-record", "skip",

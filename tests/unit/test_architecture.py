@@ -18,7 +18,8 @@ PACKAGES = ("kernels", "pipeline", "jobs", "tests")
 # The layers, lowest first: a module imports only from its own layer's package and from lower
 # ones. Packages of one rank do not import each other.
 LAYERS = [
-    ("kernels", 0), ("pipeline.config_fields", 0), ("pipeline.ray_runtime", 0),
+    ("kernels", 0), ("pipeline.config_fields", 0), ("pipeline.configs", 0),
+    ("pipeline.ray_runtime", 0),
     ("pipeline.corpus", 1),
     ("pipeline.kv", 2), ("pipeline.episodes", 2),
     ("pipeline.store", 3),
@@ -41,6 +42,14 @@ LAZY = {
     # and the models load.
     ("jobs.serve", "pipeline.serve.app"), ("jobs.serve", "pipeline.ray_runtime"),
     ("jobs.serve", "pipeline.store.base"), ("jobs.serve", "pipeline.store.uri"),
+    # Fast failure: the other commands check their arguments and their corpus (or the build its
+    # first object) before Ray, torch and the models load; then their heavy part imports them.
+    ("jobs.build", "pipeline.build.driver"), ("jobs.demo", "pipeline.build.driver"),
+    ("jobs.demo", "pipeline.eval.compare"),
+    ("jobs.evaluate", "pipeline.eval.runner"), ("jobs.evaluate", "pipeline.eval.summary"),
+    ("jobs.evaluate", "pipeline.ray_runtime"),
+    ("jobs.screen", "pipeline.build.profile"), ("jobs.screen", "pipeline.eval.screen"),
+    ("jobs.screen", "pipeline.kv.models"),
 }
 
 MAX_FILE_LINES = 500  # in pipeline/ and jobs/

@@ -1,0 +1,158 @@
+"""The configurations of the method's stages: plain frozen dataclasses, no torch.
+
+    EpisodeConfig      stage 1: windows of turns clustered into episodes (pipeline.episodes)
+    ScoringConfig      how an episode's patch attention scores entries (pipeline.kv.scorers)
+    TriStateConfig     ARKV's Original / Quantized / Evicted eviction (pipeline.kv.tristate)
+    MergeConfig        D2O's merging of evicted entries (pipeline.kv.merging)
+    PrefillConfig      stage 2: block prefill under a budget (pipeline.kv.prefill)
+    CalibrationConfig  the layer profile's calibration (pipeline.kv.budgets)
+
+with the default models and the names of the scorers and layer allocators. They live apart
+from the code that runs them (as transformers keeps a model's configuration apart from its
+modelling code) so that a command parses its options and checks its input before torch,
+transformers or Ray load: `pipeline.build.config.BuildConfig` nests them, and the command line
+(`pipeline.cli.options`) reads their fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+DEFAULT_LLM = "SmolLM2-135M-Instruct"
+DEFAULT_ENCODER = "all-MiniLM-L6-v2"
+
+# The registries' names (`pipeline.kv.scorers.SCORERS`, `pipeline.kv.budgets.ALLOCATORS`), for
+# the command line's choices; registering a class whose name is not listed here is an error.
+SCORER_NAMES = ("epicache", "streamingllm", "snapkv", "infinipot", "kvzip", "keydiff",
+                "keydiff-block", "oldest", "random", "question", "full")
+ALLOCATOR_NAMES = ("sensitivity", "variance")
+
+PositionMode = Literal["original", "compact"]
+POSITION_MODES: tuple[str, ...] = ("original", "compact")
+
+
+@dataclass(frozen=True)
+class EpisodeConfig:
+    window: int = 4  # utterances per window
+    episodes: int = 4  # K-Means clusters requested
+    medoids: int = 4  # windows per patched prompt
+    seed: int = 0
+    n_init: int = 10
+
+    def __post_init__(self):
+        for name in ("window", "episodes", "medoids", "n_init"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ScoringConfig:
+    """How an episode's patch attention becomes the scores its eviction ranks by (hashed into
+    the build configuration). `paper()` is EpiCache as the paper describes it: max attention
+    over the patch queries, token by token, the whole medoid patch. The default keeps the
+    episode's own turns first (`focus`), whole (`utterance`), ranked by the attention of the
+    patch's first 256 tokens: measured in docs/quality.md."""
+    reduce: str = "max"  # over the patch queries and the query heads of a KV group: max | mean
+    include_patch: bool = True  # the patch's own keys share the softmax with the cached keys
+    pool: int = 0  # max-pool the scores over this many neighbouring entries (SnapKV); 0: off
+    utterance: bool = True  # score whole lines (turns): keep or evict utterances whole
+    focus: float = 10.0  # weight the episode's own turns' scores by (1 + focus)
+    sink: int = 0  # always keep the first `sink` tokens
+    recent: int = 0  # always keep the `recent` most recent tokens
+    patch_tokens: int | None = 256  # cap on the patched prompt's length (its first tokens)
+
+    def __post_init__(self):
+        if self.reduce not in ("max", "mean"):
+            raise ValueError(f"reduce must be 'max' or 'mean', got {self.reduce!r}")
+        if self.pool < 0 or self.pool % 2 == 0 and self.pool:
+            raise ValueError(f"pool must be 0 or an odd width, got {self.pool}")
+        if min(self.focus, self.sink, self.recent) < 0:
+            raise ValueError("focus, sink and recent must be non-negative")
+        if self.patch_tokens is not None and self.patch_tokens < 1:
+            raise ValueError(f"patch_tokens must be positive, got {self.patch_tokens}")
+
+    @classmethod
+    def paper(cls) -> "ScoringConfig":
+        return cls(reduce="max", include_patch=True, pool=0, utterance=False, focus=0.0,
+                   sink=0, recent=0, patch_tokens=None)
+
+
+@dataclass(frozen=True)
+class TriStateConfig:
+    """ARKV tri-state compression (paper §IV-C..F; defaults from §V-E)."""
+    enabled: bool = False
+    fp8: bool = False  # quantized tier: fp8 e4m3 instead of int8 (same bytes, per-row scale)
+    window: int = 32  # W: the most recent tokens, always Original (§V-E)
+    gamma: float = 263.81  # heavy-hitter score mean + gamma * variance (eq. 9, §V-E)
+    tau_entropy: float = 7.774  # OQ score temperatures (eq. 6, §V-E)
+    tau_variance: float = 5.407
+    tau_kurtosis: float = 5.528
+    original_scale: float = 1.0  # rho_l = min(1, original_scale * q_l / max q) (eq. 7 at 1.0)
+    slack: float = 0.75  # between blocks a layer may hold budget / slack bytes before it is cut
+    heavy_hitter: bool = True  # rank by the heavy-hitter score; False: by the scorer's scores
+
+    def __post_init__(self):
+        if self.window < 0:
+            raise ValueError(f"tri-state window must be non-negative, got {self.window}")
+        if min(self.tau_entropy, self.tau_variance, self.tau_kurtosis) <= 0:
+            raise ValueError("OQ temperatures must be positive")
+        if self.original_scale < 0 or self.gamma < 0:
+            raise ValueError("original_scale and gamma must be non-negative")
+        if self.slack <= 0:
+            raise ValueError(f"slack must be positive, got {self.slack}")
+
+
+@dataclass(frozen=True)
+class MergeConfig:
+    """D2O dynamic token merging (paper §4.2.2; beta = 0.7 from §5.1 / A.3)."""
+    enabled: bool = False
+    beta: float = 0.7  # EMA weight of the current step's mean best similarity (eq. 10)
+    min_threshold: float = -1.0  # the threshold used is max(EMA, min_threshold)
+
+    def __post_init__(self):
+        if self.beta <= 0:
+            raise ValueError(f"merge beta must be positive, got {self.beta}")
+
+
+Selection = Literal["headwise", "perhead"]
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    block: int = 512  # tokens fed per step
+    # AdaKV head-wise non-uniform top-k, or a uniform per-head top-k
+    selection: Selection = "headwise"
+    head_floor: float = 0.0  # head-wise: each head keeps at least this share of the budget (AdaKV)
+    decode_positions: bool = False  # DapQ: patch queries at the decode positions (after the text)
+    tristate: TriStateConfig = field(default_factory=TriStateConfig)  # ARKV
+    merge: MergeConfig = field(default_factory=MergeConfig)  # D2O token merging
+    positions: PositionMode = "original"  # or "compact": entries re-rotated to 0, 1, 2, ...
+
+    def __post_init__(self):
+        if self.block < 1:
+            raise ValueError(f"block must be positive, got {self.block}")
+        if self.selection not in ("headwise", "perhead"):
+            raise ValueError(f"selection must be 'headwise' or 'perhead', got {self.selection!r}")
+        if not 0 <= self.head_floor <= 1:
+            raise ValueError(f"head_floor must be in [0, 1], got {self.head_floor}")
+        if self.positions not in POSITION_MODES:
+            raise ValueError(f"positions must be one of {POSITION_MODES}, got {self.positions!r}")
+        if self.positions == "compact" and (self.tristate.enabled or self.decode_positions):
+            raise ValueError("compact positions work with token eviction only: not with "
+                             "tri-state (Quantized keys cannot be re-rotated) nor DapQ (the "
+                             "decode positions are not known before the end)")
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    tokens: int = 4096  # length of the calibration text
+    sink: int = 128  # tokens every query may always see
+    window: int = 1024  # the simulated budget: sink + most recent tokens
+    seed: int = 0  # the synthetic calibration text's seed
+
+    def as_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,118 @@
+"""The demo's comparison: each question answered from its episode's cache and from the full
+cache of the whole history (no eviction), with the same model and prompt.
+
+Per question: the routed episode, both answers (text, tokens, decode time), the
+evidence-recall NLL from the episodic, full and no-history caches and the retention from them
+(`pipeline.eval.metrics`), and the bytes of both caches; then the figures of the summary.
+`jobs.demo` prints them; this module holds what needs torch and the models, so the demo checks
+its arguments and builds before loading them.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipeline.answer.answerer import Answerer
+from pipeline.answer.decode import decode_answer
+from pipeline.answer.routing import embed_question, route_question
+from pipeline.build.config import BuildConfig
+from pipeline.corpus.schema import Conversation
+from pipeline.eval.cell import history_ids, measure_all, prepare
+from pipeline.eval.methods import EvalConfig
+from pipeline.eval.metrics import f1_score, retention
+from pipeline.kv import models
+from pipeline.kv.cache import EpisodicCache
+from pipeline.kv.prefill import block_prefill
+from pipeline.kv.scorers import FullScorer
+from pipeline.store import cache_format
+
+CACHES = ("episodic", "full")  # the two caches every question is answered from
+
+
+def answerer(store: Path, threads: int) -> Answerer:
+    """An answerer over the built store on the default device, torch pinned to `threads`."""
+    # Decoding is many small ops: with a busy core, threads waiting on each other at every one
+    # made it 16x slower (88 vs 1,442 ms/token, 1 vs 2 threads, SmolLM2 on 2 shared cores).
+    torch.set_num_threads(threads)
+    return Answerer(store, device=models.default_device())
+
+
+def reference_caches(lm: models.LoadedModel, conv: Conversation,
+                     config: BuildConfig) -> tuple[EpisodicCache, EpisodicCache]:
+    """The full cache (the whole history, no eviction) and the no-history cache (template and
+    header only) of the conversation as built. Both go through the store's dtype, as an
+    episode's cache does, so the episodic and full answers differ by eviction alone."""
+    dtype = getattr(torch, config.store_dtype)
+    caches = []
+    for turns in (True, False):
+        cache, _ = block_prefill(lm.model, history_ids(lm.tokenizer, conv, turns), FullScorer(),
+                                 None, config.prefill)
+        data = cache_format.serialize(cache, {"conversation_id": conv.conversation_id}, dtype)
+        caches.append(cache_format.deserialize(data, None, dtype=lm.model.dtype,
+                                           device=lm.model.device)[0])
+    return caches[0], caches[1]
+
+
+def timed_answer(lm: models.LoadedModel, cache: EpisodicCache, question: str,
+                 max_new_tokens: int) -> dict:
+    start = time.perf_counter()
+    decoded = decode_answer(lm, cache, question, max_new_tokens)
+    return {"text": decoded.text, "tokens": decoded.tokens, "seconds": time.perf_counter() - start}
+
+
+def compare(answerer: Answerer, conv: Conversation, n_questions: int,
+            max_new_tokens: int) -> list[dict]:
+    """Per question: the routed episode, both answers (text, tokens, decode seconds), the
+    evidence-recall NLL from the episodic, full and no-history caches, and the bytes of the
+    episodic and full caches (the episodic one as its manifest counts it)."""
+    manifest = answerer.manifest(conv.conversation_id)
+    config = BuildConfig.from_json(manifest[0].config_json)
+    lm = models.load_llm(config.model, answerer.device)
+    encoder = models.load_encoder(config.encoder, answerer.device)
+    probe_config = EvalConfig(BuildConfig(model=config.model,
+                                          max_context_tokens=config.max_context_tokens),
+                              questions_per_conversation=n_questions)
+    prep = prepare(conv, probe_config)  # cut as the build cut it; the evaluation's questions
+    conv, questions = prep.conversation, list(prep.questions)
+    full, none = reference_caches(lm, conv, config)
+    full_bytes = full.nbytes(getattr(torch, config.store_dtype).itemsize)
+    reference = {name: [m["evidence_nll"] for m in
+                        measure_all(lm, conv, questions, cache, probe_config)]
+                 for name, cache in (("full", full), ("none", none))}
+    timed_answer(lm, none, "Hello?", 2)  # warm-up: the first generate() pays one-time costs
+    records = []
+    for i, q in enumerate(questions):
+        episode, _ = route_question(embed_question(encoder, q.question), manifest)
+        episodic, _ = answerer.load_cache(episode)
+        nll = {"episodic": measure_all(lm, conv, [q], episodic, probe_config)[0]["evidence_nll"],
+               "full": reference["full"][i], "none": reference["none"][i]}
+        records.append({"conversation_id": conv.conversation_id, "question": q.question,
+                        "gold": q.answer, "episode": episode.episode, "nll": nll,
+                        "retention": retention(nll["none"], nll["episodic"], nll["full"]),
+                        "bytes": {"episodic": episode.kv_bytes, "full": full_bytes},
+                        **{name: timed_answer(lm, cache, q.question, max_new_tokens)
+                           for name, cache in zip(CACHES, (episodic, full))}})
+    return records
+
+
+def figures(records: list[dict]) -> dict:
+    """The summary's figures over the questions: mean retention and the retention of the mean
+    NLLs (steadier over a handful of questions), decode ms per generated token (the two answers
+    may differ in length) and mean bytes per cache, answers equal to the full history's, and
+    token F1 against gold."""
+    mean_nll = {k: np.mean([r["nll"][k] for r in records]) for k in ("episodic", "full", "none")}
+    return {
+        "questions": len(records),
+        "retention": float(np.nanmean([r["retention"] for r in records])),
+        "retention_of_means": retention(mean_nll["none"], mean_nll["episodic"], mean_nll["full"]),
+        "ms_per_token": {c: 1000 * sum(r[c]["seconds"] for r in records)
+                         / sum(r[c]["tokens"] for r in records) for c in CACHES},
+        "bytes": {c: float(np.mean([r["bytes"][c] for r in records])) for c in CACHES},
+        "same": sum(r["episodic"]["text"] == r["full"]["text"] for r in records),
+        "f1": {c: float(np.mean([f1_score(r[c]["text"], r["gold"]) for r in records]))
+               for c in CACHES},
+    }
