@@ -33,8 +33,10 @@ def layer_profile(store: Store, config: BuildConfig) -> list[float]:
     measured once on the calibration text and stored."""
     cal = config.calibration
     allocator = config.allocator_strategy()
-    described = cal.as_dict() if allocator.name == "sensitivity" else \
-        cal.as_dict() | {"profile": allocator.name}  # sensitivity keeps its historical key
+    # measured with other files of the model (a fine-tune in its folder), it is not its profile
+    described = cal.as_dict() | {"model_fingerprint": models.llm_fingerprint(config.model)}
+    if allocator.name != "sensitivity":  # sensitivity's key predates the other allocators
+        described |= {"profile": allocator.name}
     cal_hash = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:12]
     key = profile_key(models.model_key(config.model), cal_hash)
     if store.exists(key):

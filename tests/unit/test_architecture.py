@@ -41,6 +41,8 @@ LAZY = {
     # and the models load.
     ("jobs.serve", "pipeline.serve.app"), ("jobs.serve", "pipeline.ray_runtime"),
     ("jobs.serve", "pipeline.store.base"), ("jobs.serve", "pipeline.store.uri"),
+    # Only `jobs.manifests --check-models` reads model files; listing a store needs no torch.
+    ("jobs.manifests", "pipeline.kv.models"),
 }
 
 MAX_FILE_LINES = 500  # in pipeline/ and jobs/
