@@ -129,6 +129,8 @@ def compute_fingerprint(folder: Path) -> str:
 def folder_fingerprint(folder: str | Path) -> str:
     """The fingerprint of a model folder: computed once, and again when any file changed."""
     folder = Path(folder).resolve()
+    if not folder.is_dir():
+        raise FingerprintError(f"model folder {folder} is not a folder (or does not exist)")
     try:
         files = _files(folder)
         signature = _signature(files)
