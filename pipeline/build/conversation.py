@@ -31,6 +31,12 @@ def built_with(record: ManifestRecord) -> ModelFingerprints:
     return ModelFingerprints(record.model_fingerprint, record.encoder_fingerprint)
 
 
+def files_of(config: BuildConfig) -> ModelFingerprints:
+    """The fingerprints of the model and encoder files `config` names, as they are now."""
+    return ModelFingerprints(models.llm_fingerprint(config.model),
+                             models.encoder_fingerprint(config.encoder))
+
+
 def is_built(store: Store, conversation_id: str, config: BuildConfig,
              files: ModelFingerprints) -> bool:
     """Whether the conversation's manifest carries this configuration and was built with these

@@ -26,6 +26,7 @@ from pipeline.store import cache_format
 from pipeline.store.local import LocalStore
 from pipeline.store.manifest import read_manifest, write_manifest
 from tests.support.model_folders import make_encoder_folder, make_llm_folder, save_weights
+from tests.support.stores import put_conversation
 
 CID = "synth-0000"
 SMALL = ["--budget", "32", "--block", "64", "--medoids", "1", "--episodes", "2",
@@ -113,3 +114,69 @@ def test_a_manifest_without_fingerprints_needs_a_rebuild(ray_local, setup):
     again = _build(corpus, store_dir, config)
     assert (again.built, again.skipped) == (1, 0)
     assert _ask(store_dir) is not None
+
+
+def test_manifests_show_fingerprints_and_flag_missing_and_stale_ones(tmp_path, capsys):
+    """`jobs.manifests` shows each episode's model files; episodes without a fingerprint are
+    "none" (a warning says to rebuild); --check-models flags those built with other files."""
+    from jobs import manifests
+
+    llm = make_llm_folder(tmp_path / "llm")
+    encoder = make_encoder_folder(tmp_path / "encoder")
+    now = models.llm_fingerprint(str(llm)), models.encoder_fingerprint(str(encoder))
+    store = LocalStore(tmp_path / "store")
+    write_manifest(store, "conv-old", [  # written as before fingerprints
+        dataclasses.replace(r, model_fingerprint=None, encoder_fingerprint=None)
+        for r in put_conversation(store, "conv-old")])
+    for cid, model_fp in (("conv-now", now[0]), ("conv-other", "0123456789abcdef")):
+        write_manifest(store, cid, [
+            dataclasses.replace(r, model_id=str(llm), encoder_id=str(encoder),
+                                model_fingerprint=model_fp, encoder_fingerprint=now[1])
+            for r in put_conversation(store, cid)])
+
+    for args in (["--manifests"], []):  # the manifests, then the table
+        if not args:
+            manifests.main(["--store", store.uri, "--rebuild"])
+            capsys.readouterr()
+        assert manifests.main(["--store", store.uri, *args]) == 0
+        out, err = capsys.readouterr()
+        lines = {ln.split()[0]: ln for ln in out.splitlines()[1:] if not ln.startswith("total")}
+        assert " none " in lines["conv-old"] and now[0] in lines["conv-now"]
+        assert "0123456789abcdef" in lines["conv-other"] and " stale" not in out
+        assert "warning: 2 episode(s) have no model fingerprint" in err and "rebuild" in err
+        assert manifests.main(["--store", store.uri, "--check-models", *args]) == 0
+        out, err = capsys.readouterr()
+        lines = {ln.split()[0]: ln for ln in out.splitlines()[1:] if not ln.startswith("total")}
+        assert "0123456789abcdef stale" in lines["conv-other"]
+        assert " stale" not in lines["conv-now"] and " none " in lines["conv-old"]
+        assert "warning: 2 episode(s) were built with other files" in err
+    from jobs import gc as gc_job
+
+    assert gc_job.main(["--store", store.uri]) == 0  # not a fault of the store: reported
+    out = capsys.readouterr().out
+    assert "needs rebuild: 1 conversation(s) of model 'synthetic' have no model fingerprint" in out
+    assert f"files {now[0]}, encoder {str(encoder)!r} files {now[1]}: 1 conversation(s)" in out
+
+
+def test_a_table_written_before_fingerprints_is_read_then_gains_them(tmp_path, capsys):
+    """The manifest table of an older store lacks the fingerprint columns: read, they are
+    null (shown as "none"); the next append adds them (the older rows stay null)."""
+    from deltalake import write_deltalake
+
+    from jobs import manifests
+    from pipeline.store.table import ManifestTable, table_row, table_rows
+
+    store = LocalStore(tmp_path / "store")
+    table = ManifestTable(store)
+    older = table_rows([table_row(r) for r in put_conversation(store, "conv-a")])
+    write_deltalake(table.uri, older.drop_columns(["model_fingerprint", "encoder_fingerprint"]))
+    assert manifests.main(["--store", store.uri]) == 0
+    assert " none " in capsys.readouterr().out.splitlines()[1]
+    assert manifests.main(["--store", store.uri, "--json", "--conversation", "conv-a"]) == 0
+    assert '"model_fingerprint": null' in capsys.readouterr().out
+    newer = [dataclasses.replace(r, model_fingerprint="m" * 16, encoder_fingerprint="e" * 16)
+             for r in put_conversation(store, "conv-b")]
+    table.replace(["conv-b"], [table_row(r) for r in newer])
+    got = {r["conversation_id"]: r["model_fingerprint"]
+           for r in table.dataset().to_table().to_pylist()}
+    assert got == {"conv-a": None, "conv-b": "m" * 16}
