@@ -71,7 +71,8 @@ def synthetic_cache(conversation_id: str, episode: int, entries: int, config: Bu
         tensors[f"layers.{i}.positions"] = torch.arange(entries).repeat(KV_HEADS)
     header = {"format": cache_format.FORMAT, "model_id": config.model, "config_hash": config.hash,
               "model_fingerprint": SYNTHETIC_FILES.model,
-              "encoder_fingerprint": SYNTHETIC_FILES.encoder, "conversation_id": conversation_id, "episode": episode, "tokens_seen": entries,
+              "encoder_fingerprint": SYNTHETIC_FILES.encoder, "conversation_id": conversation_id,
+              "episode": episode, "tokens_seen": entries,
               "num_layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "float16"}
     return st_save(tensors, metadata={"header": json.dumps(header)})
 
