@@ -15,6 +15,9 @@ Every manifest is read: one that cannot be read is a fault (and its conversation
 never orphans, so --delete cannot take them), and so is an object a manifest names that is not
 in the store. --verify also reads every named object and checks its size and SHA-256 against
 the manifest. Faults are listed and make the exit code 1.
+
+The models the manifests were built with are listed with the fingerprints of their files, and
+conversations built before fingerprints (not served until rebuilt) are counted.
 """
 
 from __future__ import annotations
@@ -58,6 +61,14 @@ def main(argv: list[str] | None = None) -> int:
     except (StoreError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    for (model, model_fp, encoder, encoder_fp), n in sorted(g.models.items(), key=str):
+        if model_fp is None or encoder_fp is None:
+            print(f"needs rebuild: {n} conversation(s) of model {model!r} have no model "
+                  "fingerprint (built before caches were bound to their model's files): not "
+                  "served until rebuilt (python -m jobs.build --force ...)")
+        else:
+            print(f"models: {model!r} files {model_fp}, encoder {encoder!r} files {encoder_fp}: "
+                  f"{n} conversation(s)")
     verb = "removed" if a.delete else "found"
     print(f"{verb} {len(g.orphans)} orphan objects ({g.bytes / 2**20:.1f} MiB) and "
           f"{len(g.partials)} unfinished writes; {g.manifests} manifests name {g.referenced} "

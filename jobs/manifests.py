@@ -14,6 +14,11 @@ to date with manifests an interrupted build committed, rewrites it sorted by con
 removes old files; --rebuild recreates it from the manifests. Run those two when no build is
 writing to the store (the build's driver is the table's one writer).
 
+Each episode shows the fingerprint of the model files it was built with ("model files"); a
+warning on stderr counts the episodes without one (built before caches were bound to their
+model: not served until rebuilt). --check-models also fingerprints the models' files as they
+are here now and flags the episodes built with other files ("stale": a reader refuses them).
+
 A store that does not exist is an error (never created); a manifest that cannot be read is
 named on stderr and the others are still shown (exit code 2).
 """
@@ -39,7 +44,8 @@ from pipeline.store.uri import open_store
 _COLUMNS = ("episode", "tokens", "build_seconds", "kv_bytes", "object_bytes", "n_windows")
 # What the table view shows per episode (the per-layer columns live in the manifests only).
 _TABLE_COLUMNS = ("conversation_id", "episode", "tokens", "build_seconds", "kv_bytes",
-                  "object_bytes", "scorer", "config_hash", "episode_note")
+                  "object_bytes", "scorer", "config_hash", "model_id", "encoder_id",
+                  "model_fingerprint", "encoder_fingerprint", "episode_note")
 
 
 def summarise(record: ManifestRecord) -> dict:
@@ -50,7 +56,68 @@ def summarise(record: ManifestRecord) -> dict:
             "max_peak_entries": max(peaks, default=None), "max_peak_over_budget": max(
                 (p - b for p, b in zip(peaks, budgets)), default=None),
             "scorer": record.scorer, "config_hash": record.config_hash,
+            "model_id": record.model_id, "encoder_id": record.encoder_id,
+            "model_fingerprint": record.model_fingerprint,
+            "encoder_fingerprint": record.encoder_fingerprint,
             "episode_note": record.episode_note, "worker": record.worker}
+
+
+class ModelFiles:
+    """Flags episodes by the model files they were built with: "none" (no fingerprint: built
+    before caches were bound to their model), and with `check`, "stale" (other files than the
+    model's here now) or "unknown" (its files are not here)."""
+
+    def __init__(self, check: bool):
+        self.check = check
+        self.unbound = self.stale = 0
+        self._now: dict[tuple[str, str], str | None] = {}
+
+    def _current(self, kind: str, name: str) -> str | None:
+        from pipeline.kv import models
+
+        if (kind, name) not in self._now:
+            fingerprint = models.llm_fingerprint if kind == "model" else \
+                models.encoder_fingerprint
+            try:
+                self._now[kind, name] = fingerprint(name)
+            except models.ModelNotFoundError:
+                self._now[kind, name] = None
+        return self._now[kind, name]
+
+    def flag(self, r: dict) -> str:
+        """The row's model files cell: its model fingerprint, and what is wrong with it."""
+        if r["model_fingerprint"] is None or r["encoder_fingerprint"] is None:
+            self.unbound += 1
+            return "none"
+        if not self.check:
+            return r["model_fingerprint"]
+        now = [self._current(kind, r[f"{kind}_id"]) for kind in ("model", "encoder")]
+        if None in now:
+            return f"{r['model_fingerprint']} unknown"
+        if now != [r["model_fingerprint"], r["encoder_fingerprint"]]:
+            self.stale += 1
+            return f"{r['model_fingerprint']} stale"
+        return r["model_fingerprint"]
+
+    def mark(self, r: dict) -> None:
+        """The row's "model_files" cell, set (and counted); a JSON row carries it only with
+        --check-models, so the rows stay the table's columns otherwise."""
+        r["model_files"] = self.flag(r)
+
+    def json(self, r: dict) -> str:
+        return json.dumps(r if self.check else {k: v for k, v in r.items() if k != "model_files"})
+
+    def warn(self) -> None:
+        """What needs a rebuild, on stderr."""
+        if self.unbound:
+            print(f"warning: {self.unbound} episode(s) have no model fingerprint (built before "
+                  "caches were bound to their model's files): they are not served; rebuild "
+                  "them: python -m jobs.build --force ...", file=sys.stderr)
+        if self.stale:
+            print(f"warning: {self.stale} episode(s) were built with other files of their "
+                  "model or encoder than the ones here now (stale): they are refused by a "
+                  "reader loading these files; rebuild them: python -m jobs.build ...",
+                  file=sys.stderr)
 
 
 def _cell(value, spec: str) -> str:
@@ -92,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "(creates it from the manifests where there is none)")
     action.add_argument("--rebuild", action="store_true",
                         help="recreate the table from every per-conversation manifest")
+    p.add_argument("--check-models", action="store_true",
+                   help="fingerprint the models' files as they are here now and flag the "
+                        "episodes built with other files as stale (default: show the recorded "
+                        "fingerprints only)")
     p.add_argument("--retain-hours", type=float, default=168.0,
                    help="--compact: keep the files older table versions need for this long")
     return p
@@ -111,18 +182,22 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError("--sql queries the whole table: put the conditions in the "
                                  "query (columns conversation_id, config_hash, model_id, ...)")
             return run_sql(table, a.sql, a.json)
+        files = ModelFiles(a.check_models)
         if not a.manifests and table.exists():
-            return from_table(store, table, filters, a.json, a.totals)
-        if a.totals:
+            code = from_table(store, table, filters, a.json, a.totals, files)
+        elif a.totals:
             raise ValueError("--totals reads the manifest table, and this store has none "
                              "(`--rebuild` makes it)")
-        return from_manifests(store, filters, a.json)
+        else:
+            code = from_manifests(store, filters, a.json, files)
+        files.warn()
+        return code
     except (StoreError, UnsafeIdError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
 
-def from_manifests(store: Store, filters: dict, as_json: bool) -> int:
+def from_manifests(store: Store, filters: dict, as_json: bool, files: ModelFiles) -> int:
     """The per-conversation manifests, read one by one (stores without a table)."""
     rows, corrupt = [], []
     keep = lambda r: all(  # noqa: E731
@@ -136,23 +211,26 @@ def from_manifests(store: Store, filters: dict, as_json: bool) -> int:
     for e in corrupt:
         print(f"error: {e}", file=sys.stderr)
     code = 2 if corrupt else 0
+    for r in rows:
+        files.mark(r)
     if as_json:
         for r in rows:
-            print(json.dumps(r))
+            print(files.json(r))
         return code
     print(f"{'conversation':<16} {'ep':>2} {'tokens':>7} {'build s':>8} {'KV MiB':>7} "
-          f"{'budget':>7} {'peak':>7} {'peak-budget':>11} {'scorer':<12} note")
+          f"{'budget':>7} {'peak':>7} {'peak-budget':>11} {'scorer':<12} {'model files':<22} "
+          "note")
     for r in rows:
         print(f"{r['conversation_id']:<16} {_cell(r['episode'], '>2')} {_cell(r['tokens'], '>7')} "
               f"{_cell(r['build_seconds'], '>8.1f')} {_cell(_mib(r['kv_bytes']), '>7.2f')} "
               f"{_cell(r['mean_budget'], '>7.0f')} {_cell(r['max_peak_entries'], '>7.0f')} "
               f"{_cell(r['max_peak_over_budget'], '>11')} {_cell(r['scorer'], '<12')} "
-              f"{r['episode_note'] or ''}")
+              f"{r['model_files']:<22} {r['episode_note'] or ''}")
     return code
 
 
 def from_table(store: Store, table: ManifestTable, filters: dict, as_json: bool,
-               only_totals: bool) -> int:
+               only_totals: bool, files: ModelFiles) -> int:
     """The table's rows (streamed), then the totals; warns when a build left rows pending."""
     if pending := len(store.list(PENDING_PREFIX)):
         print(f"warning: {pending} conversation(s) committed since the table's last append (an "
@@ -162,17 +240,19 @@ def from_table(store: Store, table: ManifestTable, filters: dict, as_json: bool,
         columns = TABLE_SCHEMA.names if as_json else _TABLE_COLUMNS
         if not as_json:
             print(f"{'conversation':<16} {'ep':>2} {'tokens':>7} {'build s':>8} {'KV MiB':>7} "
-                  f"{'obj MiB':>7} {'scorer':<12} {'config':<16} note")
+                  f"{'obj MiB':>7} {'scorer':<12} {'config':<16} {'model files':<22} note")
         for batch in select(table, columns, **filters):
             for r in batch.to_pylist():
+                files.mark(r)
                 if as_json:
-                    print(json.dumps(r))
+                    print(files.json(r))
                     continue
                 print(f"{r['conversation_id']:<16} {_cell(r['episode'], '>2')} "
                       f"{_cell(r['tokens'], '>7')} {_cell(r['build_seconds'], '>8.1f')} "
                       f"{_cell(_mib(r['kv_bytes']), '>7.2f')} "
                       f"{_cell(_mib(r['object_bytes']), '>7.2f')} {_cell(r['scorer'], '<12')} "
-                      f"{_cell(r['config_hash'], '<16')} {r['episode_note'] or ''}")
+                      f"{_cell(r['config_hash'], '<16')} {r['model_files']:<22} "
+                      f"{r['episode_note'] or ''}")
     t = totals(table, **filters)
     if as_json:
         if only_totals:

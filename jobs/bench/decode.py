@@ -37,7 +37,7 @@ from pipeline.answer.answerer import Answerer
 from pipeline.answer.fetch import fetch_cache
 from pipeline.answer.malloc_tuning import retain_freed_memory
 from pipeline.build.config import BuildConfig
-from pipeline.build.conversation import build_conversation, is_built
+from pipeline.build.conversation import build_conversation, files_of, is_built
 from pipeline.cli.options import (BUILD_OPTIONS, add_model_options, add_options, apply_options,
                                   options_named)
 from pipeline.cli.parser import make_parser
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     stores = {"episodic": LocalStore(root / "episodic"), "full": LocalStore(root / "full")}
     entries = {}
     for name, config in (("episodic", episodic), ("full", full)):
-        done = is_built(stores[name], conv.conversation_id, config)
+        done = is_built(stores[name], conv.conversation_id, config, files_of(config))
         records = read_manifest(stores[name], conv.conversation_id) if done else \
             build_conversation(conv, config, stores[name])
         entries[name] = statistics.mean(e for r in records for e in r.entries_per_layer)

@@ -51,15 +51,23 @@ class Answerer:
             self._manifests[conversation_id] = load_manifest(self.store, conversation_id)
         return self._manifests[conversation_id]
 
-    def _models(self, record: ManifestRecord) -> tuple[models.LoadedModel, object]:
-        check_models([record], self.model_name, self.encoder_name)
-        return (models.load_llm(record.model_id, self.device),
-                models.load_encoder(record.encoder_id, self.device))
+    def _models(self, records: list[ManifestRecord]) -> tuple[models.LoadedModel, object]:
+        """The model and encoder the conversation was built with, refused (before decoding)
+        unless their files are the ones it was built with (`check_models`)."""
+        first = records[0]
+        check_models(records, self.model_name, self.encoder_name)  # names; no fingerprint
+        lm = models.load_llm(first.model_id, self.device)
+        encoder = models.load_encoder(first.encoder_id, self.device)
+        check_models(records, None, None, model_fingerprint=lm.fingerprint,
+                     encoder_fingerprint=models.encoder_fingerprint(first.encoder_id))
+        return lm, encoder
 
     def load_cache(self, record: ManifestRecord) -> tuple[EpisodicCache, bool]:
-        """The episode's cache, from residency (True) or fetched and verified (False)."""
+        """The episode's cache, from residency (True) or fetched and verified (False); refused
+        unless the model loaded for it has the files it was built with."""
         ref = record.ref
         lm = models.load_llm(ref.model_id, self.device)
+        check_models([ref], None, None, model_fingerprint=lm.fingerprint)
         return self.caches.get_or_load(
             (ref.object_key, ref.sha256),
             lambda: fetch_cache(self.store, ref, lm.model.dtype, self.device, self.disk))
@@ -69,7 +77,7 @@ class Answerer:
         if not question or not question.strip():
             raise ValueError("the question is empty")
         records = self.manifest(conversation_id)
-        lm, encoder = self._models(records[0])
+        lm, encoder = self._models(records)
         timings = {}
         t = time.perf_counter()
         q_emb = embed_question(encoder, question)

@@ -2,7 +2,8 @@
 
 The question goes to the episode whose centroid is nearest (cosine) in the encoder's space. A
 cache only makes sense with the model that built it, and routing only with the encoder whose
-space the centroids live in: anything else is an error, never a silent answer.
+space the centroids live in: by name and by the fingerprint of their files
+(`pipeline.kv.fingerprint`). Anything else is an error, never a silent answer.
 """
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ class ConversationNotFound(LookupError):
 
 
 class ModelMismatchError(ValueError):
-    pass
+    """A conversation built with another model or encoder, or other files of it (409)."""
+
+
+class NeedsRebuildError(ModelMismatchError):
+    """A conversation built before caches were bound to their model's files: no fingerprint
+    says which weights made its caches, so it is not served until rebuilt."""
 
 
 def load_manifest(store: Store, conversation_id: str) -> list[ManifestRecord]:
@@ -36,15 +42,34 @@ def load_manifest(store: Store, conversation_id: str) -> list[ManifestRecord]:
 
 
 def check_models(episodes: Iterable[ManifestRecord | CacheRef], model: str | None,
-                 encoder: str | None) -> None:
+                 encoder: str | None, *, model_fingerprint: str | None = None,
+                 encoder_fingerprint: str | None = None) -> None:
     """A cache only makes sense with the model that built it, and routing only with the encoder
-    whose space the centroids live in: anything else is an error, never a silent answer."""
+    whose space the centroids live in: anything else is an error, never a silent answer. The
+    names and fingerprints given (None: not checked here) must be the episodes'; an episode
+    without fingerprints is `NeedsRebuildError` whatever is given."""
     for episode in episodes:
+        cid = episode.conversation_id
+        if episode.model_fingerprint is None or episode.encoder_fingerprint is None:
+            raise NeedsRebuildError(
+                f"conversation {cid!r} was built before caches were bound to the files of their "
+                "model (its manifest has no model fingerprint) and needs a rebuild: "
+                "python -m jobs.build --force ... (same corpus and store)")
         for wanted, built, what in ((model, episode.model_id, "model"),
                                     (encoder, episode.encoder_id, "encoder")):
             if wanted is not None and wanted != built:
-                raise ModelMismatchError(f"conversation {episode.conversation_id!r} was built "
-                                         f"with {what} {built!r}, not {wanted!r}")
+                raise ModelMismatchError(f"conversation {cid!r} was built with {what} {built!r}, "
+                                         f"not {wanted!r}")
+        for wanted, built, name, what in (
+                (model_fingerprint, episode.model_fingerprint, episode.model_id, "model"),
+                (encoder_fingerprint, episode.encoder_fingerprint, episode.encoder_id,
+                 "encoder")):
+            if wanted is not None and wanted != built:
+                raise ModelMismatchError(
+                    f"conversation {cid!r} was built with other files of {what} {name!r} "
+                    f"(fingerprint {built}) than the ones loaded here ({wanted}): rebuild it "
+                    f"with these files (python -m jobs.build), or load the files it was built "
+                    f"with")
 
 
 def centroid_matrix(records: list[ManifestRecord]) -> np.ndarray:

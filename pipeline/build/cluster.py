@@ -23,6 +23,7 @@ class ClusterResult:
     conversation: Conversation  # as built: cut to `max_context_tokens` when that is set
     episodes: EpisodeSet
     seconds: float
+    encoder_fingerprint: str  # of the encoder files whose space the centroids are in
 
 
 def fit_context(conv: Conversation, config: BuildConfig) -> Conversation:
@@ -47,5 +48,7 @@ def cluster_conversation(conv: Conversation, config: BuildConfig, fit: bool = Tr
     episode_config = config.episodes if is_episodic(config) else EpisodeConfig(
         window=config.episodes.window, episodes=1, medoids=config.episodes.medoids,
         seed=config.episodes.seed)
-    episodes = build_episodes(conv, models.load_encoder(config.encoder), episode_config)
-    return ClusterResult(conv, episodes, time.perf_counter() - start)
+    encoder = models.load_encoder(config.encoder)
+    fingerprint = models.encoder_fingerprint(config.encoder)  # the files just loaded (cached)
+    episodes = build_episodes(conv, encoder, episode_config)
+    return ClusterResult(conv, episodes, time.perf_counter() - start, fingerprint)

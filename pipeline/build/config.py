@@ -69,6 +69,22 @@ class BuildConfig:
 
 
 @dataclass(frozen=True)
+class ModelFingerprints:
+    """The fingerprints of the model's and the encoder's files (`pipeline.kv.fingerprint`).
+    `BuildConfig.hash` names the models, not their files: a stored conversation is current when
+    its manifest carries both this configuration's hash and the fingerprints of the files the
+    build runs with, so other weights or another tokenizer in the same folder rebuild it."""
+    model: str
+    encoder: str
+
+    def bound_hash(self, config_hash: str) -> str:
+        """The configuration hash bound to these files: the folder of the build's cache
+        objects, so a rebuild with other files never overwrites objects still served."""
+        text = f"{config_hash}:{self.model}:{self.encoder}"
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
 class DriverOptions:
     """How a build runs on Ray. Not hashed: none of it changes a cache."""
     force: bool = False  # rebuild conversations already built

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from pipeline.build.cluster import cluster_conversation
-from pipeline.build.config import BuildConfig
+from pipeline.build.config import BuildConfig, ModelFingerprints
 from pipeline.build.episode import build_episode
 from pipeline.build.profile import layer_budgets
 from pipeline.corpus.schema import Conversation
@@ -21,15 +21,48 @@ from pipeline.store.manifest import ManifestError, ManifestRecord, read_manifest
 log = logging.getLogger(__name__)
 
 
-def is_built(store: Store, conversation_id: str, config: BuildConfig) -> bool:
-    """Whether the conversation's manifest carries this configuration; a corrupt manifest is
+class ModelFilesDifferError(RuntimeError):
+    """Episodes of one conversation built with model files other than the build's."""
+
+
+def built_with(record: ManifestRecord) -> ModelFingerprints:
+    """The fingerprints of the files a manifest record was built with (None: before they were
+    recorded)."""
+    return ModelFingerprints(record.model_fingerprint, record.encoder_fingerprint)
+
+
+def files_of(config: BuildConfig) -> ModelFingerprints:
+    """The fingerprints of the model and encoder files `config` names, as they are now."""
+    return ModelFingerprints(models.llm_fingerprint(config.model),
+                             models.encoder_fingerprint(config.encoder))
+
+
+def is_built(store: Store, conversation_id: str, config: BuildConfig,
+             files: ModelFingerprints) -> bool:
+    """Whether the conversation's manifest carries this configuration and was built with these
+    model files (a manifest without fingerprints predates them: rebuilt); a corrupt manifest is
     not a build (rebuilding replaces it), so it is logged and the conversation rebuilt."""
     try:
         records = read_manifest(store, conversation_id)
     except ManifestError as e:
         log.warning("%s; rebuilding the conversation", e)
         return False
-    return bool(records) and all(r.config_hash == config.hash for r in records)
+    return bool(records) and all(r.config_hash == config.hash and built_with(r) == files
+                                 for r in records)
+
+
+def check_same_files(records: list[ManifestRecord], files: ModelFingerprints) -> None:
+    """Every episode was built with the model files the build started with: a node whose copy
+    of a model differs (or files replaced mid-build) fails the conversation, never a manifest
+    mixing caches of two models."""
+    for record in records:
+        if built_with(record) != files:
+            got = built_with(record)
+            raise ModelFilesDifferError(
+                f"episode {record.episode} was built by {record.worker} with model files "
+                f"{got.model}/{got.encoder} (model/encoder fingerprints), not the "
+                f"{files.model}/{files.encoder} this build started with: every node needs the "
+                "same model files")
 
 
 def check_stored(store: Store, key: str, size: int) -> None:
@@ -46,8 +79,12 @@ def check_stored(store: Store, key: str, size: int) -> None:
                                          f"{size} were written")
 
 
-def commit_manifest(store: Store, conversation_id: str, records: list[ManifestRecord]) -> None:
-    """Write the manifest last, once every object it names is in the store at its size."""
+def commit_manifest(store: Store, conversation_id: str, records: list[ManifestRecord],
+                    files: ModelFingerprints | None = None) -> None:
+    """Write the manifest last, once every object it names is in the store at its size (and,
+    given `files`, was built with those model files)."""
+    if files is not None:
+        check_same_files(records, files)
     for record in records:
         check_stored(store, record.object_key, record.object_bytes)
     write_manifest(store, conversation_id, records)

@@ -4,7 +4,8 @@ Stages per conversation: a clustering task (CPU), then one block-prefill task pe
 when the cluster has one), then the manifest commit (the driver writes it once every episode is
 stored). The driver keeps at most `max_in_flight` tasks submitted (`ray.wait`) and streams the
 corpus, so its memory does not grow with the corpus. Conversations whose manifest already
-carries this configuration's hash are skipped. Committed rows are also appended, in batches, to
+carries this configuration's hash and the fingerprints of the model files the budgets task
+found are skipped. Committed rows are also appended, in batches, to
 the store's manifest table (`pipeline.store.table_sync.IndexWriter`).
 """
 
@@ -23,7 +24,7 @@ import ray
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from pipeline.build.config import BuildConfig, DriverOptions
+from pipeline.build.config import BuildConfig, DriverOptions, ModelFingerprints
 from pipeline.build.conversation import commit_manifest, is_built
 from pipeline.build.job import BuildError, OpenedJob, Summary
 from pipeline.build.sources import corpus_objects
@@ -89,6 +90,7 @@ class _Driver:
         self.more = True
         self.corpus_error: CorpusError | None = None
         self.budgets: list[int] | None = None
+        self.files: ModelFingerprints | None = None  # the model files the build runs with
         self.built_before: set[str] = set()  # ids with a manifest when the build started
         self.committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commit")
         self.commits: deque[Future] = deque()
@@ -98,12 +100,13 @@ class _Driver:
     def run(self) -> Summary:
         ref = self.stages.budgets.options(**self.resources).remote(self.store, self.config)
         try:
-            self.budgets, stamp = ray.get(ref)
+            self.budgets, self.files, stamp = ray.get(ref)
         except Exception as exc:  # nothing can be built without the budgets
             raise BuildError(f"layer budgets (model {self.config.model!r}): {_describe(exc)}") \
                 from None
         self._loads(stamp)
-        log.info("layer budgets: %s", self.budgets)
+        log.info("layer budgets: %s; model files %s, encoder files %s", self.budgets,
+                 self.files.model, self.files.encoder)
         if not self.force:  # one listing instead of a manifest read per conversation
             self.built_before = set(list_conversations(self.store))
         self.episode_fn = self.stages.episode.options(**self.resources)
@@ -168,7 +171,7 @@ class _Driver:
     def _admit(self) -> bool:
         for conv in self.conversations:
             cid = conv.conversation_id
-            if cid in self.built_before and is_built(self.store, cid, self.config):
+            if cid in self.built_before and is_built(self.store, cid, self.config, self.files):
                 self.summary.skipped += 1
                 self.bar.update(1)
                 continue
@@ -241,7 +244,7 @@ class _Driver:
             try:
                 if self.index is not None:
                     self.index.begin(cid)
-                commit_manifest(self.store, cid, conv.records)
+                commit_manifest(self.store, cid, conv.records, self.files)
                 self.summary.built += 1
                 log.info("committed %s: %d episodes", cid, len(conv.records))
             except Exception as exc:  # a commit that fails marks the conversation failed

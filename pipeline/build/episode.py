@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from pipeline.build.cluster import ClusterResult, is_episodic
-from pipeline.build.config import BuildConfig
+from pipeline.build.config import BuildConfig, ModelFingerprints
 from pipeline.corpus.render import render_conversation
 from pipeline.corpus.schema import Conversation
 from pipeline.episodes import Episode, member_turn_ids
@@ -47,10 +47,12 @@ def build_episode(clustered: ClusterResult, episode: int, budgets: list[int] | N
     # Tri-state: the budget of M entries reads as the bytes of M Original entries per KV head.
     cache, stats = block_prefill(lm.model, ids, scorer, budgets, config.prefill,
                                  original_element_size=element_size)
+    files = ModelFingerprints(lm.fingerprint, clustered.encoder_fingerprint)
     header = {"model_id": config.model, "config_hash": config.hash,
+              "model_fingerprint": files.model, "encoder_fingerprint": files.encoder,
               "conversation_id": conv.conversation_id, "episode": episode}
     data = cache_format.serialize(cache, header, dtype)
-    key = cache_key(conv.conversation_id, config.hash, episode)
+    key = cache_key(conv.conversation_id, files.bound_hash(config.hash), episode)
     store.put(key, data)  # checked at the commit (`check_stored`), not read back here
     checksum = cache_format.sha256(data)
     return ManifestRecord(
@@ -70,6 +72,7 @@ def build_episode(clustered: ClusterResult, episode: int, budgets: list[int] | N
         layer_budgets=budgets, entries_per_layer=stats.final_entries,
         peak_entries_per_layer=stats.peak_entries, tokens=stats.tokens,
         scorer=config.scorer, model_id=config.model, encoder_id=config.encoder,
+        model_fingerprint=files.model, encoder_fingerprint=files.encoder,
         config_hash=config.hash, config_json=config.to_json(),
         cluster_seconds=clustered.seconds, build_seconds=stats.seconds,
         worker=f"{socket.gethostname()}:{os.getpid()}",

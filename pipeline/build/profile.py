@@ -44,8 +44,10 @@ def layer_profile(store: Store, config: BuildConfig) -> list[float]:
     measured once on the calibration text and stored."""
     cal = config.calibration
     strategy = allocator(config)
-    described = cal.as_dict() if strategy.name == "sensitivity" else \
-        cal.as_dict() | {"profile": strategy.name}  # sensitivity keeps its historical key
+    # measured with other files of the model (a fine-tune in its folder), it is not its profile
+    described = cal.as_dict() | {"model_fingerprint": models.llm_fingerprint(config.model)}
+    if strategy.name != "sensitivity":  # sensitivity's key predates the other allocators
+        described |= {"profile": strategy.name}
     cal_hash = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:12]
     key = profile_key(models.model_key(config.model), cal_hash)
     if store.exists(key):

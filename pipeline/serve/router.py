@@ -56,6 +56,7 @@ class Router:
         self.store = open_store(self.settings.store, endpoint_url=self.settings.s3_endpoint,
                                 create=False)
         self.encoder = models.load_encoder(encoder, "cpu")
+        self.encoder_fingerprint = models.encoder_fingerprint(encoder)  # of the files loaded
         self.encoder_lock = threading.Lock()  # a tokenizer is not safe across threads
         self._conversations: dict[str, _Conversation] = {}
         self._background: set[asyncio.Task] = set()
@@ -90,7 +91,8 @@ class Router:
             known.checked = now
             return known
         records = load_manifest(self.store, conversation_id)
-        check_models(records, self.model_name, self.encoder_name)
+        check_models(records, self.model_name, self.encoder_name,
+                     encoder_fingerprint=self.encoder_fingerprint)  # the decoder checks the model's
         conv = _Conversation(records, centroid_matrix(records), stamp, now)
         self._conversations[conversation_id] = conv
         return conv

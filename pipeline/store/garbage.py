@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from pipeline.store.base import ObjectNotFound, Partial, Store, manifest_key
@@ -39,6 +40,9 @@ class Garbage:
     faults: list[Fault] = field(default_factory=list)
     protected: int = 0  # unnamed objects kept because their conversation's manifest is corrupt
     verified: int = 0  # objects whose size and SHA-256 were checked (--verify)
+    # conversations per (model_id, model fingerprint, encoder_id, encoder fingerprint) they
+    # were built with; None fingerprints: built before them (they need a rebuild)
+    models: Counter = field(default_factory=Counter)
 
     @property
     def bytes(self) -> int:
@@ -63,6 +67,8 @@ def find_garbage(store: Store, min_age_seconds: float = 3600.0, verify: bool = F
             corrupt.append(f"caches/{cid}/")
             continue
         named.update((r.object_key, (manifest_key(cid), r)) for r in records)
+        g.models.update({(r.model_id, r.model_fingerprint, r.encoder_id, r.encoder_fingerprint)
+                         for r in records})
         g.manifests += 1
     g.referenced = len(named)
     now = time.time()

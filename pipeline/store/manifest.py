@@ -35,6 +35,8 @@ class CacheRef:
     object_bytes: int | None
     model_id: str
     encoder_id: str
+    model_fingerprint: str | None  # None: built before caches were bound to their model
+    encoder_fingerprint: str | None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,7 +64,11 @@ class ManifestRecord:
     scorer: str = column(pa.string())
     model_id: str = column(pa.string())
     encoder_id: str = column(pa.string())
-    config_hash: str = column(pa.string())
+    # Of the model's and the encoder's files (pipeline.kv.fingerprint): a cache is served only
+    # to a model with the same files. None in manifests written before they were recorded.
+    model_fingerprint: str | None = column(pa.string(), default=None)
+    encoder_fingerprint: str | None = column(pa.string(), default=None)
+    config_hash: str = column(pa.string())  # of the BuildConfig alone
     config_json: str = column(pa.string())
     cluster_seconds: float = column(pa.float64())
     build_seconds: float = column(pa.float64())
@@ -105,8 +111,10 @@ MANIFEST_SCHEMA = _schema(state=False)
 STATE_SCHEMA = _schema(state=True)  # written once some episode carries them (every build since)
 
 
-# Every writer since the first has written these (node_id came later; the state columns later).
-REQUIRED_COLUMNS = tuple(name for name in MANIFEST_SCHEMA.names if name != "node_id")
+# Every writer since the first has written these (node_id and the fingerprints came later; the
+# state columns later).
+_LATER_COLUMNS = ("node_id", "model_fingerprint", "encoder_fingerprint")
+REQUIRED_COLUMNS = tuple(name for name in MANIFEST_SCHEMA.names if name not in _LATER_COLUMNS)
 
 
 class ManifestError(StoreError):

@@ -186,11 +186,14 @@ class ManifestTable:
                 self._write("create", data, mode="append")
                 return
             table = self.delta()
+        # schema_mode="merge": a table written before a column existed (the fingerprints)
+        # gains it, its older rows null
         if not self._holds_any(table, ids):  # new conversations only: a plain append
             if data.num_rows:
-                self._write("append rows", data, mode="append")
+                self._write("append rows", data, mode="append", schema_mode="merge")
         elif data.num_rows:
-            self._write("replace rows", data, mode="overwrite", predicate=_id_predicate(ids))
+            self._write("replace rows", data, mode="overwrite", predicate=_id_predicate(ids),
+                        schema_mode="merge")
         else:
             self._call("delete rows", table.delete, _id_predicate(ids))
 

@@ -76,10 +76,18 @@ def select(table: ManifestTable, columns: Sequence[str], conversations: Sequence
                 term = pc.field(column).isin(list(values))
                 expr = term if expr is None else expr & term
         found = table.dataset(conversations).to_table(filter=expr).sort_by(
-            [("conversation_id", "ascending"), ("episode", "ascending")]).select(list(columns))
+            [("conversation_id", "ascending"), ("episode", "ascending")])
+        for name in columns:  # a column added since the table was written reads as nulls
+            if name not in found.column_names:
+                found = found.append_column(TABLE_SCHEMA.field(name),
+                                            pa.nulls(found.num_rows, TABLE_SCHEMA.field(name).type))
+        found = found.select(list(columns))
         return pa.RecordBatchReader.from_batches(found.schema, found.to_batches())
     clause, params = where(conversations, config_hashes, models)
     con = connect(table)
-    query = (f"SELECT {', '.join(columns)} FROM {VIEW}{clause} "
+    present = set(con.sql(f"SELECT * FROM {VIEW} LIMIT 0").columns)
+    # a column added since the table was written (the fingerprints) reads as nulls
+    listed = [c if c in present else f"NULL AS {c}" for c in columns]
+    query = (f"SELECT {', '.join(listed)} FROM {VIEW}{clause} "
              "ORDER BY conversation_id, episode")
     return con.sql(query, params=params).to_arrow_reader(_ROW_GROUP)

@@ -420,6 +420,29 @@ def test_model_mismatch_is_an_error(local_app, built):
 
 
 @e2e
+def test_caches_of_other_model_files_or_without_fingerprints_are_409s(local_app, built):
+    """Manifests naming the served model but other files of it (a fine-tune in its folder), or
+    no files at all (built before fingerprints): 409 naming the fix, no cache fetched."""
+    from pipeline.store.manifest import read_manifest, write_manifest
+
+    url, _ = local_app
+    store = LocalStore(built[1])
+    for cid, change, says in (("other-files-0000", {"model_fingerprint": "0123456789abcdef"},
+                               "other files of model"),
+                              ("other-encoder-0000", {"encoder_fingerprint": "0123456789abcdef"},
+                               "other files of encoder"),
+                              ("unbound-0000", {"model_fingerprint": None,
+                                                "encoder_fingerprint": None},
+                               "needs a rebuild")):
+        write_manifest(store, cid, [dataclasses.replace(row, conversation_id=cid, **change)
+                                    for row in read_manifest(store, "synth-0000")])
+        before = _stats(url)["misses"]
+        r = _answer(url, cid, "Who?")
+        assert r.status_code == 409 and says in r.json()["error"]["message"], r.text
+        assert _stats(url)["misses"] == before  # refused before any fetch
+
+
+@e2e
 def test_a_changed_manifest_is_read_again(local_app, built):
     from pipeline.store.manifest import read_manifest, write_manifest
 

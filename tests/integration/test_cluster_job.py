@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from jobs import build
-from pipeline.build.config import DriverOptions
+from pipeline.build.config import DriverOptions, ModelFingerprints
 from pipeline.build.driver import run_build
 from pipeline.build.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES, write_synthetic_corpus
 from pipeline.corpus.reader import write_jsonl
@@ -389,7 +389,9 @@ def test_failing_episode_fails_its_conversation_and_the_rest_completes(ray_local
     args = ["--corpus", str(corpus), "--store", str(store_dir), "--model", tiny_llm,
             "--max-in-flight", "3", *SMALL]
     config = build.config_from_args(build.parse_args(args))
-    blocked = store_dir / cache_key("synth-0001", config.hash, 1)
+    files = ModelFingerprints(models.llm_fingerprint(tiny_llm),
+                              models.encoder_fingerprint(config.encoder))
+    blocked = store_dir / cache_key("synth-0001", files.bound_hash(config.hash), 1)
     blocked.mkdir(parents=True)
     (blocked / "keep").write_text("a folder where the episode object should go")
 

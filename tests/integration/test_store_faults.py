@@ -15,7 +15,7 @@ import pytest
 
 from jobs import answer, gc, manifests, serve
 from pipeline.build.conversation import is_built
-from pipeline.build.rehearsal import SYNTHETIC_CONFIG
+from pipeline.build.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_FILES
 from pipeline.serve.errors import classify
 from pipeline.store import cache_format
 from pipeline.store.base import StoreError
@@ -97,7 +97,7 @@ def test_read_manifest_names_a_corrupt_manifest(how, tmp_path):
     assert CORRUPT[how][1] in str(e.value) and "\n" not in str(e.value)
     assert isinstance(e.value, StoreError) and e.value.key == key
     assert str(pickle.loads(pickle.dumps(e.value))) == str(e.value)  # crosses Ray intact
-    assert not is_built(store, "bad", SYNTHETIC_CONFIG)  # a build replaces it
+    assert not is_built(store, "bad", SYNTHETIC_CONFIG, SYNTHETIC_FILES)  # a build replaces it
 
 
 def test_manifests_lists_the_readable_and_names_the_corrupt(store, capsys):

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.build.rehearsal import SYNTHETIC_CONFIG, synthetic_cache
+from pipeline.build.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_FILES, synthetic_cache
 from pipeline.store import cache_format
 from pipeline.store.base import cache_key, manifest_key
 from pipeline.store.local import LocalStore
@@ -30,7 +30,8 @@ def put_conversation(store, cid: str, episodes: int = 2) -> list[ManifestRecord]
             "conversation_id": cid, "episode": e, "object_key": key, "object_bytes": len(data),
             "sha256": cache_format.sha256(data), "centroid": [1.0, 0.0], "tokens": 8,
             "config_hash": SYNTHETIC_CONFIG.hash, "model_id": "synthetic",
-            "encoder_id": "synthetic", "scorer": "epicache"}))
+            "encoder_id": "synthetic", "model_fingerprint": SYNTHETIC_FILES.model,
+            "encoder_fingerprint": SYNTHETIC_FILES.encoder, "scorer": "epicache"}))
     write_manifest(store, cid, rows)
     return rows
 

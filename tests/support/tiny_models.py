@@ -78,10 +78,10 @@ class CharTokenizer:
 
 class StandIn:
     """What the decoding code (`pipeline.answer`, `pipeline.answer.batcher`) needs of a loaded model:
-    .model, .tokenizer."""
+    .model, .tokenizer, and the .fingerprint of its files (`pipeline.kv.fingerprint`)."""
 
-    def __init__(self, model):
-        self.model, self.tokenizer = model, CharTokenizer()
+    def __init__(self, model, fingerprint: str = "stand-in-files"):
+        self.model, self.tokenizer, self.fingerprint = model, CharTokenizer(), fingerprint
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -50,6 +50,8 @@ LAZY = {
     ("jobs.evaluate", "pipeline.ray_runtime"),
     ("jobs.screen", "pipeline.build.profile"), ("jobs.screen", "pipeline.eval.screen"),
     ("jobs.screen", "pipeline.kv.models"),
+    # Only `jobs.manifests --check-models` reads model files; listing a store needs no torch.
+    ("jobs.manifests", "pipeline.kv.models"),
 }
 
 MAX_FILE_LINES = 500  # in pipeline/ and jobs/

@@ -64,7 +64,8 @@ def _rows(store, objects) -> list[CacheRef]:
         store.put(key, data)
         rows.append(CacheRef(conversation_id="conv-1", episode=episode, object_key=key,
                              sha256=sha256(data), object_bytes=len(data), model_id=MODEL,
-                             encoder_id="enc"))
+                             encoder_id="enc", model_fingerprint=StandIn(None).fingerprint,
+                             encoder_fingerprint="enc-files"))
     return rows
 
 
