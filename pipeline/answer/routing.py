@@ -18,7 +18,12 @@ from pipeline.store.manifest import CacheRef, ManifestRecord, read_manifest
 
 
 class ConversationNotFound(LookupError):
-    pass
+    """No manifest for `conversation_id` (the message names the store; an HTTP answer does not)."""
+
+    def __init__(self, conversation_id: str, store_uri: str):
+        super().__init__(f"conversation {conversation_id!r} has no manifest in store "
+                         f"{store_uri} (not built yet?)")
+        self.conversation_id = conversation_id
 
 
 class ModelMismatchError(ValueError):
@@ -30,8 +35,7 @@ def load_manifest(store: Store, conversation_id: str) -> list[ManifestRecord]:
     check_safe_id(conversation_id)
     records = read_manifest(store, conversation_id)
     if not records:
-        raise ConversationNotFound(f"conversation {conversation_id!r} has no manifest in "
-                                   f"store {store.uri} (not built yet?)")
+        raise ConversationNotFound(conversation_id, store.uri)
     return records
 
 

@@ -41,6 +41,10 @@ LAZY = {
     # and the models load.
     ("jobs.serve", "pipeline.serve.app"), ("jobs.serve", "pipeline.ray_runtime"),
     ("jobs.serve", "pipeline.store.base"), ("jobs.serve", "pipeline.store.uri"),
+    # Start-up time: `jobs.answer` refuses a bad argument (a question over the limits included)
+    # before torch, transformers and pyarrow load.
+    ("jobs.answer", "pipeline.answer.answerer"), ("jobs.answer", "pipeline.answer.routing"),
+    ("jobs.answer", "pipeline.kv.models"), ("jobs.answer", "pipeline.store.cache_format"),
 }
 
 MAX_FILE_LINES = 500  # in pipeline/ and jobs/
