@@ -21,9 +21,12 @@ class ConversationNotFound(LookupError):
     """No manifest for `conversation_id` (the message names the store; an HTTP answer does not)."""
 
     def __init__(self, conversation_id: str, store_uri: str):
-        super().__init__(f"conversation {conversation_id!r} has no manifest in store "
-                         f"{store_uri} (not built yet?)")
-        self.conversation_id = conversation_id
+        super().__init__(conversation_id, store_uri)  # args as given, so it pickles (Ray)
+        self.conversation_id, self.store_uri = conversation_id, store_uri
+
+    def __str__(self) -> str:
+        return (f"conversation {self.conversation_id!r} has no manifest in store "
+                f"{self.store_uri} (not built yet?)")
 
 
 class ModelMismatchError(ValueError):
