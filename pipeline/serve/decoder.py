@@ -117,23 +117,20 @@ class Decoder:
 
     async def stream(self, ref: CacheRef, question: str, max_new_tokens: int,
                      temperature: float) -> AsyncIterator[dict]:
-        """First {"cache_hit", "fetch_ms"} (or {"error": ...}), then {"text": piece}s, then
+        """First {"cache_hit", "fetch_ms"} (or {"error": ...}: a bad cache or a request over
+        the limits is an HTTP status, not a stream), then {"text": piece}s, then
         {"done": {"tokens", "finish_reason", "decode_ms", "queue_ms"}} (or {"error": ...})."""
-        try:
-            cache, hit, fetch_ms = await asyncio.to_thread(self._cache, ref)
-        except Exception as e:
-            yield _decoder_error(e)
-            return
-        yield {"cache_hit": hit, "fetch_ms": round(fetch_ms, 3)}
         streamer = AsyncTextIteratorStreamer(self.lm.tokenizer, skip_prompt=True,
                                              skip_special_tokens=True)
-        pieces = AnswerPieces()
         try:
+            cache, hit, fetch_ms = await asyncio.to_thread(self._cache, ref)
             job = await asyncio.to_thread(self.batcher.submit, cache, question, max_new_tokens,
                                           temperature, streamer)
         except Exception as e:
             yield _decoder_error(e)
             return
+        yield {"cache_hit": hit, "fetch_ms": round(fetch_ms, 3)}
+        pieces = AnswerPieces()
         try:
             async for text in streamer:  # ends when the job ends, answered or failed
                 piece = pieces.feed(text)

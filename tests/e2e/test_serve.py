@@ -388,6 +388,10 @@ def test_error_statuses_and_messages(local_app, built):
     assert "empty" in error(_answer(url, cid, "   "), 422)
     assert "the limit is 4,096 characters" in error(_answer(url, cid, "why " * 1100), 422)
     assert "the limit is 512 tokens" in error(_answer(url, cid, "why " * 1000), 422)  # decoder's
+    assert "the limit is 512 tokens" in error(requests.post(  # streamed: a status, not a stream
+        f"{url}/v1/chat/completions", headers=AUTH, timeout=60, json={
+            "conversation_id": cid, "stream": True,
+            "messages": [{"role": "user", "content": "why " * 1000}]}), 422)
     assert "max_new_tokens" in error(_answer(url, cid, "Who?", max_new_tokens=0), 422)
     assert "temperature" in error(_answer(url, cid, "Who?", temperature=-1), 422)
     assert "not valid JSON" in error(requests.post(  # NaN is not JSON
