@@ -39,6 +39,7 @@ def public_name(model: str) -> str:
         return os.path.basename(os.path.normpath(model)) or "model"
     return model
 
+
 app = FastAPI(title="EpiCache decode endpoint", docs_url=None, redoc_url=None)
 add_exception_handlers(app)
 
