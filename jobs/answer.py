@@ -4,7 +4,8 @@
         [--question Q2 ...] [--json]
 
 Each question is routed to the nearest episode; consecutive questions routed to the same
-episode reuse the resident cache.
+episode reuse the resident cache. Questions and sampling parameters are held to the limits the
+server holds them to (`pipeline.answer.limits`; docs/serving.md, "Limits").
 """
 
 from __future__ import annotations
@@ -14,15 +15,11 @@ import json
 import logging
 import sys
 
-from pipeline.answer.answerer import Answerer
+from pipeline.answer.limits import CHARS_PER_TOKEN, DEFAULT_LIMITS, AnswerLimits
 from pipeline.answer.malloc_tuning import retain_freed_memory
-from pipeline.answer.routing import ConversationNotFound, ModelMismatchError
-from pipeline.cli.options import add_store_options
-from pipeline.cli.parser import make_parser
+from pipeline.cli.parser import add_store_options, make_parser
 from pipeline.corpus.schema import UnsafeIdError
-from pipeline.kv.models import ModelNotFoundError
 from pipeline.store.base import StoreError
-from pipeline.store.cache_format import CacheCorruptError
 from pipeline.store.uri import open_store
 
 
@@ -32,19 +29,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--conversation", required=True, help="the conversation id, as in its manifest")
     p.add_argument("--question", action="append", required=True,
                    help="a question about it (may repeat: answered in order)")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="answer length at most (tokens)")
+    p.add_argument("--max-new-tokens", type=int, default=32,
+                   help=f"answer length at most (tokens, 1 to {DEFAULT_LIMITS.max_new_tokens})")
     p.add_argument("--temperature", type=float, default=0.0,
-                   help="sampling temperature (0: greedy)")
+                   help=f"sampling temperature (0: greedy; at most "
+                        f"{DEFAULT_LIMITS.max_temperature:g})")
+    p.add_argument("--max-question-tokens", type=int, default=DEFAULT_LIMITS.max_question_tokens,
+                   help=f"longest question (tokens); one over {CHARS_PER_TOKEN} characters a "
+                        "token is refused before it is tokenised")
     p.add_argument("--json", action="store_true", help="one JSON object per question")
     return p
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The arguments, each question and sampling parameter checked against the limits (as the
+    server checks them) before any model or library is loaded; `a.limits` holds them."""
+    p = build_parser()
+    a = p.parse_args(argv)
+    try:
+        a.limits = AnswerLimits(max_question_tokens=a.max_question_tokens,
+                                max_new_tokens=DEFAULT_LIMITS.max_new_tokens)
+        a.limits.check_sampling(a.max_new_tokens, a.temperature,
+                                ("--max-new-tokens", "--temperature"))
+        for question in a.question:
+            a.limits.check_question(question)
+    except ValueError as e:  # LimitError, or a --max-question-tokens below 1
+        p.error(str(e).replace("max_question_tokens", "--max-question-tokens"))
+    return a
+
+
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    a = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    # Start-up time: torch, transformers and the store clients are imported once the arguments
+    # are known good, so that --help and an argument error answer at once.
+    from pipeline.answer.answerer import Answerer
+    from pipeline.answer.routing import ConversationNotFound, ModelMismatchError
+    from pipeline.kv.models import ModelNotFoundError
+    from pipeline.store.cache_format import CacheCorruptError
+
     retain_freed_memory()  # as the Serve decoder does: caches load into reused memory
     try:
-        answerer = Answerer(open_store(a.store, endpoint_url=a.s3_endpoint, create=False))
+        answerer = Answerer(open_store(a.store, endpoint_url=a.s3_endpoint, create=False),
+                            limits=a.limits)
         for q in a.question:
             r = answerer.answer(a.conversation, q, a.max_new_tokens, a.temperature)
             if a.json:
@@ -56,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"route {t['route']:.1f} ms, load {t['load']:.0f} ms, decode {t['decode']:.0f} ms)",
                       flush=True)
     except (ConversationNotFound, UnsafeIdError, ModelMismatchError, CacheCorruptError,
-            StoreError, ModelNotFoundError, ValueError) as e:
+            StoreError, ModelNotFoundError, ValueError) as e:  # ValueError: LimitError too
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

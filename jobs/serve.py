@@ -16,6 +16,7 @@ docs/serving.md.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import signal
@@ -29,8 +30,10 @@ from pipeline.cli.options import SERVE_OPTIONS, add_serve_options, settings_from
 from pipeline.cli.parser import make_parser
 from pipeline.serve.settings import AUTH_ENV, ServeSettings
 
-__all__ = ["ServeSettings", "app_builder", "build_parser", "main", "parse_args",
-           "settings_from_args"]
+__all__ = ["ServeSettings", "app_builder", "build_parser", "exposure_error", "is_loopback",
+           "main", "parse_args", "settings_from_args"]
+
+log = logging.getLogger("epicache.serve")
 
 
 def app_builder(args: dict[str, str]) -> Any:
@@ -58,8 +61,12 @@ def _builder_help() -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = make_parser("jobs.serve", __doc__, epilog=_builder_help())
     p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (loopback only; bind elsewhere only behind your own "
-                        "proxy)")
+                   help="address to bind; any but loopback needs a bearer token (--auth-token or "
+                        f"${AUTH_ENV}) or --insecure-no-auth")
+    p.add_argument("--insecure-no-auth", action="store_true",
+                   help="serve a non-loopback --host with no token: anyone who reaches the port "
+                        "can read the store's conversations and drive decodes (a warning is "
+                        "logged)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--ray-address", default=None,
                    help="Ray cluster to join (default: $RAY_ADDRESS; else a local Ray is started)")
@@ -71,9 +78,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` serves this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # another host name: it may resolve to any interface
+        return False
+
+
+def exposure_error(host: str, settings: ServeSettings, insecure_no_auth: bool) -> str | None:
+    """Why serving `host` as configured is refused (None: it is not). Beyond loopback, a
+    request needs a bearer token, unless the operator says in so many words that it need not."""
+    if is_loopback(host) or settings.auth_token:
+        return None
+    if insecure_no_auth:
+        log.warning("serving %s with no bearer token (--insecure-no-auth): anyone who reaches "
+                    "the port can read the store's conversations and drive decodes", host)
+        return None
+    return (f"--host {host} is not loopback and no bearer token is set: give --auth-token (or "
+            f"${AUTH_ENV}), or --insecure-no-auth to serve it open")
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        settings = settings_from_args(a)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    refused = exposure_error(a.host, settings, a.insecure_no_auth)
+    if refused:
+        print(f"error: {refused}", file=sys.stderr)
+        return 2
     # Start-up time: Ray Serve, torch and the models are imported once the arguments are
     # known good, so that --help and an argument error answer at once.
     import ray
@@ -85,7 +124,6 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.store.uri import open_store
 
     try:
-        settings = settings_from_args(a)
         store = open_store(settings.store, endpoint_url=settings.s3_endpoint, create=False)
         model, encoder = resolve_models(store, settings.model, settings.encoder)
     except (StoreError, ValueError) as e:

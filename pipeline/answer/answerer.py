@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from pipeline.answer.decode import decode_answer
 from pipeline.answer.fetch import fetch_cache
+from pipeline.answer.limits import DEFAULT_LIMITS, AnswerLimits
 from pipeline.answer.lru import CacheLRU
 from pipeline.answer.routing import check_models, embed_question, load_manifest, route_question
 from pipeline.kv import models
@@ -37,11 +38,13 @@ class AnswerResult:
 
 class Answerer:
     """Answers questions about built conversations; keeps the last episode's cache resident
-    (and more, up to `resident_bytes`)."""
+    (and more, up to `resident_bytes`). A question or parameter over `limits` (the server's
+    limits too) is a `LimitError` before any model is loaded or any text tokenised."""
 
     def __init__(self, store: Store, model: str | None = None, encoder: str | None = None,
-                 device: str = "cpu", resident_bytes: int = 0, disk: DiskTier | None = None):
-        self.store, self.device, self.disk = store, device, disk
+                 device: str = "cpu", resident_bytes: int = 0, disk: DiskTier | None = None,
+                 limits: AnswerLimits = DEFAULT_LIMITS):
+        self.store, self.device, self.disk, self.limits = store, device, disk, limits
         self.model_name, self.encoder_name = model, encoder
         self._manifests: dict[str, list[ManifestRecord]] = {}
         self.caches = CacheLRU(resident_bytes)
@@ -74,8 +77,8 @@ class Answerer:
 
     def answer(self, conversation_id: str, question: str, max_new_tokens: int = 32,
                temperature: float = 0.0) -> AnswerResult:
-        if not question or not question.strip():
-            raise ValueError("the question is empty")
+        self.limits.check_question(question)
+        max_new_tokens, temperature = self.limits.check_sampling(max_new_tokens, temperature)
         records = self.manifest(conversation_id)
         lm, encoder = self._models(records)
         timings = {}
@@ -89,7 +92,7 @@ class Answerer:
         cache, hit = self.load_cache(record)
         timings["load"] = (time.perf_counter() - t) * 1000
         t = time.perf_counter()
-        decoded = decode_answer(lm, cache, question, max_new_tokens, temperature)
+        decoded = decode_answer(lm, cache, question, max_new_tokens, temperature, self.limits)
         timings["decode"] = (time.perf_counter() - t) * 1000
         return AnswerResult(conversation_id, question, decoded.text, record.episode,
                             similarity, hit, {k: round(v, 2) for k, v in timings.items()})

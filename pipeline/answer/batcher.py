@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipeline.answer.decode import Decoded, finish_reason
+from pipeline.answer.decode import Decoded, finish_reason, question_prompt
+from pipeline.answer.limits import DEFAULT_LIMITS, AnswerLimits
 from pipeline.answer.packed import DecodeRow, Prefix, packed_step
 from pipeline.kv import models, prompts
 from pipeline.kv.cache import EpisodicCache
@@ -94,11 +95,12 @@ class DecodeBatcher:
     """Decodes the requests submitted to it in batches: a prefill thread and a decode thread."""
 
     def __init__(self, lm: models.LoadedModel, max_batch: int = 8,
-                 max_batch_tokens: int = 32768) -> None:
+                 max_batch_tokens: int = 32768, limits: AnswerLimits = DEFAULT_LIMITS) -> None:
         if max_batch < 1 or max_batch_tokens < 1:
             raise ValueError(f"max_batch and max_batch_tokens must be >= 1, got {max_batch} and "
                              f"{max_batch_tokens}")
         self.lm, self.max_batch, self.max_batch_tokens = lm, max_batch, max_batch_tokens
+        self.limits = limits
         gen = lm.model.generation_config
         eos = gen.eos_token_id
         self._eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
@@ -125,13 +127,15 @@ class DecodeBatcher:
     # -- the callers' side --------------------------------------------------------------------
     def submit(self, cache: EpisodicCache, question: str, max_new_tokens: int,
                temperature: float = 0.0, streamer=None) -> DecodeJob:
-        """Queue a request; its `future` gets the `Decoded` answer (or the error). The first
-        request over a cache computes the instruction's entries for it here, on the caller's
-        thread (a forward of its 37 tokens), so that the batch never waits on it."""
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        job = DecodeJob(cache, question, max_new_tokens, float(temperature or 0.0), streamer,
-                        prefix=self._prefix(cache))
+        """Queue a request; its `future` gets the `Decoded` answer (or the error). A request
+        over the limits is a `LimitError` here, before it is queued: the question is bounded
+        and tokenised on the caller's thread. The first request over a cache computes the
+        instruction's entries for it here too (a forward of its 37 tokens), so that the batch
+        never waits on it."""
+        max_new_tokens, temperature = self.limits.check_sampling(max_new_tokens, temperature)
+        prompt = question_prompt(self.lm, cache, question, max_new_tokens, self.limits)
+        job = DecodeJob(cache, question, max_new_tokens, temperature, streamer,
+                        next_ids=prompt, prefix=self._prefix(cache))
         with self._wake:
             if self._closed:
                 raise RuntimeError("the decode batcher is closed")
@@ -220,9 +224,8 @@ class DecodeBatcher:
                 self._queue.popleft()
                 self._fail(job, RuntimeError("cancelled"))
                 continue
-            if job.next_ids is None:
+            if not job.cost:
                 try:
-                    job.next_ids = prompts.question_ids(self.lm.tokenizer, job.question)
                     job.cost = DecodeRow.slots_needed(job.cache,
                                                       len(job.next_ids) + job.max_new_tokens)
                 except Exception as e:  # a malformed cache: this request fails, not the batch

@@ -14,8 +14,22 @@ from typing import Iterator
 
 import torch
 
+from pipeline.answer.limits import DEFAULT_LIMITS, AnswerLimits, check_positions
 from pipeline.kv import models, prompts
 from pipeline.kv.cache import EpisodicCache
+
+
+def question_prompt(lm: models.LoadedModel, cache: EpisodicCache, question: str,
+                    max_new_tokens: int, limits: AnswerLimits = DEFAULT_LIMITS) -> torch.Tensor:
+    """[Q] prompt ids asking `question` after `cache`, or a `LimitError`: the question's
+    characters are bounded before the tokenizer sees them, then its tokens, then the cache,
+    prompt and answer must fit the model's positions."""
+    limits.check_question(question)
+    limits.check_question_tokens(len(prompts.encode(lm.tokenizer, question)))
+    ids = prompts.question_ids(lm.tokenizer, question)
+    check_positions(cache.next_position, len(ids), max_new_tokens,
+                    getattr(lm.model.config, "max_position_embeddings", None))
+    return ids
 
 
 @torch.inference_mode()
@@ -55,10 +69,13 @@ def finish_reason(lm: models.LoadedModel, ids: torch.Tensor, max_new_tokens: int
 
 
 def decode_answer(lm: models.LoadedModel, cache: EpisodicCache, question: str,
-                  max_new_tokens: int = 32, temperature: float = 0.0) -> Decoded:
-    """The answer text to `question` from `cache` (the cache is left as it was)."""
-    ids = generate_from_cache(lm, cache, prompts.question_ids(lm.tokenizer, question),
-                              max_new_tokens, temperature)
+                  max_new_tokens: int = 32, temperature: float = 0.0,
+                  limits: AnswerLimits = DEFAULT_LIMITS) -> Decoded:
+    """The answer text to `question` from `cache` (the cache is left as it was); a request
+    over `limits` is a `LimitError` before anything is decoded."""
+    max_new_tokens, temperature = limits.check_sampling(max_new_tokens, temperature)
+    prompt = question_prompt(lm, cache, question, max_new_tokens, limits)
+    ids = generate_from_cache(lm, cache, prompt, max_new_tokens, temperature)
     text = lm.tokenizer.decode(ids, skip_special_tokens=True).strip()
     return Decoded(text, int(len(ids)), finish_reason(lm, ids, max_new_tokens))
 
@@ -85,23 +102,26 @@ class AnswerPieces:
 
 def stream_answer(lm: models.LoadedModel, cache: EpisodicCache, question: str,
                   max_new_tokens: int = 32, temperature: float = 0.0,
-                  lock: threading.Lock | None = None, info: dict | None = None) -> Iterator[str]:
+                  lock: threading.Lock | None = None, info: dict | None = None,
+                  limits: AnswerLimits = DEFAULT_LIMITS) -> Iterator[str]:
     """Yield the answer in pieces as it is generated; the pieces join to `decode_answer`'s text.
 
-    Generation runs in a helper thread (holding `lock`, if given, for its whole duration);
+    A request over `limits` is a `LimitError` before anything is generated. Generation runs in a helper thread (holding `lock`, if given, for its whole duration);
     `info` receives `tokens` and `finish_reason` once the stream ends. An error in generation
     is raised here, after the pieces already yielded.
     """
     from transformers import TextIteratorStreamer
 
+    max_new_tokens, temperature = limits.check_sampling(max_new_tokens, temperature)
+    prompt = question_prompt(lm, cache, question, max_new_tokens, limits)
     streamer = TextIteratorStreamer(lm.tokenizer, skip_prompt=True, skip_special_tokens=True)
     outcome: dict = {}
 
     def run() -> None:
         try:
             with lock if lock is not None else contextlib.nullcontext():
-                ids = generate_from_cache(lm, cache, prompts.question_ids(lm.tokenizer, question),
-                                          max_new_tokens, temperature, streamer=streamer)
+                ids = generate_from_cache(lm, cache, prompt, max_new_tokens, temperature,
+                                          streamer=streamer)
             outcome["ids"] = ids
         except BaseException as e:  # handed to the consuming thread
             outcome["error"] = e

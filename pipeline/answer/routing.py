@@ -19,7 +19,15 @@ from pipeline.store.manifest import CacheRef, ManifestRecord, read_manifest
 
 
 class ConversationNotFound(LookupError):
-    pass
+    """No manifest for `conversation_id` (the message names the store; an HTTP answer does not)."""
+
+    def __init__(self, conversation_id: str, store_uri: str):
+        super().__init__(conversation_id, store_uri)  # args as given, so it pickles (Ray)
+        self.conversation_id, self.store_uri = conversation_id, store_uri
+
+    def __str__(self) -> str:
+        return (f"conversation {self.conversation_id!r} has no manifest in store "
+                f"{self.store_uri} (not built yet?)")
 
 
 class ModelMismatchError(ValueError):
@@ -36,8 +44,7 @@ def load_manifest(store: Store, conversation_id: str) -> list[ManifestRecord]:
     check_safe_id(conversation_id)
     records = read_manifest(store, conversation_id)
     if not records:
-        raise ConversationNotFound(f"conversation {conversation_id!r} has no manifest in "
-                                   f"store {store.uri} (not built yet?)")
+        raise ConversationNotFound(conversation_id, store.uri)
     return records
 
 

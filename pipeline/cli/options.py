@@ -16,6 +16,7 @@ from types import SimpleNamespace
 from typing import Any, Sequence, TypeVar
 
 from pipeline.build.config import STORE_DTYPES, BuildConfig, DriverOptions
+from pipeline.cli.parser import add_store_options  # noqa: F401 - where jobs import it from
 from pipeline.config_fields import choices_of, get_path, parser_of, replace_path
 from pipeline.configs import (ALLOCATOR_NAMES, SCORER_NAMES, MergeConfig, ScoringConfig,
                               TriStateConfig)
@@ -254,18 +255,6 @@ def add_corpus_options(p: argparse.ArgumentParser) -> None:
 
 def limits_from_args(a: argparse.Namespace) -> CorpusLimits:
     return apply_options(CorpusLimits(), LIMIT_OPTIONS, a)
-
-
-def add_store_options(p: argparse.ArgumentParser, help: str = "store folder, or s3://bucket/prefix",
-                      region: bool = False) -> None:
-    """`--store` and `--s3-endpoint` (and `--s3-region`), as every command that opens a store
-    takes them; the endpoint's fallbacks are `pipeline.store.s3.s3_endpoint`'s."""
-    p.add_argument("--store", required=True, help=help)
-    p.add_argument("--s3-endpoint", default=None,
-                   help="S3-compatible endpoint URL (default: $EPICACHE_S3_ENDPOINT, else "
-                        "$AWS_ENDPOINT_URL_S3 / $AWS_ENDPOINT_URL, else AWS)")
-    if region:
-        p.add_argument("--s3-region", default=None, help="S3 region (default: the AWS chain)")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,3 +27,15 @@ def make_parser(module: str, doc: str, epilog: str | None = None) -> argparse.Ar
     """The parser of `python -m <module>`, described by the first paragraph of its docstring."""
     return argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0],
                                    epilog=epilog, formatter_class=HelpFormatter)
+
+
+def add_store_options(p: argparse.ArgumentParser, help: str = "store folder, or s3://bucket/prefix",
+                      region: bool = False) -> None:
+    """`--store` and `--s3-endpoint` (and `--s3-region`), as every command that opens a store
+    takes them; the endpoint's fallbacks are `pipeline.store.s3.s3_endpoint`'s."""
+    p.add_argument("--store", required=True, help=help)
+    p.add_argument("--s3-endpoint", default=None,
+                   help="S3-compatible endpoint URL (default: $EPICACHE_S3_ENDPOINT, else "
+                        "$AWS_ENDPOINT_URL_S3 / $AWS_ENDPOINT_URL, else AWS)")
+    if region:
+        p.add_argument("--s3-region", default=None, help="S3 region (default: the AWS chain)")

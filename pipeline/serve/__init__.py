@@ -3,6 +3,7 @@
     settings.py     ServeSettings: everything the deployments need; MIN:MAX autoscale parsing
     errors.py       ApiError, the OpenAI-style error body, classify (exception -> status),
                     the FastAPI exception handlers
+    body.py         a request body read under limits: media type (415), size (413), depth (400)
     schemas.py      the request bodies (pydantic) and parse_body (400 / 422 naming the field)
     openai_chat.py  the OpenAI chat wire format: completion objects, server-sent event chunks
     decoder.py      the Decoder deployment: the model and the LRU of episodic caches

@@ -50,7 +50,8 @@ def build_app(settings: ServeSettings, model: str, encoder: str):
     decoder = Decoder.options(**decoder_options).bind(
         settings.store, settings.s3_endpoint, model, settings.cache_bytes, settings.torch_threads,
         settings.disk_cache, settings.disk_cache_bytes, settings.prefetch_workers,
-        max_batch=settings.max_batch, max_batch_tokens=settings.max_batch_tokens)
+        max_batch=settings.max_batch, max_batch_tokens=settings.max_batch_tokens,
+        limits=settings.limits)
     return Router.options(
         num_replicas=settings.router_replicas, max_ongoing_requests=256,
         ray_actor_options={"num_cpus": settings.router_cpus,

@@ -23,6 +23,7 @@ from transformers import AsyncTextIteratorStreamer
 from pipeline.answer.batcher import DecodeBatcher
 from pipeline.answer.decode import AnswerPieces
 from pipeline.answer.fetch import cache_parser, fetch_object
+from pipeline.answer.limits import DEFAULT_LIMITS, AnswerLimits
 from pipeline.answer.lru import CacheLRU
 from pipeline.answer.malloc_tuning import retain_freed_memory
 from pipeline.answer.routing import check_models
@@ -50,7 +51,7 @@ class Decoder:
     def __init__(self, store: str, s3_endpoint: str | None, model: str, cache_bytes: int,
                  torch_threads: int | None = None, disk_cache: str | None = None,
                  disk_cache_bytes: int = 0, prefetch_workers: int = 1, max_batch: int = 8,
-                 max_batch_tokens: int = 32768):
+                 max_batch_tokens: int = 32768, limits: AnswerLimits = DEFAULT_LIMITS):
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -62,7 +63,7 @@ class Decoder:
         self.prefetcher = ThreadPoolExecutor(prefetch_workers, thread_name_prefix="prefetch") \
             if prefetch_workers > 0 else None
         self._figures_lock = threading.Lock()
-        self.batcher = DecodeBatcher(self.lm, max_batch, max_batch_tokens)
+        self.batcher = DecodeBatcher(self.lm, max_batch, max_batch_tokens, limits)
         gc.freeze()  # the model's objects leave the collector: no 100+ ms pauses in a turn
         retain_freed_memory()  # a cold load reuses freed memory instead of faulting pages in
         self.figures = {"fetched_bytes": 0, "store_reads": 0, "disk_reads": 0,
@@ -120,23 +121,20 @@ class Decoder:
 
     async def stream(self, ref: CacheRef, question: str, max_new_tokens: int,
                      temperature: float) -> AsyncIterator[dict]:
-        """First {"cache_hit", "fetch_ms"} (or {"error": ...}), then {"text": piece}s, then
+        """First {"cache_hit", "fetch_ms"} (or {"error": ...}: a bad cache or a request over
+        the limits is an HTTP status, not a stream), then {"text": piece}s, then
         {"done": {"tokens", "finish_reason", "decode_ms", "queue_ms"}} (or {"error": ...})."""
-        try:
-            cache, hit, fetch_ms = await asyncio.to_thread(self._cache, ref)
-        except Exception as e:
-            yield _decoder_error(e)
-            return
-        yield {"cache_hit": hit, "fetch_ms": round(fetch_ms, 3)}
         streamer = AsyncTextIteratorStreamer(self.lm.tokenizer, skip_prompt=True,
                                              skip_special_tokens=True)
-        pieces = AnswerPieces()
         try:
+            cache, hit, fetch_ms = await asyncio.to_thread(self._cache, ref)
             job = await asyncio.to_thread(self.batcher.submit, cache, question, max_new_tokens,
                                           temperature, streamer)
         except Exception as e:
             yield _decoder_error(e)
             return
+        yield {"cache_hit": hit, "fetch_ms": round(fetch_ms, 3)}
+        pieces = AnswerPieces()
         try:
             async for text in streamer:  # ends when the job ends, answered or failed
                 piece = pieces.feed(text)

@@ -1,7 +1,9 @@
 """Errors: every failure is a status and a one-line JSON message, never a traceback.
 
 `ApiError` is what the endpoints raise; `classify` maps the library's exceptions to a status and
-a message; `add_exception_handlers` makes every error on the app an OpenAI-style error body.
+a message; `add_exception_handlers` makes every error on the app an OpenAI-style error body. A
+message says what a client needs and no more: never a server path, a store URI or an object key
+(the library's own message, which may name them, is logged here instead).
 """
 
 import logging
@@ -13,10 +15,11 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pipeline.answer.routing import ConversationNotFound, ModelMismatchError
+from pipeline.answer.limits import LimitError
+from pipeline.answer.routing import ConversationNotFound, ModelMismatchError, NeedsRebuildError
 from pipeline.corpus.schema import UnsafeIdError
 from pipeline.store.base import ObjectNotFound, StoreError
-from pipeline.store.cache_format import CacheCorruptError
+from pipeline.store.cache_format import CacheCorruptError, ChecksumError
 from pipeline.store.manifest import ManifestError
 
 log = logging.getLogger("epicache.serve")
@@ -31,6 +34,7 @@ class ApiError(Exception):
 
 _KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 409: "model_mismatch_error",
+          413: "invalid_request_error", 415: "invalid_request_error",
           422: "invalid_request_error", 500: "internal_error", 503: "cache_unavailable_error",
           504: "timeout_error"}
 
@@ -46,10 +50,37 @@ def _error_response(status: int, message: str, kind: str | None = None) -> JSONR
     return JSONResponse(error_body(status, message, kind), status_code=status, headers=headers)
 
 
+# Faults whose library message may name a path, a store URI or an object key: the client gets
+# the fixed message, the log gets the library's. The first match answers (subclasses first).
+_SERVER_SIDE_FAULTS: tuple[tuple[type[BaseException], int, str], ...] = (
+    (NeedsRebuildError, 409, (
+        "this conversation was built before caches were bound to their model's files; it needs "
+        "a rebuild (python -m jobs.build --force) before it is served")),
+    (ModelMismatchError, 409, (
+        "this conversation was built with another model or encoder, or other files of them, "
+        "than the ones this server runs (the server log names both): rebuild it, or serve the "
+        "model it was built with")),
+    (ChecksumError, 503, (
+        "the episode's cache failed its checksum; not answering from it (the server log names "
+        "the object; jobs.gc --verify lists such faults)")),
+    (CacheCorruptError, 503, (
+        "the episode's cache is not a readable episodic cache; not answering from it (the "
+        "server log names the object)")),
+    (ObjectNotFound, 503, (
+        "a cache object the manifest names is missing from the store (the server log names it)")),
+    (ManifestError, 503, (
+        "this conversation's manifest is unreadable; not answering from it (jobs.gc --verify "
+        "lists such faults)")),
+    (StoreError, 503, "the store is unavailable (the server log has the details): retry later"),
+)
+
+
 def classify(e: BaseException) -> tuple[int, str]:
     """(HTTP status, message) of an error raised while answering."""
     if isinstance(e, ApiError):
         return e.status, e.message
+    if isinstance(e, LimitError):  # the request's own values, bounded
+        return 422, str(e)
     if isinstance(e, RayActorError):  # died or unreachable (ActorDiedError, ActorUnavailable...)
         return 503, ("the decoder replica answering this request died or is unreachable; Serve "
                      "replaces it: retry shortly")
@@ -58,19 +89,14 @@ def classify(e: BaseException) -> tuple[int, str]:
     if isinstance(e, TimeoutError):
         return 504, "the decoder did not answer in time (the server's --decoder-timeout)"
     if isinstance(e, ConversationNotFound):
-        return 404, str(e)
-    if isinstance(e, UnsafeIdError):
+        return 404, (f"conversation {e.conversation_id!r} has no manifest in this store (not "
+                     "built yet?)")
+    if isinstance(e, UnsafeIdError):  # the message quotes the client's own id
         return 400, f"invalid conversation id: {e}"
-    if isinstance(e, ModelMismatchError):
-        return 409, str(e)
-    if isinstance(e, CacheCorruptError):
-        return 503, f"{e}; not answering from it"
-    if isinstance(e, ObjectNotFound):
-        return 503, f"the manifest names a cache object that is missing: {e}"
-    if isinstance(e, ManifestError):  # the store answers; what it holds for this id is bad
-        return 503, f"{e}; not answering from it (jobs.gc --verify lists such faults)"
-    if isinstance(e, StoreError):
-        return 503, f"store unavailable: {e}"
+    for kind, status, message in _SERVER_SIDE_FAULTS:
+        if isinstance(e, kind):
+            log.warning("answered %d for %s: %s", status, type(e).__name__, e)
+            return status, message
     return 500, "internal error while answering (the server log has the details)"
 
 

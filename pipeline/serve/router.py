@@ -7,6 +7,7 @@ import asyncio
 import gc
 import hmac
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from fastapi import FastAPI, Request
 from ray import serve
 from ray.exceptions import RayActorError
 
+from pipeline.answer.limits import LimitError
 from pipeline.answer.routing import (centroid_matrix, check_models, embed_question, load_manifest,
                                      route_question)
 from pipeline.corpus.schema import check_safe_id
@@ -29,6 +31,14 @@ from pipeline.store.manifest import CacheRef, ManifestRecord
 from pipeline.store.uri import open_store
 
 log = logging.getLogger("epicache.serve")
+
+
+def public_name(model: str) -> str:
+    """A model as a client may see it: a local folder by its last component, never its path."""
+    if os.path.isabs(model) or model.startswith(("~", ".")):
+        return os.path.basename(os.path.normpath(model)) or "model"
+    return model
+
 
 app = FastAPI(title="EpiCache decode endpoint", docs_url=None, redoc_url=None)
 add_exception_handlers(app)
@@ -52,6 +62,7 @@ class Router:
 
         self.decoder = decoder
         self.settings = ServeSettings(**settings)
+        self.limits = self.settings.limits
         self.model_name, self.encoder_name = model, encoder
         self.store = open_store(self.settings.store, endpoint_url=self.settings.s3_endpoint,
                                 create=False)
@@ -65,12 +76,15 @@ class Router:
         self._token = token.encode() if token else None
 
     # -- helpers ------------------------------------------------------------------------------
-    def _authorize(self, request: Request) -> None:
+    def _authorized(self, request: Request) -> bool:
         if self._token is None:
-            return
+            return True
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
-                                                                 self._token):
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(),
+                                                                   self._token)
+
+    def _authorize(self, request: Request) -> None:
+        if not self._authorized(request):
             raise ApiError(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
 
     def _load_conversation(self, conversation_id: str) -> _Conversation:
@@ -101,20 +115,21 @@ class Router:
         with self.encoder_lock:
             return embed_question(self.encoder, question)
 
-    def _check_question(self, question: str) -> str:
-        if not question.strip():
-            raise ApiError(422, "the question is empty")
-        if len(question) > self.settings.max_question_chars:
-            raise ApiError(422, f"the question is {len(question)} characters long; the limit is "
-                                f"{self.settings.max_question_chars}")
-        return question
-
-    def _max_new_tokens(self, value: int | None, name: str) -> int:
-        value = self.settings.default_max_new_tokens if value is None else value
-        if not 1 <= value <= self.settings.max_new_tokens_limit:
-            raise ApiError(422, f"field '{name}': must be between 1 and "
-                                f"{self.settings.max_new_tokens_limit}, got {value}")
-        return value
+    def _checked(self, question: str, max_new_tokens: int | None, temperature: float | None,
+                 names: tuple[str, str]) -> tuple[str, int, float]:
+        """The question (its characters: the router has no tokenizer; the decoder counts its
+        tokens), max_new_tokens and temperature, held to the limits `jobs.answer` holds them
+        to (422 naming the field); a field not given takes its default."""
+        max_new_tokens = (self.settings.default_max_new_tokens if max_new_tokens is None
+                          else max_new_tokens)
+        try:
+            self.limits.check_question(question)
+            max_new, temp = self.limits.check_sampling(
+                max_new_tokens, 0.0 if temperature is None else temperature,
+                tuple(f"field '{name}'" for name in names))
+        except LimitError as e:
+            raise ApiError(422, str(e)) from None
+        return question, max_new, temp
 
     async def _route(self, conversation_id: str, question: str) -> tuple[dict, float, dict]:
         """(manifest record, similarity, timings) for a question; manifest lookup counts as
@@ -178,15 +193,20 @@ class Router:
 
     # -- endpoints ----------------------------------------------------------------------------
     @app.get("/healthz")
-    async def healthz(self) -> dict:
+    async def healthz(self, request: Request) -> dict:
+        """Needs no token; without the server's token it says only whether it is healthy."""
         response = self.decoder.stats.remote()
         try:
             stats = await asyncio.wait_for(response, min(30.0, self.settings.decoder_timeout_s))
         except Exception as e:  # no decoder replica answering: not healthy
             response.cancel()
             raise ApiError(*classify(e)) from None
-        return {"status": "ok", "model": self.model_name, "encoder": self.encoder_name,
-                "conversations_loaded": len(self._conversations), "decoder": stats}
+        if not self._authorized(request):
+            return {"status": "ok"}
+        return {"status": "ok", "model": public_name(self.model_name),
+                "encoder": public_name(self.encoder_name),
+                "conversations_loaded": len(self._conversations),
+                "decoder": stats | {"model": public_name(stats["model"])}}
 
     @app.get("/v1/conversations/{conversation_id}")
     async def conversation(self, conversation_id: str, request: Request) -> dict:
@@ -197,8 +217,8 @@ class Router:
             raise ApiError(*classify(e)) from None
         first = conv.records[0]
         return {
-            "conversation_id": conversation_id, "model_id": first.model_id,
-            "encoder_id": first.encoder_id, "config_hash": first.config_hash,
+            "conversation_id": conversation_id, "model_id": public_name(first.model_id),
+            "encoder_id": public_name(first.encoder_id), "config_hash": first.config_hash,
             "scorer": first.scorer, "tokens": first.tokens,
             "episodes_requested": first.episodes_requested,
             "episodes_built": first.episodes_built, "episode_note": first.episode_note,
@@ -214,16 +234,16 @@ class Router:
     @app.post("/v1/conversations/{conversation_id}/answer")
     async def answer(self, conversation_id: str, request: Request) -> dict:
         self._authorize(request)
-        body = await parse_body(request, AnswerRequest)
-        question = self._check_question(body.question)
-        max_new = self._max_new_tokens(body.max_new_tokens, "max_new_tokens")
+        body = await parse_body(request, AnswerRequest, self.settings.max_body_bytes)
+        question, max_new, temperature = self._checked(
+            body.question, body.max_new_tokens, body.temperature, ("max_new_tokens", "temperature"))
         try:
             row, similarity, timings = await self._route(conversation_id, question)
         except ApiError:
             raise
         except Exception as e:
             raise ApiError(*classify(e)) from None
-        result = await self._ask_decoder(row, question, max_new, body.temperature or 0.0)
+        result = await self._ask_decoder(row, question, max_new, temperature)
         timings |= {"fetch": result["fetch_ms"], "decode": result["decode_ms"]}
         return {"conversation_id": conversation_id, "answer": result["answer"],
                 "episode": row.episode, "similarity": round(similarity, 6),
@@ -236,18 +256,17 @@ class Router:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         self._authorize(request)
-        body = await parse_body(request, ChatRequest)
+        body = await parse_body(request, ChatRequest, self.settings.max_body_bytes)
         if body.n not in (None, 1):
             raise ApiError(422, "field 'n': only n=1 is supported")
         users = [m for m in body.messages if m.role == "user"]
         if not users:
             raise ApiError(422, "field 'messages': no message with role 'user' (the last one is "
                                 "the question)")
-        question = self._check_question(openai_chat.message_text(users[-1]))
-        max_new = self._max_new_tokens(
+        question, max_new, temperature = self._checked(
+            openai_chat.message_text(users[-1]),
             body.max_completion_tokens if body.max_completion_tokens is not None
-            else body.max_tokens, "max_tokens")
-        temperature = body.temperature or 0.0
+            else body.max_tokens, body.temperature, ("max_tokens", "temperature"))
         try:
             row, similarity, timings = await self._route(body.conversation_id, question)
         except ApiError:
@@ -256,7 +275,7 @@ class Router:
             raise ApiError(*classify(e)) from None
         meta = {"conversation_id": body.conversation_id, "episode": row.episode,
                 "similarity": round(similarity, 6)}
-        base = openai_chat.completion_base(self.model_name)
+        base = openai_chat.completion_base(public_name(self.model_name))
         if not body.stream:
             result = await self._ask_decoder(row, question, max_new, temperature)
             timings |= {"fetch": result["fetch_ms"], "decode": result["decode_ms"]}

@@ -1,11 +1,12 @@
-"""The request bodies, and `parse_body`: 400 for a body that is not JSON, 422 naming the fields
-that do not fit (the OpenAI chat request is read as OpenAI clients send it)."""
-
-import json
+"""The request bodies, and `parse_body`: the body read under its limits (`body`: 415, 413, 400),
+then 422 naming the fields that do not fit (the OpenAI chat request is read as OpenAI clients
+send it). The ranges of the sampling fields are checked by `AnswerLimits`, as `jobs.answer` and
+the `Answerer` check them."""
 
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
+from pipeline.serve.body import check_media_type, load_json, read_body
 from pipeline.serve.errors import ApiError, describe
 
 
@@ -13,7 +14,7 @@ class AnswerRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     question: StrictStr
     max_new_tokens: StrictInt | None = None
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    temperature: float | None = None
 
 
 class ContentPart(BaseModel):
@@ -35,18 +36,16 @@ class ChatRequest(BaseModel):
     model: StrictStr | None = None
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    temperature: float | None = None
     stream: StrictBool = False
     n: StrictInt | None = None
 
 
-async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
-    """The JSON body as `model`: 400 if it is not JSON, 422 naming the fields if it does not fit."""
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise ApiError(400, f"the request body is not valid JSON ({e})") from None
+async def parse_body(request: Request, model: type[BaseModel], max_bytes: int) -> BaseModel:
+    """The JSON body as `model`: 415 if it is not declared JSON, 413 if it is over `max_bytes`,
+    400 if it is not JSON or nests too deeply, 422 naming the fields if it does not fit."""
+    check_media_type(request.headers.get("content-type"))
+    data = load_json(await read_body(request, max_bytes))
     if not isinstance(data, dict):
         raise ApiError(422, f"the request body must be a JSON object, not {type(data).__name__}")
     try:

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.answer.limits import CHARS_PER_TOKEN, DEFAULT_LIMITS, AnswerLimits
 from pipeline.config_fields import parser_of
 from pipeline.store.s3 import s3_endpoint
 
@@ -64,9 +65,14 @@ class ServeSettings:
     manifest_ttl_s: float = setting(
         5.0, "seconds a manifest is trusted before the store is checked for changes",
         flag="--manifest-ttl")
-    max_question_chars: int = setting(2000, "longest question accepted (longer: 422)")
+    max_question_tokens: int = setting(
+        DEFAULT_LIMITS.max_question_tokens,
+        f"longest question accepted, in the model's tokens (longer: 422; one over "
+        f"{CHARS_PER_TOKEN} characters a token is refused before it is tokenised)")
     max_new_tokens_limit: int = setting(
-        512, "largest max_new_tokens a request may ask for (larger: 422)")
+        DEFAULT_LIMITS.max_new_tokens, "largest max_new_tokens a request may ask for (larger: 422)")
+    max_body_bytes: int = setting(
+        2**20, "largest request body in bytes (larger: 413, refused before it is read whole)")
     default_max_new_tokens: int = setting(
         32, "the answer length when a request names none", cli=False)
     torch_threads: int | None = setting(
@@ -98,17 +104,26 @@ class ServeSettings:
             lo, hi = self.decoder_autoscale
             if not 0 <= lo <= hi or hi < 1:
                 raise ValueError(f"decoder autoscale needs 0 <= min <= max, max >= 1; got {lo}:{hi}")
-        for name in ("router_replicas", "decoder_replicas", "max_question_chars",
+        for name in ("router_replicas", "decoder_replicas", "max_question_tokens",
                      "max_new_tokens_limit", "default_max_new_tokens", "decoder_max_ongoing",
-                     "max_batch", "max_batch_tokens"):
+                     "max_batch", "max_batch_tokens", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.default_max_new_tokens > self.max_new_tokens_limit:
+            raise ValueError(f"default_max_new_tokens ({self.default_max_new_tokens}) is over "
+                             f"max_new_tokens_limit ({self.max_new_tokens_limit})")
         if self.decoder_timeout_s <= 0:
             raise ValueError(f"decoder_timeout_s must be > 0, got {self.decoder_timeout_s}")
         if self.cache_bytes < 0 or self.manifest_ttl_s < 0:
             raise ValueError("cache_bytes and manifest_ttl_s must be >= 0")
         if self.disk_cache_bytes < 0 or self.prefetch_workers < 0:
             raise ValueError("disk_cache_bytes and prefetch_workers must be >= 0")
+
+    @property
+    def limits(self) -> AnswerLimits:
+        """The limits on one answer, as `jobs.answer` and the library's `Answerer` hold them."""
+        return AnswerLimits(max_question_tokens=self.max_question_tokens,
+                            max_new_tokens=self.max_new_tokens_limit)
 
     @classmethod
     def from_strings(cls, args: dict[str, str], **defaults: Any) -> "ServeSettings":

@@ -216,7 +216,7 @@ def _answer(url: str, cid: str, question: str, headers: dict = AUTH, **extra) ->
 
 
 def _stats(url: str) -> dict:
-    return requests.get(f"{url}/healthz", timeout=60).json()["decoder"]
+    return requests.get(f"{url}/healthz", headers=AUTH, timeout=60).json()["decoder"]
 
 
 def _settled_stats(url: str, requested: int = 0, timeout: float = 120.0) -> dict:
@@ -244,9 +244,11 @@ def _questions(conversations, per: int = 2) -> list[tuple[str, str]]:
 def test_app_listens_on_loopback_and_reports_health(local_app):
     url, port = local_app
     assert _listens_on_loopback_only(port)
-    health = requests.get(f"{url}/healthz", timeout=60).json()
+    health = requests.get(f"{url}/healthz", headers=AUTH, timeout=60).json()
     assert health["status"] == "ok" and health["model"] == "SmolLM2-135M-Instruct"
     assert health["encoder"] == "all-MiniLM-L6-v2" and health["decoder"]["max_bytes"] == 256 * 2**20
+    # without the token: whether it is healthy, and nothing more
+    assert requests.get(f"{url}/healthz", timeout=60).json() == {"status": "ok"}
 
 
 @e2e
@@ -369,21 +371,32 @@ def test_error_statuses_and_messages(local_app, built):
         assert "Traceback" not in r.text
         return r.json()["error"]["message"]
 
-    assert "no manifest" in error(_answer(url, "unknown-0000", "Who?"), 404)
-    assert "no manifest" in error(requests.get(f"{url}/v1/conversations/unknown-0000",
-                                               headers=AUTH, timeout=60), 404)
+    store_dir = str(built[1])
+    for r in (_answer(url, "unknown-0000", "Who?"),
+              requests.get(f"{url}/v1/conversations/unknown-0000", headers=AUTH, timeout=60)):
+        message = error(r, 404)
+        assert "no manifest in this store" in message and store_dir not in r.text
     assert "invalid conversation id" in error(_answer(url, "a..b", "Who?"), 400)
-    assert "not valid JSON" in error(requests.post(post, headers=AUTH, data='{"question": ',
-                                                   timeout=60), 400)
+    assert "not valid JSON" in error(requests.post(
+        post, headers=AUTH | {"Content-Type": "application/json"}, data='{"question": ',
+        timeout=60), 400)
     assert "field 'question'" in error(requests.post(post, headers=AUTH, json={}, timeout=60), 422)
     assert "field 'question'" in error(requests.post(post, headers=AUTH, json={"question": 3},
                                                      timeout=60), 422)
     assert "must be a JSON object" in error(requests.post(post, headers=AUTH, json=["q"],
                                                           timeout=60), 422)
     assert "empty" in error(_answer(url, cid, "   "), 422)
-    assert "limit is 2000" in error(_answer(url, cid, "why " * 600), 422)
+    assert "the limit is 4,096 characters" in error(_answer(url, cid, "why " * 1100), 422)
+    assert "the limit is 512 tokens" in error(_answer(url, cid, "why " * 1000), 422)  # decoder's
+    assert "the limit is 512 tokens" in error(requests.post(  # streamed: a status, not a stream
+        f"{url}/v1/chat/completions", headers=AUTH, timeout=60, json={
+            "conversation_id": cid, "stream": True,
+            "messages": [{"role": "user", "content": "why " * 1000}]}), 422)
     assert "max_new_tokens" in error(_answer(url, cid, "Who?", max_new_tokens=0), 422)
     assert "temperature" in error(_answer(url, cid, "Who?", temperature=-1), 422)
+    assert "not valid JSON" in error(requests.post(  # NaN is not JSON
+        post, headers=AUTH | {"Content-Type": "application/json"}, timeout=60,
+        data='{"question": "Who?", "temperature": NaN}'), 400)
     chat = f"{url}/v1/chat/completions"
     assert "conversation_id" in error(requests.post(chat, headers=AUTH, timeout=60, json={
         "messages": [{"role": "user", "content": "Who?"}]}), 422)
@@ -394,15 +407,47 @@ def test_error_statuses_and_messages(local_app, built):
     r = _answer(url, cid, "Who?", headers={"Authorization": "Bearer wrong"})
     assert "bearer token" in error(r, 401) and r.headers["www-authenticate"] == "Bearer"
     assert error(requests.post(post, data="{", timeout=60), 401)  # auth before parsing
-    # a cache failing its checksum: 503 naming the object, on both endpoints, never an answer
+    # a cache failing its checksum: 503 on both endpoints, never an answer, and the object's
+    # key and the store's path only in the server's log
     message = error(_answer(url, "broken-0000", "What did they cook?"), 503)
-    assert "failed its checksum" in message and any(k in message for k in broken_keys)
+    assert "failed its checksum" in message and not any(k in message for k in broken_keys)
     r = requests.post(chat, headers=AUTH, timeout=60, json={
         "conversation_id": "broken-0000", "stream": True,
         "messages": [{"role": "user", "content": "Where did they go hiking?"}]})
     message = error(r, 503)
-    assert "failed its checksum" in message and any(k in message for k in broken_keys)
+    assert "failed its checksum" in message and not any(k in message for k in broken_keys)
+    assert store_dir not in message
     assert _answer(url, cid, "Who?").status_code == 200  # and the app still answers
+
+
+@e2e
+def test_bodies_are_bounded_before_they_are_read(local_app, built):
+    """Through Serve's proxy to the router: a 100 MB body is a 413 after its first 64 KiB (its
+    Content-Length), a chunked one once its bytes pass the limit (no end ever sent); 100,000
+    nested brackets a 400; a JSON body sent as text/plain (what a web page can send cross-site
+    without asking) a 415, on both POST endpoints."""
+    from tests.support import raw_http
+
+    url, port = local_app
+    cid = built[2][0].conversation_id
+    path = f"/v1/conversations/{cid}/answer"
+    json_auth = AUTH | {"Content-Type": "application/json"}
+    status, text = raw_http.request(port, path, json_auth | {"Content-Length": str(10**8)},
+                                    [b" " * 65536], timeout=60)
+    assert status == 413 and "bytes" in json.loads(text)["error"]["message"]
+    status, _ = raw_http.request(port, path, json_auth | {"Transfer-Encoding": "chunked"},
+                                 raw_http.chunked([b" " * 65536] * 17), timeout=60)
+    assert status == 413
+    r = requests.post(f"{url}{path}", headers=json_auth, data="[" * 100_000, timeout=60)
+    assert r.status_code == 400 and "deeper than" in r.json()["error"]["message"]
+    for endpoint, body in ((path, {"question": "Who?"}), ("/v1/chat/completions", {
+            "conversation_id": cid, "messages": [{"role": "user", "content": "Who?"}]})):
+        r = requests.post(f"{url}{endpoint}", headers=AUTH | {"Content-Type": "text/plain"},
+                          data=json.dumps(body), timeout=60)
+        assert r.status_code == 415, r.text
+        r = requests.post(f"{url}{endpoint}", timeout=300, data=json.dumps(body), headers=AUTH | {
+            "Content-Type": "application/json; charset=utf-8"})
+        assert r.status_code == 200, r.text
 
 
 @e2e
@@ -416,7 +461,7 @@ def test_model_mismatch_is_an_error(local_app, built):
             for row in read_manifest(store, "synth-0000")]
     write_manifest(store, "other-model-0000", rows)
     r = _answer(url, "other-model-0000", "Who?")
-    assert r.status_code == 409 and "SomeOtherModel-1B" in r.json()["error"]["message"]
+    assert r.status_code == 409 and "another model" in r.json()["error"]["message"]
 
 
 @e2e
@@ -428,9 +473,9 @@ def test_caches_of_other_model_files_or_without_fingerprints_are_409s(local_app,
     url, _ = local_app
     store = LocalStore(built[1])
     for cid, change, says in (("other-files-0000", {"model_fingerprint": "0123456789abcdef"},
-                               "other files of model"),
+                               "other files of them"),
                               ("other-encoder-0000", {"encoder_fingerprint": "0123456789abcdef"},
-                               "other files of encoder"),
+                               "other files of them"),
                               ("unbound-0000", {"model_fingerprint": None,
                                                 "encoder_fingerprint": None},
                                "needs a rebuild")):
@@ -599,7 +644,7 @@ def test_s3_app_answers_like_the_library_and_streams(s3_app, built, s3_env):
     assert _answer(url, cid, "Who?", headers={}).status_code == 401  # token from the env
     r = _answer(url, "broken-0000", "What did they cook?")
     assert r.status_code == 503 and "failed its checksum" in r.json()["error"]["message"]
-    assert "caches/broken-0000/" in r.json()["error"]["message"]
+    assert "caches/broken-0000/" not in r.text and uri not in r.text
 
 
 @e2e

@@ -52,6 +52,10 @@ LAZY = {
     ("jobs.screen", "pipeline.kv.models"),
     # Only `jobs.manifests --check-models` reads model files; listing a store needs no torch.
     ("jobs.manifests", "pipeline.kv.models"),
+    # Start-up time: `jobs.answer` refuses a bad argument (a question over the limits included)
+    # before torch, transformers and pyarrow load.
+    ("jobs.answer", "pipeline.answer.answerer"), ("jobs.answer", "pipeline.answer.routing"),
+    ("jobs.answer", "pipeline.kv.models"), ("jobs.answer", "pipeline.store.cache_format"),
 }
 
 MAX_FILE_LINES = 500  # in pipeline/ and jobs/

@@ -265,9 +265,12 @@ def test_a_failing_request_fails_alone_and_sampling_uses_its_own_generator(lm_an
 
 
 def _job(batcher, cache, question, n, temperature=0.0):
+    """A job as `submit` makes it (its prompt tokenised), queued by the caller."""
     from pipeline.answer.batcher import DecodeJob
+    from pipeline.kv import prompts
 
-    return DecodeJob(cache, question, n, temperature)
+    return DecodeJob(cache, question, n, temperature,
+                     next_ids=prompts.question_ids(batcher.lm.tokenizer, question))
 
 
 @pytest.mark.e2e

@@ -1,0 +1,90 @@
+"""The limits on one answer, one object shared by `jobs.answer`, the library's `Answerer` and
+the server, so that a request is refused alike wherever it comes from.
+
+A question is bounded in tokens, but counting tokens means tokenising, and tokenising unbounded
+text costs unbounded time and memory (a 100,000-character question once grew a process to
+23.6 GB). So a question is first held to a character bound derived from the token limit
+(`CHARS_PER_TOKEN` per token, about twice what prose takes), untouched by any tokenizer; only
+then are its tokens counted (`pipeline.answer.decode.question_prompt`). With the answer length
+and the model's positions bounded too, the memory of one request is bounded (docs/serving.md,
+"Limits"). Nothing here imports torch: a command checks its arguments before loading a model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+CHARS_PER_TOKEN = 8  # English prose takes about 4 characters a token
+
+
+class LimitError(ValueError):
+    """A request over a limit, or with a parameter out of its range (422 over HTTP)."""
+
+
+@dataclass(frozen=True)
+class AnswerLimits:
+    """The largest question (tokens), the largest answer (new tokens) and the temperatures
+    accepted; `max_question_chars` follows from the first."""
+    max_question_tokens: int = 512
+    max_new_tokens: int = 512
+    max_temperature: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_question_tokens", "max_new_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not (math.isfinite(self.max_temperature) and self.max_temperature >= 0):
+            raise ValueError(f"max_temperature must be finite and >= 0, got {self.max_temperature}")
+
+    @property
+    def max_question_chars(self) -> int:
+        """The character bound checked before a question is tokenised."""
+        return self.max_question_tokens * CHARS_PER_TOKEN
+
+    def check_question(self, question: object) -> str:
+        """The question, if it is non-blank text within the character bound (no tokenizer)."""
+        if not isinstance(question, str) or not question.strip():
+            raise LimitError("the question is empty")
+        if len(question) > self.max_question_chars:
+            raise LimitError(f"the question is {len(question):,} characters long; the limit is "
+                             f"{self.max_question_chars:,} characters "
+                             f"({self.max_question_tokens} tokens)")
+        return question
+
+    def check_question_tokens(self, tokens: int) -> None:
+        """The exact bound, once the (character-bounded) question is tokenised."""
+        if tokens > self.max_question_tokens:
+            raise LimitError(f"the question is {tokens} tokens long; the limit is "
+                             f"{self.max_question_tokens} tokens")
+
+    def check_sampling(self, max_new_tokens: object, temperature: object,
+                       names: tuple[str, str] = ("max_new_tokens", "temperature"),
+                       ) -> tuple[int, float]:
+        """(max_new_tokens, temperature) if both are in range; `names` are what the caller
+        calls them (a field, an option) in the message."""
+        new_name, temperature_name = names
+        if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
+                or not 1 <= max_new_tokens <= self.max_new_tokens):
+            raise LimitError(f"{new_name} must be an integer from 1 to {self.max_new_tokens}, "
+                             f"got {max_new_tokens!r}")
+        value = temperature if isinstance(temperature, (int, float)) else math.nan
+        if isinstance(temperature, bool) or not 0.0 <= value <= self.max_temperature:  # nan too
+            raise LimitError(f"{temperature_name} must be a number from 0 (greedy) to "
+                             f"{self.max_temperature:g}, got {temperature!r}")
+        return max_new_tokens, float(value)
+
+
+DEFAULT_LIMITS = AnswerLimits()
+
+
+def check_positions(cache_positions: int, prompt_tokens: int, max_new_tokens: int,
+                    max_positions: int | None) -> None:
+    """The cached history, the prompt and the answer must fit the positions the model was
+    trained on (`max_position_embeddings`; None: no bound known)."""
+    needed = cache_positions + prompt_tokens + max_new_tokens
+    if max_positions is not None and needed > max_positions:
+        raise LimitError(f"the answer needs {needed} positions ({cache_positions} cached, "
+                         f"{prompt_tokens} of prompt, {max_new_tokens} new tokens); the model "
+                         f"has {max_positions}")
