@@ -90,7 +90,8 @@ def test_other_weights_in_the_folder_are_refused_then_rebuilt(ray_local, setup, 
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "other files of model" in err and "rebuild" in err
     reply = _decoder_answer(store_dir, str(llm))
-    assert reply["error"]["status"] == 409 and fingerprint in reply["error"]["message"]
+    assert reply["error"]["status"] == 409 and "other files of them" in reply["error"]["message"]
+    assert str(llm) not in reply["error"]["message"]  # a client is not shown the server's paths
 
     again = _build(corpus, store_dir, config)
     assert (again.built, again.skipped) == (1, 0)  # rebuilt, not skipped
