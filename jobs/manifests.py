@@ -25,6 +25,7 @@ import csv
 import json
 import sys
 
+from pipeline.cli.numbers import non_negative
 from pipeline.cli.options import add_store_options
 from pipeline.cli.parser import make_parser
 from pipeline.corpus.schema import UnsafeIdError
@@ -92,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "(creates it from the manifests where there is none)")
     action.add_argument("--rebuild", action="store_true",
                         help="recreate the table from every per-conversation manifest")
-    p.add_argument("--retain-hours", type=float, default=168.0,
+    p.add_argument("--retain-hours", type=non_negative, default=168.0,
                    help="--compact: keep the files older table versions need for this long")
     return p
 

@@ -4,7 +4,7 @@ starts, the store opened, Ray joined, the driver run, and every skipped record r
 The corpus is read up to its first conversation (its first object checked whole) before the
 store is opened (a local one would be created) and before Ray and the model start: a bad or
 empty corpus fails in seconds and writes nothing. Later objects are checked each before its own
-conversations are scheduled. Skips go to `<store>/reports/<UTC time>-<pid>/skipped.jsonl` (a
+conversations are scheduled. Skips (even where every record is skipped) go to `<store>/reports/<UTC time>-<pid>/skipped.jsonl` (a
 folder per run: no run overwrites another's report) and the first 20 to stderr.
 """
 
@@ -24,6 +24,7 @@ from pipeline.build.driver import Summary, run_build
 from pipeline.build.sources import corpus_objects
 from pipeline.corpus.reader import SKIP_REPORT, CorpusStream, OnBadRecord, ReadStats
 from pipeline.corpus.records import DEFAULT_LIMITS, CorpusLimits
+from pipeline.corpus.schema import CorpusError
 from pipeline.ray_runtime import init_ray
 from pipeline.store.base import Store
 from pipeline.store.uri import open_store
@@ -91,12 +92,20 @@ def run_job(job: BuildJob, config: BuildConfig, options: DriverOptions = DriverO
         stats = ReadStats(keep=SKIPS_SHOWN, sink=to_report)
         corpus = CorpusStream(corpus_objects(job.corpus, job.s3_endpoint), job.on_bad_record,
                               stats, job.limits, where=job.corpus)
-        corpus.prime()
+        unusable = None
+        try:
+            corpus.prime()
+        except CorpusError as e:
+            if not stats.total_skipped:  # nothing skipped, nothing to report: nothing written
+                raise
+            unusable = e  # every record skipped: reported below, as any skips are, then raised
         shown = print_skips(stats, 0, err)
         store = open_store(job.store, endpoint_url=job.s3_endpoint, region=job.s3_region)
         key = skip_report_key()
         if put_skip_report(store, report, key):
             print(f"skip report: {store.uri}/{key}", file=err)
+        if unusable is not None:
+            raise unusable
         init_ray(job.ray_address)
         reported = stats.total_skipped
         try:
