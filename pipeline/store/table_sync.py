@@ -109,8 +109,8 @@ def mismatches(store: Store, rows: Sequence[dict], whole: bool = True) -> dict[s
     rows are all of a conversation's (no filter narrowed them), so an episode the manifest has
     and the table lacks is a mismatch too. One manifest GET per conversation (a few threads)."""
     table_side: dict[str, dict[int, dict]] = defaultdict(dict)
-    for row in rows:
-        table_side[row["conversation_id"]][row["episode"]] = row
+    for record in map(ManifestRecord.from_row, rows):
+        table_side[record.conversation_id][record.episode] = table_row(record)
     found: dict[str, str] = {}
     for cid, got in _read_many(store, list(table_side)):
         where = f"manifest {manifest_key(cid)!r} in store {store.uri}"
@@ -121,7 +121,8 @@ def mismatches(store: Store, rows: Sequence[dict], whole: bool = True) -> dict[s
             found[cid] = f"{where} is gone, but the manifest table lists conversation {cid!r}"
             continue
         # through the table's Arrow types, as the rows read back from it went
-        manifest = {r["episode"]: r for r in table_rows(map(table_row, got)).to_pylist()}
+        typed = map(ManifestRecord.from_row, table_rows(map(table_row, got)).to_pylist())
+        manifest = {r.episode: table_row(r) for r in typed}
         listed = table_side[cid]
         differ = sorted(e for e, r in listed.items() if manifest.get(e) != r)
         differ += sorted(set(manifest) - set(listed)) if whole else []
