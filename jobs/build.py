@@ -25,9 +25,9 @@ import time
 from pipeline.build.config import BuildConfig
 from pipeline.build.job import BuildError, BuildJob, configure_logging, open_job, print_outcome
 from pipeline.cli.options import (BUILD_OPTIONS, add_corpus_options, add_driver_options,
-                                  add_options, add_store_options, build_config_from_args,
-                                  driver_options_from_args, limits_from_args)
-from pipeline.cli.parser import make_parser
+                                  add_options, build_config_from_args, driver_options_from_args,
+                                  limits_from_args)
+from pipeline.cli.parser import add_store_options, make_parser
 from pipeline.corpus.schema import CorpusError
 from pipeline.kv.errors import ModelNotFoundError
 from pipeline.store.base import StoreError

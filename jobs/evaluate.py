@@ -26,8 +26,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import IO
 
 from pipeline.build.config import BuildConfig
+from pipeline.cli.numbers import positive_int
 from pipeline.cli.options import (SHARED_BUILD_OPTIONS, add_corpus_options, add_options,
                                   eval_build_config_from_args, limits_from_args)
 from pipeline.cli.parser import make_parser
@@ -50,16 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated budgets, one cell each; a budget is the mean entries "
                         "kept per layer and KV head (tri-state variants: the bytes of that many "
                         "Original float16 entries)")
-    p.add_argument("--questions-per-conversation", type=int, default=None,
+    p.add_argument("--questions-per-conversation", type=positive_int, default=None,
                    help="the first N questions of each conversation (default: all)")
-    p.add_argument("--limit-conversations", type=int, default=None,
+    p.add_argument("--limit-conversations", type=positive_int, default=None,
                    help="the first N conversations (default: all)")
     p.add_argument("--conversations", default=None,
                    help="comma-separated conversation ids to evaluate (LoCoMo's locomo-26 may be "
                         "given as 26); default: all")
     p.add_argument("--f1", action="store_true",
                    help="also generate answers and score F1 (slow; at the floor for a 135M model)")
-    p.add_argument("--max-new-tokens", type=int, default=EvalConfig.max_new_tokens,
+    p.add_argument("--max-new-tokens", type=positive_int, default=EvalConfig.max_new_tokens,
                    help="answer length with --f1")
     add_options(p, SHARED_BUILD_OPTIONS, BuildConfig())
     add_corpus_options(p)
@@ -75,7 +77,10 @@ def methods_and_budgets(a: argparse.Namespace) -> tuple[list[str], list[int]]:
             parse_method(m)
         except ValueError:
             unknown.add(m)
-    budgets = [int(b) for b in a.budgets.split(",") if b.strip()]
+    try:
+        budgets = [int(b) for b in a.budgets.split(",") if b.strip()]
+    except ValueError:
+        raise ValueError(f"--budgets takes comma-separated integers, got {a.budgets!r}") from None
     if unknown or not methods or not budgets or min(budgets) < 1:
         raise ValueError(f"unknown methods {sorted(unknown)}" if unknown else
                          "need at least one method and positive budgets")
@@ -87,17 +92,27 @@ def read_corpus(a: argparse.Namespace, out: Path) -> tuple[list[Conversation], R
     before Ray starts; the run's skips go to `out/skipped.jsonl`, beside its summary."""
     with tempfile.TemporaryFile("w+", encoding="utf-8") as report:
         limits = limits_from_args(a)
-        read = check_corpus(a.corpus, a.on_bad_record, limits, report)
+        try:
+            read = check_corpus(a.corpus, a.on_bad_record, limits, report)
+        except CorpusError:
+            if report.tell():  # every record skipped: the reasons are reported all the same
+                write_skip_report(report, out)
+            raise
         convs = list(iter_corpus(a.corpus, a.on_bad_record, ReadStats(keep=0), limits))
         if a.conversations:
             convs = select_conversations(convs, a.conversations, a.corpus)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / SKIP_REPORT).unlink(missing_ok=True)  # no stale report from an earlier run
-        if report.tell():
-            report.seek(0)
-            (out / SKIP_REPORT).write_text(report.read(), encoding="utf-8")
-            print(f"skip report: {out / SKIP_REPORT}", file=sys.stderr)
+        write_skip_report(report, out)
     return convs[:a.limit_conversations], read
+
+
+def write_skip_report(report: IO[str], out: Path) -> None:
+    """`out/skipped.jsonl` from the run's spooled skips; none removes an earlier run's."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / SKIP_REPORT).unlink(missing_ok=True)
+    if report.tell():
+        report.seek(0)
+        (out / SKIP_REPORT).write_text(report.read(), encoding="utf-8")
+        print(f"skip report: {out / SKIP_REPORT}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

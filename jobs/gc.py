@@ -25,8 +25,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipeline.cli.options import add_store_options
-from pipeline.cli.parser import make_parser
+from pipeline.cli.numbers import non_negative
+from pipeline.cli.parser import add_store_options, make_parser
 from pipeline.store.base import StoreError
 from pipeline.store.garbage import FAULT_KINDS, find_garbage, remove
 from pipeline.store.uri import open_store
@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="read every object a manifest names and check its size and SHA-256")
     p.add_argument("--delete", action="store_true", help="remove the orphans and unfinished "
                    "writes listed (never a manifest or an object a manifest names)")
-    p.add_argument("--min-age-seconds", type=float, default=3600.0,
+    p.add_argument("--min-age-seconds", type=non_negative, default=3600.0,
                    help="leave anything younger alone (a build may be writing it)")
     return p
 

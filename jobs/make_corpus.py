@@ -8,8 +8,10 @@ builds, benchmarks and evaluations can run at any scale without a real data set.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
+from pipeline.cli.numbers import positive_int
 from pipeline.cli.parser import make_parser
 from pipeline.corpus.reader import write_jsonl
 from pipeline.corpus.render import render_conversation
@@ -19,13 +21,13 @@ from pipeline.corpus.synthetic import TOPICS, estimate_tokens, make_corpus
 def build_parser() -> argparse.ArgumentParser:
     p = make_parser("jobs.make_corpus", __doc__)
     p.add_argument("--out", type=Path, required=True, help="the JSONL file to write")
-    p.add_argument("--conversations", type=int, required=True, metavar="N",
+    p.add_argument("--conversations", type=positive_int, required=True, metavar="N",
                    help="how many conversations")
-    p.add_argument("--target-tokens", type=int, required=True, metavar="T",
+    p.add_argument("--target-tokens", type=positive_int, required=True, metavar="T",
                    help="length of each conversation, in estimated tokens (chars/4)")
     p.add_argument("--seed", type=int, default=0, metavar="S",
                    help="the same seed always writes the same corpus")
-    p.add_argument("--topics", type=int, default=4, metavar="K",
+    p.add_argument("--topics", type=positive_int, default=4, metavar="K",
                    help=f"topics per conversation, 1-{len(TOPICS)}")
     return p
 
@@ -33,16 +35,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.conversations < 1:
-        parser.error("--conversations must be at least 1")
-    if args.target_tokens < 1:
-        parser.error("--target-tokens must be at least 1")
-    if not 1 <= args.topics <= len(TOPICS):
+    if args.topics > len(TOPICS):
         parser.error(f"--topics must be between 1 and {len(TOPICS)}")
 
     conversations = make_corpus(args.conversations, args.target_tokens, args.seed, args.topics)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_jsonl(conversations, args.out)
+    try:  # whole or not at all: a full disk leaves no half-written corpus
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        write_jsonl(conversations, args.out)
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename and str(e.filename) != str(args.out) else ""
+        print(f"error: cannot write {args.out}: {e.strerror or e}{where}", file=sys.stderr)
+        return 2
 
     tokens = sum(estimate_tokens(render_conversation(c).text) for c in conversations)
     questions = sum(len(c.questions) for c in conversations)

@@ -6,9 +6,11 @@
     python -m jobs.manifests --store ... --compact | --rebuild
 
 It reads the store's manifest table (`<store>/index/episodes`, Delta Lake, kept by every build)
-when there is one, and ends with the totals of episodes, conversations, tokens and bytes;
-without one (or with --manifests) it reads the per-conversation manifests, as stores built
-before the table were read. --sql runs a DuckDB query over the table, which is the view
+when there is one, checks each listed conversation's rows against its manifest (a manifest
+truncated, replaced or removed since is named on stderr, its rows left out, exit code 2), and
+ends with the totals of episodes, conversations, tokens and bytes (--totals: those alone, from
+the table, no manifest read); without one (or with --manifests) it reads the per-conversation
+manifests, as stores built before the table were read. --sql runs a DuckDB query over the table, which is the view
 `episodes` (the query reads nothing else: no files, no network). --compact brings the table up
 to date with manifests an interrupted build committed, rewrites it sorted by conversation and
 removes old files; --rebuild recreates it from the manifests. Run those two when no build is
@@ -29,23 +31,22 @@ import argparse
 import csv
 import json
 import sys
+from collections.abc import Iterable, Iterator
 
-from pipeline.cli.options import add_store_options
-from pipeline.cli.parser import make_parser
+import pyarrow as pa
+
+from pipeline.cli.numbers import non_negative
+from pipeline.cli.parser import add_store_options, make_parser
 from pipeline.corpus.schema import UnsafeIdError
 from pipeline.store import table_sync
 from pipeline.store.base import Store, StoreError
 from pipeline.store.manifest import ManifestError, ManifestRecord, list_conversations, read_manifest
 from pipeline.store.table import PENDING_PREFIX, TABLE_SCHEMA, ManifestTable
 from pipeline.store.table_query import connect, select, totals
-from pipeline.store.table_sync import repair
+from pipeline.store.table_sync import mismatches, repair
 from pipeline.store.uri import open_store
 
 _COLUMNS = ("episode", "tokens", "build_seconds", "kv_bytes", "object_bytes", "n_windows")
-# What the table view shows per episode (the per-layer columns live in the manifests only).
-_TABLE_COLUMNS = ("conversation_id", "episode", "tokens", "build_seconds", "kv_bytes",
-                  "object_bytes", "scorer", "config_hash", "model_id", "encoder_id",
-                  "model_fingerprint", "encoder_fingerprint", "episode_note")
 
 
 def summarise(record: ManifestRecord) -> dict:
@@ -145,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one JSON object per episode (or per --sql result row), not a table")
     p.add_argument("--totals", action="store_true",
                    help="from the table: print only the totals line (episodes, conversations, "
-                        "tokens, bytes), not one line per episode")
+                        "tokens, bytes), not one line per episode (the table alone: no manifest "
+                        "is read, where a listing checks each conversation against its "
+                        "manifest)")
     p.add_argument("--manifests", action="store_true",
                    help="read the per-conversation manifests even where the store has a table "
                         "(they also hold the per-layer budgets and peaks)")
@@ -163,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fingerprint the models' files as they are here now and flag the "
                         "episodes built with other files as stale (default: show the recorded "
                         "fingerprints only)")
-    p.add_argument("--retain-hours", type=float, default=168.0,
+    p.add_argument("--retain-hours", type=non_negative, default=168.0,
                    help="--compact: keep the files older table versions need for this long")
     return p
 
@@ -231,37 +234,77 @@ def from_manifests(store: Store, filters: dict, as_json: bool, files: ModelFiles
 
 def from_table(store: Store, table: ManifestTable, filters: dict, as_json: bool,
                only_totals: bool, files: ModelFiles) -> int:
-    """The table's rows (streamed), then the totals; warns when a build left rows pending."""
-    if pending := len(store.list(PENDING_PREFIX)):
-        print(f"warning: {pending} conversation(s) committed since the table's last append (an "
-              "interrupted build): `python -m jobs.manifests --compact` brings it up to date",
+    """The table's rows (streamed), each conversation's shown once its manifest was read and
+    found to match them, then the totals (from the table alone); a conversation whose manifest
+    does not back its rows is left out and named on stderr (exit code 2). Warns when a build
+    left rows pending."""
+    pending = {k.removeprefix(PENDING_PREFIX) for k in store.list(PENDING_PREFIX)}
+    if pending:
+        print(f"warning: {len(pending)} conversation(s) committed since the table's last append "
+              "(an interrupted build): `python -m jobs.manifests --compact` brings it up to date",
               file=sys.stderr)
+    faults: dict[str, str] = {}
     if not only_totals:
-        columns = TABLE_SCHEMA.names if as_json else _TABLE_COLUMNS
         if not as_json:
             print(f"{'conversation':<16} {'ep':>2} {'tokens':>7} {'build s':>8} {'KV MiB':>7} "
                   f"{'obj MiB':>7} {'scorer':<12} {'config':<16} {'model files':<22} note")
-        for batch in select(table, columns, **filters):
-            for r in batch.to_pylist():
-                files.mark(r)
-                if as_json:
-                    print(files.json(r))
-                    continue
-                print(f"{r['conversation_id']:<16} {_cell(r['episode'], '>2')} "
-                      f"{_cell(r['tokens'], '>7')} {_cell(r['build_seconds'], '>8.1f')} "
-                      f"{_cell(_mib(r['kv_bytes']), '>7.2f')} "
-                      f"{_cell(_mib(r['object_bytes']), '>7.2f')} {_cell(r['scorer'], '<12')} "
-                      f"{_cell(r['config_hash'], '<16')} {r['model_files']:<22} "
-                      f"{r['episode_note'] or ''}")
+        whole = not (filters["config_hashes"] or filters["models"])
+        rows = select(table, TABLE_SCHEMA.names, **filters)
+        for r in checked_rows(store, rows, pending, whole, faults):
+            files.mark(r)
+            print(files.json(r) if as_json else _table_line(r))
+    for reason in faults.values():
+        print(f"error: {reason}", file=sys.stderr)
+    if faults:
+        print(f"error: {len(faults)} conversation(s) of the table left out: "
+              "`python -m jobs.manifests --rebuild` recreates the table from the manifests, and a "
+              "build replaces a corrupt manifest", file=sys.stderr)
     t = totals(table, **filters)
     if as_json:
         if only_totals:
             print(json.dumps({"totals": t.__dict__}))
-        return 0
+        return 2 if faults else 0
+    checked = ("manifests not read (a listing without --totals checks them)" if only_totals else
+               "every conversation listed checked against its manifest"
+               + (f" ({len(pending)} pending: not checked)" if pending else ""))
     print(f"total: {t.episodes:,} episodes of {t.conversations:,} conversations; "
           f"{t.tokens:,} tokens; objects {t.object_bytes / 2**30:.3f} GiB "
-          f"({t.object_bytes:,} bytes); KV {t.kv_bytes / 2**30:.3f} GiB; table {table.uri}")
-    return 0
+          f"({t.object_bytes:,} bytes); KV {t.kv_bytes / 2**30:.3f} GiB; table {table.uri}; "
+          f"{checked}")
+    return 2 if faults else 0
+
+
+_CHECK_CHUNK = 1_000  # conversations checked against their manifests at a time
+
+
+def checked_rows(store: Store, batches: Iterable[pa.RecordBatch], pending: set[str], whole: bool,
+                 faults: dict[str, str]) -> Iterator[dict]:
+    """The rows of `batches` (sorted by conversation), `_CHECK_CHUNK` conversations at a time,
+    those whose manifest does not back them left out and their reasons put in `faults`. A
+    pending conversation is passed unchecked: the table is known to lag its manifest."""
+    chunk: list[dict] = []
+    ids: set[str] = set()
+
+    def sound() -> list[dict]:
+        found = mismatches(store, [r for r in chunk if r["conversation_id"] not in pending], whole)
+        faults.update(found)
+        return [r for r in chunk if r["conversation_id"] not in found]
+
+    for batch in batches:
+        for row in batch.to_pylist():
+            if len(ids) >= _CHECK_CHUNK and row["conversation_id"] not in ids:
+                yield from sound()
+                chunk, ids = [], set()
+            chunk.append(row)
+            ids.add(row["conversation_id"])
+    yield from sound()
+
+
+def _table_line(r: dict) -> str:
+    return (f"{r['conversation_id']:<16} {_cell(r['episode'], '>2')} {_cell(r['tokens'], '>7')} "
+            f"{_cell(r['build_seconds'], '>8.1f')} {_cell(_mib(r['kv_bytes']), '>7.2f')} "
+            f"{_cell(_mib(r['object_bytes']), '>7.2f')} {_cell(r['scorer'], '<12')} "
+            f"{_cell(r['config_hash'], '<16')} {r['model_files']:<22} {r['episode_note'] or ''}")
 
 
 def run_sql(table: ManifestTable, query: str, as_json: bool) -> int:

@@ -6,8 +6,8 @@ store is opened (a local one would be created) and before Ray and the model star
 empty corpus fails in well under a second and writes nothing, since this module imports
 neither torch nor Ray (`pipeline.build.driver.run_job` runs the build once `open_job` has
 checked its input). Later objects are checked each before its own conversations are scheduled.
-Skips go to `<store>/reports/<UTC time>-<pid>/skipped.jsonl` (a folder per run: no run
-overwrites another's report) and the first 20 to stderr.
+Skips (even where every record is skipped) go to `<store>/reports/<UTC time>-<pid>/skipped.jsonl`
+(a folder per run: no run overwrites another's report) and the first 20 to stderr.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import IO
 from pipeline.build.sources import corpus_objects
 from pipeline.corpus.reader import SKIP_REPORT, CorpusStream, OnBadRecord, ReadStats
 from pipeline.corpus.records import DEFAULT_LIMITS, CorpusLimits
+from pipeline.corpus.schema import CorpusError
 from pipeline.store.base import Store
 from pipeline.store.uri import open_store
 
@@ -141,12 +142,20 @@ def open_job(job: BuildJob, err: IO[str] | None = None) -> Iterator[OpenedJob]:
         stats = ReadStats(keep=SKIPS_SHOWN, sink=to_report)
         corpus = CorpusStream(corpus_objects(job.corpus, job.s3_endpoint), job.on_bad_record,
                               stats, job.limits, where=job.corpus)
-        corpus.prime()
+        unusable = None
+        try:
+            corpus.prime()
+        except CorpusError as e:
+            if not stats.total_skipped:  # nothing skipped, nothing to report: nothing written
+                raise
+            unusable = e  # every record skipped: reported below, as any skips are, then raised
         shown = print_skips(stats, 0, err)
         store = open_store(job.store, endpoint_url=job.s3_endpoint, region=job.s3_region)
         key = skip_report_key()
         if put_skip_report(store, report, key):
             print(f"skip report: {store.uri}/{key}", file=err)
+        if unusable is not None:
+            raise unusable
         reported = stats.total_skipped
         try:
             yield OpenedJob(job, corpus, store)

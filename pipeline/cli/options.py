@@ -13,10 +13,10 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 from pipeline.build.config import STORE_DTYPES, BuildConfig, DriverOptions
-from pipeline.cli.parser import add_store_options  # noqa: F401 - where jobs import it from
+from pipeline.cli.numbers import count, finite, non_negative, positive_int
 from pipeline.config_fields import choices_of, get_path, parser_of, replace_path
 from pipeline.configs import (ALLOCATOR_NAMES, SCORER_NAMES, MergeConfig, ScoringConfig,
                               TriStateConfig)
@@ -33,7 +33,9 @@ class FieldOption:
 
     A valued option takes the field's type, choices (a `Literal`) and default. A flag
     (`const` given) sets `const` there when present, or `const(current value)` when `const` is
-    callable. `zero_is_none`: the option's 0 stands for the field's None ("no cap")."""
+    callable. `zero_is_none`: the option's 0 stands for the field's None ("no cap"). `type`
+    parses the text in place of the field's type, to refuse values the field's own checks let
+    through (`pipeline.cli.numbers`); a float field is always refused NaN and infinity."""
     flag: str
     path: str
     help: str
@@ -41,6 +43,7 @@ class FieldOption:
     choices: Sequence | None = None
     metavar: str | None = None
     zero_is_none: bool = False
+    type: Callable[[str], Any] | None = None
 
     @property
     def dest(self) -> str:
@@ -62,7 +65,8 @@ class FieldOption:
             default = 0
         choices = self.choices or choices_of(cls, self.path)
         extra = {"required": True} if default is dataclasses.MISSING else {"default": default}
-        p.add_argument(self.flag, type=parser_of(cls, self.path),
+        parse = self.type or parser_of(cls, self.path)
+        p.add_argument(self.flag, type=finite if parse is float else parse,
                        choices=list(choices) if choices else None,
                        metavar=self.metavar or ("NAME" if choices and len(choices) > 6 else None),
                        help=self.help, **extra)
@@ -109,7 +113,7 @@ EPISODE_OPTIONS = (
     FieldOption("--episodes", "episodes.episodes", "episodes (K-Means clusters) per conversation"),
     FieldOption("--medoids", "episodes.medoids", "medoid windows in an episode's patch"),
     FieldOption("--window", "episodes.window", "utterances per clustering window"),
-    FieldOption("--seed", "episodes.seed", "K-Means seed"),
+    FieldOption("--seed", "episodes.seed", "K-Means seed", type=count),
 )
 PREFILL_OPTIONS = (
     FieldOption("--block", "prefill.block", "block-prefill block size (tokens)"),
@@ -117,7 +121,7 @@ PREFILL_OPTIONS = (
                 "top-k across a layer's heads (AdaKV) or per head"),
     FieldOption("--max-context-tokens", "max_context_tokens",
                 "cut each conversation at a session boundary to fit this many tokens "
-                "(default: whole)"),
+                "(default: whole)", type=positive_int),
 )
 ALLOCATION_OPTIONS = (
     FieldOption("--alpha", "alpha",
@@ -127,9 +131,9 @@ ALLOCATION_OPTIONS = (
                 "variant)"),
     FieldOption("--calibration-tokens", "calibration.tokens",
                 "calibration text length (layer profiles, with --alpha > 0 or the variance "
-                "allocator)"),
+                "allocator)", type=positive_int),
     FieldOption("--calibration-window", "calibration.window",
-                "calibration: the simulated budget (sink + recent tokens)"),
+                "calibration: the simulated budget (sink + recent tokens)", type=positive_int),
 )
 TRISTATE_OPTIONS = (
     FieldOption("--tri-window", "prefill.tristate.window",
@@ -218,10 +222,10 @@ def eval_build_config_from_args(a: argparse.Namespace) -> BuildConfig:
 DRIVER_OPTIONS = (
     FieldOption("--force", "force", "rebuild conversations already built", const=True),
     FieldOption("--max-in-flight", "max_in_flight", "tasks submitted at most"),
-    FieldOption("--cpus-per-task", "cpus_per_task", "Ray CPUs per task"),
+    FieldOption("--cpus-per-task", "cpus_per_task", "Ray CPUs per task", type=non_negative),
     FieldOption("--gpus-per-task", "gpus_per_task",
                 "Ray GPUs per task (default: 1 when the cluster has GPUs now, else 0; give 1 on "
-                "an autoscaling cluster whose GPU workers start at zero)"),
+                "an autoscaling cluster whose GPU workers start at zero)", type=non_negative),
     FieldOption("--max-retries", "max_retries", "Ray retries per task on worker death"),
     FieldOption("--no-progress", "progress", "no progress bar (e.g. in a job's log)",
                 const=False),

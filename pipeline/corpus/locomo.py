@@ -13,7 +13,8 @@ from pipeline.corpus.records import (DEFAULT_LIMITS, CorpusLimits, QuestionFault
                                      parse_questions, resolve_turn_id)
 from pipeline.corpus.schema import Conversation, CorpusError, Question, Turn, check_safe_id
 
-_SESSION_KEY = re.compile(r"^session_(\d+)$")
+# ASCII digits, at most 9: int() of a longer run raises ValueError, not a CorpusError
+_SESSION_KEY = re.compile(r"^session_([0-9]{1,9})$")
 
 
 def parse_locomo(obj: Any, conversation_id: str, where: str, limits: CorpusLimits = DEFAULT_LIMITS,
@@ -42,7 +43,8 @@ def parse_locomo(obj: Any, conversation_id: str, where: str, limits: CorpusLimit
                         speaker=rec.get(t, "speaker", f"{p}.speaker", str, nonempty=True),
                         text=rec.get(t, "text", f"{p}.text", str),
                         session=n, timestamp=str(date),
-                        caption=t.get("blip_caption") or None)
+                        caption=rec.get(t, "blip_caption", f"{p}.blip_caption", str,
+                                        required=False) or None)
             limits.check_chars(rec, f"{p}.text", turn.text)
             limits.check_chars(rec, f"{p}.blip_caption", turn.caption)
             turns.append(turn)
@@ -58,13 +60,13 @@ def parse_locomo(obj: Any, conversation_id: str, where: str, limits: CorpusLimit
         text = rec.get(q, "question", f"{p}.question", str, nonempty=True)
         # LoCoMo has a few evidence entries like "D8:6; D9:17" and some that name no turn: those
         # are kept aside in meta (the LoCoMo files are used as published), not a fault.
-        raw = [e.strip() for item in q.get("evidence", []) or []
-               for e in re.split(r"[;,]", str(item)) if e.strip()]
+        evidence = rec.get(q, "evidence", f"{p}.evidence", list, required=False) or []
+        raw = [e.strip() for item in evidence for e in re.split(r"[;,]", str(item)) if e.strip()]
         resolved = [resolve_turn_id(e, known) for e in raw]
         unknown = [e for e, r in zip(raw, resolved) if r is None]
         return Question(question=text, answer=str(answer),
                         evidence=tuple(r for r in resolved if r is not None),
-                        category=q.get("category"),
+                        category=rec.get(q, "category", f"{p}.category", int, required=False),
                         meta={"unknown_evidence": unknown} if unknown else {})
 
     qa = obj.get("qa", conv.get("qa", [])) or []

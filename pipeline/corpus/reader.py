@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from pipeline.corpus.records import DEFAULT_LIMITS, CorpusLimits, QuestionFaults
 from pipeline.corpus.schema import Conversation, CorpusError, UnsafeIdError
 
 OnBadRecord = Literal["fail", "skip"]
+SKIP_REPORT = "skipped.jsonl"  # where a skip-mode run lists every skip, one JSON object a line
 
 
 @dataclass(frozen=True)
@@ -305,7 +307,8 @@ class CorpusStream:
         if self._primed[0] is None:
             s = self.stats
             raise CorpusError(f"{self.where}: every record was skipped ({s.records_skipped:,} "
-                              "bad records): no conversation left" if s.records_skipped else
+                              f"bad records, each in {SKIP_REPORT}): no conversation left"
+                              if s.records_skipped else
                               f"{self.where}: the corpus is empty (no records)")
 
     def __iter__(self) -> Iterator[Conversation]:
@@ -320,9 +323,6 @@ def read_corpus(path: str | Path, on_bad_record: OnBadRecord = "fail",
                 limits: CorpusLimits = DEFAULT_LIMITS) -> tuple[list[Conversation], ReadStats]:
     stats = ReadStats()
     return list(iter_corpus(path, on_bad_record, stats, limits)), stats
-
-
-SKIP_REPORT = "skipped.jsonl"
 
 
 def check_corpus(path: str | Path, on_bad_record: OnBadRecord = "fail",
@@ -344,7 +344,8 @@ def check_corpus(path: str | Path, on_bad_record: OnBadRecord = "fail",
               file=out)
     if stats.read == 0:
         raise CorpusError(f"{path}: every record was skipped ({stats.records_skipped:,} bad "
-                          "records): no conversation left" if stats.records_skipped else
+                          f"records, each in {SKIP_REPORT}): no conversation left"
+                          if stats.records_skipped else
                           f"{path}: the corpus is empty (no records)")
     return stats
 
@@ -363,7 +364,26 @@ def select_conversations(conversations: Iterable[Conversation], ids: str,
     return picked
 
 
-def write_jsonl(conversations: list[Conversation], path: str | Path) -> None:
-    with Path(path).open("w", encoding="utf-8") as f:
-        for conv in conversations:
-            f.write(json.dumps(conv.to_record(), ensure_ascii=False) + "\n")
+def write_jsonl(conversations: Iterable[Conversation], path: str | Path) -> None:
+    """Write the corpus whole or not at all: into a temporary file beside `path`, renamed over
+    it once complete, so a full disk or an interruption leaves no half-written corpus (an
+    earlier file stays as it was). A path that exists and is not a regular file (/dev/stdout, a
+    pipe, a device) is written in place: renaming over it would replace the device. An error
+    is the `OSError` of the write."""
+    path = Path(path)
+    if path.exists() and not path.is_file():
+        with path.open("w", encoding="utf-8") as f:
+            _write_records(conversations, f)
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # the umask's permissions, as `open`
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            _write_records(conversations, f)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _write_records(conversations: Iterable[Conversation], f: TextIO) -> None:
+    f.writelines(json.dumps(conv.to_record(), ensure_ascii=False) + "\n" for conv in conversations)

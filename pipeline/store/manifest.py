@@ -158,14 +158,19 @@ def parse_manifest(data: bytes, key: str, store_uri: str) -> list[ManifestRecord
 
     try:
         table = pq.read_table(pa.BufferReader(data))
-    except (pa.ArrowException, OSError, ValueError) as e:
+        names = table.column_names  # a damaged name is not UTF-8: UnicodeDecodeError here
+    except (pa.ArrowException, OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
         cause = (str(e).splitlines() or [type(e).__name__])[0]
         cause = cause.removeprefix("Could not open Parquet input source '<Buffer>': ")
         raise bad(f"not a readable Parquet file ({cause})") from None
-    missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
+    missing = [c for c in REQUIRED_COLUMNS if c not in names]
     if missing:
         raise bad(f"missing column(s) {', '.join(missing)}")
-    rows = table.to_pylist()
+    table = _typed(table, bad)
+    try:
+        rows = table.to_pylist()
+    except UnicodeDecodeError as e:  # a damaged string column (Parquet does not check UTF-8)
+        raise bad(f"a text column is not UTF-8 ({e.reason} at byte {e.start})") from None
     if not rows:
         raise bad("it has no rows")
     for r in rows:
@@ -175,6 +180,36 @@ def parse_manifest(data: bytes, key: str, store_uri: str) -> list[ManifestRecord
             raise bad(f"episode {r['episode']} names no valid object_key "
                       f"({r['object_key']!r})") from None
     return [ManifestRecord.from_row(r) for r in rows]
+
+
+_EXPECTED = {f.name: f.type for f in list(MANIFEST_SCHEMA) + list(STATE_SCHEMA)}
+_NOT_NULL = ("conversation_id", "episode", "sha256")  # what names an episode and checks it
+
+
+def _same_kind(got: pa.DataType, expected: pa.DataType) -> bool:
+    """Integers of another width, or floats of another precision, are the same kind: cast
+    safely (a value that does not fit fails the cast)."""
+    return any(is_kind(got) and is_kind(expected)
+               for is_kind in (pa.types.is_integer, pa.types.is_floating))
+
+
+def _typed(table: pa.Table, bad) -> pa.Table:
+    """The manifest's columns in their declared types, so records hold what their fields say
+    (a string where an id should be, an id that is null, fails here, not in a later reader)."""
+    for i, name in enumerate(table.column_names):
+        expected, got = _EXPECTED.get(name), table.schema.field(i).type
+        if expected is None or got == expected:
+            continue
+        if not _same_kind(got, expected):
+            raise bad(f"column {name} holds {got}, expected {expected}")
+        try:
+            table = table.set_column(i, name, table.column(i).cast(expected))
+        except pa.ArrowInvalid:
+            raise bad(f"column {name} holds values that do not fit {expected}") from None
+    nulls = [name for name in _NOT_NULL if table.column(name).null_count]
+    if nulls:
+        raise bad(f"column(s) {', '.join(nulls)} hold nulls")
+    return table
 
 
 def list_conversations(store: Store) -> list[str]:

@@ -6,20 +6,23 @@ conversation's rows are in the table (`IndexWriter`, which flushes in batches). 
 between leaves the marker, and `repair` (run by the next build and by `jobs.manifests
 --compact`) re-reads only the marked conversations' manifests: nothing lists a million of them.
 `rebuild` recreates the table from every manifest. Keeping the markers right needs one writer
-at a time (a build, or `jobs.manifests --compact/--rebuild`, not both).
+at a time (a build, or `jobs.manifests --compact/--rebuild`, not both). `mismatches` checks rows
+read from the table against their manifests, so a listing never shows a conversation whose
+manifest was since truncated, replaced or removed as if it were sound.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from pipeline.store.base import Store, StoreError
+from pipeline.store.base import Store, StoreError, manifest_key
 from pipeline.store.manifest import ManifestError, ManifestRecord, list_conversations, read_manifest
 from pipeline.store.table import PENDING_PREFIX, ManifestTable, pending_key, table_row, table_rows
 
@@ -98,6 +101,35 @@ def rebuild(store: Store, table: ManifestTable | None = None) -> SyncResult:
     table.overwrite(batches())
     _delete_all(store, pending)
     return result
+
+
+def mismatches(store: Store, rows: Sequence[dict], whole: bool = True) -> dict[str, str]:
+    """Why each conversation of `rows` (table rows) is not backed by its manifest, by id: the
+    manifest cannot be read, is gone, or holds other values; none for a sound one. `whole`: the
+    rows are all of a conversation's (no filter narrowed them), so an episode the manifest has
+    and the table lacks is a mismatch too. One manifest GET per conversation (a few threads)."""
+    table_side: dict[str, dict[int, dict]] = defaultdict(dict)
+    for record in map(ManifestRecord.from_row, rows):
+        table_side[record.conversation_id][record.episode] = table_row(record)
+    found: dict[str, str] = {}
+    for cid, got in _read_many(store, list(table_side)):
+        where = f"manifest {manifest_key(cid)!r} in store {store.uri}"
+        if isinstance(got, ManifestError):
+            found[cid] = str(got)
+            continue
+        if not got:
+            found[cid] = f"{where} is gone, but the manifest table lists conversation {cid!r}"
+            continue
+        # through the table's Arrow types, as the rows read back from it went
+        typed = map(ManifestRecord.from_row, table_rows(map(table_row, got)).to_pylist())
+        manifest = {r.episode: table_row(r) for r in typed}
+        listed = table_side[cid]
+        differ = sorted(e for e, r in listed.items() if manifest.get(e) != r)
+        differ += sorted(set(manifest) - set(listed)) if whole else []
+        if differ:
+            found[cid] = (f"{where} does not match the manifest table (episodes "
+                          f"{', '.join(map(str, sorted(differ)))})")
+    return found
 
 
 def _delete_all(store: Store, keys: Sequence[str]) -> None:

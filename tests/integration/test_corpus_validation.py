@@ -121,10 +121,9 @@ def test_evaluate_validates_before_ray_and_writes_nothing(tmp_path, capsys):
 @pytest.mark.parametrize("content,why", [
     (b"", "the corpus is empty (no records)"),
     (b"\n  \n\n", "the corpus is empty (no records)"),
-    (b"[1]\n{}\n", "every record was skipped (2 bad records)"),
 ])
 def test_empty_corpus_is_exit_2(tmp_path, capsys, content, why):
-    """No records, only blank lines, or (skip mode) every record skipped: exit 2, no store."""
+    """No records, or only blank lines: exit 2, no store."""
     corpus = tmp_path / "c.jsonl"
     corpus.write_bytes(content)
     store = tmp_path / "store"
@@ -133,6 +132,58 @@ def test_empty_corpus_is_exit_2(tmp_path, capsys, content, why):
     err = capsys.readouterr().err
     assert rc == 2 and why in err.splitlines()[-1] and err.splitlines()[-1].startswith("error: ")
     assert not store.exists()
+
+
+ALL_BAD = ["[1]", record("a") | {"speakers": ["Ann"]}, {}]
+ALL_BAD_REASONS = ["c.jsonl, record 1: record must be a JSON object, got list",
+                   "c.jsonl, record 2 (conversation 'a'): field 'turns[1].speaker'",
+                   "c.jsonl, record 3: field 'conversation_id': is missing"]
+
+
+def assert_reasons_then_error(err: str) -> None:
+    """Each skip on stderr (record and field), then the report's path, then the error."""
+    lines = err.strip().splitlines()
+    assert [ln.startswith(f"skipped: {why}") for ln, why in zip(lines, ALL_BAD_REASONS)] == \
+        [True] * 3, err
+    assert lines[3].startswith("skip report: ") and lines[3].endswith("skipped.jsonl"), err
+    assert lines[4].startswith("error: ") and len(lines) == 5, err
+    assert "every record was skipped (3 bad records, each in skipped.jsonl)" in lines[4]
+
+
+def assert_report(path: Path) -> None:
+    rows = [json.loads(ln) for ln in path.read_text().splitlines()]
+    assert [(r["record"], r["conversation_id"]) for r in rows] == [(1, None), (2, "a"), (3, None)]
+    assert all(r["reason"].startswith(why) for r, why in zip(rows, ALL_BAD_REASONS))
+
+
+def test_build_where_every_record_is_skipped_reports_why(tmp_path, capsys, monkeypatch):
+    """Skip mode, every record bad: the reasons on stderr and in the store's skipped.jsonl (the
+    store holds that report only), exit 2, and Ray never started."""
+    corpus = write_jsonl_bytes(tmp_path / "c.jsonl", ALL_BAD)
+    calls = []
+    monkeypatch.setattr(build_job, "init_ray", lambda *a: calls.append(a))
+    store = tmp_path / "store"
+    rc = build.main(["--corpus", str(corpus), "--store", str(store), "--on-bad-record", "skip",
+                     "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and not calls
+    assert_reasons_then_error(err)
+    [key] = LocalStore(store).list()
+    assert key.startswith("reports/") and f"skip report: {store.resolve()}/{key}" in err
+    assert_report(store / key)
+
+
+def test_evaluate_where_every_record_is_skipped_reports_why(tmp_path, capsys):
+    corpus = write_jsonl_bytes(tmp_path / "c.jsonl", ALL_BAD)
+    out = tmp_path / "eval-out"
+    ray_was_up = ray.is_initialized()
+    rc = evaluate_job.main(["--corpus", str(corpus), "--out", str(out), "--methods", "full",
+                            "--budgets", "64", "--on-bad-record", "skip"])
+    err = capsys.readouterr().err
+    assert rc == 2 and (ray_was_up or not ray.is_initialized())
+    assert_reasons_then_error(err)
+    assert sorted(p.name for p in out.iterdir()) == ["skipped.jsonl"]
+    assert_report(out / "skipped.jsonl")
 
 
 def test_non_utf8_and_deep_nesting_are_skippable(tmp_path):

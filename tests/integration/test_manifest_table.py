@@ -26,13 +26,14 @@ from pipeline.build.driver import run_build
 from pipeline.build.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES, write_synthetic_corpus
 from pipeline.episodes import EpisodeConfig
 from pipeline.store import table as manifest_table
+from pipeline.store.base import manifest_key
 from pipeline.store.local import LocalStore
 from pipeline.store.manifest import list_conversations, read_manifest, write_manifest
 from pipeline.store.s3 import S3Store, parse_s3_uri
 from pipeline.store.table import PENDING_PREFIX, ManifestTable, TableError, pending_key, table_row
 from pipeline.store.table_sync import IndexWriter, rebuild
 from pipeline.store.uri import open_store
-from tests.support.stores import plant_corrupt_manifest, put_conversation
+from tests.support.stores import CORRUPT, plant_corrupt_manifest, put_conversation
 
 
 def table_rows(store) -> list[dict]:
@@ -232,6 +233,47 @@ def test_filters_and_totals_read_the_table(filled, capsys):
                            "other-model"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert {r["conversation_id"] for r in rows} == {"conv-2", "conv-3"} and "mean_budget" in rows[0]
+
+
+def test_listing_checks_each_conversation_against_its_manifest(filled, capsys):
+    """A manifest truncated, removed or rewritten after the table was written: the listing (both
+    of its read paths, text and JSON) names it on stderr, leaves its rows out and exits 2;
+    --totals reads the table alone and says so; a pending conversation is not checked."""
+    store = filled
+    rebuild(store)
+    key = manifest_key("conv-1")
+    store.put(key, CORRUPT["truncated"][0](store.get(key)))
+    store.delete(manifest_key("conv-2"))
+    rows = read_manifest(store, "conv-0")
+    write_manifest(store, "conv-0", [rows[0], dataclasses.replace(rows[1], tokens=9)])
+
+    assert manifests.main(["--store", store.uri]) == 2
+    out, err = capsys.readouterr()
+    listed = {line.split()[0] for line in out.splitlines()[1:-1]}
+    assert listed == {"conv-3"}
+    assert "every conversation listed checked against its manifest" in out.splitlines()[-1]
+    errors = err.strip().splitlines()
+    assert errors[0] == (f"error: manifest 'manifests/conv-0.parquet' in store {store.uri} does "
+                         "not match the manifest table (episodes 1)")
+    assert errors[1].startswith(f"error: manifest '{key}' in store {store.uri} is corrupt: "
+                                "not a readable Parquet file")
+    assert errors[2] == (f"error: manifest 'manifests/conv-2.parquet' in store {store.uri} is "
+                         "gone, but the manifest table lists conversation 'conv-2'")
+    assert errors[3].startswith("error: 3 conversation(s) of the table left out: ")
+
+    assert manifests.main(["--store", store.uri, "--json", "--conversation", "conv-1",
+                           "--conversation", "conv-3"]) == 2  # the point lookup's path
+    out, err = capsys.readouterr()
+    assert {json.loads(line)["conversation_id"] for line in out.splitlines()} == {"conv-3"}
+    assert f"manifest '{key}' in store {store.uri} is corrupt" in err
+
+    assert manifests.main(["--store", store.uri, "--totals"]) == 0
+    assert "manifests not read" in capsys.readouterr().out
+
+    store.put(pending_key("conv-0"), b"")  # a build is committing it: the table lags, known
+    assert manifests.main(["--store", store.uri, "--conversation", "conv-0"]) == 0
+    out, err = capsys.readouterr()
+    assert "(1 pending: not checked)" in out and "warning: 1 conversation(s)" in err
 
 
 def test_sql_runs_duckdb_over_the_view_episodes(filled, capsys):

@@ -1,0 +1,39 @@
+"""Argparse types for numbers with a range, so that a value that makes no sense (a negative age,
+a NaN temperature) is an argument error (exit 2) naming the option, before anything runs.
+
+`float("nan")` and `float("inf")` parse as floats, and a NaN passes every `<` check a
+configuration makes later, so every float type here refuses them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+Number = int | float
+
+
+def number(kind: type = int, *, at_least: Number | None = None,
+           above: Number | None = None) -> Callable[[str], Number]:
+    """An argparse `type`: text parsed as `kind` (int or float), finite, and at least
+    `at_least` / greater than `above` where given; otherwise `ArgumentTypeError`, which argparse
+    prints as "argument --flag: <why>"."""
+    def parse(text: str) -> Number:
+        value = kind(text)  # text that is no number: argparse's "invalid int value: 'x'"
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        if at_least is not None and value < at_least:
+            raise argparse.ArgumentTypeError(f"must be at least {at_least}, got {text}")
+        if above is not None and value <= above:
+            raise argparse.ArgumentTypeError(f"must be greater than {above}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # what argparse calls the type in its messages
+    return parse
+
+
+finite = number(float)
+non_negative = number(float, at_least=0)
+count = number(int, at_least=0)
+positive_int = number(int, at_least=1)

@@ -1,0 +1,105 @@
+"""Property-based: the HTTP request schemas, given random and mutated bodies, raise only their
+own errors: a body through `parse_body` is a request or an `ApiError` (400, 413, 415 or 422),
+and a JSON value through a model is the model or a pydantic `ValidationError`."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+from starlette.requests import Request
+
+from pipeline.serve.errors import ApiError
+from pipeline.serve.schemas import AnswerRequest, ChatRequest, parse_body
+
+FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+MODELS = (AnswerRequest, ChatRequest)
+
+TEXT = st.text(st.characters(exclude_categories=()), max_size=10)
+SCALARS = st.none() | st.booleans() | st.integers() | st.floats() | TEXT
+JSON = st.recursive(SCALARS, lambda kids: st.lists(kids, max_size=4)
+                    | st.dictionaries(TEXT, kids, max_size=4), max_leaves=16)
+
+VALID = {AnswerRequest: {"question": "Who?", "max_new_tokens": 8, "temperature": 0.5},
+         ChatRequest: {"conversation_id": "c-1", "model": "m", "max_tokens": 8, "n": 1,
+                       "temperature": 1.0, "stream": False,
+                       "messages": [{"role": "user", "content": "Who?"},
+                                    {"role": "user", "content": [{"type": "text",
+                                                                  "text": "Who?"}]}]}}
+
+
+@st.composite
+def mutated(draw, model):
+    """A valid body of `model` with one or two fields (or a message's) replaced or removed."""
+    body = copy.deepcopy(VALID[model])
+    for _ in range(draw(st.integers(1, 2))):
+        target = body
+        listed = body.get("messages")
+        messages = [m for m in listed if isinstance(m, dict)] if isinstance(listed, list) else []
+        if model is ChatRequest and messages and draw(st.booleans()):
+            target = draw(st.sampled_from(messages))
+        key = draw(st.sampled_from(sorted(target) + ["extra"]))
+        if draw(st.booleans()):
+            target[key] = draw(JSON)
+        else:
+            target.pop(key, None)
+    return body
+
+
+def _request(body: bytes, content_type: str = "application/json") -> Request:
+    """A real Starlette request whose body arrives in one message."""
+    scope = {"type": "http", "method": "POST", "path": "/", "query_string": b"",
+             "headers": [(b"content-type", content_type.encode()),
+                         (b"content-length", str(len(body)).encode())]}
+    sent = []
+
+    async def receive():
+        if sent:
+            return {"type": "http.disconnect"}
+        sent.append(True)
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return Request(scope, receive)
+
+
+def _parse(body: bytes, model) -> None:
+    try:
+        got = asyncio.run(parse_body(_request(body), model))
+    except ApiError as e:
+        assert e.status in (400, 413, 415, 422)
+        return
+    assert isinstance(got, model)
+
+
+def _validate(value, model) -> None:
+    try:
+        model.model_validate(value)
+    except ValidationError:
+        pass
+
+
+@FAST
+@given(st.sampled_from(MODELS), st.data())
+def test_mutated_bodies_are_a_request_or_a_422(model, data):
+    body = data.draw(mutated(model))
+    _validate(body, model)
+    _parse(json.dumps(body).encode(), model)
+
+
+@FAST
+@given(st.sampled_from(MODELS), JSON)
+def test_random_json_is_a_request_or_an_api_error(model, value):
+    _validate(value, model)
+    _parse(json.dumps(value).encode(), model)
+
+
+@FAST
+@given(st.sampled_from(MODELS), st.binary(max_size=200))
+@example(AnswerRequest, b"[" * 100_000)  # deeper than the parser's recursion: a 400
+@example(AnswerRequest, b'{"question": "\\ud800"}')  # a lone surrogate
+def test_random_bytes_are_a_request_or_an_api_error(model, body):
+    _parse(body, model)
