@@ -51,6 +51,12 @@ class AnswerLimits:
             raise LimitError(f"the question is {len(question):,} characters long; the limit is "
                              f"{self.max_question_chars:,} characters "
                              f"({self.max_question_tokens} tokens)")
+        if not question.isascii():
+            try:  # a lone surrogate (JSON's "\ud800") is text no tokenizer can take
+                question.encode("utf-8")
+            except UnicodeEncodeError:
+                raise LimitError("the question is not valid Unicode text (a lone surrogate)") \
+                    from None
         return question
 
     def check_question_tokens(self, tokens: int) -> None:

@@ -49,6 +49,9 @@ def test_a_question_is_bounded_in_characters_before_tokens():
     for blank in ("", "   ", None, 3):
         with pytest.raises(LimitError, match="empty"):
             limits.check_question(blank)
+    assert limits.check_question("Wo lebt Zoë? 🙂") == "Wo lebt Zoë? 🙂"
+    with pytest.raises(LimitError, match="not valid Unicode"):
+        limits.check_question("Who\ud800?")  # JSON's "\ud800": a tokenizer cannot encode it
     limits.check_question_tokens(10)
     with pytest.raises(LimitError, match="11 tokens long; the limit is 10"):
         limits.check_question_tokens(11)

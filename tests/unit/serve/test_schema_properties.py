@@ -15,9 +15,11 @@ from starlette.requests import Request
 
 from pipeline.serve.errors import ApiError
 from pipeline.serve.schemas import AnswerRequest, ChatRequest, parse_body
+from pipeline.serve.settings import ServeSettings
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MODELS = (AnswerRequest, ChatRequest)
+MAX_BYTES = ServeSettings.__dataclass_fields__["max_body_bytes"].default  # the server's
 
 TEXT = st.text(st.characters(exclude_categories=()), max_size=10)
 SCALARS = st.none() | st.booleans() | st.integers() | st.floats() | TEXT
@@ -68,7 +70,7 @@ def _request(body: bytes, content_type: str = "application/json") -> Request:
 
 def _parse(body: bytes, model) -> None:
     try:
-        got = asyncio.run(parse_body(_request(body), model))
+        got = asyncio.run(parse_body(_request(body), model, MAX_BYTES))
     except ApiError as e:
         assert e.status in (400, 413, 415, 422)
         return
