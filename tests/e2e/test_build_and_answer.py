@@ -17,6 +17,7 @@ from pipeline.build.driver import run_build
 from pipeline.corpus.reader import read_corpus, write_jsonl
 from pipeline.corpus.render import render_conversation
 from pipeline.corpus.synthetic import make_corpus
+from pipeline.eval import compare
 from pipeline.episodes import EpisodeConfig
 from pipeline.kv import models, prompts
 from pipeline.kv.budgets import CalibrationConfig
@@ -116,16 +117,16 @@ def test_demo_compares_the_episodic_cache_with_the_full_history(built, capsys):
     answerer = Answerer(open_store(store_uri))
     rows = answerer.manifest(conv.conversation_id)
     config = BuildConfig.from_json(rows[0].config_json)
-    full, none = demo.reference_caches(models.load_llm(), conv, config)
+    full, none = compare.reference_caches(models.load_llm(), conv, config)
     assert full.tokens_seen == rows[0].tokens > none.tokens_seen
     assert full.entries_per_layer() == pytest.approx([rows[0].tokens] * len(full.layers))
-    records = demo.compare(answerer, conv, 2, max_new_tokens=4)
+    records = compare.compare(answerer, conv, 2, max_new_tokens=4)
     assert len(records) == 2
     for r in records:
         assert 0 <= r["episode"] < len(rows) and r["bytes"]["episodic"] < r["bytes"]["full"]
         assert all(np.isfinite(v) for v in r["nll"].values())
-        assert all(1 <= r[c]["tokens"] <= 4 and r[c]["seconds"] > 0 for c in demo.CACHES)
-    demo.print_summary(records, models.DEFAULT_LLM, "cpu")
+        assert all(1 <= r[c]["tokens"] <= 4 and r[c]["seconds"] > 0 for c in compare.CACHES)
+    demo.print_summary(compare.figures(records), models.DEFAULT_LLM, "cpu")
     out = capsys.readouterr().out
     assert "summary: retention" in out and "ms/token" in out and "small sample" in out
 

@@ -161,7 +161,7 @@ def test_build_where_every_record_is_skipped_reports_why(tmp_path, capsys, monke
     store holds that report only), exit 2, and Ray never started."""
     corpus = write_jsonl_bytes(tmp_path / "c.jsonl", ALL_BAD)
     calls = []
-    monkeypatch.setattr(build_job, "init_ray", lambda *a: calls.append(a))
+    monkeypatch.setattr(build_driver, "init_ray", lambda *a: calls.append(a))
     store = tmp_path / "store"
     rc = build.main(["--corpus", str(corpus), "--store", str(store), "--on-bad-record", "skip",
                      "--no-progress"])

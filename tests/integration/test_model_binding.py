@@ -169,7 +169,10 @@ def test_a_table_written_before_fingerprints_is_read_then_gains_them(tmp_path, c
 
     store = LocalStore(tmp_path / "store")
     table = ManifestTable(store)
-    older = table_rows([table_row(r) for r in put_conversation(store, "conv-a")])
+    unbound = [dataclasses.replace(r, model_fingerprint=None, encoder_fingerprint=None)
+               for r in put_conversation(store, "conv-a")]
+    write_manifest(store, "conv-a", unbound)  # as a build before fingerprints wrote it
+    older = table_rows([table_row(r) for r in unbound])
     write_deltalake(table.uri, older.drop_columns(["model_fingerprint", "encoder_fingerprint"]))
     assert manifests.main(["--store", store.uri]) == 0
     assert " none " in capsys.readouterr().out.splitlines()[1]

@@ -247,7 +247,8 @@ def _committed_and_orphan(store) -> tuple[str, str]:
     for key in (kept, orphan):
         store.put(key, b"cache bytes")
     row = ManifestRecord.from_row({"conversation_id": "conv-1", "episode": 0, "object_key": kept,
-                                   "config_hash": "abcd"})
+                                   "config_hash": "abcd",
+                                   "sha256": cache_format.sha256(b"cache bytes")})
     write_manifest(store, "conv-1", [row])
     return kept, orphan
 

@@ -44,7 +44,7 @@ CASES = {
     "gc": ("jobs.gc --store {tmp}/none", "store folder {tmp}/none does not exist"),
     "manifests": ("jobs.manifests --store {tmp}/none", "store folder {tmp}/none does not exist"),
     "make_corpus": ("jobs.make_corpus --out {tmp}/c.jsonl --conversations 0 --target-tokens 9",
-                    "--conversations must be at least 1"),
+                    "argument --conversations: must be at least 1, got 0"),
     "epicache": ("jobs.epicache nope", "no command 'nope'"),
     "epicache build": ("jobs.epicache build --corpus {tmp}/bad.jsonl --store {tmp}/store",
                        _BAD_CORPUS_ERROR),
