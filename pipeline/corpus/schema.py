@@ -42,7 +42,8 @@ def check_safe_id(value: Any, what: str = "conversation_id") -> str:
         reasons.append("must be 1-128 characters of letters, digits, '.', '_' or '-', "
                        "starting with a letter or digit")
     if reasons:
-        raise UnsafeIdError(f"unsafe {what} {value!r}: {'; '.join(reasons)} "
+        shown = value if len(value) <= 80 else value[:80] + "..."  # echoed to whoever sent it
+        raise UnsafeIdError(f"unsafe {what} {shown!r}: {'; '.join(reasons)} "
                             "(ids become storage keys and may not escape the store)")
     return value
 

@@ -156,9 +156,14 @@ def _load_llm(name: str, device: str, dtype: str | None, fingerprint: str) -> Lo
     return LoadedModel(model_id=name, model=model, tokenizer=tokenizer, fingerprint=fingerprint)
 
 
-@functools.lru_cache(maxsize=4)
 def max_positions(name: str = DEFAULT_LLM) -> int | None:
-    """How many positions the LLM was trained on (its config's `max_position_embeddings`)."""
+    """How many positions the LLM was trained on (its config's `max_position_embeddings`);
+    read again when the model's files change, as the model is."""
+    return _max_positions(name, llm_fingerprint(name))
+
+
+@functools.lru_cache(maxsize=4)
+def _max_positions(name: str, fingerprint: str) -> int | None:
     from transformers import AutoConfig
 
     try:
@@ -168,9 +173,14 @@ def max_positions(name: str = DEFAULT_LLM) -> int | None:
     return getattr(config, "max_position_embeddings", None)
 
 
-@functools.lru_cache(maxsize=4)
 def load_tokenizer(name: str = DEFAULT_LLM):
-    """The LLM's tokenizer alone (for token counting where the model is not needed)."""
+    """The LLM's tokenizer alone (for token counting where the model is not needed); loaded
+    again when the model's files change, as the model is."""
+    return _load_tokenizer(name, llm_fingerprint(name))
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tokenizer(name: str, fingerprint: str):
     from transformers import AutoTokenizer
 
     try:

@@ -326,3 +326,10 @@ def test_select_conversations_by_id_or_locomo_number(tmp_path):
     assert [c.conversation_id for c in picked] == ["x", "locomo-30"]
     with pytest.raises(CorpusError, match="c.jsonl: no conversation with id 41, z"):
         select_conversations(convs, "26,41,z", "c.jsonl")
+
+
+def test_an_unsafe_id_is_echoed_back_at_most_80_characters():
+    """The message goes back to whoever sent the id (a 400 over HTTP): not at any length."""
+    with pytest.raises(UnsafeIdError) as info:
+        check_safe_id("../" + "x" * 100_000)
+    assert "contains '..'" in str(info.value) and len(str(info.value)) < 250

@@ -105,3 +105,17 @@ def test_an_empty_or_missing_folder_is_a_clear_error(tmp_path):
         folder_fingerprint(tmp_path / "empty")
     with pytest.raises(FingerprintError, match="is not a folder"):
         folder_fingerprint(tmp_path / "missing")
+
+
+def test_the_tokenizer_and_positions_are_read_again_when_the_files_change(tmp_path):
+    """Not only the model: a process counting tokens (the build's driver) sees new files too."""
+    from pipeline.kv import models
+    from tests.support.model_folders import make_llm_folder
+
+    folder = str(make_llm_folder(tmp_path / "llm"))
+    first = models.load_tokenizer(folder)
+    assert models.load_tokenizer(folder) is first and models.max_positions(folder) == 8192
+    config = json.loads((tmp_path / "llm" / "config.json").read_text())
+    (tmp_path / "llm" / "config.json").write_text(json.dumps(
+        config | {"max_position_embeddings": 4096}))
+    assert models.load_tokenizer(folder) is not first and models.max_positions(folder) == 4096
