@@ -6,12 +6,14 @@ at the size written. The Ray job (`pipeline.build.driver`) fans the same stages 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from pipeline.build.cluster import cluster_conversation
 from pipeline.build.config import BuildConfig, ModelFingerprints
 from pipeline.build.episode import build_episode
 from pipeline.build.profile import layer_budgets
+from pipeline.corpus.history import history_change, turns_digest
 from pipeline.corpus.schema import Conversation
 from pipeline.kv import models
 from pipeline.store import cache_format
@@ -37,18 +39,39 @@ def files_of(config: BuildConfig) -> ModelFingerprints:
                              models.encoder_fingerprint(config.encoder))
 
 
-def is_built(store: Store, conversation_id: str, config: BuildConfig,
-             files: ModelFingerprints) -> bool:
-    """Whether the conversation's manifest carries this configuration and was built with these
-    model files (a manifest without fingerprints predates them: rebuilt); a corrupt manifest is
-    not a build (rebuilding replaces it), so it is logged and the conversation rebuilt."""
+def rebuild_reason(store: Store, conversation_id: str, config: BuildConfig,
+                   files: ModelFingerprints, conv: Conversation | None = None) -> str | None:
+    """None when the conversation's stored build is current: this configuration, these model
+    files and (given the record `conv`) the same turns; else why it is built again. A manifest
+    without fingerprints predates them; a corrupt manifest is not a build (rebuilding replaces
+    it, so it is logged)."""
     try:
         records = read_manifest(store, conversation_id)
     except ManifestError as e:
         log.warning("%s; rebuilding the conversation", e)
-        return False
-    return bool(records) and all(r.config_hash == config.hash and built_with(r) == files
-                                 for r in records)
+        return "corrupt manifest"
+    if not records:
+        return "no manifest"
+    if any(r.config_hash != config.hash for r in records):
+        return "configuration changed"
+    if any(built_with(r) != files for r in records):
+        return "model files changed"
+    first = records[0]
+    if conv is None or first.source_turns is None or first.source_digest is None:
+        return None  # nothing to compare (a manifest from before turns were recorded)
+    change = history_change(conv.turns, first.source_turns, first.source_digest)
+    return None if change == "unchanged" else change
+
+
+def is_built(store: Store, conversation_id: str, config: BuildConfig,
+             files: ModelFingerprints, conv: Conversation | None = None) -> bool:
+    return rebuild_reason(store, conversation_id, config, files, conv) is None
+
+
+def with_source(records: list[ManifestRecord], conv: Conversation) -> list[ManifestRecord]:
+    """The records, marked with the record's turns they were built from."""
+    turns, digest = len(conv.turns), turns_digest(conv.turns)
+    return [dataclasses.replace(r, source_turns=turns, source_digest=digest) for r in records]
 
 
 def check_same_files(records: list[ManifestRecord], files: ModelFingerprints) -> None:
@@ -97,5 +120,6 @@ def build_conversation(conv: Conversation, config: BuildConfig, store: Store) ->
     budgets = layer_budgets(store, config, lm.config.num_hidden_layers)
     records = [build_episode(clustered, e, budgets, config, store)
             for e in range(len(clustered.episodes.episodes))]
+    records = with_source(records, conv)
     commit_manifest(store, conv.conversation_id, records)
     return records

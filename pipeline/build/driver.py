@@ -25,13 +25,13 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from pipeline.build.config import BuildConfig, DriverOptions, ModelFingerprints
-from pipeline.build.conversation import commit_manifest, is_built
+from pipeline.build.conversation import commit_manifest, rebuild_reason, with_source
 from pipeline.build.job import BuildError, OpenedJob, Summary
 from pipeline.build.sources import corpus_objects
 from pipeline.build.tasks import MODEL_STAGES, Stages, WorkerStamp
 from pipeline.corpus.reader import CorpusStream, ReadStats
 from pipeline.corpus.records import DEFAULT_LIMITS, CorpusLimits
-from pipeline.corpus.schema import CorpusError
+from pipeline.corpus.schema import Conversation, CorpusError
 from pipeline.ray_runtime import init_ray
 from pipeline.store.base import Store
 from pipeline.store.manifest import ManifestRecord, list_conversations
@@ -49,6 +49,8 @@ class _Conversation:
     outstanding: int = 0  # its tasks submitted or queued
     records: list[ManifestRecord] = field(default_factory=list)
     error: str | None = None
+    source: Conversation | None = None  # the record read: its turns are marked in the manifest
+    rebuilt: str | None = None  # why a conversation built before is built again
 
 
 def _describe(exc: BaseException) -> str:
@@ -171,12 +173,17 @@ class _Driver:
     def _admit(self) -> bool:
         for conv in self.conversations:
             cid = conv.conversation_id
-            if cid in self.built_before and is_built(self.store, cid, self.config, self.files):
-                self.summary.skipped += 1
-                self.bar.update(1)
-                continue
+            reason = None
+            if cid in self.built_before:
+                reason = rebuild_reason(self.store, cid, self.config, self.files, conv)
+                if reason is None:
+                    self.summary.skipped += 1
+                    self.bar.update(1)
+                    continue
+                log.info("rebuilding %s: %s", cid, reason)
             count_ref, clustered_ref = self.cluster_fn.remote(conv, self.config_ref)
-            self.convs[cid] = _Conversation(clustered=clustered_ref, outstanding=1)
+            self.convs[cid] = _Conversation(clustered=clustered_ref, outstanding=1, source=conv,
+                                            rebuilt=reason)
             self.submit(count_ref, "cluster", cid)
             return True
         return False
@@ -244,8 +251,11 @@ class _Driver:
             try:
                 if self.index is not None:
                     self.index.begin(cid)
+                conv.records = with_source(conv.records, conv.source)
                 commit_manifest(self.store, cid, conv.records, self.files)
                 self.summary.built += 1
+                if conv.rebuilt is not None:
+                    self.summary.rebuilt[conv.rebuilt] += 1
                 log.info("committed %s: %d episodes", cid, len(conv.records))
             except Exception as exc:  # a commit that fails marks the conversation failed
                 conv.error = f"manifest commit: {type(exc).__name__}: {exc}"

@@ -18,6 +18,7 @@ import os
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ class Summary:
     """What a build did: the figures of its summary line."""
     built: int = 0
     skipped: int = 0
+    rebuilt: Counter[str] = field(default_factory=Counter)  # of `built`, built before: why again
     failed: dict[str, str] = field(default_factory=dict)
     episodes: int = 0
     tokens: int = 0
@@ -58,11 +60,18 @@ class Summary:
         seconds = self.seconds if seconds is None else seconds
         return (f"built {self.built} conversations ({self.episodes} episode caches, "
                 f"{self.tokens:,} tokens, {self.bytes / 2**20:.1f} MiB) in {seconds:.1f}s; "
-                f"skipped {self.skipped} up to date; failed {len(self.failed)}; "
+                f"{self._rebuilt()}skipped {self.skipped} up to date; failed {len(self.failed)}; "
                 f"bad records skipped {self.bad_records}; questions dropped "
                 f"{self.questions_dropped}; model loads {sum(self.loads.values())} "
                 f"in {_n(len(self.loads), 'worker')} on {_n(len(self.nodes), 'node')}; "
                 f"store {store}")
+
+    def _rebuilt(self) -> str:
+        """E.g. "of which rebuilt 2 (edited 1, grown 1); " when conversations were built again."""
+        if not self.rebuilt:
+            return ""
+        why = ", ".join(f"{reason} {n}" for reason, n in sorted(self.rebuilt.items()))
+        return f"of which rebuilt {sum(self.rebuilt.values())} ({why}); "
 
 
 def _n(count: int, noun: str) -> str:

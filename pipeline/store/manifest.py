@@ -69,6 +69,10 @@ class ManifestRecord:
     model_fingerprint: str | None = column(pa.string(), default=None)
     encoder_fingerprint: str | None = column(pa.string(), default=None)
     config_hash: str = column(pa.string())  # of the BuildConfig alone
+    # The record's turns the build read (before any --max-context-tokens cut) and their digest
+    # (pipeline.corpus.history): a changed or grown record is told apart from an unchanged one.
+    source_turns: int | None = column(pa.int32(), default=None)
+    source_digest: str | None = column(pa.string(), default=None)
     config_json: str = column(pa.string())
     cluster_seconds: float = column(pa.float64())
     build_seconds: float = column(pa.float64())
@@ -111,9 +115,10 @@ MANIFEST_SCHEMA = _schema(state=False)
 STATE_SCHEMA = _schema(state=True)  # written once some episode carries them (every build since)
 
 
-# Every writer since the first has written these (node_id and the fingerprints came later; the
-# state columns later).
-_LATER_COLUMNS = ("node_id", "model_fingerprint", "encoder_fingerprint")
+# Every writer since the first has written these (node_id, the fingerprints and the source's
+# turns came later; the state columns later).
+_LATER_COLUMNS = ("node_id", "model_fingerprint", "encoder_fingerprint", "source_turns",
+                  "source_digest")
 REQUIRED_COLUMNS = tuple(name for name in MANIFEST_SCHEMA.names if name not in _LATER_COLUMNS)
 
 

@@ -391,3 +391,33 @@ def test_replace_splits_large_batches_and_replaces_only_named_conversations(fill
     assert {r["tokens"] for r in after if r["conversation_id"] in ("conv-0", "conv-2")} == {99}
     assert [r["episode"] for r in after if r["conversation_id"] == "conv-new"] == [0, 1, 2]
     assert not [r for r in after if r["conversation_id"] == "conv-3"]
+
+
+def test_a_grown_or_edited_record_is_rebuilt_and_the_summary_says_why(ray_local, tmp_path):
+    """The manifest records the turns it was built from; a record that gained turns (grown) or
+    whose covered turns changed (edited) is built again, an unchanged one is skipped."""
+    from pipeline.corpus.reader import read_corpus, write_jsonl
+
+    corpus = tmp_path / "corpus.jsonl"
+    write_synthetic_corpus(corpus, 3)
+    store = LocalStore(tmp_path / "store")
+    assert run(corpus, store).built == 3
+    convs, _ = read_corpus(corpus)
+    for conv in convs:
+        [record] = {(r.source_turns, r.source_digest) for r in
+                    read_manifest(store, conv.conversation_id)}
+        assert record[0] == len(conv.turns)
+    last = convs[0].turns[-1]
+    session = [replace(t, turn_id=f"new-{i}", session=last.session + 1)
+               for i, t in enumerate(convs[0].turns[:4])]  # a new session, after the others
+    grown = dataclasses.replace(convs[0], turns=(*convs[0].turns, *session))
+    edited = dataclasses.replace(convs[1], turns=(
+        replace(convs[1].turns[0], text="an edit"), *convs[1].turns[1:]))
+    write_jsonl([grown, edited, convs[2]], corpus)
+
+    again = run(corpus, store)
+    assert (again.built, again.skipped, dict(again.rebuilt)) == (2, 1, {"grown": 1, "edited": 1})
+    assert "of which rebuilt 2 (edited 1, grown 1); skipped 1 up to date" in again.line()
+    assert {r.source_turns for r in read_manifest(store, grown.conversation_id)} == \
+        {len(grown.turns)}
+    assert (run(corpus, store).built, run(corpus, store).skipped) == (0, 3)
