@@ -225,6 +225,8 @@ def synthetic_index_rows(start: int, count: int) -> pa.Table:
         "n_windows": pa.array(rng.integers(1, 40, n), pa.int32()), "tokens": ints(2_000, 30_000),
         "scorer": const("epicache"), "model_id": const("SmolLM2-135M-Instruct"),
         "encoder_id": const("all-MiniLM-L6-v2"), "config_hash": hashes,
+        "source_turns": pa.array(rng.integers(20, 700, n), pa.int32()),
+        "source_digest": _hex_strings(rng, n, 8),
         "model_fingerprint": const("5e1f0c2a9b7d4e38"),
         "encoder_fingerprint": const("a1b2c3d4e5f60718"),
         "cluster_seconds": pa.array(rng.random(n)), "build_seconds": pa.array(10 * rng.random(n)),
