@@ -10,11 +10,11 @@ when there is one, checks each listed conversation's rows against its manifest (
 truncated, replaced or removed since is named on stderr, its rows left out, exit code 2), and
 ends with the totals of episodes, conversations, tokens and bytes (--totals: those alone, from
 the table, no manifest read); without one (or with --manifests) it reads the per-conversation
-manifests, as stores built before the table were read. --sql runs a DuckDB query over the table, which is the view
-`episodes` (the query reads nothing else: no files, no network). --compact brings the table up
-to date with manifests an interrupted build committed, rewrites it sorted by conversation and
-removes old files; --rebuild recreates it from the manifests. Run those two when no build is
-writing to the store (the build's driver is the table's one writer).
+manifests, as stores built before the table were read. --sql runs a DuckDB query over the
+table, which is the view `episodes` (the query reads nothing else: no files, no network).
+--compact brings the table up to date with manifests an interrupted build committed, rewrites
+it sorted by conversation and removes old files; --rebuild recreates it from the manifests. Run
+those two when no build is writing to the store (the build's driver is the table's one writer).
 
 Each episode shows the fingerprint of the model files it was built with ("model files"); a
 warning on stderr counts the episodes without one (built before caches were bound to their

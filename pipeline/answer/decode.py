@@ -106,9 +106,10 @@ def stream_answer(lm: models.LoadedModel, cache: EpisodicCache, question: str,
                   limits: AnswerLimits = DEFAULT_LIMITS) -> Iterator[str]:
     """Yield the answer in pieces as it is generated; the pieces join to `decode_answer`'s text.
 
-    A request over `limits` is a `LimitError` before anything is generated. Generation runs in a helper thread (holding `lock`, if given, for its whole duration);
-    `info` receives `tokens` and `finish_reason` once the stream ends. An error in generation
-    is raised here, after the pieces already yielded.
+    A request over `limits` is a `LimitError` before anything is generated. Generation runs in
+    a helper thread (holding `lock`, if given, for its whole duration); `info` receives `tokens`
+    and `finish_reason` once the stream ends. An error in generation is raised here, after the
+    pieces already yielded.
     """
     from transformers import TextIteratorStreamer
 

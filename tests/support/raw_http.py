@@ -37,7 +37,8 @@ def _response(s: socket.socket) -> tuple[int, bytes]:
     head, _, rest = data.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     status = int(lines[0].split()[1])
-    fields = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    fields = {k.strip().lower(): v.strip()
+              for k, _, v in (line.partition(":") for line in lines[1:])}
     length = int(fields.get("content-length", "0"))
     while len(rest) < length:
         rest += _recv(s)
