@@ -363,23 +363,17 @@ def test_evicted_cache_equals_masked_full_attention(family):
 # select_keep on hand-made tensors
 # --------------------------------------------------------------------------------------------
 
-def test_select_keep_headwise_is_global_top_k():
-    """Head-wise: the top budget x Hkv scores across all heads, so one head may take most."""
+@pytest.mark.parametrize("selection, kept", [
+    # head-wise: the top budget x Hkv scores across all heads, so one head may take most
+    ("headwise", [[True, True, True, True, False], [False, False, False, False, False]]),
+    # per head: the top budget of each head
+    ("perhead", [[True, True, False, False, False], [False, False, False, True, True]]),
+])
+def test_select_keep_takes_the_top_scores_across_heads_or_per_head(selection, kept):
     scores = torch.tensor([[9., 8., 7., 6., 0.],
                            [1., 2., 3., 4., 5.]])
     valid = torch.ones(2, 5, dtype=torch.bool)
-    keep = select_keep(scores, valid, budget=2, selection="headwise")
-    assert keep.tolist() == [[True, True, True, True, False],
-                             [False, False, False, False, False]]
-
-
-def test_select_keep_perhead_is_top_k_per_head():
-    scores = torch.tensor([[9., 8., 7., 6., 0.],
-                           [1., 2., 3., 4., 5.]])
-    valid = torch.ones(2, 5, dtype=torch.bool)
-    keep = select_keep(scores, valid, budget=2, selection="perhead")
-    assert keep.tolist() == [[True, True, False, False, False],
-                             [False, False, False, True, True]]
+    assert select_keep(scores, valid, budget=2, selection=selection).tolist() == kept
 
 
 @pytest.mark.parametrize("selection", ["headwise", "perhead"])

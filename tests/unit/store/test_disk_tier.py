@@ -209,13 +209,16 @@ def test_two_tiers_sharing_a_folder_keep_one_bound(tmp_path, objects):
 # The decoder deployment's load path: restart from disk, prefetch
 # ---------------------------------------------------------------------------------------------
 
-def _decoder(tmp_path, model, monkeypatch, cache_bytes=10**9, disk=True):
+def _decoder(tmp_path, model, monkeypatch, store, cache_bytes=10**9, disk=True):
+    """A decoder replica (disk tier under `tmp_path`) reading `store` (a CountingStore)."""
     from pipeline.serve.decoder import Decoder
 
     monkeypatch.setattr(models, "load_llm", lambda name, device=None, dtype=None: StandIn(model))
     monkeypatch.setattr(gc, "freeze", lambda: None)  # a replica's process, not pytest's
-    return Decoder.func_or_class(str(tmp_path / "store"), None, MODEL, cache_bytes, None,
-                                 str(tmp_path / "disk") if disk else None, 10**9, 1)
+    decoder = Decoder.func_or_class(str(tmp_path / "store"), None, MODEL, cache_bytes, None,
+                                    str(tmp_path / "disk") if disk else None, 10**9, 1)
+    decoder.store = store
+    return decoder
 
 
 def _wait(decoder, done, timeout=20.0):
@@ -232,13 +235,11 @@ def test_decoder_restart_is_served_from_the_disk_tier(tmp_path, objects, monkeyp
     model, data = objects
     store = CountingStore(tmp_path / "store")
     rows = _rows(store, data)
-    decoder = _decoder(tmp_path, model, monkeypatch)
-    decoder.store = store
+    decoder = _decoder(tmp_path, model, monkeypatch, store)
     for row in rows:
         assert decoder._cache(row)[1] is False
     assert len(store.reads) == 3 and decoder.stats()["store_reads"] == 3
-    restarted = _decoder(tmp_path, model, monkeypatch)
-    restarted.store = store
+    restarted = _decoder(tmp_path, model, monkeypatch, store)
     for row in rows:
         cache, hit, _ = restarted._cache(row)
         assert hit is False and _same(cache, decoder._cache(row)[0])
@@ -250,8 +251,7 @@ def test_prefetch_loads_the_other_episodes(tmp_path, objects, monkeypatch):
     model, data = objects
     store = CountingStore(tmp_path / "store")
     rows = _rows(store, data)
-    decoder = _decoder(tmp_path, model, monkeypatch)
-    decoder.store = store
+    decoder = _decoder(tmp_path, model, monkeypatch, store)
     decoder._cache(rows[0])
     assert decoder.prefetch(rows[1:]) == 2
     stats = _wait(decoder, 2)
@@ -261,8 +261,7 @@ def test_prefetch_loads_the_other_episodes(tmp_path, objects, monkeypatch):
     assert decoder._cache(rows[2])[1] is True and len(store.reads) == 3  # resident: no fetch
     # A budget with no room: the prefetch goes to disk only, the cache in use stays resident.
     (tmp_path / "tight" / "store").mkdir(parents=True)
-    tight = _decoder(tmp_path / "tight", model, monkeypatch, cache_bytes=0)
-    tight.store = store
+    tight = _decoder(tmp_path / "tight", model, monkeypatch, store, cache_bytes=0)
     tight._cache(rows[0])
     assert tight.prefetch(rows[1:]) == 2
     stats = _wait(tight, 2)
@@ -274,8 +273,7 @@ def test_prefetch_errors_are_counted_not_raised(tmp_path, objects, monkeypatch):
     model, data = objects
     store = CountingStore(tmp_path / "store")
     rows = _rows(store, data)
-    decoder = _decoder(tmp_path, model, monkeypatch, disk=False)
-    decoder.store = store
+    decoder = _decoder(tmp_path, model, monkeypatch, store, disk=False)
     missing = dataclasses.replace(rows[1], object_key="caches/conv-1/abcd/episode-9.safetensors")
     wrong_model = dataclasses.replace(rows[2], model_id="another-model")
     assert decoder.prefetch([missing, wrong_model]) == 1  # the other model's is not queued
