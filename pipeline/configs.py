@@ -6,6 +6,8 @@
     MergeConfig        D2O's merging of evicted entries (pipeline.kv.merging)
     PrefillConfig      stage 2: block prefill under a budget (pipeline.kv.prefill)
     CalibrationConfig  the layer profile's calibration (pipeline.kv.budgets)
+    GrowthConfig       when a grown conversation is appended to, or re-clustered and rebuilt
+                       (pipeline.build.growth)
 
 with the default models and the names of the scorers and layer allocators. They live apart
 from the code that runs them (as transformers keeps a model's configuration apart from its
@@ -145,6 +147,32 @@ class PrefillConfig:
             raise ValueError("compact positions work with token eviction only: not with "
                              "tri-state (Quantized keys cannot be re-rotated) nor DapQ (the "
                              "decode positions are not known before the end)")
+
+
+@dataclass(frozen=True)
+class GrowthConfig:
+    """When a conversation that gained turns since its build is appended to (the new turns
+    block-prefilled into each episode's stored cache) and when it is re-clustered and rebuilt.
+    Not in the build's hash: it decides how new turns arrive, not what a cache is built with;
+    the manifest records when each conversation was last clustered and how many appends
+    followed. The similarity default is measured on LoCoMo 26, 30 and 41 (docs/building.md)."""
+    append: bool = True  # False: a grown conversation is rebuilt from its first turn
+    # re-cluster once the conversation holds more than this many times the turns it had when
+    # it was last clustered (its episodes were drawn from too little of it)
+    max_growth: float = 2.0
+    # a new window is far from the episodes when its best cosine to their centroids is below
+    # `far_similarity` (0.65: the 1st percentile of windows' cosine to their own episode's
+    # centroid); re-cluster when more than `far_share` of the new windows are
+    far_similarity: float = 0.65
+    far_share: float = 0.5
+
+    def __post_init__(self):
+        if not self.max_growth >= 1:
+            raise ValueError(f"max_growth must be at least 1, got {self.max_growth}")
+        if not -1 <= self.far_similarity <= 1:
+            raise ValueError(f"far_similarity must be in [-1, 1], got {self.far_similarity}")
+        if not 0 <= self.far_share <= 1:
+            raise ValueError(f"far_share must be in [0, 1], got {self.far_share}")
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,8 @@ def window_texts(conv: Conversation, windows: list[list[Turn]]) -> list[str]:
     return [render_turns(conv, w, header=False).text for w in windows]
 
 
-def _unit(x: np.ndarray) -> np.ndarray:
+def unit(x: np.ndarray) -> np.ndarray:
+    """`x` scaled to unit norm along its last axis (zero rows left zero)."""
     norm = np.linalg.norm(x, axis=-1, keepdims=True)
     return x / np.where(norm > 0, norm, 1.0)
 
@@ -64,7 +65,7 @@ def build_episodes(conv: Conversation, encoder, config: EpisodeConfig = EpisodeC
     fewer (one per window at most); the note says why."""
     windows = segment(conv.turns, config.window)
     texts = window_texts(conv, windows)
-    embeddings = _unit(np.asarray(encoder.encode(texts, normalize_embeddings=True,
+    embeddings = unit(np.asarray(encoder.encode(texts, normalize_embeddings=True,
                                                  show_progress_bar=False), dtype=np.float64))
     distinct = len(np.unique(embeddings.round(6), axis=0))
     k = min(config.episodes, len(windows), distinct)
@@ -73,7 +74,7 @@ def build_episodes(conv: Conversation, encoder, config: EpisodeConfig = EpisodeC
     episodes = []
     for label in sorted(set(labels.tolist())):
         members = np.flatnonzero(labels == label)
-        centroid = _unit(embeddings[members].mean(axis=0))
+        centroid = unit(embeddings[members].mean(axis=0))
         nearest = members[np.argsort(-(embeddings[members] @ centroid), kind="stable")]
         medoids = tuple(int(i) for i in nearest[:config.medoids])
         patch_turns = [t for i in sorted(medoids) for t in windows[i]]
@@ -97,6 +98,6 @@ def member_turn_ids(conv: Conversation, episode: Episode, window: int) -> tuple[
 
 def route(question_embedding: np.ndarray, centroids: np.ndarray) -> tuple[int, float]:
     """The episode whose centroid has the highest cosine similarity to the question."""
-    sims = _unit(np.asarray(centroids, dtype=np.float64)) @ _unit(np.asarray(question_embedding, dtype=np.float64))
+    sims = unit(np.asarray(centroids, dtype=np.float64)) @ unit(np.asarray(question_embedding, dtype=np.float64))
     best = int(np.argmax(sims))
     return best, float(sims[best])

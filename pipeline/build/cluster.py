@@ -1,17 +1,22 @@
-"""Stage 1 of a build: the conversation as built (cut to fit) and its episodes."""
+"""Stage 1 of a build: the conversation as built (cut to fit) and its episodes, or, for a
+conversation that grew since its build, the plan of the append (`pipeline.build.growth`)."""
 
 from __future__ import annotations
 
+import datetime as dt
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pipeline.build.config import BuildConfig
+from pipeline.build.growth import AppendPlan, Recluster, plan_append
+from pipeline.configs import GrowthConfig
 from pipeline.corpus.render import cut_at_session, render_conversation
 from pipeline.corpus.schema import Conversation
-from pipeline.episodes import EpisodeConfig, EpisodeSet, build_episodes
+from pipeline.episodes import EpisodeConfig, EpisodeSet, build_episodes, member_turn_ids
 from pipeline.kv import models, prompts
 from pipeline.kv.positions import check_fits
 from pipeline.kv.scorers import EpiCacheScorer
+from pipeline.store.manifest import ManifestRecord
 
 
 def is_episodic(config: BuildConfig) -> bool:
@@ -24,6 +29,13 @@ class ClusterResult:
     episodes: EpisodeSet
     seconds: float
     encoder_fingerprint: str  # of the encoder files whose space the centroids are in
+    members: tuple[tuple[str, ...], ...] = ()  # per episode, the turns of its windows
+    clustered_at: str = ""  # ISO time
+    reclustered: Recluster | None = None  # why a grown conversation was not appended to
+
+    @property
+    def n_episodes(self) -> int:
+        return len(self.episodes.episodes)
 
 
 def fit_context(conv: Conversation, config: BuildConfig) -> Conversation:
@@ -40,7 +52,8 @@ def fit_context(conv: Conversation, config: BuildConfig) -> Conversation:
     return conv
 
 
-def cluster_conversation(conv: Conversation, config: BuildConfig, fit: bool = True) -> ClusterResult:
+def cluster_conversation(conv: Conversation, config: BuildConfig,
+                         fit: bool = True) -> ClusterResult:
     """Episodes of the conversation as built (`fit_context`; `fit=False` keeps it whole, for
     benchmarks that time lengths past the model's positions on purpose)."""
     start = time.perf_counter()
@@ -51,4 +64,22 @@ def cluster_conversation(conv: Conversation, config: BuildConfig, fit: bool = Tr
     encoder = models.load_encoder(config.encoder)
     fingerprint = models.encoder_fingerprint(config.encoder)  # the files just loaded (cached)
     episodes = build_episodes(conv, encoder, episode_config)
-    return ClusterResult(conv, episodes, time.perf_counter() - start, fingerprint)
+    members = tuple(member_turn_ids(conv, ep, episode_config.window) for ep in episodes.episodes)
+    return ClusterResult(conv, episodes, time.perf_counter() - start, fingerprint, members,
+                         dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+
+
+def plan_conversation(conv: Conversation, config: BuildConfig,
+                      previous: list[ManifestRecord] | None = None,
+                      growth: GrowthConfig = GrowthConfig()) -> ClusterResult | AppendPlan:
+    """Stage 1: the clustering of `conv`, or, given the stored version of a conversation that
+    grew (`previous`), the plan of appending its new turns when the growth rule allows it (the
+    clustering says why it did not, `reclustered`)."""
+    if not previous:
+        return cluster_conversation(conv, config)
+    start = time.perf_counter()
+    fitted = fit_context(conv, config)
+    plan = plan_append(fitted, previous, config, growth, is_episodic(config))
+    if isinstance(plan, AppendPlan):
+        return replace(plan, seconds=time.perf_counter() - start)
+    return replace(cluster_conversation(fitted, config, fit=False), reclustered=plan)

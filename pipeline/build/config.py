@@ -11,7 +11,8 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from pipeline.configs import (DEFAULT_ENCODER, DEFAULT_LLM, CalibrationConfig, EpisodeConfig,
-                              MergeConfig, PrefillConfig, ScoringConfig, TriStateConfig)
+                              GrowthConfig, MergeConfig, PrefillConfig, ScoringConfig,
+                              TriStateConfig)
 from pipeline.store.format_version import FORMAT
 
 STORE_DTYPES = ("float16", "bfloat16", "float32")
@@ -86,8 +87,9 @@ class ModelFingerprints:
 
 @dataclass(frozen=True)
 class DriverOptions:
-    """How a build runs on Ray. Not hashed: none of it changes a cache."""
+    """How a build runs on Ray. Not hashed: none of it changes what a cache is built with."""
     force: bool = False  # rebuild conversations already built
+    growth: GrowthConfig = field(default_factory=GrowthConfig)  # grown conversations
     max_in_flight: int = 16  # tasks submitted at most
     cpus_per_task: float = 1.0
     gpus_per_task: float | None = None  # None: 1 when the cluster has GPUs when the build starts

@@ -9,10 +9,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from pipeline.build.cluster import cluster_conversation
+from pipeline.build.append import prefill_episode
+from pipeline.build.cluster import plan_conversation
 from pipeline.build.config import BuildConfig, ModelFingerprints
-from pipeline.build.episode import build_episode
 from pipeline.build.profile import layer_budgets
+from pipeline.configs import GrowthConfig
 from pipeline.corpus.history import history_change, turns_digest
 from pipeline.corpus.schema import Conversation
 from pipeline.kv import models
@@ -39,28 +40,36 @@ def files_of(config: BuildConfig) -> ModelFingerprints:
                              models.encoder_fingerprint(config.encoder))
 
 
-def rebuild_reason(store: Store, conversation_id: str, config: BuildConfig,
-                   files: ModelFingerprints, conv: Conversation | None = None) -> str | None:
-    """None when the conversation's stored build is current: this configuration, these model
-    files and (given the record `conv`) the same turns; else why it is built again. A manifest
-    without fingerprints predates them; a corrupt manifest is not a build (rebuilding replaces
-    it, so it is logged)."""
+def stored_version(store: Store, conversation_id: str, config: BuildConfig,
+                   files: ModelFingerprints, conv: Conversation | None = None
+                   ) -> tuple[str | None, list[ManifestRecord] | None]:
+    """(None when the conversation's stored build is current, else why it is built again; the
+    stored records). Current: this configuration, these model files and (given the record
+    `conv`) the same turns. "grown" is the one reason an append may answer. A manifest without
+    fingerprints predates them; a corrupt manifest is not a build (rebuilding replaces it, so
+    it is logged)."""
     try:
         records = read_manifest(store, conversation_id)
     except ManifestError as e:
         log.warning("%s; rebuilding the conversation", e)
-        return "corrupt manifest"
+        return "corrupt manifest", None
     if not records:
-        return "no manifest"
+        return "no manifest", None
     if any(r.config_hash != config.hash for r in records):
-        return "configuration changed"
+        return "configuration changed", records
     if any(built_with(r) != files for r in records):
-        return "model files changed"
+        return "model files changed", records
     first = records[0]
     if conv is None or first.source_turns is None or first.source_digest is None:
-        return None  # nothing to compare (a manifest from before turns were recorded)
+        return None, records  # nothing to compare (a manifest from before turns were recorded)
     change = history_change(conv.turns, first.source_turns, first.source_digest)
-    return None if change == "unchanged" else change
+    return (None if change == "unchanged" else change), records
+
+
+def rebuild_reason(store: Store, conversation_id: str, config: BuildConfig,
+                   files: ModelFingerprints, conv: Conversation | None = None) -> str | None:
+    """Why the conversation is built again (`stored_version`), None when it is current."""
+    return stored_version(store, conversation_id, config, files, conv)[0]
 
 
 def is_built(store: Store, conversation_id: str, config: BuildConfig,
@@ -113,13 +122,17 @@ def commit_manifest(store: Store, conversation_id: str, records: list[ManifestRe
     write_manifest(store, conversation_id, records)
 
 
-def build_conversation(conv: Conversation, config: BuildConfig, store: Store) -> list[ManifestRecord]:
-    """The whole build of one conversation in this process (the Ray job fans the same steps out)."""
-    clustered = cluster_conversation(conv, config)
+def build_conversation(conv: Conversation, config: BuildConfig, store: Store,
+                       growth: GrowthConfig = GrowthConfig()) -> list[ManifestRecord]:
+    """The whole build of one conversation in this process (the Ray job fans the same steps
+    out); a conversation that grew since its stored build is appended to when `growth` allows."""
     lm = models.load_llm(config.model)
+    files = ModelFingerprints(lm.fingerprint, models.encoder_fingerprint(config.encoder))
+    reason, previous = stored_version(store, conv.conversation_id, config, files, conv)
+    planned = plan_conversation(conv, config, previous if reason == "grown" else None, growth)
     budgets = layer_budgets(store, config, lm.config.num_hidden_layers)
-    records = [build_episode(clustered, e, budgets, config, store)
-            for e in range(len(clustered.episodes.episodes))]
+    records = [prefill_episode(planned, e, budgets, config, store)
+               for e in range(planned.n_episodes)]
     records = with_source(records, conv)
-    commit_manifest(store, conv.conversation_id, records)
+    commit_manifest(store, conv.conversation_id, records, files)
     return records

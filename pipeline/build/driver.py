@@ -2,8 +2,10 @@
 
 Stages per conversation: a clustering task (CPU), then one block-prefill task per episode (GPU
 when the cluster has one), then the manifest commit (the driver writes it once every episode is
-stored). The driver keeps at most `max_in_flight` tasks submitted (`ray.wait`) and streams the
-corpus, so its memory does not grow with the corpus. Conversations whose manifest already
+stored). A conversation whose record grew since its build is planned instead of clustered
+(`pipeline.build.growth`), and its episode tasks append the new turns to the stored caches.
+The driver keeps at most `max_in_flight` tasks submitted (`ray.wait`) and streams the corpus,
+so its memory does not grow with the corpus. Conversations whose manifest already
 carries this configuration's hash and the fingerprints of the model files the budgets task
 found are skipped. Committed rows are also appended, in batches, to
 the store's manifest table (`pipeline.store.table_sync.IndexWriter`).
@@ -25,10 +27,10 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from pipeline.build.config import BuildConfig, DriverOptions, ModelFingerprints
-from pipeline.build.conversation import commit_manifest, rebuild_reason, with_source
+from pipeline.build.conversation import commit_manifest, stored_version, with_source
 from pipeline.build.job import BuildError, OpenedJob, Summary
 from pipeline.build.sources import corpus_objects
-from pipeline.build.tasks import MODEL_STAGES, Stages, WorkerStamp
+from pipeline.build.tasks import MODEL_STAGES, Planned, Stages, WorkerStamp
 from pipeline.corpus.reader import CorpusStream, ReadStats
 from pipeline.corpus.records import DEFAULT_LIMITS, CorpusLimits
 from pipeline.corpus.schema import Conversation, CorpusError
@@ -51,6 +53,8 @@ class _Conversation:
     error: str | None = None
     source: Conversation | None = None  # the record read: its turns are marked in the manifest
     rebuilt: str | None = None  # why a conversation built before is built again
+    appended: bool = False  # its episode tasks append to the stored caches
+    new_tokens: int = 0  # appended: the tokens each episode task prefills
 
 
 def _describe(exc: BaseException) -> str:
@@ -81,7 +85,7 @@ class _Driver:
         self.corpus, self.conversations = corpus, iter(corpus)
         self.store, self.config, self.stages = store, config, stages
         self.force, self.max_in_flight, self.bar = options.force, options.max_in_flight, bar
-        self.max_retries = options.max_retries
+        self.max_retries, self.growth = options.max_retries, options.growth
         self.resources = {"num_cpus": options.cpus_per_task, "num_gpus": gpus,
                           "max_retries": options.max_retries}
         self.index = index  # the manifest table: told before and after each commit
@@ -115,6 +119,7 @@ class _Driver:
         self.cluster_fn = self.stages.cluster.options(num_cpus=1, max_retries=self.max_retries,
                                                       num_returns=2)
         self.config_ref, self.store_ref = ray.put(self.config), ray.put(self.store)
+        self.growth_ref = ray.put(self.growth)
         self.budgets_ref = ray.put(self.budgets)
         try:
             while True:
@@ -173,15 +178,17 @@ class _Driver:
     def _admit(self) -> bool:
         for conv in self.conversations:
             cid = conv.conversation_id
-            reason = None
+            reason, previous = None, None
             if cid in self.built_before:
-                reason = rebuild_reason(self.store, cid, self.config, self.files, conv)
+                reason, previous = stored_version(self.store, cid, self.config, self.files, conv)
                 if reason is None:
                     self.summary.skipped += 1
                     self.bar.update(1)
                     continue
-                log.info("rebuilding %s: %s", cid, reason)
-            count_ref, clustered_ref = self.cluster_fn.remote(conv, self.config_ref)
+                if reason != "grown":
+                    log.info("rebuilding %s: %s", cid, reason)
+            count_ref, clustered_ref = self.cluster_fn.remote(
+                conv, self.config_ref, previous if reason == "grown" else None, self.growth_ref)
             self.convs[cid] = _Conversation(clustered=clustered_ref, outstanding=1, source=conv,
                                             rebuilt=reason)
             self.submit(count_ref, "cluster", cid)
@@ -212,22 +219,31 @@ class _Driver:
             log.error("conversation %s: %s", cid, conv.error)
             result = None
         if kind == "cluster" and result is not None:
-            if result == 0:
-                conv.error = "clustering produced no episodes"
-            conv.outstanding += result
-            self.pending.extend((cid, i) for i in range(result))
+            self._planned(cid, conv, result)
         elif kind == "episode" and result is not None:
             record, stamp = result
             self._loads(stamp)
             conv.records.append(record)
             s = self.summary
             s.episodes += 1
-            s.tokens += record.tokens
-            s.bytes += record.object_bytes
+            s.tokens += conv.new_tokens if conv.appended else record.tokens
+            if not (conv.appended and conv.new_tokens == 0):  # else the stored object is kept
+                s.bytes += record.object_bytes
             log.debug("built %s episode %d on node %s by %s: %d tokens in %.1fs", cid, e,
                       stamp.node_id[:12], stamp.worker, record.tokens, record.build_seconds)
             self._postfix()
         self.finish(cid)
+
+    def _planned(self, cid: str, conv: _Conversation, planned: Planned) -> None:
+        """Stage 1 is done: queue the conversation's episode tasks."""
+        if planned.episodes == 0:
+            conv.error = "clustering produced no episodes"
+        conv.appended, conv.new_tokens = planned.appended, planned.new_tokens
+        if planned.reclustered is not None:
+            conv.rebuilt = f"grown, {planned.reclustered.reason}"
+            log.info("rebuilding %s: grown, re-clustered: %s", cid, planned.reclustered.detail)
+        conv.outstanding += planned.episodes
+        self.pending.extend((cid, i) for i in range(planned.episodes))
 
     def finish(self, cid: str) -> None:
         """Hand a conversation whose tasks are all done to the commit thread, which runs
@@ -253,10 +269,14 @@ class _Driver:
                     self.index.begin(cid)
                 conv.records = with_source(conv.records, conv.source)
                 commit_manifest(self.store, cid, conv.records, self.files)
-                self.summary.built += 1
-                if conv.rebuilt is not None:
-                    self.summary.rebuilt[conv.rebuilt] += 1
-                log.info("committed %s: %d episodes", cid, len(conv.records))
+                if conv.appended:
+                    self.summary.appended += 1
+                else:
+                    self.summary.built += 1
+                    if conv.rebuilt is not None:
+                        self.summary.rebuilt[conv.rebuilt] += 1
+                log.info("committed %s: %d episodes%s", cid, len(conv.records),
+                         f", {conv.new_tokens} tokens appended" if conv.appended else "")
             except Exception as exc:  # a commit that fails marks the conversation failed
                 conv.error = f"manifest commit: {type(exc).__name__}: {exc}"
             else:

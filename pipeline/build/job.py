@@ -38,6 +38,7 @@ SKIPS_SHOWN = 20  # skips printed to stderr; all of them are in the report
 class Summary:
     """What a build did: the figures of its summary line."""
     built: int = 0
+    appended: int = 0  # grown conversations whose new turns were appended to the stored caches
     skipped: int = 0
     rebuilt: Counter[str] = field(default_factory=Counter)  # of `built`, built before: why again
     failed: dict[str, str] = field(default_factory=dict)
@@ -58,8 +59,9 @@ class Summary:
 
     def line(self, seconds: float | None = None, store: str = "") -> str:
         seconds = self.seconds if seconds is None else seconds
-        return (f"built {self.built} conversations ({self.episodes} episode caches, "
-                f"{self.tokens:,} tokens, {self.bytes / 2**20:.1f} MiB) in {seconds:.1f}s; "
+        return (f"built {self.built} conversations, appended to {self.appended} "
+                f"({self.episodes} episode caches, {self.tokens:,} tokens prefilled, "
+                f"{self.bytes / 2**20:.1f} MiB) in {seconds:.1f}s; "
                 f"{self._rebuilt()}skipped {self.skipped} up to date; failed {len(self.failed)}; "
                 f"bad records skipped {self.bad_records}; questions dropped "
                 f"{self.questions_dropped}; model loads {sum(self.loads.values())} "

@@ -9,6 +9,7 @@ for `"rehearse_failure": "raise"` or `"crash"`).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -24,7 +25,9 @@ from safetensors.torch import save as st_save
 
 from pipeline.build.cluster import ClusterResult
 from pipeline.build.config import BuildConfig, ModelFingerprints
-from pipeline.build.tasks import Stages, WorkerStamp
+from pipeline.build.growth import AppendPlan
+from pipeline.build.tasks import Planned, Stages, WorkerStamp
+from pipeline.configs import GrowthConfig
 from pipeline.corpus.schema import Conversation
 from pipeline.episodes import Episode, EpisodeConfig, EpisodeSet
 from pipeline.store import cache_format
@@ -54,14 +57,33 @@ def synthetic_cluster(conv: Conversation, config: BuildConfig) -> ClusterResult:
         episodes.append(Episode(index=i, centroid=centroid / np.linalg.norm(centroid),
                                 windows=(i,), medoid_windows=(i,), medoid_turn_ids=(),
                                 patch_text=f"synthetic episode {i}"))
+    members = tuple(() for _ in episodes)
     return ClusterResult(conv, EpisodeSet(tuple(episodes), config.episodes.episodes,
                                           config.episodes.episodes), 0.0,
-                         SYNTHETIC_FILES.encoder)
+                         SYNTHETIC_FILES.encoder, members,
+                         dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
 
 
-def synthetic_cache(conversation_id: str, episode: int, entries: int, config: BuildConfig) -> bytes:
-    """A tiny random cache in the real format (`pipeline.store.cache_format` reads it back)."""
-    gen = torch.Generator().manual_seed(_seed(conversation_id, episode))
+def synthetic_plan(conv: Conversation, config: BuildConfig, previous: list[ManifestRecord] | None,
+                   growth: GrowthConfig) -> ClusterResult | AppendPlan:
+    """A grown conversation's append (its new turns count as its new tokens), else
+    `synthetic_cluster`."""
+    if not previous or not growth.append:
+        return synthetic_cluster(conv, config)
+    previous = sorted(previous, key=lambda r: r.episode)
+    return AppendPlan(conversation=conv, previous=tuple(previous),
+                      new_tokens=len(conv.turns) - previous[0].tokens,
+                      centroids=tuple(tuple(r.centroid) for r in previous),
+                      n_windows=tuple(r.n_windows for r in previous),
+                      new_members=tuple(() for _ in previous),
+                      encoder_fingerprint=SYNTHETIC_FILES.encoder)
+
+
+def synthetic_cache(conversation_id: str, episode: int, entries: int, config: BuildConfig,
+                    turns: int = 0) -> bytes:
+    """A tiny random cache in the real format (`pipeline.store.cache_format` reads it back);
+    each length of the conversation (`turns`) gets other content."""
+    gen = torch.Generator().manual_seed(_seed(conversation_id, episode, turns))
     tensors = {}
     for i in range(LAYERS):
         n = entries * KV_HEADS
@@ -77,26 +99,36 @@ def synthetic_cache(conversation_id: str, episode: int, entries: int, config: Bu
     return st_save(tensors, metadata={"header": json.dumps(header)})
 
 
-def synthetic_episode(clustered: ClusterResult, episode: int, budgets: list[int] | None,
-                      config: BuildConfig, store: Store) -> ManifestRecord:
-    """Write one tiny cache and return its manifest record, like `build_episode`."""
+def synthetic_episode(clustered: ClusterResult | AppendPlan, episode: int,
+                      budgets: list[int] | None, config: BuildConfig,
+                      store: Store) -> ManifestRecord:
+    """Write one tiny cache and return its manifest record, like `build_episode` (or, for an
+    append, like `append_episode`: a new object, the stored record brought up to date)."""
     start = time.perf_counter()
     conv = clustered.conversation
     failure = conv.meta.get("rehearse_failure")
     if failure == "crash":  # the worker process dies: Ray retries, then gives up
         os._exit(1)
-    if failure == "raise" and episode == len(clustered.episodes.episodes) - 1:
+    if failure == "raise" and episode == clustered.n_episodes - 1:
         raise RuntimeError(f"rehearsed failure of {conv.conversation_id} episode {episode}")
     entries = min(budgets or [16])
-    data = synthetic_cache(conv.conversation_id, episode, entries, config)
-    key = cache_key(conv.conversation_id, SYNTHETIC_FILES.bound_hash(config.hash), episode)
+    data = synthetic_cache(conv.conversation_id, episode, entries, config, len(conv.turns))
+    checksum = cache_format.sha256(data)
+    key = cache_key(conv.conversation_id, SYNTHETIC_FILES.bound_hash(config.hash), episode,
+                    checksum)
     store.put(key, data)
+    if isinstance(clustered, AppendPlan):
+        before = clustered.previous[episode]
+        return dataclasses.replace(
+            before, object_key=key, sha256=checksum, object_bytes=len(data),
+            tokens=len(conv.turns), cache_turns=len(conv.turns),
+            appends=(before.appends or 0) + 1, build_seconds=time.perf_counter() - start)
     ep = clustered.episodes.episodes[episode]
     return ManifestRecord(
         conversation_id=conv.conversation_id, episode=episode,
         episodes_requested=clustered.episodes.requested,
         episodes_built=len(clustered.episodes.episodes), episode_note="",
-        object_key=key, sha256=cache_format.sha256(data), object_bytes=len(data),
+        object_key=key, sha256=checksum, object_bytes=len(data),
         kv_bytes=2 * LAYERS * KV_HEADS * entries * HEAD_DIM * 2,
         centroid=ep.centroid.tolist(), medoid_text=ep.patch_text, medoid_turn_ids=[],
         n_windows=1, layer_budgets=budgets, entries_per_layer=[float(entries)] * LAYERS,
@@ -104,16 +136,19 @@ def synthetic_episode(clustered: ClusterResult, episode: int, budgets: list[int]
         scorer=config.scorer, model_id=config.model, encoder_id=config.encoder,
         model_fingerprint=SYNTHETIC_FILES.model, encoder_fingerprint=SYNTHETIC_FILES.encoder,
         config_hash=config.hash, config_json=config.to_json(), cluster_seconds=0.0,
-        build_seconds=time.perf_counter() - start,
-        worker=f"{socket.gethostname()}:{os.getpid()}",
+        build_seconds=time.perf_counter() - start, cache_turns=len(conv.turns),
+        member_turn_ids=[], clustered_turns=len(conv.turns), clustered_at=clustered.clustered_at,
+        appends=0, worker=f"{socket.gethostname()}:{os.getpid()}",
         built_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     )
 
 
 @ray.remote
-def synthetic_cluster_task(conv: Conversation, config: BuildConfig) -> tuple[int, ClusterResult]:
-    clustered = synthetic_cluster(conv, config)
-    return len(clustered.episodes.episodes), clustered
+def synthetic_cluster_task(conv: Conversation, config: BuildConfig,
+                           previous: list[ManifestRecord] | None, growth: GrowthConfig
+                           ) -> tuple[Planned, ClusterResult | AppendPlan]:
+    planned = synthetic_plan(conv, config, previous, growth)
+    return Planned.of(planned), planned
 
 
 @ray.remote
@@ -123,7 +158,8 @@ def synthetic_budgets_task(store: Store, config: BuildConfig
 
 
 @ray.remote(max_calls=0)
-def synthetic_episode_task(clustered: ClusterResult, episode: int, budgets: list[int] | None,
+def synthetic_episode_task(clustered: ClusterResult | AppendPlan, episode: int,
+                           budgets: list[int] | None,
                            config: BuildConfig,
                            store: Store) -> tuple[ManifestRecord, WorkerStamp]:
     record = synthetic_episode(clustered, episode, budgets, config, store)

@@ -13,10 +13,12 @@ from typing import Any
 
 import ray
 
-from pipeline.build.cluster import ClusterResult, cluster_conversation
+from pipeline.build.append import prefill_episode
+from pipeline.build.cluster import ClusterResult, plan_conversation
 from pipeline.build.config import BuildConfig, ModelFingerprints
-from pipeline.build.episode import build_episode
+from pipeline.build.growth import AppendPlan, Recluster
 from pipeline.build.profile import layer_budgets
+from pipeline.configs import GrowthConfig
 from pipeline.corpus.schema import Conversation
 from pipeline.kv import models
 from pipeline.store.base import Store
@@ -42,12 +44,31 @@ class WorkerStamp:
         return replace(record, node_id=self.node_id, worker=self.worker)
 
 
+@dataclass(frozen=True)
+class Planned:
+    """What the driver learns of stage 1 (the plan itself goes to the episode tasks by
+    reference): how many episode tasks follow, and whether they append or build."""
+    episodes: int
+    appended: bool = False
+    reclustered: Recluster | None = None  # why a grown conversation is rebuilt instead
+    new_tokens: int = 0  # appended: the tokens after those the caches had seen
+
+    @classmethod
+    def of(cls, planned: ClusterResult | AppendPlan) -> "Planned":
+        if isinstance(planned, AppendPlan):
+            return cls(planned.n_episodes, appended=True, new_tokens=planned.new_tokens)
+        return cls(planned.n_episodes, reclustered=planned.reclustered)
+
+
 @ray.remote
-def cluster_task(conv: Conversation, config: BuildConfig) -> tuple[int, ClusterResult]:
-    """(episode count, clustering); called with num_returns=2 so the driver fetches the count
-    only and the episode tasks get the clustering by reference."""
-    clustered = cluster_conversation(conv, config)
-    return len(clustered.episodes.episodes), clustered
+def cluster_task(conv: Conversation, config: BuildConfig,
+                 previous: list[ManifestRecord] | None, growth: GrowthConfig
+                 ) -> tuple[Planned, ClusterResult | AppendPlan]:
+    """(what the driver needs, the clustering or the append's plan); called with
+    num_returns=2 so the driver fetches the first only and the episode tasks get the second
+    by reference. `previous`: the stored version of a conversation that grew."""
+    planned = plan_conversation(conv, config, previous, growth)
+    return Planned.of(planned), planned
 
 
 @ray.remote
@@ -62,9 +83,9 @@ def budgets_task(store: Store, config: BuildConfig
 # max_calls=0: the worker process is reused, so its model stays loaded (Ray's default for GPU
 # tasks is one call per process, which would reload the model for every episode).
 @ray.remote(max_calls=0)
-def episode_task(clustered: ClusterResult, episode: int, budgets: list[int] | None,
+def episode_task(planned: ClusterResult | AppendPlan, episode: int, budgets: list[int] | None,
                  config: BuildConfig, store: Store) -> tuple[ManifestRecord, WorkerStamp]:
-    record = build_episode(clustered, episode, budgets, config, store)
+    record = prefill_episode(planned, episode, budgets, config, store)
     stamp = WorkerStamp.here()  # after the build: its model load counted
     return stamp.on(record), stamp
 

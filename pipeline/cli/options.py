@@ -229,6 +229,16 @@ DRIVER_OPTIONS = (
     FieldOption("--max-retries", "max_retries", "Ray retries per task on worker death"),
     FieldOption("--no-progress", "progress", "no progress bar (e.g. in a job's log)",
                 const=False),
+    FieldOption("--no-append", "growth.append",
+                "rebuild a grown conversation from its first turn instead of appending its new "
+                "turns to the stored caches", const=False),
+    FieldOption("--max-growth", "growth.max_growth",
+                "re-cluster and rebuild a grown conversation once it holds more than this many "
+                "times the turns it had when last clustered"),
+    FieldOption("--far-similarity", "growth.far_similarity",
+                "a new window is far from the episodes below this cosine to every centroid"),
+    FieldOption("--far-share", "growth.far_share",
+                "re-cluster and rebuild when more than this share of the new windows are far"),
 )
 
 LIMIT_OPTIONS = (

@@ -39,7 +39,8 @@ def bench_text(lm: models.LoadedModel, tokens: int, config: BuildConfig, seed: i
         raise RuntimeError(f"synthetic conversation too short: {ids.shape[0]} < {tokens} tokens")
     clustered = cluster_conversation(conv, config, fit=False)
     episode = clustered.episodes.episodes[0]
-    scorer = episode_scorer(lm.tokenizer, clustered.conversation, episode, config)
+    scorer = episode_scorer(lm.tokenizer, clustered.conversation, episode.patch_text,
+                            clustered.members[0], config)
     return BenchText(ids[:tokens], episode.patch_text, scorer)
 
 

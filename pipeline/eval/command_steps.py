@@ -13,8 +13,8 @@ from pathlib import Path
 
 TAIL_LINES = 60  # lines of each step's output kept in the report
 STEP_TIMEOUT_S = 1800
-_SUMMARY = re.compile(r"built (\d+) conversations \((\d+) episode caches, ([\d,]+) tokens, "
-                      r"[\d.]+ MiB\) in ([\d.]+)s")
+_SUMMARY = re.compile(r"built (\d+) conversations, appended to \d+ \((\d+) episode caches, "
+                      r"([\d,]+) tokens prefilled, [\d.]+ MiB\) in ([\d.]+)s")
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 

@@ -132,12 +132,17 @@ def block_prefill(model: torch.nn.Module, input_ids: torch.Tensor, scorer: Score
                   budgets: list[int] | None, config: PrefillConfig = PrefillConfig(),
                   on_block: Callable[[int], None] | None = None, *,
                   byte_budgets: list[int] | None = None,
-                  original_element_size: int | None = None) -> tuple[EpisodicCache, PrefillStats]:
+                  original_element_size: int | None = None,
+                  cache: EpisodicCache | None = None) -> tuple[EpisodicCache, PrefillStats]:
     """Feed `input_ids` ([N]) block by block, evicting each layer to `budgets[layer]` entries
     per head after every block (no eviction when `budgets` is None: the full cache). With
     tri-state compression the budgets are `byte_budgets` (bytes per layer; default: the bytes
     of `budgets[layer]` Original tokens per KV head), Original entries counted at
-    `original_element_size` bytes per number (default: the model's dtype)."""
+    `original_element_size` bytes per number (default: the model's dtype).
+
+    Given `cache` (an episode's stored cache, read back), the ids are the turns that follow
+    what it has seen, and the prefill goes on from it as if the blocks had run in one call:
+    the append of a grown conversation. The stats count the new tokens."""
     start_time = time.perf_counter()
     n_layers = model.config.num_hidden_layers
     for name, given in (("layer budgets", budgets), ("layer byte budgets", byte_budgets)):
@@ -150,12 +155,13 @@ def block_prefill(model: torch.nn.Module, input_ids: torch.Tensor, scorer: Score
     decoder = model.base_model  # no LM head: block prefill needs no logits
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
-    total = input_ids.shape[0]
-    cache = EpisodicCache(n_layers)
+    n_new = input_ids.shape[0]
+    cache = EpisodicCache(n_layers) if cache is None else cache
+    total = cache.tokens_seen + n_new  # where decoding will start (DapQ's patch positions)
     cache.collect_moments(isinstance(eviction, TriStateEviction))
     rotation = KeyRotation.for_model(model) if config.positions == "compact" else None
     stats = PrefillStats()
-    for begin in range(0, total, config.block):
+    for begin in range(0, n_new, config.block):
         block = input_ids[begin:begin + config.block]
         seen = cache.tokens_seen
         patch = scorer.patch_ids(BlockContext(block_ids=block, tokens_seen=seen))
@@ -168,7 +174,7 @@ def block_prefill(model: torch.nn.Module, input_ids: torch.Tensor, scorer: Score
                     use_cache=True)
         if eviction is not None:
             states = [layer_state(idx, layer, seen) for idx, layer in enumerate(cache.layers)]
-            eviction.step(cache.layers, states, scorer, final=begin + config.block >= total)
+            eviction.step(cache.layers, states, scorer, final=begin + config.block >= n_new)
         if rotation is not None:
             cache.compact(rotation)
         for layer in cache.layers:

@@ -219,7 +219,8 @@ class Router:
         return {
             "conversation_id": conversation_id, "model_id": public_name(first.model_id),
             "encoder_id": public_name(first.encoder_id), "config_hash": first.config_hash,
-            "scorer": first.scorer, "tokens": first.tokens,
+            "scorer": first.scorer, "tokens": first.tokens, "turns": first.cache_turns,
+            "appends": first.appends, "clustered_at": first.clustered_at,
             "episodes_requested": first.episodes_requested,
             "episodes_built": first.episodes_built, "episode_note": first.episode_note,
             "episodes": [{

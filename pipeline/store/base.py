@@ -34,8 +34,14 @@ def check_key(key: str) -> str:
     return key
 
 
-def cache_key(conversation_id: str, config_hash: str, episode: int) -> str:
-    return f"caches/{check_safe_id(conversation_id)}/{config_hash}/episode-{episode}.safetensors"
+def cache_key(conversation_id: str, config_hash: str, episode: int,
+              sha256: str | None = None) -> str:
+    """Where an episode's cache object goes. With its content's SHA-256 the key names that
+    version alone: a rebuild or an append writes a new object beside the one being served, and
+    the new manifest names it (`jobs.gc` removes the old one once no manifest does)."""
+    version = f"-{sha256[:16]}" if sha256 else ""
+    return (f"caches/{check_safe_id(conversation_id)}/{config_hash}/"
+            f"episode-{episode}{version}.safetensors")
 
 
 def manifest_key(conversation_id: str) -> str:

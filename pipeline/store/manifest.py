@@ -73,6 +73,15 @@ class ManifestRecord:
     # (pipeline.corpus.history): a changed or grown record is told apart from an unchanged one.
     source_turns: int | None = column(pa.int32(), default=None)
     source_digest: str | None = column(pa.string(), default=None)
+    # What an append goes on from (pipeline.build.growth): the turns the caches hold (the
+    # record as built: after any cut), this episode's turns (its windows'), how many turns the
+    # conversation had when it was last clustered, when, and the appends since. None in
+    # manifests written before appends: such a conversation is rebuilt when it grows.
+    cache_turns: int | None = column(pa.int32(), default=None)
+    member_turn_ids: list[str] | None = column(pa.list_(pa.string()), default=None)
+    clustered_turns: int | None = column(pa.int32(), default=None)
+    clustered_at: str | None = column(pa.string(), default=None)
+    appends: int | None = column(pa.int32(), default=None)
     config_json: str = column(pa.string())
     cluster_seconds: float = column(pa.float64())
     build_seconds: float = column(pa.float64())
@@ -115,10 +124,11 @@ MANIFEST_SCHEMA = _schema(state=False)
 STATE_SCHEMA = _schema(state=True)  # written once some episode carries them (every build since)
 
 
-# Every writer since the first has written these (node_id, the fingerprints and the source's
-# turns came later; the state columns later).
+# Every writer since the first has written these (node_id, the fingerprints, the source's
+# turns and the append state came later; the state columns later).
 _LATER_COLUMNS = ("node_id", "model_fingerprint", "encoder_fingerprint", "source_turns",
-                  "source_digest")
+                  "source_digest", "cache_turns", "member_turn_ids", "clustered_turns",
+                  "clustered_at", "appends")
 REQUIRED_COLUMNS = tuple(name for name in MANIFEST_SCHEMA.names if name not in _LATER_COLUMNS)
 
 

@@ -506,6 +506,56 @@ def test_a_changed_manifest_is_read_again(local_app, built):
 
 
 @e2e
+def test_a_conversation_grown_while_it_is_answered_is_served_at_its_new_version(local_app, built):
+    """Questions keep coming while a session is appended to the conversation (the real build
+    with SmolLM2): every answer succeeds, each from one version, and once the new manifest is
+    committed the server reads the new objects and answers as the library does from them."""
+    from pipeline.build.conversation import build_conversation
+    from pipeline.corpus.schema import Turn
+    from pipeline.store.manifest import read_manifest, write_manifest
+
+    url, _ = local_app
+    store, source = LocalStore(built[1]), built[2][1]
+    cid = "growing-0001"  # a copy: the other tests' conversation stays as built
+    write_manifest(store, cid, [dataclasses.replace(r, conversation_id=cid)
+                                for r in read_manifest(store, source.conversation_id)])
+    info = lambda: requests.get(f"{url}/v1/conversations/{cid}", headers=AUTH,  # noqa: E731
+                                timeout=60).json()
+    before = info()
+    session = max(t.session for t in source.turns) + 1
+    said = ["We finally booked the trip to Lisbon for the spring.",
+            "Lisbon! Are you taking the night train or flying?",
+            "Flying, then a tram up to the castle on the first morning.",
+            "Bring good shoes, the hills there are steep."]
+    new = tuple(Turn(turn_id=f"G{i}", speaker=source.speakers[i % 2], text=text, session=session,
+                     timestamp="3 June 2024") for i, text in enumerate(said))
+    grown = dataclasses.replace(source, conversation_id=cid, turns=source.turns + new)
+    question = "Where did they book a trip to?"
+    stop, statuses = threading.Event(), []
+
+    def keep_asking():
+        while not stop.is_set():
+            statuses.append(_answer(url, cid, question).status_code)
+
+    asking = threading.Thread(target=keep_asking)
+    asking.start()
+    try:
+        records = build_conversation(grown, _config(), store)
+    finally:
+        stop.set()
+        asking.join()
+    assert statuses and set(statuses) == {200}, statuses
+    assert [r.appends for r in records] == [1] * len(records)
+    after = info()
+    assert after["appends"] == 1 and after["turns"] == len(grown.turns)
+    assert after["tokens"] > before["tokens"]
+    assert [e["object_key"] for e in after["episodes"]] == [r.object_key for r in records]
+    served = _answer(url, cid, question).json()
+    library = Answerer(store).answer(cid, question, MAX_NEW)
+    assert (served["episode"], served["answer"]) == (library.episode, library.answer)
+
+
+@e2e
 def test_concurrent_requests_all_succeed(local_app, built):
     url, _ = local_app
     pairs = _questions(built[2], 4)

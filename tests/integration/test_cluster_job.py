@@ -382,8 +382,8 @@ def test_interrupted_driver_resumes_without_rebuilding(ray_local, tiny_llm, tmp_
 @pytest.mark.e2e
 def test_failing_episode_fails_its_conversation_and_the_rest_completes(ray_local, tiny_llm,
                                                                        tmp_path, capsys):
-    """A real, persistent failure (an episode whose object path is blocked by a folder): its
-    conversation is reported failed with the error, no manifest names it, every other
+    """A real, persistent failure (the folder of a conversation's objects blocked by a file):
+    its conversation is reported failed with the error, no manifest names it, every other
     conversation is built, and the command exits 1."""
     corpus, store_dir = corpus_file(tmp_path, 3, seed=51), tmp_path / "store"
     args = ["--corpus", str(corpus), "--store", str(store_dir), "--model", tiny_llm,
@@ -391,16 +391,17 @@ def test_failing_episode_fails_its_conversation_and_the_rest_completes(ray_local
     config = build.config_from_args(build.parse_args(args))
     files = ModelFingerprints(models.llm_fingerprint(tiny_llm),
                               models.encoder_fingerprint(config.encoder))
+    # objects are named by their content: block the folder they all go in
     blocked = store_dir / cache_key("synth-0001", files.bound_hash(config.hash), 1)
-    blocked.mkdir(parents=True)
-    (blocked / "keep").write_text("a folder where the episode object should go")
+    blocked.parent.parent.mkdir(parents=True)
+    blocked.parent.write_text("a file where the episodes' folder should go")
 
     code = build.main(args)
     out, err = capsys.readouterr()
     assert code == 1
     assert "built 2 conversations" in out and "failed 1" in out, out
     failed = [ln for ln in err.splitlines() if ln.startswith("failed ")]
-    assert len(failed) == 1 and failed[0].startswith("failed synth-0001: episode 1: "), err
+    assert len(failed) == 1 and re.match(r"failed synth-0001: episode \d: ", failed[0]), err
     assert "Error" in failed[0]
     store = LocalStore(store_dir)
     verify_store(store, {"synth-0000", "synth-0002"})

@@ -24,6 +24,7 @@ from jobs import gc, manifests
 from pipeline.build.config import DriverOptions
 from pipeline.build.driver import run_build
 from pipeline.build.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES, write_synthetic_corpus
+from pipeline.configs import GrowthConfig
 from pipeline.episodes import EpisodeConfig
 from pipeline.store import table as manifest_table
 from pipeline.store.base import manifest_key
@@ -393,9 +394,10 @@ def test_replace_splits_large_batches_and_replaces_only_named_conversations(fill
     assert not [r for r in after if r["conversation_id"] == "conv-3"]
 
 
-def test_a_grown_or_edited_record_is_rebuilt_and_the_summary_says_why(ray_local, tmp_path):
-    """The manifest records the turns it was built from; a record that gained turns (grown) or
-    whose covered turns changed (edited) is built again, an unchanged one is skipped."""
+def test_a_grown_record_is_appended_to_an_edited_one_rebuilt(ray_local, tmp_path):
+    """The manifest records the turns it was built from; a record that gained turns (grown) is
+    appended to (new objects, its manifest and table rows replaced in one commit), one whose
+    covered turns changed (edited) is rebuilt, an unchanged one is skipped."""
     from pipeline.corpus.reader import read_corpus, write_jsonl
 
     corpus = tmp_path / "corpus.jsonl"
@@ -415,9 +417,18 @@ def test_a_grown_or_edited_record_is_rebuilt_and_the_summary_says_why(ray_local,
         replace(convs[1].turns[0], text="an edit"), *convs[1].turns[1:]))
     write_jsonl([grown, edited, convs[2]], corpus)
 
+    before = read_manifest(store, grown.conversation_id)
     again = run(corpus, store)
-    assert (again.built, again.skipped, dict(again.rebuilt)) == (2, 1, {"grown": 1, "edited": 1})
-    assert "of which rebuilt 2 (edited 1, grown 1); skipped 1 up to date" in again.line()
-    assert {r.source_turns for r in read_manifest(store, grown.conversation_id)} == \
-        {len(grown.turns)}
+    assert (again.built, again.appended, again.skipped) == (1, 1, 1)
+    assert dict(again.rebuilt) == {"edited": 1}
+    assert "appended to 1 (" in again.line()
+    assert "of which rebuilt 1 (edited 1); skipped 1 up to date" in again.line()
+    after = read_manifest(store, grown.conversation_id)
+    assert {(r.source_turns, r.cache_turns, r.appends) for r in after} == \
+        {(len(grown.turns), len(grown.turns), 1)}
+    assert {r.object_key for r in before}.isdisjoint(r.object_key for r in after)
+    rows = assert_table_equals_manifests(store)  # the appended rows replaced, not added
+    assert len(rows) == 6
     assert (run(corpus, store).built, run(corpus, store).skipped) == (0, 3)
+    no_append = run(corpus, store, force=False, growth=GrowthConfig(append=False))
+    assert no_append.skipped == 3  # nothing grew since

@@ -1,0 +1,79 @@
+"""Stage 3 of an append: one episode's stored cache, read back, goes on through the new turns.
+
+The cache after an episode's last block is exactly what block prefill continues from: it keeps
+each entry's original position (the scorers read it), the tokens seen and the next position
+(`pipeline.store.cache_format`). So the new turns are block-prefilled into it under the same
+budgets, scorer and patch, and the episode's focus now includes the new turns the plan gave it.
+Every cache kind goes on this way (original or compact positions, tri-state, merging, DapQ,
+the baselines, the full cache); what differs from a rebuild of the whole history is listed in
+docs/building.md. The new version goes under a key of its own; the commit replaces the
+manifest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pipeline.build.cluster import ClusterResult
+from pipeline.build.config import BuildConfig, ModelFingerprints
+from pipeline.build.episode import (
+    build_episode,
+    cache_fields,
+    episode_scorer,
+    store_cache,
+    store_dtype,
+)
+from pipeline.build.growth import AppendPlan
+from pipeline.corpus.render import render_conversation
+from pipeline.kv import models, prompts
+from pipeline.kv.cache import EpisodicCache
+from pipeline.kv.prefill import block_prefill
+from pipeline.store import cache_format
+from pipeline.store.base import Store
+from pipeline.store.manifest import ManifestRecord
+
+
+def read_stored_cache(store: Store, record: ManifestRecord, model) -> EpisodicCache:
+    """An episode's cache object, checked against its record (SHA-256, tokens seen), in the
+    model's dtype and on its device."""
+    weight = next(model.parameters())
+    cache, header = cache_format.deserialize(store.get(record.object_key), record.sha256,
+                                             record.object_key, weight.dtype, weight.device)
+    if header.get("tokens_seen") != record.tokens:
+        raise cache_format.CacheCorruptError(
+            f"cache object {record.object_key} has seen {header.get('tokens_seen')} tokens, "
+            f"its manifest says {record.tokens}")
+    return cache
+
+
+def append_episode(plan: AppendPlan, episode: int, budgets: list[int] | None,
+                   config: BuildConfig, store: Store) -> ManifestRecord:
+    """The episode's stored cache with the new turns block-prefilled into it, stored as a new
+    object, and its manifest record (the stored one, brought up to date)."""
+    before = plan.previous[episode]
+    if plan.new_tokens == 0:  # the record grew past the cut: the caches hold all they can
+        return before
+    lm = models.load_llm(config.model)
+    conv = plan.conversation
+    ids = prompts.context_ids(lm.tokenizer, render_conversation(conv).text)
+    members = plan.members(episode)
+    scorer = episode_scorer(lm.tokenizer, conv, before.medoid_text, members, config)
+    cache = read_stored_cache(store, before, lm.model)
+    cache, stats = block_prefill(lm.model, ids[before.tokens:], scorer, budgets, config.prefill,
+                                 original_element_size=store_dtype(config)[1], cache=cache)
+    files = ModelFingerprints(lm.fingerprint, plan.encoder_fingerprint)
+    stored = store_cache(cache, conv.conversation_id, episode, config, files, store)
+    return dataclasses.replace(
+        before, centroid=list(plan.centroids[episode]), n_windows=plan.n_windows[episode],
+        layer_budgets=budgets, model_fingerprint=files.model, encoder_fingerprint=files.encoder,
+        cluster_seconds=plan.seconds, cache_turns=len(conv.turns), member_turn_ids=list(members),
+        appends=(before.appends or 0) + 1, **cache_fields(stored, cache, stats, config))
+
+
+def prefill_episode(planned: AppendPlan | ClusterResult, episode: int,
+                    budgets: list[int] | None, config: BuildConfig,
+                    store: Store) -> ManifestRecord:
+    """Stage 3 either way: the append the plan says, or the episode's build."""
+    if isinstance(planned, AppendPlan):
+        return append_episode(planned, episode, budgets, config, store)
+    return build_episode(planned, episode, budgets, config, store)
