@@ -67,7 +67,8 @@ def append_episode(plan: AppendPlan, episode: int, budgets: list[int] | None,
         before, centroid=list(plan.centroids[episode]), n_windows=plan.n_windows[episode],
         layer_budgets=budgets, model_fingerprint=files.model, encoder_fingerprint=files.encoder,
         cluster_seconds=plan.seconds, cache_turns=len(conv.turns), member_turn_ids=list(members),
-        appends=(before.appends or 0) + 1, **cache_fields(stored, cache, stats, config))
+        appends=(before.appends or 0) + 1, **cache_fields(stored, cache, stats, config)
+        | {"merged_entries": (before.merged_entries or 0) + stats.merged_entries})
 
 
 def prefill_episode(planned: AppendPlan | ClusterResult, episode: int,

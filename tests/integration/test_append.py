@@ -24,7 +24,8 @@ from pipeline.build.driver import run_build
 from pipeline.build.episode import build_episode
 from pipeline.build.growth import AppendPlan, Recluster
 from pipeline.build.profile import layer_budgets
-from pipeline.configs import EpisodeConfig, GrowthConfig, PrefillConfig
+from pipeline.configs import (EpisodeConfig, GrowthConfig, MergeConfig, PrefillConfig,
+                              TriStateConfig)
 from pipeline.corpus.reader import write_jsonl
 from pipeline.corpus.render import render_conversation
 from pipeline.corpus.schema import Conversation
@@ -48,9 +49,9 @@ def folders(tmp_path_factory):
 
 def small_config(folders, **overrides) -> BuildConfig:
     llm, encoder = folders
-    return BuildConfig(model=str(llm), encoder=str(encoder), budget=32, store_dtype="float32",
-                       episodes=EpisodeConfig(episodes=2, medoids=1),
-                       prefill=PrefillConfig(block=BLOCK), **overrides)
+    settings = dict(budget=32, store_dtype="float32", prefill=PrefillConfig(block=BLOCK),
+                    episodes=EpisodeConfig(episodes=2, medoids=1)) | overrides
+    return BuildConfig(model=str(llm), encoder=str(encoder), **settings)
 
 
 def aligned_history(config: BuildConfig, seed: int = 3) -> tuple[Conversation, Conversation]:
@@ -75,12 +76,25 @@ def layers_of(cache) -> list[tuple[torch.Tensor, ...]]:
             for layer in cache.layers]
 
 
-def test_appending_with_clustering_held_fixed_equals_building_the_whole_history(folders, store):
-    config = small_config(folders)
+# Cache kinds whose append equals the whole-history build (docs/building.md lists why the others
+# differ: tri-state's final cut, D2O's threshold, DapQ's patch positions).
+EXACT_KINDS = {
+    "epicache": {},
+    "compact positions": {"prefill": PrefillConfig(block=BLOCK, positions="compact")},
+    "full cache": {"scorer": "full", "budget": None},
+    "streamingllm": {"scorer": "streamingllm"},
+    "snapkv": {"scorer": "snapkv"},
+}
+
+
+@pytest.mark.parametrize("kind", ["epicache"])
+def test_appending_with_clustering_held_fixed_equals_building_the_whole_history(folders, store,
+                                                                                kind):
+    config = small_config(folders, **EXACT_KINDS[kind])
     first, whole = aligned_history(config)
     built = build_conversation(first, config, store)
     appended = build_conversation(whole, config, store, APPEND_ALWAYS)
-    assert len(appended) == len(built) >= 2
+    assert len(appended) == len(built) >= (2 if config.scorer == "epicache" else 1)
     assert all(a.appends == 1 and a.cache_turns == len(whole.turns) for a in appended)
     assert {a.object_key for a in appended}.isdisjoint(b.object_key for b in built)
     assert [a.tokens for a in appended] == [len(prompts.context_ids(
@@ -101,6 +115,44 @@ def test_appending_with_clustering_held_fixed_equals_building_the_whole_history(
             assert torch.equal(p1, p2)
             torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", [k for k in EXACT_KINDS if k != "epicache"])
+def test_every_exact_kind_appends_as_it_builds(folders, tmp_path, kind):
+    test_appending_with_clustering_held_fixed_equals_building_the_whole_history(
+        folders, LocalStore(tmp_path / "store"), kind)
+
+
+@pytest.mark.parametrize("kind", ["tri-state", "merging", "dapq"])
+def test_the_other_kinds_append_within_their_budget(folders, tmp_path, kind):
+    """Tri-state (its Quantized entries stay quantized), D2O merging and DapQ go on from the
+    stored cache: every token seen once, within the budget, readable."""
+    prefill = {"tri-state": PrefillConfig(block=BLOCK, tristate=TriStateConfig(enabled=True)),
+               "merging": PrefillConfig(block=BLOCK, merge=MergeConfig(enabled=True)),
+               "dapq": PrefillConfig(block=BLOCK, decode_positions=True)}[kind]
+    # tri-state: a budget over its 32-token window of Original entries leaves room to quantize
+    config = small_config(folders, prefill=prefill, budget=96 if kind == "tri-state" else 32)
+    store = LocalStore(tmp_path / "store")
+    first, whole = aligned_history(config)
+    built = build_conversation(first, config, store)
+    appended = build_conversation(whole, config, store, APPEND_ALWAYS)
+    lm = models.load_llm(config.model)
+    for before, after in zip(built, appended):
+        assert after.appends == 1 and after.tokens > before.tokens
+        cache = read_stored_cache(store, after, lm.model)
+        assert cache.tokens_seen == after.tokens
+        for layer in cache.layers:  # each head holds each token once at most
+            for head in range(layer.valid.shape[0]):
+                kept = layer.positions[head][layer.valid[head]]
+                assert kept.unique().numel() == kept.numel() and int(kept.max()) < after.tokens
+        if kind == "tri-state":
+            assert before.quantized_entries > 0 and after.quantized_entries > 0
+            assert after.original_bytes + after.quantized_bytes <= \
+                sum(after.layer_byte_budgets)
+        else:
+            assert max(after.entries_per_layer) <= config.budget
+        if kind == "merging":
+            assert after.merged_entries > before.merged_entries > 0  # counted over both
 
 
 def test_the_growth_rule_reclusters_when_the_episodes_no_longer_fit(folders, tmp_path):
