@@ -1,10 +1,13 @@
 """The build: a corpus in, episodic caches and manifests out, one conversation at a time or on Ray.
 
     config.py        BuildConfig: every stage's configuration, hashed into the manifests;
-                     DriverOptions: how the driver runs (not hashed)
-    cluster.py       stage 1: the conversation cut to fit, and its episodes
+                     DriverOptions: how the driver runs and when it appends (not hashed)
+    cluster.py       stage 1: the conversation cut to fit, and its episodes (or an append's plan)
+    growth.py        stage 1 of a grown conversation: its new windows placed in the episodes,
+                     or why it is re-clustered (GrowthConfig)
     profile.py       stage 2: the layer profile (once per model) and the layer budgets
     episode.py       stage 3: one episode's cache and its manifest record
+    append.py        stage 3 of a grown conversation: the new turns prefilled into a stored cache
     conversation.py  stage 4: the commit; the whole build of one conversation in one process
     tasks.py         the stages as Ray tasks
     sources.py       a corpus's objects, local or on S3

@@ -243,3 +243,19 @@ def test_a_crash_between_the_objects_and_the_manifest_keeps_the_old_version(
     appended = build_conversation(whole, config, store, APPEND_ALWAYS)  # the re-run completes
     assert [r.appends for r in appended] == [1] * len(built)
     assert keys(read_manifest(store, first.conversation_id)) == keys(appended)
+
+
+def test_a_record_grown_past_the_cut_keeps_its_caches_and_notes_the_new_turns(folders, tmp_path):
+    config = small_config(folders)
+    first, whole = aligned_history(config)
+    tokenizer = models.load_tokenizer(config.model)
+    cut = len(prompts.context_ids(tokenizer, render_conversation(first).text))
+    config = dataclasses.replace(config, max_context_tokens=cut)  # the new sessions do not fit
+    store = LocalStore(tmp_path / "store")
+    built = build_conversation(first, config, store)
+    again = build_conversation(whole, config, store, APPEND_ALWAYS)
+    assert [r.object_key for r in again] == [r.object_key for r in built]  # nothing written
+    assert {(r.source_turns, r.cache_turns, r.appends) for r in again} == \
+        {(len(whole.turns), len(first.turns), 0)}
+    assert conversation_module.rebuild_reason(store, whole.conversation_id, config,
+                                              conversation_module.files_of(config), whole) is None
