@@ -511,6 +511,7 @@ def test_a_conversation_grown_while_it_is_answered_is_served_at_its_new_version(
     with SmolLM2): every answer succeeds, each from one version, and once the new manifest is
     committed the server reads the new objects and answers as the library does from them."""
     from pipeline.build.conversation import build_conversation
+    from pipeline.configs import GrowthConfig
     from pipeline.corpus.schema import Turn
     from pipeline.store.manifest import read_manifest, write_manifest
 
@@ -540,7 +541,9 @@ def test_a_conversation_grown_while_it_is_answered_is_served_at_its_new_version(
     asking = threading.Thread(target=keep_asking)
     asking.start()
     try:
-        records = build_conversation(grown, _config(), store)
+        # the new session is one window on a new topic: far from every episode, which the
+        # default rule would re-cluster; here it is appended whatever its topic
+        records = build_conversation(grown, _config(), store, GrowthConfig(far_similarity=-1.0))
     finally:
         stop.set()
         asking.join()
