@@ -60,13 +60,18 @@ def cluster_embeddings(embeddings: np.ndarray, n_clusters: int, seed: int,
         return km.fit_predict(embeddings)
 
 
+def embed_windows(encoder, conv: Conversation, windows: list[list[Turn]]) -> np.ndarray:
+    """[windows, dim] unit-norm embeddings of the windows' renderings (float64)."""
+    texts = window_texts(conv, windows)
+    return unit(np.asarray(encoder.encode(texts, normalize_embeddings=True,
+                                          show_progress_bar=False), dtype=np.float64))
+
+
 def build_episodes(conv: Conversation, encoder, config: EpisodeConfig = EpisodeConfig()) -> EpisodeSet:
     """Cluster a conversation into at most `config.episodes` episodes. Short conversations get
     fewer (one per window at most); the note says why."""
     windows = segment(conv.turns, config.window)
-    texts = window_texts(conv, windows)
-    embeddings = unit(np.asarray(encoder.encode(texts, normalize_embeddings=True,
-                                                 show_progress_bar=False), dtype=np.float64))
+    embeddings = embed_windows(encoder, conv, windows)
     distinct = len(np.unique(embeddings.round(6), axis=0))
     k = min(config.episodes, len(windows), distinct)
     labels = cluster_embeddings(embeddings, k, config.seed, config.n_init) if k > 1 \

@@ -24,7 +24,7 @@ from pipeline.build.config import BuildConfig
 from pipeline.configs import GrowthConfig
 from pipeline.corpus.render import render_conversation
 from pipeline.corpus.schema import Conversation
-from pipeline.episodes import segment, unit, window_texts
+from pipeline.episodes import embed_windows, segment, unit
 from pipeline.kv import models, prompts
 from pipeline.store.manifest import ManifestRecord
 
@@ -44,10 +44,6 @@ class AppendPlan:
     @property
     def n_episodes(self) -> int:
         return len(self.previous)
-
-    @property
-    def old_turns(self) -> int:
-        return self.previous[0].cache_turns
 
     def members(self, episode: int) -> tuple[str, ...]:
         """The episode's turns: those it held, then the new ones given to it."""
@@ -102,9 +98,7 @@ def plan_append(conv: Conversation, previous: list[ManifestRecord], config: Buil
     nearest = np.zeros(len(new_windows), dtype=int)
     if new_windows:
         encoder = models.load_encoder(config.encoder)
-        embeddings = unit(np.asarray(encoder.encode(
-            window_texts(conv, new_windows), normalize_embeddings=True,
-            show_progress_bar=False), dtype=np.float64))
+        embeddings = embed_windows(encoder, conv, new_windows)
         similarity = embeddings @ unit(centroids).T
         if episodic:
             nearest = similarity.argmax(axis=1)
