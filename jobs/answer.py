@@ -17,8 +17,11 @@ import sys
 
 from pipeline.answer.limits import CHARS_PER_TOKEN, DEFAULT_LIMITS, AnswerLimits
 from pipeline.answer.malloc_tuning import retain_freed_memory
+from pipeline.cli.numbers import non_negative
 from pipeline.cli.parser import add_store_options, make_parser
+from pipeline.configs import RoutingConfig
 from pipeline.corpus.schema import UnsafeIdError
+from pipeline.routers import ROUTERS
 from pipeline.store.base import StoreError
 from pipeline.store.uri import open_store
 
@@ -37,6 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-question-tokens", type=int, default=DEFAULT_LIMITS.max_question_tokens,
                    help=f"longest question (tokens); one over {CHARS_PER_TOKEN} characters a "
                         "token is refused before it is tokenised")
+    p.add_argument("--route-by", default=RoutingConfig.router, choices=sorted(ROUTERS),
+                   help="how a question picks its episode (docs/serving.md#routing)")
+    p.add_argument("--two-below", type=non_negative, default=RoutingConfig.two_below,
+                   help="read the best two episodes together when their route scores differ by "
+                        "less than this (0: one episode always)")
     p.add_argument("--json", action="store_true", help="one JSON object per question")
     return p
 
@@ -71,14 +79,16 @@ def main(argv: list[str] | None = None) -> int:
     retain_freed_memory()  # as the Serve decoder does: caches load into reused memory
     try:
         answerer = Answerer(open_store(a.store, endpoint_url=a.s3_endpoint, create=False),
-                            limits=a.limits)
+                            limits=a.limits, routing=RoutingConfig(a.route_by, a.two_below))
         for q in a.question:
             r = answerer.answer(a.conversation, q, a.max_new_tokens, a.temperature)
             if a.json:
                 print(json.dumps(r.as_dict(), ensure_ascii=False), flush=True)
             else:
                 t = r.timings_ms
-                print(f"Q: {q}\nA: {r.answer}\n   (episode {r.episode}, similarity {r.similarity:.3f}, "
+                read = "episodes " + " and ".join(map(str, r.episodes)) if len(r.episodes) > 1 \
+                    else f"episode {r.episode}"
+                print(f"Q: {q}\nA: {r.answer}\n   ({read}, similarity {r.similarity:.3f}, "
                       f"{'resident' if r.cache_hit else 'fetched'}; embed {t['embed']:.0f} ms, "
                       f"route {t['route']:.1f} ms, load {t['load']:.0f} ms, decode {t['decode']:.0f} ms)",
                       flush=True)

@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also generate answers and score F1 (slow; at the floor for a 135M model)")
     p.add_argument("--max-new-tokens", type=positive_int, default=EvalConfig.max_new_tokens,
                    help="answer length with --f1")
+    p.add_argument("--in-process", action="store_true",
+                   help="run the cells one after another in this process instead of as Ray "
+                        "tasks (one GPU, or a machine without Ray)")
     add_options(p, SHARED_BUILD_OPTIONS, BuildConfig())
     add_corpus_options(p)
     return p
@@ -133,16 +136,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def evaluate(a: argparse.Namespace, methods: list[str], budgets: list[int], config: EvalConfig,
              convs: list[Conversation], read: ReadStats) -> int:
-    """Run every cell on Ray and write the report; the exit code. Ray, torch and the models
-    load here, once the arguments and the corpus are known good."""
+    """Run every cell (on Ray, or in this process) and write the report; the exit code. Ray,
+    torch and the models load here, once the arguments and the corpus are known good."""
     from pipeline.eval.runner import run_cells
     from pipeline.eval.summary import summarise, summarise_by, with_retention
-    from pipeline.ray_runtime import init_ray
 
     out = Path(a.out)
-    init_ray()
+    if not a.in_process:
+        from pipeline.ray_runtime import init_ray
+
+        init_ray()
     start = time.perf_counter()
-    outcome = run_cells(convs, methods, budgets, config, out)
+    outcome = run_cells(convs, methods, budgets, config, out, a.in_process)
     records = with_retention(outcome.records)
     summary = {"config": config.as_dict(), "methods": methods, "budgets": budgets,
                "conversations": [{"conversation_id": p.conversation.conversation_id,

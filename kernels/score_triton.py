@@ -22,9 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-# A finite "minus infinity" for running maxima: exp2(-inf - -inf) would be NaN for a row whose
-# keys in one split are all masked; exp2(-inf - (-1e30)) is a clean 0.
-_NEG = -1.0e30
 _LOG2E = 1.4426950408889634
 
 
@@ -89,7 +86,10 @@ def _row_stats_kernel(q_ptr, kc_ptr, kp_ptr, valid_ptr, len_ptr, m_ptr, l_ptr,
     dim_ok = dims < head_dim
     q = _load_tile(q_ptr + q_head * s_qh + q_pos * s_qp, row_ok, dims, dim_ok, s_qd, DOT_FP32)
 
-    m_i = tl.full([BLOCK_M], _NEG, dtype=tl.float32)
+    # A finite "minus infinity" (written out: Triton 3.6 refuses a plain global in a compiled
+    # kernel, and its interpreter a constexpr one): exp2(-inf - -inf) would be NaN for a row
+    # whose keys in one split are all masked; exp2(-inf - (-1e30)) is a clean 0.
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
 
     start = split * keys_per_split

@@ -29,6 +29,7 @@ DEFAULT_ENCODER = "all-MiniLM-L6-v2"
 SCORER_NAMES = ("epicache", "streamingllm", "snapkv", "infinipot", "kvzip", "keydiff",
                 "keydiff-block", "oldest", "random", "question", "full")
 ALLOCATOR_NAMES = ("sensitivity", "variance")
+ROUTER_NAMES = ("centroid", "window", "knn", "expand", "expandwin")  # pipeline.routers.ROUTERS
 
 PositionMode = Literal["original", "compact"]
 POSITION_MODES: tuple[str, ...] = ("original", "compact")
@@ -133,6 +134,9 @@ class PrefillConfig:
     tristate: TriStateConfig = field(default_factory=TriStateConfig)  # ARKV
     merge: MergeConfig = field(default_factory=MergeConfig)  # D2O token merging
     positions: PositionMode = "original"  # or "compact": entries re-rotated to 0, 1, 2, ...
+    # compact positions: the last this-many tokens keep their original spacing (only the
+    # older entries are packed), so recent evidence is read at the distances it was written at
+    compact_recent: int = 0
 
     def __post_init__(self):
         if self.block < 1:
@@ -143,10 +147,29 @@ class PrefillConfig:
             raise ValueError(f"head_floor must be in [0, 1], got {self.head_floor}")
         if self.positions not in POSITION_MODES:
             raise ValueError(f"positions must be one of {POSITION_MODES}, got {self.positions!r}")
+        if self.compact_recent < 0:
+            raise ValueError(f"compact_recent must be >= 0, got {self.compact_recent}")
         if self.positions == "compact" and (self.tristate.enabled or self.decode_positions):
             raise ValueError("compact positions work with token eviction only: not with "
                              "tri-state (Quantized keys cannot be re-rotated) nor DapQ (the "
                              "decode positions are not known before the end)")
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """How a question picks the episode it is answered from (`pipeline.routers`). Not in the
+    build's hash: it decides which cache is read, not what a cache holds. The defaults are
+    measured on LoCoMo 26, 30 and 41 and checked on 42, 43 and 44 (docs/quality.md): the
+    nearest window's episode, and the best two episodes read together when their scores are
+    within 0.02 (about one question in six, about 1.1x the bytes read)."""
+    router: str = "window"  # a name in pipeline.routers.ROUTERS
+    two_below: float = 0.02  # read the best two episodes when their scores differ less; 0: never
+
+    def __post_init__(self):
+        if self.router not in ROUTER_NAMES:
+            raise ValueError(f"router must be one of {ROUTER_NAMES}, got {self.router!r}")
+        if self.two_below < 0:
+            raise ValueError(f"two_below must be >= 0, got {self.two_below}")
 
 
 @dataclass(frozen=True)

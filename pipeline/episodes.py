@@ -17,6 +17,7 @@ from sklearn.cluster import KMeans
 from pipeline.configs import EpisodeConfig
 from pipeline.corpus.render import render_turns
 from pipeline.corpus.schema import Conversation, Turn
+from pipeline.routers import unit  # noqa: F401  (re-exported: the clustering's normalisation)
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class Episode:
     medoid_windows: tuple[int, ...]  # nearest the centroid first
     medoid_turn_ids: tuple[str, ...]
     patch_text: str
+    # [member windows, dim] unit-norm, in `windows`' order: what the window routers compare
+    window_embeddings: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -43,12 +46,6 @@ def segment(turns: tuple[Turn, ...] | list[Turn], window: int) -> list[list[Turn
 
 def window_texts(conv: Conversation, windows: list[list[Turn]]) -> list[str]:
     return [render_turns(conv, w, header=False).text for w in windows]
-
-
-def unit(x: np.ndarray) -> np.ndarray:
-    """`x` scaled to unit norm along its last axis (zero rows left zero)."""
-    norm = np.linalg.norm(x, axis=-1, keepdims=True)
-    return x / np.where(norm > 0, norm, 1.0)
 
 
 def cluster_embeddings(embeddings: np.ndarray, n_clusters: int, seed: int,
@@ -87,7 +84,8 @@ def build_episodes(conv: Conversation, encoder, config: EpisodeConfig = EpisodeC
             index=len(episodes), centroid=centroid.astype(np.float32),
             windows=tuple(int(i) for i in members), medoid_windows=medoids,
             medoid_turn_ids=tuple(t.turn_id for t in patch_turns),
-            patch_text=render_turns(conv, patch_turns, header=False).text))
+            patch_text=render_turns(conv, patch_turns, header=False).text,
+            window_embeddings=embeddings[members].astype(np.float32)))
     note = ""
     if len(episodes) < config.episodes:
         note = (f"{len(episodes)} of {config.episodes} episodes: the conversation has "

@@ -14,7 +14,8 @@ from pipeline.answer.decode import decode_answer
 from pipeline.answer.fetch import fetch_cache
 from pipeline.answer.limits import DEFAULT_LIMITS, AnswerLimits
 from pipeline.answer.lru import CacheLRU
-from pipeline.answer.routing import check_models, embed_question, load_manifest, route_question
+from pipeline.answer.routing import check_models, embed_question, load_manifest, route_records
+from pipeline.configs import RoutingConfig
 from pipeline.kv import models
 from pipeline.kv.cache import EpisodicCache
 from pipeline.store.base import Store
@@ -31,6 +32,7 @@ class AnswerResult:
     similarity: float
     cache_hit: bool
     timings_ms: dict[str, float] = field(default_factory=dict)
+    episodes: list[int] = field(default_factory=list)  # read (two when the router was unsure)
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -43,8 +45,9 @@ class Answerer:
 
     def __init__(self, store: Store, model: str | None = None, encoder: str | None = None,
                  device: str = "cpu", resident_bytes: int = 0, disk: DiskTier | None = None,
-                 limits: AnswerLimits = DEFAULT_LIMITS):
+                 limits: AnswerLimits = DEFAULT_LIMITS, routing: RoutingConfig = RoutingConfig()):
         self.store, self.device, self.disk, self.limits = store, device, disk, limits
+        self.routing = routing
         self.model_name, self.encoder_name = model, encoder
         self._manifests: dict[str, list[ManifestRecord]] = {}
         self.caches = CacheLRU(resident_bytes)
@@ -75,6 +78,16 @@ class Answerer:
             (ref.object_key, ref.sha256),
             lambda: fetch_cache(self.store, ref, lm.model.dtype, self.device, self.disk))
 
+    def load_caches(self, records: list[ManifestRecord]) -> tuple[EpisodicCache, bool]:
+        """The cache a question reads: its episode's, or two episodes' joined
+        (`EpisodicCache.joined`, kept resident as one); hit when no object was fetched."""
+        if len(records) == 1:
+            return self.load_cache(records[0])
+        parts = [self.load_cache(r) for r in records]
+        key = tuple(k for r in records for k in (r.ref.object_key, r.ref.sha256))
+        cache, _ = self.caches.get_or_load(key, lambda: EpisodicCache.joined([c for c, _ in parts]))
+        return cache, all(hit for _, hit in parts)
+
     def answer(self, conversation_id: str, question: str, max_new_tokens: int = 32,
                temperature: float = 0.0) -> AnswerResult:
         self.limits.check_question(question)
@@ -86,13 +99,14 @@ class Answerer:
         q_emb = embed_question(encoder, question)
         timings["embed"] = (time.perf_counter() - t) * 1000
         t = time.perf_counter()
-        record, similarity = route_question(q_emb, records)
+        read, similarity = route_records(q_emb, records, self.routing)
         timings["route"] = (time.perf_counter() - t) * 1000
         t = time.perf_counter()
-        cache, hit = self.load_cache(record)
+        cache, hit = self.load_caches(read)
         timings["load"] = (time.perf_counter() - t) * 1000
         t = time.perf_counter()
         decoded = decode_answer(lm, cache, question, max_new_tokens, temperature, self.limits)
         timings["decode"] = (time.perf_counter() - t) * 1000
-        return AnswerResult(conversation_id, question, decoded.text, record.episode,
-                            similarity, hit, {k: round(v, 2) for k, v in timings.items()})
+        return AnswerResult(conversation_id, question, decoded.text, read[0].episode,
+                            similarity, hit, {k: round(v, 2) for k, v in timings.items()},
+                            [r.episode for r in read])

@@ -1,7 +1,9 @@
 """A question's way to its episode: the conversation's manifest, the model check, the route.
 
-The question goes to the episode whose centroid is nearest (cosine) in the encoder's space. A
-cache only makes sense with the model that built it, and routing only with the encoder whose
+The question goes to the episode its router picks in the encoder's space (`RoutingConfig`,
+`pipeline.routers`: by default the episode of the nearest window, and the best two read together
+when their scores are close; `route_question` is the paper's nearest centroid). A cache only
+makes sense with the model that built it, and routing only with the encoder whose
 space the centroids live in: by name and by the fingerprint of their files
 (`pipeline.kv.fingerprint`). Anything else is an error, never a silent answer.
 """
@@ -12,8 +14,10 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from pipeline.configs import RoutingConfig
 from pipeline.corpus.schema import check_safe_id
 from pipeline.episodes import route
+from pipeline.routers import ROUTERS, RouteIndex, chosen
 from pipeline.store.base import Store
 from pipeline.store.manifest import CacheRef, ManifestRecord, read_manifest
 
@@ -95,3 +99,24 @@ def route_question(question_embedding: np.ndarray, records: list[ManifestRecord]
     index, similarity = route(question_embedding,
                               centroid_matrix(records) if centroids is None else centroids)
     return records[index], similarity
+
+
+def route_index(records: list[ManifestRecord]) -> RouteIndex:
+    """What the routers compare a question with, from a conversation's manifest records; no
+    windows when any record predates window embeddings."""
+    windows = [r.window_embeddings for r in records]
+    return RouteIndex.of_episodes([r.centroid for r in records],
+                                  None if any(w is None for w in windows) else windows)
+
+
+def route_records(question_embedding: np.ndarray, records: list[ManifestRecord],
+                  config: RoutingConfig = RoutingConfig(),
+                  index: RouteIndex | None = None) -> tuple[list[ManifestRecord], float]:
+    """The records a question reads under `config` (one, or two when the router is unsure)
+    and the best score. A conversation whose manifest has no window embeddings (built before
+    them) is routed by its centroids."""
+    index = route_index(records) if index is None else index
+    router = config.router if index.has_windows else "centroid"
+    scores = ROUTERS[router].scores(question_embedding, index)
+    read = chosen(scores, config.two_below)
+    return [records[k] for k in read], float(scores[read[0]])

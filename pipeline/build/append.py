@@ -65,6 +65,7 @@ def append_episode(plan: AppendPlan, episode: int, budgets: list[int] | None,
     stored = store_cache(cache, conv.conversation_id, episode, config, files, store)
     return dataclasses.replace(
         before, centroid=list(plan.centroids[episode]), n_windows=plan.n_windows[episode],
+        window_embeddings=plan.window_embeddings(episode),
         layer_budgets=budgets, model_fingerprint=files.model, encoder_fingerprint=files.encoder,
         cluster_seconds=plan.seconds, cache_turns=len(conv.turns), member_turn_ids=list(members),
         appends=(before.appends or 0) + 1, **cache_fields(stored, cache, stats, config)

@@ -18,6 +18,10 @@ from pipeline.store.format_version import FORMAT
 STORE_DTYPES = ("float16", "bfloat16", "float32")
 
 
+# (section, field, the value builds before the field had): hashed only when it differs
+ADDED_LATER = (("prefill", "compact_recent", 0),)
+
+
 @dataclass(frozen=True)
 class BuildConfig:
     model: str = DEFAULT_LLM
@@ -47,7 +51,13 @@ class BuildConfig:
             raise ValueError(f"store_dtype must be one of {STORE_DTYPES}, got {self.store_dtype!r}")
 
     def as_dict(self) -> dict:
-        return asdict(self) | {"format": FORMAT}
+        """The configuration as hashed: fields added after stores were built are left out at
+        the value every earlier build had, so those stores stay current."""
+        d = asdict(self) | {"format": FORMAT}
+        for section, name, earlier in ADDED_LATER:
+            if d[section][name] == earlier:
+                del d[section][name]
+        return d
 
     def to_json(self) -> str:
         return json.dumps(self.as_dict(), sort_keys=True)

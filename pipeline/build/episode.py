@@ -102,6 +102,7 @@ def build_episode(clustered: ClusterResult, episode: int, budgets: list[int] | N
         episodes_requested=episodes.requested if is_episodic(config) else 1,
         episodes_built=len(episodes.episodes), episode_note=episodes.note,
         centroid=ep.centroid.astype(np.float32).tolist(), medoid_text=ep.patch_text,
+        window_embeddings=None if ep.window_embeddings is None else ep.window_embeddings.tolist(),
         medoid_turn_ids=list(ep.medoid_turn_ids), n_windows=len(ep.windows),
         layer_budgets=budgets, scorer=config.scorer, model_id=config.model,
         encoder_id=config.encoder, model_fingerprint=files.model,

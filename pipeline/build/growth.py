@@ -39,11 +39,22 @@ class AppendPlan:
     n_windows: tuple[int, ...]  # per episode, its windows now
     new_members: tuple[tuple[str, ...], ...]  # per episode, the new turns it was given
     seconds: float = 0.0
+    # per episode, the unit embeddings of the new windows it was given (the window routers)
+    new_window_embeddings: tuple[tuple[tuple[float, ...], ...], ...] = ()
     encoder_fingerprint: str = ""
 
     @property
     def n_episodes(self) -> int:
         return len(self.previous)
+
+    def window_embeddings(self, episode: int) -> list[list[float]] | None:
+        """The episode's window embeddings: those it had, then the new windows'; None when
+        its manifest predates them."""
+        before = self.previous[episode].window_embeddings
+        if before is None:
+            return None
+        new = self.new_window_embeddings[episode] if self.new_window_embeddings else ()
+        return [list(row) for row in before] + [list(row) for row in new]
 
     def members(self, episode: int) -> tuple[str, ...]:
         """The episode's turns: those it held, then the new ones given to it."""
@@ -112,6 +123,9 @@ def plan_append(conv: Conversation, previous: list[ManifestRecord], config: Buil
                 centroids[e] = unit(centroids[e] * counts[e] + mine.sum(axis=0))
     new_members = tuple(tuple(t.turn_id for i in np.flatnonzero(nearest == e)
                               for t in new_windows[i]) for e in range(len(previous)))
+    new_embeddings = tuple(tuple(tuple(float(x) for x in row) for row in
+                                 embeddings[nearest == e].astype(np.float32))
+                           if new_windows else () for e in range(len(previous)))
     added = np.bincount(nearest, minlength=len(previous)) if new_windows else \
         np.zeros(len(previous), dtype=int)
     return AppendPlan(
@@ -119,4 +133,5 @@ def plan_append(conv: Conversation, previous: list[ManifestRecord], config: Buil
         new_tokens=int(ids.shape[0] - old_ids.shape[0]),
         centroids=tuple(tuple(float(x) for x in c) for c in centroids.astype(np.float32)),
         n_windows=tuple(int(n) for n in counts + added), new_members=new_members,
+        new_window_embeddings=new_embeddings,
         encoder_fingerprint=models.encoder_fingerprint(config.encoder))

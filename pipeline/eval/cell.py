@@ -18,10 +18,11 @@ import torch
 from pipeline.answer.decode import generate_from_cache
 from pipeline.corpus.render import cut_at_session, render_conversation, render_header
 from pipeline.corpus.schema import Conversation, Question
-from pipeline.episodes import build_episodes, member_turn_ids, route
+from pipeline.episodes import build_episodes, member_turn_ids
 from pipeline.eval.methods import EPISODIC, EvalConfig, parse_method
 from pipeline.eval.metrics import (ADVERSARIAL_CATEGORY, continuation_nlls, evidence_probe,
                                    f1_score, question_text)
+from pipeline.eval.routes import episodic_reads, route_scores, select_route
 from pipeline.eval.summary import nan_mean
 from pipeline.kv import models, prompts
 from pipeline.kv.cache import EpisodicCache
@@ -117,7 +118,9 @@ def evidence_diagnostics(conv: Conversation, q: Question, layout: TokenLayout,
 def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalConfig,
                   layer_budgets: list[int] | None) -> list[dict]:
     """Per-question records of one (conversation, method, budget) cell. `method` may also be
-    "none": the no-history reference. `layer_budgets` None means `budget` in every layer."""
+    "none": the no-history reference. `layer_budgets` None means `budget` in every layer.
+    An episodic cell reads every episode for every question (`pipeline.eval.routes`): its
+    records carry each router's choice, and the method's own routing is selected."""
     lm = models.load_llm(config.model)
     if layer_budgets is None and budget is not None:
         layer_budgets = [budget] * lm.config.num_hidden_layers
@@ -131,8 +134,8 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
         check_fits(conv.conversation_id, prep.tokens, lm.config.max_position_embeddings)
     sizes = entry_bytes(lm.model, ORIGINAL_ELEMENT_SIZE)
     layout = token_layout(lm.tokenizer, conv)
-    merged: dict[int, int] = {}
     encode = lambda text: prompts.patch_ids(lm.tokenizer, text)  # noqa: E731
+    questions = list(prep.questions)
 
     def build(ids, scorer) -> EpisodicCache:
         nonlocal build_seconds
@@ -140,59 +143,42 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
         cache, stats = block_prefill(lm.model, ids, scorer, budgets, prefill,
                                      original_element_size=ORIGINAL_ELEMENT_SIZE)
         build_seconds += stats.seconds
-        merged[id(cache)] = stats.merged_entries
+        cache.merged_entries = stats.merged_entries
         return cache
 
-    questions = list(prep.questions)
-    routes: list[tuple[int, float]] = [(0, float("nan"))] * len(questions)
-    members: list[set[str]] | None = None
+    def measure(cache: EpisodicCache, indices: list[int]) -> list[dict]:
+        chosen = [questions[i] for i in indices]
+        footprint = cache_footprint(cache, sizes, getattr(cache, "merged_entries", 0))
+        return [{"kept_entries": float(np.mean(cache.entries_per_layer())),
+                 **evidence_diagnostics(conv, q, layout, cache), **footprint, **record}
+                for q, record in zip(chosen, measure_all(lm, conv, chosen, cache, config))]
+
     ids = history_ids(lm.tokenizer, conv)
-    if base == "none":
-        caches = [build(history_ids(lm.tokenizer, conv, turns=False), FullScorer())]
-    elif base in EPISODIC:
+    if base in EPISODIC:
         encoder = models.load_encoder(config.encoder)
-        episodes = build_episodes(conv, encoder, recipe.episodes).episodes
-        embeddings = encoder.encode([q.question for q in questions],
-                                    normalize_embeddings=True, show_progress_bar=False)
-        routes = [route(e, np.stack([ep.centroid for ep in episodes])) for e in embeddings]
-        members = [set(member_turn_ids(conv, ep, recipe.episodes.window)) for ep in episodes]
-        routed = {episode for episode, _ in routes}
+        episodes = build_episodes(conv, encoder, recipe.episodes)
+        scores = route_scores(encoder, episodes, questions)
+        members = [member_turn_ids(conv, ep, recipe.episodes.window) for ep in episodes.episodes]
         caches = [build(ids, episodic_scorer(encode(ep.patch_text), recipe.scoring, layout.line_ids,
-                                             layout.turn_mask(members[ep.index])))
-                  if ep.index in routed else None for ep in episodes]  # unread caches: not built
-    elif base == "full":
-        caches = [build(ids, FullScorer())]
-    elif base != "question":  # one cache per conversation
-        caches = [build(ids, build_scorer(base, encode))]
-    if base == "question":  # an upper bound: one build per question, the question as the patch
-        readers = [(build(ids, build_scorer(base, encode, question_text(q))), [i])
-                   for i, q in enumerate(questions)]
+                                             layout.turn_mask(set(members[ep.index]))))
+                  for ep in episodes.episodes]
+        measured = [select_route(r, method, config) for r in episodic_reads(
+            conv, questions, episodes, recipe.episodes.window, caches, scores, measure)]
+    elif base == "question":  # an upper bound: one build per question, the question as the patch
+        measured = [measure(build(ids, build_scorer(base, encode, question_text(q))), [i])[0]
+                    for i, q in enumerate(questions)]
     else:
-        readers = [(cache, [i for i, (episode, _) in enumerate(routes) if episode == k])
-                   for k, cache in enumerate(caches) if cache is not None]
-    measured: dict[int, tuple[dict, EpisodicCache]] = {}
-    for cache, indices in readers:
-        for i, record in zip(indices, measure_all(lm, conv, [questions[i] for i in indices],
-                                                  cache, config)):
-            measured[i] = (record, cache)
-    records = []
-    for i, q in enumerate(questions):
-        episode, similarity = routes[i]
-        record, cache = measured[i]
-        records.append({
-            "conversation_id": conv.conversation_id, "method": method,
-            "budget": budget if method not in ("full", "none") else None,
-            "question_index": i, "question": q.question, "answer": q.answer,
-            "category": q.category, "evidence": list(q.evidence), "episode": episode,
-            "route_similarity": similarity,
-            "route_hit": bool(members[episode] & set(q.evidence)) if members is not None else None,
-            "kept_entries": float(np.mean(cache.entries_per_layer())),
-            **evidence_diagnostics(conv, q, layout, cache),
-            **cache_footprint(cache, sizes, merged.get(id(cache), 0)), **record})
+        scorer = FullScorer() if base in ("full", "none") else build_scorer(base, encode)
+        cache = build(history_ids(lm.tokenizer, conv, turns=base != "none"), scorer)
+        measured = measure(cache, list(range(len(questions))))
     elapsed = time.perf_counter() - start
-    for r in records:
-        r["cell_seconds"], r["build_seconds"] = elapsed, build_seconds
-    return records
+    return [{"conversation_id": conv.conversation_id, "method": method,
+             "budget": budget if method not in ("full", "none") else None,
+             "question_index": i, "question": q.question, "answer": q.answer,
+             "category": q.category, "evidence": list(q.evidence), "episode": 0,
+             "route_similarity": float("nan"), "route_hit": None,
+             **record, "cell_seconds": elapsed, "build_seconds": build_seconds}
+            for i, (q, record) in enumerate(zip(questions, measured))]
 
 
 def cache_footprint(cache: EpisodicCache, sizes: EntryBytes, merged: int = 0) -> dict:

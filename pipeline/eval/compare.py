@@ -18,7 +18,7 @@ import torch
 
 from pipeline.answer.answerer import Answerer
 from pipeline.answer.decode import decode_answer
-from pipeline.answer.routing import embed_question, route_question
+from pipeline.answer.routing import embed_question, route_records
 from pipeline.build.config import BuildConfig
 from pipeline.corpus.schema import Conversation
 from pipeline.eval.cell import history_ids, measure_all, prepare
@@ -66,9 +66,9 @@ def timed_answer(lm: models.LoadedModel, cache: EpisodicCache, question: str,
 
 def compare(answerer: Answerer, conv: Conversation, n_questions: int,
             max_new_tokens: int) -> list[dict]:
-    """Per question: the routed episode, both answers (text, tokens, decode seconds), the
-    evidence-recall NLL from the episodic, full and no-history caches, and the bytes of the
-    episodic and full caches (the episodic one as its manifest counts it)."""
+    """Per question: the routed episode (or two, read joined, as the answerer routes), both
+    answers (text, tokens, decode seconds), the evidence-recall NLL from the episodic, full and
+    no-history caches, and the bytes of the episodic and full caches."""
     manifest = answerer.manifest(conv.conversation_id)
     config = BuildConfig.from_json(manifest[0].config_json)
     lm = models.load_llm(config.model, answerer.device)
@@ -86,14 +86,16 @@ def compare(answerer: Answerer, conv: Conversation, n_questions: int,
     timed_answer(lm, none, "Hello?", 2)  # warm-up: the first generate() pays one-time costs
     records = []
     for i, q in enumerate(questions):
-        episode, _ = route_question(embed_question(encoder, q.question), manifest)
-        episodic, _ = answerer.load_cache(episode)
+        read, _ = route_records(embed_question(encoder, q.question), manifest, answerer.routing)
+        episodic, _ = answerer.load_caches(read)
         nll = {"episodic": measure_all(lm, conv, [q], episodic, probe_config)[0]["evidence_nll"],
                "full": reference["full"][i], "none": reference["none"][i]}
         records.append({"conversation_id": conv.conversation_id, "question": q.question,
-                        "gold": q.answer, "episode": episode.episode, "nll": nll,
+                        "gold": q.answer, "episode": read[0].episode,
+                        "episodes": [r.episode for r in read], "nll": nll,
                         "retention": retention(nll["none"], nll["episodic"], nll["full"]),
-                        "bytes": {"episodic": episode.kv_bytes, "full": full_bytes},
+                        "bytes": {"episodic": episodic.nbytes(getattr(torch, config.store_dtype).itemsize),
+                                  "full": full_bytes},
                         **{name: timed_answer(lm, cache, q.question, max_new_tokens)
                            for name, cache in zip(CACHES, (episodic, full))}})
     return records

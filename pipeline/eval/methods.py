@@ -16,8 +16,8 @@ import re
 from dataclasses import asdict, dataclass, field, replace
 
 from pipeline.build.config import BuildConfig
-from pipeline.configs import (EpisodeConfig, MergeConfig, PrefillConfig, ScoringConfig,
-                              TriStateConfig)
+from pipeline.configs import (EpisodeConfig, MergeConfig, PrefillConfig, RoutingConfig,
+                              ScoringConfig, TriStateConfig)
 
 METHODS = ("full", "streamingllm", "snapkv", "infinipot", "kvzip", "keydiff", "epicache", "question")
 
@@ -29,13 +29,19 @@ EPISODIC = ("epicache", "epicache-paper")  # one cache per episode, routed per q
 ALLOCATED = EPISODIC + ("question",)  # methods that use the sensitivity-aware layer budgets
 VARIANTS = ("tri", "fp8", "max", "dapq", "merge", "d2o", "compact",
             # EpiCache diagnosis knobs (docs/quality.md): one factor at a time
-            "pastonly", "withpatch", "qmean", "qmax", "utt", "tok", "perhead", "headwise")
+            "pastonly", "withpatch", "qmean", "qmax", "utt", "tok", "perhead", "headwise",
+            # routing (pipeline.routers): how a question picks its episode
+            "rcen", "rwin", "rknn", "rexp", "rexw")
+ROUTING_VARIANTS = {"rcen": "centroid", "rwin": "window", "rknn": "knn", "rexp": "expand",
+                    "rexw": "expandwin"}
 
 # Variants with a number: `oq25`, `alpha0.5`, `pool7`, `focus100` (weight 1.0), `sink16`,
 # `recent64`, `cap256` (patch tokens), `floor20` (head floor 20% of the budget), `med2`
-# (medoid windows), `ep8` (episodes).
+# (medoid windows), `ep8` (episodes), `two20` (read the best two episodes when the router's
+# two best scores are closer than 20/1000), `span2048` (compact positions but the last 2,048
+# tokens at their original spacing).
 NUMBERED_VARIANTS = ("oq<P>", "alpha<x>", "pool<k>", "focus<P>", "sink<n>", "recent<n>", "cap<n>",
-                     "floor<P>", "med<n>", "ep<n>")
+                     "floor<P>", "med<n>", "ep<n>", "two<P>", "span<n>")
 _NUMBERED = re.compile(rf"^({'|'.join(v.split('<')[0] for v in NUMBERED_VARIANTS)})"
                        r"(\d+(?:\.\d+)?)$")
 
@@ -96,6 +102,8 @@ class EvalConfig:
     the questions are measured. `build.prefill.tristate` and `build.prefill.merge` hold the
     parameters the `tri` and `merge` variants switch on."""
     build: BuildConfig = field(default_factory=BuildConfig)
+    # how EpiCache's questions pick their episodes (a method's routing variants override it)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
     questions_per_conversation: int | None = None
     generate: bool = False  # generate answers for F1 (slow; at the floor for a 135M model)
     max_new_tokens: int = 32
@@ -145,10 +153,24 @@ class EvalConfig:
                       (("med", "medoids"), ("ep", "episodes")) if key in numbers}
         return Recipe(scoring, alpha, selection, floor, replace(episodes, **ep_changes))
 
+    def route_of(self, method: str) -> tuple[str, float]:
+        """The router of an episodic method (a variant `rwin`, ...; else `routing`'s, or the
+        paper's nearest centroid for `epicache-paper`), and the score margin under which a
+        question reads its best two episodes (`two<P>`: P/1000; `two0`: never)."""
+        base, v = parse_method(method)
+        named = [ROUTING_VARIANTS[x] for x in sorted(v) if x in ROUTING_VARIANTS]
+        if len(named) > 1:
+            raise ValueError(f"{method!r} names more than one router")
+        numbers = dict(n for n in map(_numbered, sorted(v)) if n is not None)
+        default = RoutingConfig("centroid", 0.0) if base == "epicache-paper" else self.routing
+        two = numbers["two"] / 1000 if "two" in numbers else default.two_below
+        return (named[0] if named else default.router), two
+
     def prefill_config(self, method: str) -> PrefillConfig:
         """The block-prefill configuration of a method and its variants."""
         _, v = parse_method(method)
         recipe = self.recipe(method)
+        numbers = dict(n for n in map(_numbered, sorted(v)) if n is not None)
         scales = [_oq_scale(x) for x in v if _oq_scale(x) is not None]
         tri = bool(v & {"tri", "fp8", "max"}) or bool(scales)
         base = self.build.prefill
@@ -161,7 +183,8 @@ class EvalConfig:
                              decode_positions="dapq" in v, tristate=tristate,
                              merge=replace(base.merge, enabled=True) if "merge" in v
                              else MergeConfig(),
-                             positions="compact" if "compact" in v else "original")
+                             positions="compact" if "compact" in v else "original",
+                             compact_recent=int(numbers.get("span", 0)))
 
     def build_config(self, method: str, budget: int | None) -> BuildConfig:
         """The build configuration of a cell (it decides the layer budgets)."""

@@ -1,4 +1,5 @@
-"""The evaluation on Ray: one task per cell, finished cells kept under the output folder.
+"""The evaluation on Ray (one task per cell) or in one process (`--in-process`, e.g. on one GPU),
+finished cells kept under the output folder.
 
 Each finished cell's records are keyed by the conversation's content and by what decides the
 cell (the method's effective configuration, the measurement settings), so a re-run after an
@@ -7,15 +8,16 @@ interruption (or with more methods or budgets) computes only the cells it does n
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pyarrow.parquet as pq
-import ray
 from tqdm import tqdm
 
 from pipeline.build.profile import allocator, layer_profile
@@ -23,26 +25,24 @@ from pipeline.corpus.schema import Conversation
 from pipeline.eval.cell import Prepared, evaluate_cell, prepare
 from pipeline.eval.methods import EPISODIC, EvalConfig, allocator_of, parse_method
 from pipeline.eval.report import records_parquet
+from pipeline.eval.routes import select_route
 from pipeline.store.local import LocalStore
 from pipeline.store.uri import open_store
 
 
-@ray.remote
-def prepare_task(conv, config: EvalConfig) -> Prepared:
-    return prepare(conv, config)
-
-
-@ray.remote
-def profile_task(store_uri: str, config: EvalConfig, method: str = "epicache") -> list[float]:
+def profile(store_uri: str, config: EvalConfig, method: str = "epicache") -> list[float]:
     """The model's profile for the allocator `method` uses (layer sensitivity, or D2O's
     attention variance): measured once, then read from the store."""
     return layer_profile(open_store(store_uri), config.build_config(method, 1))
 
 
-@ray.remote
-def cell_task(prep: Prepared, method: str, budget: int | None,
-              config: EvalConfig, layer_budgets: list[int] | None) -> list[dict]:
-    return evaluate_cell(prep, method, budget, config, layer_budgets)
+@functools.cache
+def ray_tasks() -> SimpleNamespace:
+    """The cells' Ray tasks; Ray is imported only for a run on Ray (`--in-process` needs none)."""
+    import ray
+
+    return SimpleNamespace(prepare=ray.remote(prepare), profile=ray.remote(profile),
+                           cell=ray.remote(evaluate_cell), wait=ray.wait, get=ray.get)
 
 
 def conversation_digest(conv: Conversation) -> str:
@@ -71,26 +71,74 @@ def cell_key(conv: Conversation, digest: str, method: str, budget: int | None,
     return f"cells/{conv.conversation_id}/{digest}/{cell}.parquet"
 
 
-def collect_cells(pending: dict, kept: LocalStore) -> tuple[list[dict], list[dict]]:
-    """Wait for every cell task (`pending`: ref -> (conversation id, method, budget, key)); keep
-    each finished cell's records under `key`. Returns the records and the failed cells."""
+@dataclass
+class Cell:
+    """One cell to compute, and every method whose records it gives (routing variants of one
+    episodic method share a cell: `pipeline.eval.routes`)."""
+    conversation_id: str
+    method: str
+    budget: int | None
+    key: str
+    methods: list[str]
+    prep: object = None  # a Prepared, or its Ray reference
+    layer_budgets: list[int] | None = None
+
+
+def records_of(cell_records: list[dict], methods: list[str], config: EvalConfig) -> list[dict]:
+    """A cell's records as each of its methods reads them."""
+    return [select_route(r, m, config) | {"method": m} for m in methods for r in cell_records]
+
+
+def collect_cells(pending: dict, kept: LocalStore, config: EvalConfig) -> tuple[list[dict], list[dict]]:
+    """Wait for every cell task (`pending`: ref -> Cell); keep each finished cell's records
+    under its key. Returns the records and the failed cells."""
     records, failed = [], []
     with tqdm(total=len(pending), unit="cell", desc="evaluate") as bar:
         while pending:
-            [ref], _ = ray.wait(list(pending), num_returns=1)
-            cid, method, budget, key = pending.pop(ref)
+            [ref], _ = ray_tasks().wait(list(pending), num_returns=1)
+            cell = pending.pop(ref)
             try:
-                cell_records = ray.get(ref)
+                cell_records = ray_tasks().get(ref)
             except Exception as e:
-                reason = str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
-                print(f"cell {cid}/{method}/{budget} failed: {reason}", file=sys.stderr)
-                failed.append({"conversation_id": cid, "method": method, "budget": budget,
-                               "error": reason})
+                failed.append(cell_failure(cell, e))
             else:
-                kept.put(key, records_parquet(cell_records))
-                records.extend(cell_records)
+                kept.put(cell.key, records_parquet(cell_records))
+                records.extend(records_of(cell_records, cell.methods, config))
             bar.update(1)
     return records, failed
+
+
+def cell_failure(cell: Cell, e: Exception) -> dict:
+    reason = str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
+    print(f"cell {cell.conversation_id}/{cell.method}/{cell.budget} failed: {reason}", file=sys.stderr)
+    return {"conversation_id": cell.conversation_id, "method": cell.method, "budget": cell.budget,
+            "error": reason}
+
+
+def compute_in_process(cells: list[Cell], kept: LocalStore,
+                       config: EvalConfig) -> tuple[list[dict], list[dict]]:
+    """Every cell in this process, one after another (one GPU, no Ray), each kept once done."""
+    records, failed = [], []
+    for cell in tqdm(cells, unit="cell", desc="evaluate"):
+        try:
+            cell_records = evaluate_cell(cell.prep, cell.method, cell.budget, config, cell.layer_budgets)
+        except Exception as e:  # noqa: BLE001 - a failed cell is reported; the others run
+            failed.append(cell_failure(cell, e))
+            continue
+        kept.put(cell.key, records_parquet(cell_records))
+        records.extend(records_of(cell_records, cell.methods, config))
+    return records, failed
+
+
+def kept_cell(kept: LocalStore, key: str) -> list[dict] | None:
+    """A finished cell's records, or None: not kept, or an episodic cell kept before every
+    episode was measured for every question (it holds one router's reads only)."""
+    if not kept.exists(key):
+        return None
+    cell_records = pq.read_table(io.BytesIO(kept.get(key))).to_pylist()
+    stale = any(r.get("episode") is not None and r.get("route_hit") is not None
+                and "scores_centroid" not in r for r in cell_records)
+    return None if stale else cell_records
 
 
 @dataclass
@@ -104,7 +152,7 @@ class Outcome:
 
 
 def layer_budgets_of(config: EvalConfig, methods: list[str], budgets: list[int],
-                     out: Path) -> dict[tuple[str, int], list[int]]:
+                     out: Path, in_process: bool = False) -> dict[tuple[str, int], list[int]]:
     """The layer budgets of every (method, budget) whose method allocates them from a measured
     profile (one profile per allocator, kept under `out/profiles`); the others are uniform."""
     allocated = [m for m in methods if config.needs_profile(m)]
@@ -112,35 +160,45 @@ def layer_budgets_of(config: EvalConfig, methods: list[str], budgets: list[int],
     for m in allocated:
         kind = allocator_of(m)
         if kind not in profiles:
-            profiles[kind] = ray.get(profile_task.remote(str(out / "profiles"), config, m))
+            where = str(out / "profiles")
+            profiles[kind] = profile(where, config, m) if in_process else \
+                ray_tasks().get(ray_tasks().profile.remote(where, config, m))
     return {(m, b): allocator(config.build_config(m, b)).allocate(
         profiles[allocator_of(m)], b) for m in allocated for b in budgets}
 
 
 def run_cells(convs: list[Conversation], methods: list[str], budgets: list[int],
-              config: EvalConfig, out: Path) -> Outcome:
-    """Every cell of every conversation on the connected Ray (the two references, then each
-    method at each budget), reusing the cells finished under `out` by an earlier run."""
-    layer_budgets = layer_budgets_of(config, methods, budgets, out)
+              config: EvalConfig, out: Path, in_process: bool = False) -> Outcome:
+    """Every cell of every conversation (the two references, then each method at each
+    budget), as Ray tasks or, `in_process`, one after another here, reusing the cells
+    finished under `out` by an earlier run."""
+    layer_budgets = layer_budgets_of(config, methods, budgets, out, in_process)
     kept = LocalStore(out)  # finished cells (atomic writes: a cell is whole or absent)
-    pending, prep_refs, records, reused = {}, [], [], 0
+    todo: dict[str, Cell] = {}
+    preps, records, reused = [], [], 0
     for conv in convs:
-        prep = prepare_task.remote(conv, config)
-        prep_refs.append(prep)
+        prep = prepare(conv, config) if in_process else ray_tasks().prepare.remote(conv, config)
+        preps.append(prep)
         digest = conversation_digest(conv)  # hashes the whole conversation: once, not per cell
         cells = [("none", None), ("full", None)] + [(m, b) for m in methods if m != "full"
                                                     for b in budgets]
         for method, budget in cells:  # uniform layer budgets unless the method allocates
             allocated = layer_budgets.get((method, budget))
             key = cell_key(conv, digest, method, budget, config, allocated)
-            if kept.exists(key):
-                records.extend(r | {"method": method} for r in
-                               pq.read_table(io.BytesIO(kept.get(key))).to_pylist())
+            kept_records = None if key in todo else kept_cell(kept, key)
+            if key in todo:
+                todo[key].methods.append(method)
+            elif kept_records is not None:
+                records.extend(records_of(kept_records, [method], config))
                 reused += 1
-                continue
-            ref = cell_task.remote(prep, method, budget, config, allocated)
-            pending[ref] = (conv.conversation_id, method, budget, key)
+            else:
+                todo[key] = Cell(conv.conversation_id, method, budget, key, [method], prep, allocated)
     if reused:
         print(f"reusing {reused} finished cells from {out}/cells", file=sys.stderr)
-    cell_records, failed = collect_cells(pending, kept)
-    return Outcome(records + cell_records, failed, reused, ray.get(prep_refs))
+    if in_process:
+        cell_records, failed = compute_in_process(list(todo.values()), kept, config)
+    else:
+        pending = {ray_tasks().cell.remote(c.prep, c.method, c.budget, config, c.layer_budgets): c
+                   for c in todo.values()}
+        cell_records, failed = collect_cells(pending, kept, config)
+    return Outcome(records + cell_records, failed, reused, preps if in_process else ray_tasks().get(preps))

@@ -9,8 +9,8 @@ number it holds, so `model.generate()` continues at the right RoPE positions.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -31,6 +31,9 @@ class EpisodicLayer(CacheLayerMixin):
         # [Hkv, slots] the positions the keys are rotated at: the original ones, unless the
         # cache was compacted (`compact()`), which re-rotates its entries to 0, 1, 2, ...
         self.rope_positions: torch.Tensor | None = None
+        # after compact(): tokens from `compact_cut` on keep their spacing from `compact_base`
+        self.compact_cut: int | None = None
+        self.compact_base = 0
         self.tokens_seen = 0  # tokens fed so far
         self.next_position = 0  # the position the next token takes (tokens_seen unless compacted)
         self.n_patch = 0  # while > 0, that many trailing new tokens are a patch: scored, not kept
@@ -174,14 +177,19 @@ class EpisodicLayer(CacheLayerMixin):
         raw = self.key_codes if which == "keys" else self.value_codes
         return raw.view(self.code_dtype)
 
-    def compact(self, rotation: KeyRotation) -> None:
+    def compact(self, rotation: KeyRotation, cut: int | None = None, base: int = 0) -> None:
         """Move every head's entries to positions 0, 1, 2, ... in token order, re-rotating
         the keys that move, so the cache reads a history of any length within the model's
-        positions (StreamingLLM, kvpress's KeyRerotationPress). `next_position` is left to
-        the cache, which must keep it equal across layers."""
+        positions (StreamingLLM, kvpress's KeyRerotationPress). With `cut`, only the entries
+        of tokens before it are packed; the later ones keep their spacing from `base` on
+        (`base + position - cut`). `next_position` is left to the cache, which must keep it
+        equal across layers."""
         if self.quantized is not None and bool(self.quantized.any()):
             raise ValueError("compact positions cannot re-rotate Quantized entries")
-        target = torch.arange(self.valid.shape[1], device=self.valid.device).expand_as(self.valid)
+        cut = self.tokens_seen if cut is None else cut
+        self.compact_cut, self.compact_base = (cut, base) if cut < self.tokens_seen else (None, 0)
+        older = self.valid & (self.positions < cut)
+        target = torch.where(older, torch.cumsum(older, dim=1) - 1, base + self.positions - cut)
         target = torch.where(self.valid, target, self.rope_positions)
         shift = target - self.rope_positions
         moved = shift != 0
@@ -189,6 +197,10 @@ class EpisodicLayer(CacheLayerMixin):
             keys = self.keys[0]
             keys[moved] = rotation.rotate(keys[moved], shift[moved])
         self.rope_positions = target
+
+    def older_entries(self, cut: int) -> int:
+        """The most valid entries any head holds of tokens before `cut`."""
+        return int((self.valid & (self.positions < cut)).sum(dim=1).max().item()) if self.valid.numel() else 0
 
     def snapshot(self) -> tuple[int, int, int]:
         return (0 if self.valid is None else self.valid.shape[1], self.tokens_seen, self.next_position)
@@ -218,6 +230,12 @@ class EpisodicLayer(CacheLayerMixin):
         self.__init__()
 
 
+def _repeated(positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[Hkv, slots] whether a valid slot's token was held by an earlier valid slot of its head."""
+    same = (positions[:, :, None] == positions[:, None, :]) & valid[:, None, :] & valid[:, :, None]
+    return torch.tril(same, diagonal=-1).any(dim=2)
+
+
 class EpisodicCache(Cache):
     """Per-layer, per-head ragged KV cache built by block prefill and read by `generate()`."""
 
@@ -225,7 +243,7 @@ class EpisodicCache(Cache):
         super().__init__(layers=[EpisodicLayer() for _ in range(num_layers)])
 
     @classmethod
-    def for_model(cls, config) -> "EpisodicCache":
+    def for_model(cls, config) -> EpisodicCache:
         return cls(config.num_hidden_layers)
 
     @property
@@ -237,14 +255,38 @@ class EpisodicCache(Cache):
         """The position the next token takes: `tokens_seen`, or less once compacted."""
         return self.layers[0].next_position
 
-    def compact(self, rotation: KeyRotation) -> None:
-        """Every layer's entries at positions 0, 1, 2, ... (`EpisodicLayer.compact`); the next
+    def compact(self, rotation: KeyRotation, recent: int = 0) -> None:
+        """Every layer's entries at positions 0, 1, 2, ... (`EpisodicLayer.compact`), except
+        those of the last `recent` tokens, which follow at their original spacing; the next
         token goes after the longest head of any layer, since all layers share its position."""
+        cut = max(self.tokens_seen - recent, 0)
+        base = max(layer.older_entries(cut) for layer in self.layers)
         for layer in self.layers:
-            layer.compact(rotation)
-        following = max(layer.valid.shape[1] for layer in self.layers)
+            layer.compact(rotation, cut, base)
         for layer in self.layers:
-            layer.next_position = following
+            layer.next_position = base + self.tokens_seen - cut
+
+    @classmethod
+    def joined(cls, caches: list[EpisodicCache]) -> EpisodicCache:
+        """One cache that reads several (a question the router is unsure of reads two
+        episodes): each head holds the entries of all of them, each entry at its own position,
+        a token both hold once (the first cache's entry), and the next token goes after the
+        furthest. Quantized entries are not joined."""
+        out = cls(len(caches[0].layers))
+        for i, layer in enumerate(out.layers):
+            parts = [c.layers[i] for c in caches]
+            if any(p.quantized is not None for p in parts):
+                raise ValueError("caches holding Quantized entries cannot be joined")
+            layer.keys = torch.cat([p.keys for p in parts], dim=2)
+            layer.values = torch.cat([p.values for p in parts], dim=2)
+            layer.valid = torch.cat([p.valid for p in parts], dim=1)
+            layer.positions = torch.cat([p.positions for p in parts], dim=1)
+            layer.rope_positions = torch.cat([p.rope_positions for p in parts], dim=1)
+            layer.tokens_seen = max(p.tokens_seen for p in parts)
+            layer.next_position = max(p.next_position for p in parts)
+            layer.is_initialized = True
+            layer.keep(layer.valid & ~_repeated(layer.positions, layer.valid))
+        return out
 
     def entries_per_layer(self) -> list[float]:
         return [layer.entries for layer in self.layers]

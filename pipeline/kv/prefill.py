@@ -176,7 +176,7 @@ def block_prefill(model: torch.nn.Module, input_ids: torch.Tensor, scorer: Score
             states = [layer_state(idx, layer, seen) for idx, layer in enumerate(cache.layers)]
             eviction.step(cache.layers, states, scorer, final=begin + config.block >= n_new)
         if rotation is not None:
-            cache.compact(rotation)
+            cache.compact(rotation, config.compact_recent)
         for layer in cache.layers:
             layer.last_request = None
         stats.blocks += 1

@@ -28,6 +28,7 @@ from pipeline.answer.lru import CacheLRU
 from pipeline.answer.malloc_tuning import retain_freed_memory
 from pipeline.answer.routing import check_models
 from pipeline.kv import models
+from pipeline.kv.cache import EpisodicCache
 from pipeline.serve.errors import classify
 from pipeline.store.disk_tier import DiskTier
 from pipeline.store.manifest import CacheRef
@@ -91,14 +92,23 @@ class Decoder:
         """`ModelMismatchError` (409) unless the episode was built with this model's files."""
         check_models([ref], self.model_name, None, model_fingerprint=self.lm.fingerprint)
 
-    def _cache(self, ref: CacheRef):
-        self._check(ref)
+    def _cache(self, refs: CacheRef | tuple[CacheRef, ...]):
+        """The cache a question reads, (cache, hit, ms): its episode's, or two episodes'
+        joined (`EpisodicCache.joined`, resident as one); hit when nothing was fetched."""
+        refs = refs if isinstance(refs, tuple) else (refs,)
+        for ref in refs:
+            self._check(ref)
         t = time.perf_counter()
-        cache, hit = self.caches.get_or_load((ref.object_key, ref.sha256),
-                                             lambda: self._load(ref))
+        parts = [self.caches.get_or_load((ref.object_key, ref.sha256), lambda ref=ref: self._load(ref))
+                 for ref in refs]
+        cache, hit = parts[0]
+        if len(parts) > 1:
+            key = tuple(k for ref in refs for k in (ref.object_key, ref.sha256))
+            cache, _ = self.caches.get_or_load(key, lambda: EpisodicCache.joined([c for c, _ in parts]))
+            hit = all(h for _, h in parts)
         return cache, hit, (time.perf_counter() - t) * 1000
 
-    async def answer(self, ref: CacheRef, question: str, max_new_tokens: int,
+    async def answer(self, ref: CacheRef | tuple[CacheRef, ...], question: str, max_new_tokens: int,
                      temperature: float) -> dict:
         """{"answer", "tokens", "finish_reason", "cache_hit", "fetch_ms", "decode_ms",
         "queue_ms"} or {"error": {"status", "message"}}."""
@@ -119,7 +129,7 @@ class Decoder:
                 "fetch_ms": round(fetch_ms, 3), "decode_ms": round(job.decode_ms, 3),
                 "queue_ms": round(job.queue_ms, 3)}
 
-    async def stream(self, ref: CacheRef, question: str, max_new_tokens: int,
+    async def stream(self, ref: CacheRef | tuple[CacheRef, ...], question: str, max_new_tokens: int,
                      temperature: float) -> AsyncIterator[dict]:
         """First {"cache_hit", "fetch_ms"} (or {"error": ...}: a bad cache or a request over
         the limits is an HTTP status, not a stream), then {"text": piece}s, then

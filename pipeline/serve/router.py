@@ -1,7 +1,7 @@
 """The router deployment: the HTTP ingress (the FastAPI app and its endpoints), the encoder and,
-per conversation, the manifest's centroids (read on first use, re-read when the manifest object
-changes). It embeds the question, picks the episode, and asks the decoder (a `DeploymentHandle`)
-for the answer."""
+per conversation, the manifest's route index (centroids and window embeddings: read on first use,
+re-read when the manifest object changes). It embeds the question, picks the episode (or the two
+it reads together when unsure), and asks the decoder (a `DeploymentHandle`) for the answer."""
 
 import asyncio
 import gc
@@ -18,8 +18,9 @@ from ray import serve
 from ray.exceptions import RayActorError
 
 from pipeline.answer.limits import LimitError
-from pipeline.answer.routing import (centroid_matrix, check_models, embed_question, load_manifest,
-                                     route_question)
+from pipeline.answer.routing import (check_models, embed_question, load_manifest, route_index,
+                                     route_records)
+from pipeline.configs import RoutingConfig
 from pipeline.corpus.schema import check_safe_id
 from pipeline.kv import models
 from pipeline.serve import openai_chat
@@ -40,6 +41,11 @@ def public_name(model: str) -> str:
     return model
 
 
+def refs_of(rows: list[ManifestRecord]) -> tuple[CacheRef, ...]:
+    """What the decoder reads for a question: its episode's cache, or two joined."""
+    return tuple(r.ref for r in rows)
+
+
 app = FastAPI(title="EpiCache decode endpoint", docs_url=None, redoc_url=None)
 add_exception_handlers(app)
 
@@ -47,7 +53,7 @@ add_exception_handlers(app)
 @dataclass
 class _Conversation:
     records: list[ManifestRecord]
-    centroids: Any  # np.ndarray [episodes, dim]
+    index: Any  # pipeline.routers.RouteIndex
     stamp: tuple[int, float]  # (size, modified) of the manifest object when read
     checked: float  # time.monotonic() of the last check against the store
     prefetched: bool = False  # its other episodes were handed to the decoder's prefetch
@@ -63,6 +69,7 @@ class Router:
         self.decoder = decoder
         self.settings = ServeSettings(**settings)
         self.limits = self.settings.limits
+        self.routing = RoutingConfig(self.settings.route_by, self.settings.two_below)
         self.model_name, self.encoder_name = model, encoder
         self.store = open_store(self.settings.store, endpoint_url=self.settings.s3_endpoint,
                                 create=False)
@@ -107,7 +114,7 @@ class Router:
         records = load_manifest(self.store, conversation_id)
         check_models(records, self.model_name, self.encoder_name,
                      encoder_fingerprint=self.encoder_fingerprint)  # the decoder checks the model's
-        conv = _Conversation(records, centroid_matrix(records), stamp, now)
+        conv = _Conversation(records, route_index(records), stamp, now)
         self._conversations[conversation_id] = conv
         return conv
 
@@ -131,20 +138,21 @@ class Router:
             raise ApiError(422, str(e)) from None
         return question, max_new, temp
 
-    async def _route(self, conversation_id: str, question: str) -> tuple[dict, float, dict]:
-        """(manifest record, similarity, timings) for a question; manifest lookup counts as
-        route."""
+    async def _route(self, conversation_id: str,
+                     question: str) -> tuple[list[ManifestRecord], float, dict]:
+        """(the manifest records read: one, or two when the router is unsure; the best score;
+        timings) for a question; manifest lookup counts as route."""
         t0 = time.perf_counter()
         conv = await asyncio.to_thread(self._load_conversation, conversation_id)
         t1 = time.perf_counter()
         emb = await asyncio.to_thread(self._embed, question)
         t2 = time.perf_counter()
-        row, similarity = route_question(emb, conv.records, conv.centroids)
+        rows, similarity = route_records(emb, conv.records, self.routing, conv.index)
         t3 = time.perf_counter()
         if not conv.prefetched:  # first touch: a follow-up often routes to another episode
             conv.prefetched = True
-            self._prefetch([r.ref for r in conv.records if r is not row])
-        return row, similarity, {"embed": (t2 - t1) * 1000, "route": (t1 - t0 + t3 - t2) * 1000}
+            self._prefetch([r.ref for r in conv.records if r not in rows])
+        return rows, similarity, {"embed": (t2 - t1) * 1000, "route": (t1 - t0 + t3 - t2) * 1000}
 
     def _prefetch(self, refs: list[CacheRef]) -> None:
         """Ask the decoder to load `refs` in the background; no request waits on it, and a
@@ -167,7 +175,7 @@ class Router:
         if "error" in result:
             raise ApiError(result["error"]["status"], result["error"]["message"])
 
-    async def _ask_decoder(self, row: ManifestRecord, question: str, max_new: int,
+    async def _ask_decoder(self, rows: list[ManifestRecord], question: str, max_new: int,
                            temperature: float) -> dict:
         """The decoder's whole answer, asked again once if the replica died meanwhile (an
         answer has no side effect; Serve sends the retry to a live or replacement replica); a
@@ -175,7 +183,7 @@ class Router:
         never a hang."""
         deadline = time.monotonic() + self.settings.decoder_timeout_s
         for attempt in (1, 2):
-            response = self.decoder.answer.remote(row.ref, question, max_new,
+            response = self.decoder.answer.remote(refs_of(rows), question, max_new,
                                                   temperature)
             try:
                 result = await asyncio.wait_for(response, max(0.0, deadline - time.monotonic()))
@@ -239,15 +247,16 @@ class Router:
         question, max_new, temperature = self._checked(
             body.question, body.max_new_tokens, body.temperature, ("max_new_tokens", "temperature"))
         try:
-            row, similarity, timings = await self._route(conversation_id, question)
+            rows, similarity, timings = await self._route(conversation_id, question)
         except ApiError:
             raise
         except Exception as e:
             raise ApiError(*classify(e)) from None
-        result = await self._ask_decoder(row, question, max_new, temperature)
+        result = await self._ask_decoder(rows, question, max_new, temperature)
         timings |= {"fetch": result["fetch_ms"], "decode": result["decode_ms"]}
         return {"conversation_id": conversation_id, "answer": result["answer"],
-                "episode": row.episode, "similarity": round(similarity, 6),
+                "episode": rows[0].episode, "episodes": [r.episode for r in rows],
+                "similarity": round(similarity, 6),
                 "cache_hit": result["cache_hit"], "tokens": result["tokens"],
                 "finish_reason": result["finish_reason"],
                 "decoder_queue_ms": result["queue_ms"],
@@ -269,21 +278,21 @@ class Router:
             body.max_completion_tokens if body.max_completion_tokens is not None
             else body.max_tokens, body.temperature, ("max_tokens", "temperature"))
         try:
-            row, similarity, timings = await self._route(body.conversation_id, question)
+            rows, similarity, timings = await self._route(body.conversation_id, question)
         except ApiError:
             raise
         except Exception as e:
             raise ApiError(*classify(e)) from None
-        meta = {"conversation_id": body.conversation_id, "episode": row.episode,
-                "similarity": round(similarity, 6)}
+        meta = {"conversation_id": body.conversation_id, "episode": rows[0].episode,
+                "episodes": [r.episode for r in rows], "similarity": round(similarity, 6)}
         base = openai_chat.completion_base(public_name(self.model_name))
         if not body.stream:
-            result = await self._ask_decoder(row, question, max_new, temperature)
+            result = await self._ask_decoder(rows, question, max_new, temperature)
             timings |= {"fetch": result["fetch_ms"], "decode": result["decode_ms"]}
             return openai_chat.completion(base, question, result, meta, timings)
 
         gen = self.decoder.options(stream=True).stream.remote(
-            row.ref, question, max_new, temperature)
+            refs_of(rows), question, max_new, temperature)
         try:  # the fetch: a bad cache (or a dead replica) is an HTTP error, not a stream
             first = await asyncio.wait_for(gen.__anext__(), self.settings.decoder_timeout_s)
         except Exception as e:

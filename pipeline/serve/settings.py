@@ -14,6 +14,7 @@ from typing import Any
 
 from pipeline.answer.limits import CHARS_PER_TOKEN, DEFAULT_LIMITS, AnswerLimits
 from pipeline.config_fields import parser_of
+from pipeline.configs import RoutingConfig
 from pipeline.store.s3 import s3_endpoint
 
 AUTH_ENV = "EPICACHE_SERVE_TOKEN"
@@ -47,6 +48,13 @@ class ServeSettings:
     auth_token: str | None = field(default=None, repr=False, metadata={
         "help": f"require 'Authorization: Bearer <token>' on /v1 (default: ${AUTH_ENV}, else "
                 "no token)"})
+    route_by: str = setting(RoutingConfig.router,
+                          "how a question picks its episode: window (the nearest window's "
+                          "episode), centroid (the paper's), knn, expand or expandwin "
+                          "(docs/serving.md#routing)")
+    two_below: float = setting(
+        RoutingConfig.two_below, "read the best two episodes together when their route scores "
+                                 "differ by less than this (0: one episode always)")
     router_replicas: int = setting(1, "router (HTTP ingress) replicas")
     router_cpus: float = setting(0.5, "Ray CPUs per router replica")
     decoder_replicas: int = setting(1, "decoder replicas (fixed; see --decoder-autoscale)")

@@ -5,7 +5,8 @@ head after head, in token order), `.lengths` [Hkv] entries per head and `.positi
 the original token positions. The header names the model, the build configuration hash, the
 conversation and episode, the tokens seen, the next position and the position mode
 (`positions`: "original", or "compact": each head's keys rotated at 0, 1, 2, ... and decoding
-continues at `next_position`). Reading checks the SHA-256 recorded in the
+continues at `next_position`; with `compact_cut`, the entries of tokens from it on are rotated at
+`compact_base` + their distance from it). Reading checks the SHA-256 recorded in the
 manifest: `read_parsed` reads an object once (from the store or the local disk tier) and hashes
 it on a second thread while this one parses it (hashlib releases the GIL), and a parse of bytes
 that fail the checksum is dropped, never returned. Parsing unverified bytes is safe: safetensors
@@ -126,6 +127,8 @@ def serialize(cache: EpisodicCache, header: dict, dtype: torch.dtype = torch.flo
     header = dict(header, format=FORMAT, tokens_seen=cache.tokens_seen,
                   next_position=cache.next_position,
                   positions="compact" if compacted else "original", num_layers=len(cache.layers),
+                  **({"compact_cut": first.compact_cut, "compact_base": first.compact_base}
+                     if compacted and first.compact_cut is not None else {}),
                   kv_heads=int(first.valid.shape[0]), head_dim=int(first.keys.shape[-1]),
                   dtype=str(dtype).removeprefix("torch."), quant=quant)
     return st_save({k: v.cpu() for k, v in tensors.items()}, metadata={"header": json.dumps(header)})
@@ -239,9 +242,13 @@ def _rebuild(tensors: dict[str, torch.Tensor], header: dict, dtype: torch.dtype,
         layer.valid, layer.positions = valid.to(device), layer.positions.to(device)
         layer.tokens_seen = int(header["tokens_seen"])
         layer.next_position = int(header.get("next_position", layer.tokens_seen))
-        # A compacted cache holds each head's entries at positions 0, 1, 2, ... in token order.
+        # A compacted cache holds each head's entries at positions 0, 1, 2, ... in token order,
+        # except, with `compact_cut`, those of later tokens, at their spacing from `compact_base`.
+        rank = torch.arange(slots, device=device).expand(n_heads, -1)
+        cut = header.get("compact_cut")
         layer.rope_positions = layer.positions if header.get("positions") != "compact" else \
-            torch.arange(slots, device=device).expand(n_heads, -1)
+            rank if cut is None else torch.where(layer.positions < cut, rank,
+                                                 int(header["compact_base"]) + layer.positions - cut)
         layer.is_initialized = True
     return cache
 

@@ -54,6 +54,10 @@ class ManifestRecord:
     object_bytes: int = column(pa.int64())
     kv_bytes: int = column(pa.int64())  # bytes of the kept keys and values
     centroid: list[float] = column(pa.list_(pa.float32()))  # unit norm, the encoder's space
+    # each of the episode's windows, unit norm (the window routers); None in manifests written
+    # before them: such a conversation is routed by its centroids
+    window_embeddings: list[list[float]] | None = column(pa.list_(pa.list_(pa.float32())),
+                                                         default=None)
     medoid_text: str = column(pa.string())  # the patched prompt
     medoid_turn_ids: list[str] = column(pa.list_(pa.string()))
     n_windows: int = column(pa.int32())
@@ -126,8 +130,8 @@ STATE_SCHEMA = _schema(state=True)  # written once some episode carries them (ev
 
 # Every writer since the first has written these (node_id, the fingerprints, the source's
 # turns and the append state came later; the state columns later).
-_LATER_COLUMNS = ("node_id", "model_fingerprint", "encoder_fingerprint", "source_turns",
-                  "source_digest", "cache_turns", "member_turn_ids", "clustered_turns",
+_LATER_COLUMNS = ("window_embeddings", "node_id", "model_fingerprint", "encoder_fingerprint",
+                  "source_turns", "source_digest", "cache_turns", "member_turn_ids", "clustered_turns",
                   "clustered_at", "appends")
 REQUIRED_COLUMNS = tuple(name for name in MANIFEST_SCHEMA.names if name not in _LATER_COLUMNS)
 

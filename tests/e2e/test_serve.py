@@ -256,16 +256,17 @@ def test_second_question_routed_to_the_same_episode_does_not_fetch_again(local_a
     url, _ = local_app
     _, store_dir, conversations, _ = built
     conv = conversations[1]
-    # two different questions that the library routes to the same episode
+    # two different questions that the library routes to the same one episode
     answerer = Answerer(LocalStore(store_dir))
-    from pipeline.answer.routing import embed_question, route_question
+    from pipeline.answer.routing import embed_question, route_records
     from pipeline.kv import models
 
     encoder, rows = models.load_encoder(), answerer.manifest(conv.conversation_id)
-    by_episode: dict[int, list[str]] = {}
+    by_episode: dict[tuple[int, ...], list[str]] = {}
     for q in conv.questions:
-        row, _ = route_question(embed_question(encoder, q.question), rows)
-        by_episode.setdefault(row.episode, []).append(q.question)
+        read, _ = route_records(embed_question(encoder, q.question), rows)
+        if len(read) == 1:
+            by_episode.setdefault((read[0].episode,), []).append(q.question)
     first_q, second_q = next(qs for qs in by_episode.values() if len(qs) >= 2)[:2]
 
     before = _settled_stats(url)
@@ -295,7 +296,7 @@ def test_answer_endpoint_routes_like_the_library(local_app, built):
         assert set(body["timings_ms"]) == {"embed", "route", "fetch", "decode"}
         assert all(v >= 0 for v in body["timings_ms"].values())
         lib = answerer.answer(cid, question, max_new_tokens=MAX_NEW)
-        assert body["episode"] == lib.episode
+        assert body["episode"] == lib.episode and body["episodes"] == lib.episodes
         assert body["similarity"] == pytest.approx(lib.similarity, abs=1e-4)
 
 

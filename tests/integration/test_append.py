@@ -96,6 +96,10 @@ def test_appending_with_clustering_held_fixed_equals_building_the_whole_history(
     appended = build_conversation(whole, config, store, APPEND_ALWAYS)
     assert len(appended) == len(built) >= (2 if config.scorer == "epicache" else 1)
     assert all(a.appends == 1 and a.cache_turns == len(whole.turns) for a in appended)
+    # every window, old and new, is in its episode's window embeddings (the window router's)
+    assert [len(a.window_embeddings) for a in appended] == [a.n_windows for a in appended]
+    assert [len(b.window_embeddings) for b in built] == [b.n_windows for b in built]
+    assert sum(a.n_windows for a in appended) > sum(b.n_windows for b in built)
     assert {a.object_key for a in appended}.isdisjoint(b.object_key for b in built)
     assert [a.tokens for a in appended] == [len(prompts.context_ids(
         models.load_tokenizer(config.model), render_conversation(whole).text))] * len(built)

@@ -20,7 +20,7 @@ PACKAGES = ("kernels", "pipeline", "jobs", "tests")
 LAYERS = [
     ("kernels", 0), ("pipeline.config_fields", 0), ("pipeline.configs", 0),
     ("pipeline.ray_runtime", 0),
-    ("pipeline.corpus", 1),
+    ("pipeline.corpus", 1), ("pipeline.routers", 1),
     ("pipeline.kv", 2), ("pipeline.episodes", 2),
     ("pipeline.store", 3),
     ("pipeline.build", 4),

@@ -13,10 +13,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from jobs import evaluate as evaluate_job
 from pipeline.corpus.reader import write_jsonl
 from pipeline.corpus.synthetic import make_corpus
-from pipeline.eval.methods import METHODS, parse_method
+from pipeline.eval.methods import METHODS, EvalConfig, parse_method
 from pipeline.eval.metrics import (continuation_nll, evidence_probe, f1_score, normalize_answer,
                                    retention)
-from pipeline.eval.runner import collect_cells
+from pipeline.eval.runner import Cell, collect_cells
 from pipeline.kv import models, prompts
 from pipeline.kv.prefill import PrefillConfig, block_prefill
 from pipeline.kv.scorers import (BlockContext, FullScorer, InfiniPotScorer, KeyDiffScorer,
@@ -229,9 +229,9 @@ def test_a_failed_cell_is_reported_and_the_others_kept(tmp_path, ray_local):
         return [{"method": "keydiff", "evidence_nll": 1.5}]
 
     kept = LocalStore(tmp_path)
-    pending = {cell.remote(False): ("c1", "keydiff", 32, "cells/c1/x/ok.parquet"),
-               cell.remote(True): ("c1", "snapkv", 32, "cells/c1/x/bad.parquet")}
-    records, failed = collect_cells(pending, kept)
+    pending = {cell.remote(False): Cell("c1", "keydiff", 32, "cells/c1/x/ok.parquet", ["keydiff"]),
+               cell.remote(True): Cell("c1", "snapkv", 32, "cells/c1/x/bad.parquet", ["snapkv"])}
+    records, failed = collect_cells(pending, kept, EvalConfig())
     assert records == [{"method": "keydiff", "evidence_nll": 1.5}]
     assert failed == [{"conversation_id": "c1", "method": "snapkv", "budget": 32,
                        "error": "RuntimeError: out of memory in layer 3"}]

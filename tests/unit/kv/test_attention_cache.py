@@ -8,6 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from pipeline.answer.decode import generate_from_cache
+from pipeline.eval.metrics import continuation_nll
 from pipeline.kv.cache import EpisodicCache
 from pipeline.kv.prefill import PrefillConfig, block_prefill, select_keep
 from pipeline.kv.scorers import EpiCacheScorer, FullScorer, StreamingLLMScorer
@@ -393,3 +394,24 @@ def test_select_keep_never_keeps_invalid_slots(selection):
         assert keep.tolist() == [[False, False, True, False], [False, False, False, True]]
     else:  # the top 2 valid scores overall: 5 (head 1) and 4 (head 1)
         assert keep.tolist() == [[False, False, False, False], [False, False, True, True]]
+
+
+def test_two_joined_caches_hold_each_kept_token_once_and_a_cache_joined_with_itself_reads_the_same():
+    """`EpisodicCache.joined`: a question the router is unsure of reads two episodes' caches
+    as one; a token both kept is held once (the first cache's entry)."""
+    model = tiny_model("llama")
+    ids = random_ids(200, seed=21)
+    a, b = (block_prefill(model, ids, EpiCacheScorer(random_ids(8, seed=s)), [24] * 3,
+                          PrefillConfig(block=32))[0] for s in (22, 23))
+    joined = EpisodicCache.joined([a, b])
+    assert joined.next_position == joined.tokens_seen == 200
+    for la, lb, lj in zip(a.layers, b.layers, joined.layers):
+        for h in range(lj.valid.shape[0]):
+            kept = lj.positions[h][lj.valid[h]].tolist()
+            assert len(kept) == len(set(kept))  # no token twice
+            assert set(kept) == set(la.positions[h][la.valid[h]].tolist()) | \
+                set(lb.positions[h][lb.valid[h]].tolist())
+    question = random_ids(6, seed=24)
+    itself = EpisodicCache.joined([a, a])
+    assert continuation_nll(model, itself, question[:3], question[3:]) == pytest.approx(
+        continuation_nll(model, a, question[:3], question[3:]), abs=1e-5)

@@ -126,3 +126,39 @@ def test_a_build_refuses_a_long_conversation_unless_cut_or_compact():
     cut = fit_context(conv, BuildConfig(max_context_tokens=7600))
     assert 0 < len(cut.turns) < len(conv.turns) and cut.meta["cut"]["max_tokens"] == 7600
     assert fit_context(conv, BuildConfig(prefill=PrefillConfig(positions="compact"))) is conv
+
+
+def test_compacting_all_but_the_recent_tokens_keeps_their_spacing():
+    """`compact_recent`: the entries of the last N tokens keep their original spacing after the
+    packed older ones (the same for every head and layer), and a question reads them at the
+    distances a full-history read would (`next_position` = packed older + N)."""
+    model = tiny_model("llama")
+    ids, recent = random_ids(400, seed=11), 96
+    cache, _ = block_prefill(model, ids, EpiCacheScorer(random_ids(12, seed=12)), [40] * 3,
+                             PrefillConfig(block=64, positions="compact", compact_recent=recent))
+    cut = cache.tokens_seen - recent
+    base = max(int((layer.valid & (layer.positions < cut)).sum(dim=1).max()) for layer in cache.layers)
+    assert cache.next_position == base + recent
+    for layer in cache.layers:
+        for h in range(layer.valid.shape[0]):
+            kept = layer.valid[h]
+            pos, rope = layer.positions[h][kept], layer.rope_positions[h][kept]
+            older = pos < cut
+            assert rope[older].tolist() == list(range(int(older.sum())))  # packed, in order
+            assert (rope[~older] - pos[~older]).tolist() == [base - cut] * int((~older).sum())
+    assert int((cache.layers[0].positions >= cut).sum()) > 0  # some recent entries were kept
+    loaded, _ = cache_format.deserialize(cache_format.serialize(cache, {}, torch.float32), None)
+    assert loaded.next_position == cache.next_position
+    for a, b in zip(cache.layers, loaded.layers):
+        assert torch.equal(a.rope_positions[a.valid], b.rope_positions[b.valid])
+
+
+def test_compact_recent_zero_is_plain_compaction():
+    model = tiny_model("qwen2")
+    ids = random_ids(300, seed=13)
+    plain, with_zero = (block_prefill(model, ids, EpiCacheScorer(random_ids(8, seed=14)), [24] * 3,
+                                      PrefillConfig(block=32, positions="compact", **kw))[0]
+                        for kw in ({}, {"compact_recent": 0}))
+    assert plain.next_position == with_zero.next_position
+    for a, b in zip(plain.layers, with_zero.layers):
+        assert torch.equal(a.rope_positions, b.rope_positions) and torch.equal(a.keys, b.keys)

@@ -1,0 +1,96 @@
+"""An episodic cell's reads, so that any router's choice is a selection from one cell.
+
+An EpiCache cell builds every episode's cache and measures every question on each of them, and
+on the two-episode caches a "two" rule may read (each router's best two episodes, joined). It
+also keeps every router's episode scores. A method's routing variant (`rwin`, `two20`, ...)
+then picks its question's read from those (`select_route`): routing variants share one cell,
+and the route-hit rate, retention on hits and misses, and bytes read per question of every
+router come from the same caches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from pipeline.corpus.schema import Conversation, Question
+from pipeline.episodes import EpisodeSet, member_turn_ids
+from pipeline.eval.methods import EvalConfig
+from pipeline.kv.cache import EpisodicCache
+from pipeline.routers import ROUTERS, RouteIndex, chosen, ranked
+
+# The fields a read decides; `select_route` fills them from the chosen read's lists.
+READ_FIELDS = ("evidence_nll", "answer_nll", "evidence_kept", "kv_bytes", "bytes_tokens",
+               "kept_entries")
+
+
+def route_scores(encoder, episodes: EpisodeSet,
+                 questions: list[Question]) -> dict[str, np.ndarray]:
+    """Every router's [questions, episodes] scores."""
+    index = RouteIndex.of_episodes([ep.centroid for ep in episodes.episodes],
+                                   [ep.window_embeddings for ep in episodes.episodes])
+    embeddings = encoder.encode([q.question for q in questions], normalize_embeddings=True,
+                                show_progress_bar=False)
+    return {name: np.stack([router.scores(e, index) for e in embeddings]) if len(questions)
+            else np.zeros((0, index.n_episodes)) for name, router in ROUTERS.items()}
+
+
+def candidate_pairs(scores: dict[str, np.ndarray]) -> dict[tuple[int, int], list[int]]:
+    """The two-episode reads any router may make: (a, b) -> the questions whose best two they are."""
+    pairs: dict[tuple[int, int], set[int]] = {}
+    for table in scores.values():
+        for i, row in enumerate(table):
+            order = ranked(row)
+            if len(order) > 1:
+                pairs.setdefault(tuple(sorted(order[:2])), set()).add(i)
+    return {pair: sorted(questions) for pair, questions in sorted(pairs.items())}
+
+
+Measure = Callable[[EpisodicCache, list[int]], list[dict]]
+
+
+def episodic_reads(conv: Conversation, questions: list[Question], episodes: EpisodeSet,
+                   window: int, caches: list[EpisodicCache], scores: dict[str, np.ndarray],
+                   measure: Measure) -> list[dict]:
+    """Per question, the lists a router selects from: each episode's read (`episode_*`), each
+    candidate pair's (`pair_*`), whether each episode holds the evidence, every router's
+    scores. `measure(cache, question indices)` gives the measured fields of those questions
+    over that cache (`READ_FIELDS` and any others)."""
+    members = [set(member_turn_ids(conv, ep, window)) for ep in episodes.episodes]
+    per_episode = [measure(cache, list(range(len(questions)))) for cache in caches]
+    pairs = candidate_pairs(scores)
+    per_pair = {pair: dict(zip(idx, measure(EpisodicCache.joined([caches[pair[0]], caches[pair[1]]]),
+                                            idx))) for pair, idx in pairs.items()}
+    records = []
+    for i, q in enumerate(questions):
+        mine = [(pair, measured[i]) for pair, measured in per_pair.items() if i in measured]
+        record = {f"episode_{f}": [float(per_episode[k][i][f]) for k in range(len(caches))]
+                  for f in READ_FIELDS}
+        record |= {f"pair_{f}": [float(m[f]) for _, m in mine] for f in READ_FIELDS}
+        record |= {"pair_a": [p[0] for p, _ in mine], "pair_b": [p[1] for p, _ in mine],
+                   "episode_hit": [bool(m & set(q.evidence)) for m in members]}
+        record |= {f"scores_{name}": [float(x) for x in table[i]] for name, table in scores.items()}
+        records.append(per_episode[0][i] | record)
+    return records
+
+
+def select_route(record: dict, method: str, config: EvalConfig) -> dict:
+    """The record as `method`'s router reads it: the episode (or two) it picks, and the
+    measured fields of that read. Records of other methods are returned as they are."""
+    if "scores_centroid" not in record:
+        return record
+    router, two_below = config.route_of(method)
+    scores = np.asarray(record[f"scores_{router}"])
+    read = chosen(scores, two_below)
+    if len(read) == 1:
+        values = {f: record[f"episode_{f}"][read[0]] for f in READ_FIELDS}
+    else:
+        pair = tuple(sorted(read))
+        j = list(zip(record["pair_a"], record["pair_b"])).index(pair)
+        values = {f: record[f"pair_{f}"][j] for f in READ_FIELDS}
+    return record | values | {
+        "method": method, "episode": read[0], "episodes_read": len(read),
+        "route_similarity": float(scores[read[0]]),
+        "route_hit": any(record["episode_hit"][k] for k in read),
+        "route_margin": float(scores[read[0]] - np.sort(scores)[-2]) if len(scores) > 1 else float("nan")}

@@ -1,0 +1,114 @@
+"""Routing strategies: which episode's cache answers a question.
+
+Every router scores each episode for a question embedding from one `RouteIndex` (the episodes'
+centroids and their windows' embeddings, all unit-norm in the encoder's space); the question
+goes to the best-scoring episode, and with a "two" rule to the best two when their scores are
+close. The routers need no training: they differ only in which of the stored embeddings they
+compare the question with.
+
+- `centroid`: the nearest centroid (the paper's rule).
+- `window`: the episode of the nearest window (a centroid averages an episode's topics away).
+- `knn`: the windows nearest the question vote for their episodes, weighted by similarity.
+- `expand` / `expandwin`: the question plus its best-matching windows (a second look, as in
+  pseudo-relevance feedback), then the centroid or window rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def unit(x: np.ndarray) -> np.ndarray:
+    """`x` scaled to unit norm along its last axis (zero rows left zero)."""
+    norm = np.linalg.norm(x, axis=-1, keepdims=True)
+    return x / np.where(norm > 0, norm, 1.0)
+
+
+@dataclass(frozen=True)
+class RouteIndex:
+    """What a router compares a question with."""
+    centroids: np.ndarray  # [episodes, dim] unit
+    windows: np.ndarray  # [windows, dim] unit
+    window_episode: np.ndarray  # [windows] the episode of each window
+
+    @classmethod
+    def of_episodes(cls, centroids: list, windows: list | None) -> RouteIndex:
+        """From each episode's centroid and its windows' embeddings (a clustering's, or a
+        manifest's columns); `windows` None: no window embeddings (only the centroid router
+        can route)."""
+        centroids = unit(np.asarray(centroids, dtype=np.float64))
+        if windows is None:
+            return cls(centroids, np.zeros((0, centroids.shape[1])), np.zeros(0, dtype=np.int64))
+        owner = np.concatenate([np.full(len(w), e, dtype=np.int64) for e, w in enumerate(windows)])
+        rows = [np.asarray(w, dtype=np.float64).reshape(-1, centroids.shape[1]) for w in windows]
+        return cls(centroids, unit(np.concatenate(rows)), owner)
+
+    @property
+    def has_windows(self) -> bool:
+        return len(self.windows) > 0
+
+    @property
+    def n_episodes(self) -> int:
+        return len(self.centroids)
+
+    def per_episode_max(self, similarities: np.ndarray) -> np.ndarray:
+        """[episodes] the best of each episode's window similarities."""
+        best = np.full(self.n_episodes, -np.inf)
+        np.maximum.at(best, self.window_episode, similarities)
+        return best
+
+
+@dataclass(frozen=True)
+class CentroidRouter:
+    def scores(self, question: np.ndarray, index: RouteIndex) -> np.ndarray:
+        return index.centroids @ unit(np.asarray(question, dtype=np.float64))
+
+
+@dataclass(frozen=True)
+class WindowRouter:
+    def scores(self, question: np.ndarray, index: RouteIndex) -> np.ndarray:
+        return index.per_episode_max(index.windows @ unit(np.asarray(question, dtype=np.float64)))
+
+
+@dataclass(frozen=True)
+class KnnRouter:
+    k: int = 5
+
+    def scores(self, question: np.ndarray, index: RouteIndex) -> np.ndarray:
+        sims = index.windows @ unit(np.asarray(question, dtype=np.float64))
+        nearest = np.argsort(-sims, kind="stable")[:self.k]
+        votes = np.zeros(index.n_episodes)
+        np.add.at(votes, index.window_episode[nearest], sims[nearest])
+        return votes
+
+
+@dataclass(frozen=True)
+class ExpandedRouter:
+    """The question moved towards its `top` best-matching windows, then `inner`'s rule."""
+    inner: CentroidRouter | WindowRouter = CentroidRouter()
+    top: int = 3
+
+    def scores(self, question: np.ndarray, index: RouteIndex) -> np.ndarray:
+        q = unit(np.asarray(question, dtype=np.float64))
+        nearest = np.argsort(-(index.windows @ q), kind="stable")[:self.top]
+        return self.inner.scores(unit(q + index.windows[nearest].mean(axis=0)), index)
+
+
+ROUTERS = {"centroid": CentroidRouter(), "window": WindowRouter(), "knn": KnnRouter(),
+           "expand": ExpandedRouter(), "expandwin": ExpandedRouter(WindowRouter())}
+
+
+def ranked(scores: np.ndarray) -> list[int]:
+    """Episodes best first (ties: the lower index)."""
+    return [int(i) for i in np.argsort(-np.asarray(scores), kind="stable")]
+
+
+def chosen(scores: np.ndarray, two_below: float | None = None) -> tuple[int, ...]:
+    """The episodes a question reads: the best, and the second too when `two_below` is set and
+    the two scores are closer than it (the router is unsure)."""
+    order = ranked(scores)
+    if two_below and len(order) > 1 and scores[order[0]] - scores[order[1]] < two_below:
+        return tuple(order[:2])
+    return (order[0],)

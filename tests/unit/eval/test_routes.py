@@ -1,0 +1,69 @@
+"""An episodic cell's reads and each routing variant's selection from them (pipeline.eval.routes)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline.configs import RoutingConfig
+from pipeline.eval.methods import EvalConfig, parse_method
+from pipeline.eval.report import records_parquet
+from pipeline.eval.routes import READ_FIELDS, candidate_pairs, select_route
+from pipeline.eval.runner import kept_cell
+from pipeline.store.local import LocalStore
+
+
+def _record() -> dict:
+    """Three episodes; the evidence is in episode 2. The centroid router is sure of 0; the
+    window router is unsure between 1 and 2."""
+    per = {f: [10.0, 11.0, 12.0] for f in READ_FIELDS}
+    return {**{f"episode_{f}": v for f, v in per.items()},
+            **{f"pair_{f}": [21.0, 30.0] for f in READ_FIELDS},
+            "pair_a": [0, 1], "pair_b": [1, 2], "episode_hit": [False, False, True],
+            "scores_centroid": [0.9, 0.5, 0.4], "scores_window": [0.3, 0.70, 0.69],
+            "scores_knn": [1.0, 0.0, 0.0], "scores_expand": [0.9, 0.5, 0.4],
+            "scores_expandwin": [0.3, 0.7, 0.69], "method": "epicache"}
+
+
+def test_each_routing_variant_selects_its_read_from_the_same_cell():
+    config = EvalConfig(routing=RoutingConfig("window", 0.02))
+    centroid = select_route(_record(), "epicache+rcen+two0", config)
+    assert (centroid["episode"], centroid["episodes_read"], centroid["route_hit"]) == (0, 1, False)
+    assert centroid["evidence_nll"] == 10.0 and centroid["method"] == "epicache+rcen+two0"
+    window = select_route(_record(), "epicache", config)  # the default: window, two when unsure
+    assert (window["episode"], window["episodes_read"], window["route_hit"]) == (1, 2, True)
+    assert window["evidence_nll"] == 30.0 and window["kv_bytes"] == 30.0
+    sure = select_route(_record(), "epicache+two5", config)
+    assert (sure["episode"], sure["episodes_read"], sure["evidence_nll"]) == (1, 1, 11.0)
+    paper = select_route(_record(), "epicache-paper", config)  # the paper's nearest centroid
+    assert (paper["episode"], paper["episodes_read"]) == (0, 1)
+    assert select_route({"method": "snapkv", "evidence_nll": 1.0}, "snapkv", config) == \
+        {"method": "snapkv", "evidence_nll": 1.0}
+
+
+def test_routing_variants_parse_and_one_method_names_one_router():
+    assert parse_method("epicache+rwin+two20+compact+span2048")[1] == \
+        {"rwin", "two20", "compact", "span2048"}
+    assert EvalConfig().route_of("epicache+rknn+two35") == ("knn", 0.035)
+    assert EvalConfig().prefill_config("epicache+compact+span512").compact_recent == 512
+    with pytest.raises(ValueError, match="more than one router"):
+        EvalConfig().route_of("epicache+rwin+rcen")
+
+
+def test_the_two_episode_reads_are_each_routers_best_two():
+    scores = {"centroid": np.array([[0.9, 0.5, 0.4], [0.1, 0.2, 0.3]]),
+              "window": np.array([[0.3, 0.7, 0.69], [0.1, 0.2, 0.3]])}
+    assert candidate_pairs(scores) == {(0, 1): [0], (1, 2): [0, 1]}
+
+
+def test_an_episodic_cell_kept_before_every_route_was_measured_is_computed_again(tmp_path):
+    kept = LocalStore(tmp_path)
+    old = [{"method": "epicache", "episode": 1, "route_hit": True, "evidence_nll": 2.0}]
+    baseline = [{"method": "snapkv", "episode": 0, "route_hit": None, "evidence_nll": 3.0}]
+    kept.put("cells/old.parquet", records_parquet(old))
+    kept.put("cells/snapkv.parquet", records_parquet(baseline))
+    kept.put("cells/new.parquet", records_parquet([_record() | {"episode": 1, "route_hit": True}]))
+    assert kept_cell(kept, "cells/old.parquet") is None
+    assert kept_cell(kept, "cells/missing.parquet") is None
+    assert kept_cell(kept, "cells/snapkv.parquet") == baseline
+    assert kept_cell(kept, "cells/new.parquet")[0]["scores_centroid"] == [0.9, 0.5, 0.4]
