@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from pipeline.answer.decode import decode_answer
-from pipeline.answer.fetch import fetch_cache
+from pipeline.answer.fetch import fetch_cache, resident_read
 from pipeline.answer.limits import DEFAULT_LIMITS, AnswerLimits
 from pipeline.answer.lru import CacheLRU
 from pipeline.answer.routing import check_models, embed_question, load_manifest, route_records
@@ -71,22 +71,16 @@ class Answerer:
     def load_cache(self, record: ManifestRecord) -> tuple[EpisodicCache, bool]:
         """The episode's cache, from residency (True) or fetched and verified (False); refused
         unless the model loaded for it has the files it was built with."""
-        ref = record.ref
-        lm = models.load_llm(ref.model_id, self.device)
-        check_models([ref], None, None, model_fingerprint=lm.fingerprint)
-        return self.caches.get_or_load(
-            (ref.object_key, ref.sha256),
-            lambda: fetch_cache(self.store, ref, lm.model.dtype, self.device, self.disk))
+        return self.load_caches([record])
 
     def load_caches(self, records: list[ManifestRecord]) -> tuple[EpisodicCache, bool]:
-        """The cache a question reads: its episode's, or two episodes' joined
-        (`EpisodicCache.joined`, kept resident as one); hit when no object was fetched."""
-        if len(records) == 1:
-            return self.load_cache(records[0])
-        parts = [self.load_cache(r) for r in records]
-        key = tuple(k for r in records for k in (r.ref.object_key, r.ref.sha256))
-        cache, _ = self.caches.get_or_load(key, lambda: EpisodicCache.joined([c for c, _ in parts]))
-        return cache, all(hit for _, hit in parts)
+        """The cache a question reads: its episode's, or two episodes' joined (`resident_read`);
+        refused unless the model loaded for them has the files they were built with."""
+        refs = tuple(r.ref for r in records)
+        lm = models.load_llm(refs[0].model_id, self.device)
+        check_models(refs, None, None, model_fingerprint=lm.fingerprint)
+        return resident_read(self.caches, refs, lambda ref: fetch_cache(
+            self.store, ref, lm.model.dtype, self.device, self.disk))
 
     def answer(self, conversation_id: str, question: str, max_new_tokens: int = 32,
                temperature: float = 0.0) -> AnswerResult:

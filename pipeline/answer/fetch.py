@@ -10,6 +10,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from pipeline.answer.lru import CacheLRU
 from pipeline.kv.cache import EpisodicCache
 from pipeline.store import cache_format
 from pipeline.store.base import Store
@@ -52,3 +53,17 @@ def fetch_cache(store: Store, ref: CacheRef, dtype: torch.dtype = torch.float32,
     checked against the manifest while it is parsed; a bad object raises `CacheCorruptError`
     naming it."""
     return fetch_object(store, ref, disk, cache_parser(ref, dtype, device)).parsed
+
+
+def resident_read(caches: CacheLRU, refs: tuple[CacheRef, ...],
+                  load: Callable[[CacheRef], EpisodicCache]) -> tuple[EpisodicCache, bool]:
+    """The cache a question reads, through the LRU: its episode's (`load(ref)` when not
+    resident), or two episodes' joined (`EpisodicCache.joined`, resident as one entry keyed by
+    both objects); hit when nothing was fetched."""
+    parts = [caches.get_or_load((ref.object_key, ref.sha256), lambda ref=ref: load(ref))
+             for ref in refs]
+    if len(parts) == 1:
+        return parts[0]
+    key = tuple(k for ref in refs for k in (ref.object_key, ref.sha256))
+    joined, _ = caches.get_or_load(key, lambda: EpisodicCache.joined([c for c, _ in parts]))
+    return joined, all(hit for _, hit in parts)

@@ -134,6 +134,7 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
         check_fits(conv.conversation_id, prep.tokens, lm.config.max_position_embeddings)
     sizes = entry_bytes(lm.model, ORIGINAL_ELEMENT_SIZE)
     layout = token_layout(lm.tokenizer, conv)
+    merged: dict[int, int] = {}
     encode = lambda text: prompts.patch_ids(lm.tokenizer, text)  # noqa: E731
     questions = list(prep.questions)
 
@@ -143,12 +144,12 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
         cache, stats = block_prefill(lm.model, ids, scorer, budgets, prefill,
                                      original_element_size=ORIGINAL_ELEMENT_SIZE)
         build_seconds += stats.seconds
-        cache.merged_entries = stats.merged_entries
+        merged[id(cache)] = stats.merged_entries
         return cache
 
     def measure(cache: EpisodicCache, indices: list[int]) -> list[dict]:
         chosen = [questions[i] for i in indices]
-        footprint = cache_footprint(cache, sizes, getattr(cache, "merged_entries", 0))
+        footprint = cache_footprint(cache, sizes, merged.get(id(cache), 0))  # joined: 0
         return [{"kept_entries": float(np.mean(cache.entries_per_layer())),
                  **evidence_diagnostics(conv, q, layout, cache), **footprint, **record}
                 for q, record in zip(chosen, measure_all(lm, conv, chosen, cache, config))]
@@ -162,8 +163,8 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
         caches = [build(ids, episodic_scorer(encode(ep.patch_text), recipe.scoring, layout.line_ids,
                                              layout.turn_mask(set(members[ep.index]))))
                   for ep in episodes.episodes]
-        measured = [select_route(r, method, config) for r in episodic_reads(
-            conv, questions, episodes, recipe.episodes.window, caches, scores, measure)]
+        measured = [select_route(r, method, config)
+                    for r in episodic_reads(questions, members, caches, scores, measure)]
     elif base == "question":  # an upper bound: one build per question, the question as the patch
         measured = [measure(build(ids, build_scorer(base, encode, question_text(q))), [i])[0]
                     for i, q in enumerate(questions)]

@@ -51,6 +51,11 @@ def _numbered(variant: str) -> tuple[str, float] | None:
     return (match.group(1), float(match.group(2))) if match else None
 
 
+def _numbers(variants: frozenset[str]) -> dict[str, float]:
+    """The numbered variants' values by name: {"ep": 8.0, "two": 20.0, ...}."""
+    return dict(n for n in map(_numbered, sorted(variants)) if n is not None)
+
+
 def parse_method(name: str) -> tuple[str, frozenset[str]]:
     """(base method, variants) of `epicache+tri+dapq` or `epicache-tri`; ValueError if unknown."""
     parts = name.split("+")
@@ -139,7 +144,7 @@ class EvalConfig:
                  "qmean": ("reduce", "mean"), "qmax": ("reduce", "max"),
                  "utt": ("utterance", True), "tok": ("utterance", False)}
         changes = dict(flags[x] for x in v if x in flags)
-        numbers = dict(n for n in map(_numbered, sorted(v)) if n is not None)
+        numbers = _numbers(v)
         changes |= {key: int(numbers[key]) for key in ("pool", "sink", "recent") if key in numbers}
         if "focus" in numbers:
             changes["focus"] = numbers["focus"] / 100
@@ -161,7 +166,7 @@ class EvalConfig:
         named = [ROUTING_VARIANTS[x] for x in sorted(v) if x in ROUTING_VARIANTS]
         if len(named) > 1:
             raise ValueError(f"{method!r} names more than one router")
-        numbers = dict(n for n in map(_numbered, sorted(v)) if n is not None)
+        numbers = _numbers(v)
         default = RoutingConfig("centroid", 0.0) if base == "epicache-paper" else self.routing
         two = numbers["two"] / 1000 if "two" in numbers else default.two_below
         return (named[0] if named else default.router), two
@@ -170,7 +175,7 @@ class EvalConfig:
         """The block-prefill configuration of a method and its variants."""
         _, v = parse_method(method)
         recipe = self.recipe(method)
-        numbers = dict(n for n in map(_numbered, sorted(v)) if n is not None)
+        numbers = _numbers(v)
         scales = [_oq_scale(x) for x in v if _oq_scale(x) is not None]
         tri = bool(v & {"tri", "fp8", "max"}) or bool(scales)
         base = self.build.prefill

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pipeline.corpus.schema import Conversation, Question
-from pipeline.episodes import EpisodeSet, member_turn_ids
+from pipeline.corpus.schema import Question
+from pipeline.episodes import EpisodeSet
 from pipeline.eval.methods import EvalConfig
 from pipeline.kv.cache import EpisodicCache
 from pipeline.routers import ROUTERS, RouteIndex, chosen, ranked
@@ -50,14 +50,13 @@ def candidate_pairs(scores: dict[str, np.ndarray]) -> dict[tuple[int, int], list
 Measure = Callable[[EpisodicCache, list[int]], list[dict]]
 
 
-def episodic_reads(conv: Conversation, questions: list[Question], episodes: EpisodeSet,
-                   window: int, caches: list[EpisodicCache], scores: dict[str, np.ndarray],
+def episodic_reads(questions: list[Question], members: list[tuple[str, ...]],
+                   caches: list[EpisodicCache], scores: dict[str, np.ndarray],
                    measure: Measure) -> list[dict]:
     """Per question, the lists a router selects from: each episode's read (`episode_*`), each
     candidate pair's (`pair_*`), whether each episode holds the evidence, every router's
-    scores. `measure(cache, question indices)` gives the measured fields of those questions
-    over that cache (`READ_FIELDS` and any others)."""
-    members = [set(member_turn_ids(conv, ep, window)) for ep in episodes.episodes]
+    scores. `members` are each episode's turns; `measure(cache, question indices)` gives the
+    measured fields of those questions over that cache (`READ_FIELDS` and any others)."""
     per_episode = [measure(cache, list(range(len(questions)))) for cache in caches]
     pairs = candidate_pairs(scores)
     per_pair = {pair: dict(zip(idx, measure(EpisodicCache.joined([caches[pair[0]], caches[pair[1]]]),
@@ -69,7 +68,7 @@ def episodic_reads(conv: Conversation, questions: list[Question], episodes: Epis
                   for f in READ_FIELDS}
         record |= {f"pair_{f}": [float(m[f]) for _, m in mine] for f in READ_FIELDS}
         record |= {"pair_a": [p[0] for p, _ in mine], "pair_b": [p[1] for p, _ in mine],
-                   "episode_hit": [bool(m & set(q.evidence)) for m in members]}
+                   "episode_hit": [not set(q.evidence).isdisjoint(m) for m in members]}
         record |= {f"scores_{name}": [float(x) for x in table[i]] for name, table in scores.items()}
         records.append(per_episode[0][i] | record)
     return records

@@ -76,12 +76,15 @@ class Cell:
     """One cell to compute, and every method whose records it gives (routing variants of one
     episodic method share a cell: `pipeline.eval.routes`)."""
     conversation_id: str
-    method: str
     budget: int | None
     key: str
-    methods: list[str]
+    methods: list[str]  # the first computes the cell
     prep: object = None  # a Prepared, or its Ray reference
     layer_budgets: list[int] | None = None
+
+    @property
+    def method(self) -> str:
+        return self.methods[0]
 
 
 def records_of(cell_records: list[dict], methods: list[str], config: EvalConfig) -> list[dict]:
@@ -192,7 +195,7 @@ def run_cells(convs: list[Conversation], methods: list[str], budgets: list[int],
                 records.extend(records_of(kept_records, [method], config))
                 reused += 1
             else:
-                todo[key] = Cell(conv.conversation_id, method, budget, key, [method], prep, allocated)
+                todo[key] = Cell(conv.conversation_id, budget, key, [method], prep, allocated)
     if reused:
         print(f"reusing {reused} finished cells from {out}/cells", file=sys.stderr)
     if in_process:

@@ -22,13 +22,12 @@ from transformers import AsyncTextIteratorStreamer
 
 from pipeline.answer.batcher import DecodeBatcher
 from pipeline.answer.decode import AnswerPieces
-from pipeline.answer.fetch import cache_parser, fetch_object
+from pipeline.answer.fetch import cache_parser, fetch_object, resident_read
 from pipeline.answer.limits import DEFAULT_LIMITS, AnswerLimits
 from pipeline.answer.lru import CacheLRU
 from pipeline.answer.malloc_tuning import retain_freed_memory
 from pipeline.answer.routing import check_models
 from pipeline.kv import models
-from pipeline.kv.cache import EpisodicCache
 from pipeline.serve.errors import classify
 from pipeline.store.disk_tier import DiskTier
 from pipeline.store.manifest import CacheRef
@@ -94,18 +93,12 @@ class Decoder:
 
     def _cache(self, refs: CacheRef | tuple[CacheRef, ...]):
         """The cache a question reads, (cache, hit, ms): its episode's, or two episodes'
-        joined (`EpisodicCache.joined`, resident as one); hit when nothing was fetched."""
+        joined (`resident_read`)."""
         refs = refs if isinstance(refs, tuple) else (refs,)
         for ref in refs:
             self._check(ref)
         t = time.perf_counter()
-        parts = [self.caches.get_or_load((ref.object_key, ref.sha256), lambda ref=ref: self._load(ref))
-                 for ref in refs]
-        cache, hit = parts[0]
-        if len(parts) > 1:
-            key = tuple(k for ref in refs for k in (ref.object_key, ref.sha256))
-            cache, _ = self.caches.get_or_load(key, lambda: EpisodicCache.joined([c for c, _ in parts]))
-            hit = all(h for _, h in parts)
+        cache, hit = resident_read(self.caches, refs, self._load)
         return cache, hit, (time.perf_counter() - t) * 1000
 
     async def answer(self, ref: CacheRef | tuple[CacheRef, ...], question: str, max_new_tokens: int,

@@ -229,8 +229,8 @@ def test_a_failed_cell_is_reported_and_the_others_kept(tmp_path, ray_local):
         return [{"method": "keydiff", "evidence_nll": 1.5}]
 
     kept = LocalStore(tmp_path)
-    pending = {cell.remote(False): Cell("c1", "keydiff", 32, "cells/c1/x/ok.parquet", ["keydiff"]),
-               cell.remote(True): Cell("c1", "snapkv", 32, "cells/c1/x/bad.parquet", ["snapkv"])}
+    pending = {cell.remote(False): Cell("c1", 32, "cells/c1/x/ok.parquet", ["keydiff"]),
+               cell.remote(True): Cell("c1", 32, "cells/c1/x/bad.parquet", ["snapkv"])}
     records, failed = collect_cells(pending, kept, EvalConfig())
     assert records == [{"method": "keydiff", "evidence_nll": 1.5}]
     assert failed == [{"conversation_id": "c1", "method": "snapkv", "budget": 32,
