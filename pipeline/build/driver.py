@@ -115,7 +115,10 @@ class _Driver:
                  self.files.model, self.files.encoder)
         if not self.force:  # one listing instead of a manifest read per conversation
             self.built_before = set(list_conversations(self.store))
-        self.episode_fn = self.stages.episode.options(**self.resources)
+        # SPREAD: an episode task is long and its worker holds a model, so the tasks go round
+        # the nodes; Ray's default would queue them where the clustering ran (data locality).
+        self.episode_fn = self.stages.episode.options(**self.resources,
+                                                      scheduling_strategy="SPREAD")
         self.cluster_fn = self.stages.cluster.options(num_cpus=1, max_retries=self.max_retries,
                                                       num_returns=2)
         self.config_ref, self.store_ref = ray.put(self.config), ray.put(self.store)
