@@ -31,8 +31,8 @@ SCORER_NAMES = ("epicache", "streamingllm", "snapkv", "infinipot", "kvzip", "key
 ALLOCATOR_NAMES = ("sensitivity", "variance")
 ROUTER_NAMES = ("centroid", "window", "knn", "expand", "expandwin")  # pipeline.routers.ROUTERS
 
-PositionMode = Literal["original", "compact"]
-POSITION_MODES: tuple[str, ...] = ("original", "compact")
+PositionMode = Literal["auto", "original", "compact"]
+POSITION_MODES: tuple[str, ...] = ("auto", "original", "compact")
 
 
 @dataclass(frozen=True)
@@ -133,10 +133,36 @@ class PrefillConfig:
     decode_positions: bool = False  # DapQ: patch queries at the decode positions (after the text)
     tristate: TriStateConfig = field(default_factory=TriStateConfig)  # ARKV
     merge: MergeConfig = field(default_factory=MergeConfig)  # D2O token merging
-    positions: PositionMode = "original"  # or "compact": entries re-rotated to 0, 1, 2, ...
+    # "compact": kept entries re-rotated to 0, 1, 2, ... after every eviction; "original": each
+    # at its token's position; "auto" (the default): compact where the entries can be
+    # re-rotated, else original, with the reason in the manifest (`positions_note`)
+    positions: PositionMode = "auto"
     # compact positions: the last this-many tokens keep their original spacing (only the
     # older entries are packed), so recent evidence is read at the distances it was written at
-    compact_recent: int = 0
+    compact_recent: int = 2048
+
+    @property
+    def cannot_compact(self) -> str | None:
+        """Why this configuration's entries cannot be re-rotated (None: they can)."""
+        if self.tristate.enabled:
+            return "tri-state's Quantized keys cannot be re-rotated"
+        if self.decode_positions:
+            return "DapQ's decode positions are not known before the end"
+        return None
+
+    @property
+    def position_mode(self) -> Literal["original", "compact"]:
+        """The positions the caches keep: `positions`, with "auto" resolved."""
+        if self.positions != "auto":
+            return self.positions
+        return "original" if self.cannot_compact else "compact"
+
+    @property
+    def positions_note(self) -> str | None:
+        """Why "auto" kept original positions, for the manifest (None: it did not)."""
+        if self.positions == "auto" and self.cannot_compact:
+            return f"original positions: {self.cannot_compact}"
+        return None
 
     def __post_init__(self):
         if self.block < 1:
@@ -149,10 +175,9 @@ class PrefillConfig:
             raise ValueError(f"positions must be one of {POSITION_MODES}, got {self.positions!r}")
         if self.compact_recent < 0:
             raise ValueError(f"compact_recent must be >= 0, got {self.compact_recent}")
-        if self.positions == "compact" and (self.tristate.enabled or self.decode_positions):
-            raise ValueError("compact positions work with token eviction only: not with "
-                             "tri-state (Quantized keys cannot be re-rotated) nor DapQ (the "
-                             "decode positions are not known before the end)")
+        if self.positions == "compact" and self.cannot_compact:
+            raise ValueError(f"compact positions work with token eviction only: "
+                             f"{self.cannot_compact} (--positions auto falls back to original)")
 
 
 @dataclass(frozen=True)

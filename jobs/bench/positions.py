@@ -8,9 +8,11 @@ A conversation longer than the model's positions can be built whole only with co
 measures what that costs, on the questions whose evidence lies inside the first `--cut-tokens`
 tokens (those a cut build also keeps), side by side in one run:
 
-- `cut`: the default EpiCache build of the conversation cut at a session boundary;
+- `cut`: the EpiCache build of the conversation cut at a session boundary, original positions;
 - `cut+compact`: the same cut, compact positions (the cost of re-rotation alone);
-- `whole+compact`: the whole conversation, compact positions (the longer history on top).
+- `whole+compact`: the whole conversation, compact positions (the longer history on top);
+- `whole`: the whole conversation, the default positions (compact, the last 2,048 tokens at
+  their spacing).
 
 Retention of the mean evidence-recall NLLs, the references being the cut's full cache and no
 history (the whole conversation has no full cache within the model's positions).
@@ -35,8 +37,8 @@ from pipeline.eval.methods import EvalConfig
 from pipeline.eval.metrics import retention
 from pipeline.kv import models
 
-ROWS = (("cut", "epicache", False), ("cut+compact", "epicache+compact", False),
-        ("whole+compact", "epicache+compact", True))
+ROWS = (("cut", "epicache+orig", False), ("cut+compact", "epicache+compact", False),
+        ("whole+compact", "epicache+compact", True), ("whole", "epicache", True))
 
 
 def measure(conv, config: EvalConfig, budget: int) -> list[dict]:

@@ -225,6 +225,7 @@ def synthetic_index_rows(start: int, count: int) -> pa.Table:
         "n_windows": pa.array(rng.integers(1, 40, n), pa.int32()), "tokens": ints(2_000, 30_000),
         "scorer": const("epicache"), "model_id": const("SmolLM2-135M-Instruct"),
         "encoder_id": const("all-MiniLM-L6-v2"), "config_hash": hashes,
+        "positions_note": pa.nulls(n, pa.string()),
         "source_turns": pa.array(rng.integers(20, 700, n), pa.int32()),
         "source_digest": _hex_strings(rng, n, 8),
         "cache_turns": pa.array(rng.integers(20, 700, n), pa.int32()),

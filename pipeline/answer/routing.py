@@ -2,9 +2,9 @@
 
 The question goes to the episode its router picks in the encoder's space (`RoutingConfig`,
 `pipeline.routers`: by default the episode of the nearest window, and the best two read together
-when their scores are close; `route_question` is the paper's nearest centroid). A cache only
-makes sense with the model that built it, and routing only with the encoder whose
-space the centroids live in: by name and by the fingerprint of their files
+when their scores are close; `RoutingConfig("centroid", 0)` is the paper's nearest
+centroid). A cache only makes sense with the model that built it, and routing only with the
+encoder whose space the centroids live in: by name and by the fingerprint of their files
 (`pipeline.kv.fingerprint`). Anything else is an error, never a silent answer.
 """
 
@@ -16,7 +16,6 @@ import numpy as np
 
 from pipeline.configs import RoutingConfig
 from pipeline.corpus.schema import check_safe_id
-from pipeline.episodes import route
 from pipeline.routers import ROUTERS, RouteIndex, chosen
 from pipeline.store.base import Store
 from pipeline.store.manifest import CacheRef, ManifestRecord, read_manifest
@@ -83,22 +82,9 @@ def check_models(episodes: Iterable[ManifestRecord | CacheRef], model: str | Non
                     f"with")
 
 
-def centroid_matrix(records: list[ManifestRecord]) -> np.ndarray:
-    """[episodes, dim] centroids of the manifest records, in order."""
-    return np.stack([np.asarray(r.centroid, dtype=np.float32) for r in records])
-
-
 def embed_question(encoder, question: str) -> np.ndarray:
     """The question's unit-norm embedding in the encoder's space (the centroids' space)."""
     return encoder.encode([question], normalize_embeddings=True, show_progress_bar=False)[0]
-
-
-def route_question(question_embedding: np.ndarray, records: list[ManifestRecord],
-                   centroids: np.ndarray | None = None) -> tuple[ManifestRecord, float]:
-    """The manifest record of the episode nearest the question, and its cosine similarity."""
-    index, similarity = route(question_embedding,
-                              centroid_matrix(records) if centroids is None else centroids)
-    return records[index], similarity
 
 
 def route_index(records: list[ManifestRecord]) -> RouteIndex:

@@ -47,7 +47,7 @@ def fit_context(conv: Conversation, config: BuildConfig) -> Conversation:
     if config.max_context_tokens is not None:
         conv = cut_at_session(conv, config.max_context_tokens, count)
     limit = models.max_positions(config.model)
-    if config.prefill.positions == "original" and limit is not None:
+    if config.prefill.position_mode == "original" and limit is not None:
         check_fits(conv.conversation_id, count(render_conversation(conv).text), limit)
     return conv
 

@@ -20,6 +20,8 @@ STORE_DTYPES = ("float16", "bfloat16", "float32")
 
 # (section, field, the value builds before the field had): hashed only when it differs
 ADDED_LATER = (("prefill", "compact_recent", 0),)
+# what a configuration written before a prefill field existed had (the defaults changed since)
+PREFILL_BEFORE = {"positions": "original", "compact_recent": 0}
 
 
 @dataclass(frozen=True)
@@ -51,8 +53,18 @@ class BuildConfig:
             raise ValueError(f"store_dtype must be one of {STORE_DTYPES}, got {self.store_dtype!r}")
 
     def as_dict(self) -> dict:
-        """The configuration as hashed: fields added after stores were built are left out at
-        the value every earlier build had, so those stores stay current."""
+        """The configuration as hashed, by what decides the caches: positions as resolved (so
+        "auto" and the mode it resolves to share a hash), and `compact_recent` left out where
+        the caches keep original positions."""
+        d = self._fields()
+        d["prefill"]["positions"] = self.prefill.position_mode
+        if self.prefill.position_mode == "original":  # no effect on such caches
+            d["prefill"].pop("compact_recent", None)
+        return d
+
+    def _fields(self) -> dict:
+        """Every field as set, less the fields added after stores were built where they hold
+        the value every earlier build had, so those stores keep their hash."""
         d = asdict(self) | {"format": FORMAT}
         for section, name, earlier in ADDED_LATER:
             if d[section][name] == earlier:
@@ -60,17 +72,18 @@ class BuildConfig:
         return d
 
     def to_json(self) -> str:
-        return json.dumps(self.as_dict(), sort_keys=True)
+        """Every field as set: `from_json` gives this configuration back."""
+        return json.dumps(self._fields(), sort_keys=True)
 
     @property
     def hash(self) -> str:
-        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+        return hashlib.sha256(json.dumps(self.as_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
     @classmethod
     def from_json(cls, text: str) -> "BuildConfig":
         d = json.loads(text)
         d.pop("format", None)
-        prefill = d.pop("prefill")
+        prefill = PREFILL_BEFORE | d.pop("prefill")
         prefill = PrefillConfig(tristate=TriStateConfig(**prefill.pop("tristate", {})),
                                 merge=MergeConfig(**prefill.pop("merge", {})), **prefill)
         # a configuration written before `scoring` existed scored as the paper does

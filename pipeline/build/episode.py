@@ -80,6 +80,7 @@ def cache_fields(stored: StoredCache, cache: EpisodicCache, stats: PrefillStats,
         layer_byte_budgets=stats.byte_budgets or None, oq_ratios=stats.oq_ratios or None,
         entries_per_layer=stats.final_entries, peak_entries_per_layer=stats.peak_entries,
         tokens=cache.tokens_seen, build_seconds=stats.seconds,
+        positions_note=config.prefill.positions_note,
         worker=f"{socket.gethostname()}:{os.getpid()}",
         built_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
 

@@ -167,9 +167,14 @@ BUILD_OPTIONS = SHARED_BUILD_OPTIONS + (
                 "token, whole patch); add --alpha 1 for its layer budgets",
                 const=ScoringConfig.paper()),
     FieldOption("--positions", "prefill.positions",
-                "original: entries keep their token positions, so a conversation must fit the "
-                "model's positions; compact: kept entries are re-rotated to positions 0, 1, 2, "
-                "... after every eviction, for histories of any length"),
+                "auto: compact, or original where entries cannot be re-rotated (tri-state, "
+                "DapQ; the manifest's positions_note says so); original: entries keep their "
+                "token positions, so a conversation must fit the model's positions; compact: "
+                "kept entries are re-rotated to positions 0, 1, 2, ... after every eviction, "
+                "for histories of any length"),
+    FieldOption("--compact-recent", "prefill.compact_recent",
+                "compact positions: the last N tokens keep their original spacing, only the "
+                "older entries are packed (0: all packed)"),
     FieldOption("--store-dtype", "store_dtype", "dtype of the stored keys and values",
                 choices=STORE_DTYPES),
     FieldOption("--allocator", "allocator",

@@ -130,7 +130,7 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
     base, _ = parse_method(method)
     recipe = config.recipe(method)
     prefill = config.prefill_config(method)
-    if prefill.positions == "original" and base != "none":
+    if prefill.position_mode == "original" and base != "none":
         check_fits(conv.conversation_id, prep.tokens, lm.config.max_position_embeddings)
     sizes = entry_bytes(lm.model, ORIGINAL_ELEMENT_SIZE)
     layout = token_layout(lm.tokenizer, conv)

@@ -7,7 +7,12 @@ codes), `max` (tri-state ranked by the scorer's max attention instead of the hea
 score), `oq<P>` (tri-state with the OQ ratio scaled by P/100), `dapq` (patch queries at the
 decode positions), `merge` (D2O merging of evicted entries), `d2o` (D2O variance-based layer
 budgets instead of the method's own), `compact` (compact positions: kept entries re-rotated to
-0, 1, 2, ...), and EpiCache's recipe knobs one at a time (docs/quality.md).
+0, 1, 2, ...), `orig` (original positions), and EpiCache's recipe knobs one at a time
+(docs/quality.md).
+
+Positions: `epicache` keeps the library's default (compact, the last 2,048 tokens at their
+spacing; original where the entries cannot be re-rotated); the baselines and `epicache-paper`
+keep original positions, as their papers evaluate them, unless `+compact` or `+span<n>`.
 """
 
 from __future__ import annotations
@@ -16,8 +21,8 @@ import re
 from dataclasses import asdict, dataclass, field, replace
 
 from pipeline.build.config import BuildConfig
-from pipeline.configs import (EpisodeConfig, MergeConfig, PrefillConfig, RoutingConfig,
-                              ScoringConfig, TriStateConfig)
+from pipeline.configs import (EpisodeConfig, MergeConfig, PositionMode, PrefillConfig,
+                              RoutingConfig, ScoringConfig, TriStateConfig)
 
 METHODS = ("full", "streamingllm", "snapkv", "infinipot", "kvzip", "keydiff", "epicache", "question")
 
@@ -27,7 +32,7 @@ METHODS = ("full", "streamingllm", "snapkv", "infinipot", "kvzip", "keydiff", "e
 EXTRA_METHODS = ("epicache-paper", "keydiff-block", "random", "oldest")
 EPISODIC = ("epicache", "epicache-paper")  # one cache per episode, routed per question
 ALLOCATED = EPISODIC + ("question",)  # methods that use the sensitivity-aware layer budgets
-VARIANTS = ("tri", "fp8", "max", "dapq", "merge", "d2o", "compact",
+VARIANTS = ("tri", "fp8", "max", "dapq", "merge", "d2o", "compact", "orig",
             # EpiCache diagnosis knobs (docs/quality.md): one factor at a time
             "pastonly", "withpatch", "qmean", "qmax", "utt", "tok", "perhead", "headwise",
             # routing (pipeline.routers): how a question picks its episode
@@ -39,7 +44,7 @@ ROUTING_VARIANTS = {"rcen": "centroid", "rwin": "window", "rknn": "knn", "rexp":
 # `recent64`, `cap256` (patch tokens), `floor20` (head floor 20% of the budget), `med2`
 # (medoid windows), `ep8` (episodes), `two20` (read the best two episodes when the router's
 # two best scores are closer than 20/1000), `span2048` (compact positions but the last 2,048
-# tokens at their original spacing).
+# tokens at their original spacing; `span0` all packed, as `compact`).
 NUMBERED_VARIANTS = ("oq<P>", "alpha<x>", "pool<k>", "focus<P>", "sink<n>", "recent<n>", "cap<n>",
                      "floor<P>", "med<n>", "ep<n>", "two<P>", "span<n>")
 _NUMBERED = re.compile(rf"^({'|'.join(v.split('<')[0] for v in NUMBERED_VARIANTS)})"
@@ -171,11 +176,26 @@ class EvalConfig:
         two = numbers["two"] / 1000 if "two" in numbers else default.two_below
         return (named[0] if named else default.router), two
 
+    def positions_of(self, method: str) -> tuple[PositionMode, int]:
+        """Where a method's kept entries sit, and how many recent tokens keep their spacing
+        under compact positions (see the module's docstring)."""
+        base, v = parse_method(method)
+        numbers = _numbers(v)
+        if "orig" in v:
+            if "compact" in v or "span" in numbers:
+                raise ValueError(f"{method!r} names both original and compact positions")
+            return "original", 0
+        if "compact" in v or "span" in numbers:
+            return "compact", int(numbers.get("span", 0))
+        if base == "epicache":
+            return self.build.prefill.positions, self.build.prefill.compact_recent
+        return "original", 0
+
     def prefill_config(self, method: str) -> PrefillConfig:
         """The block-prefill configuration of a method and its variants."""
         _, v = parse_method(method)
         recipe = self.recipe(method)
-        numbers = _numbers(v)
+        positions, recent = self.positions_of(method)
         scales = [_oq_scale(x) for x in v if _oq_scale(x) is not None]
         tri = bool(v & {"tri", "fp8", "max"}) or bool(scales)
         base = self.build.prefill
@@ -188,8 +208,7 @@ class EvalConfig:
                              decode_positions="dapq" in v, tristate=tristate,
                              merge=replace(base.merge, enabled=True) if "merge" in v
                              else MergeConfig(),
-                             positions="compact" if "compact" in v else "original",
-                             compact_recent=int(numbers.get("span", 0)))
+                             positions=positions, compact_recent=recent)
 
     def build_config(self, method: str, budget: int | None) -> BuildConfig:
         """The build configuration of a cell (it decides the layer budgets)."""

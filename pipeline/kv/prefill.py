@@ -159,7 +159,7 @@ def block_prefill(model: torch.nn.Module, input_ids: torch.Tensor, scorer: Score
     cache = EpisodicCache(n_layers) if cache is None else cache
     total = cache.tokens_seen + n_new  # where decoding will start (DapQ's patch positions)
     cache.collect_moments(isinstance(eviction, TriStateEviction))
-    rotation = KeyRotation.for_model(model) if config.positions == "compact" else None
+    rotation = KeyRotation.for_model(model) if config.position_mode == "compact" else None
     stats = PrefillStats()
     for begin in range(0, n_new, config.block):
         block = input_ids[begin:begin + config.block]

@@ -73,6 +73,9 @@ class ManifestRecord:
     model_fingerprint: str | None = column(pa.string(), default=None)
     encoder_fingerprint: str | None = column(pa.string(), default=None)
     config_hash: str = column(pa.string())  # of the BuildConfig alone
+    # why the caches keep original positions though the configuration asked for "auto" (the
+    # default, compact): e.g. tri-state's Quantized keys cannot be re-rotated. None otherwise.
+    positions_note: str | None = column(pa.string(), default=None)
     # The record's turns the build read (before any --max-context-tokens cut) and their digest
     # (pipeline.corpus.history): a changed or grown record is told apart from an unchanged one.
     source_turns: int | None = column(pa.int32(), default=None)
@@ -129,10 +132,11 @@ STATE_SCHEMA = _schema(state=True)  # written once some episode carries them (ev
 
 
 # Every writer since the first has written these (node_id, the fingerprints, the source's
-# turns and the append state came later; the state columns later).
-_LATER_COLUMNS = ("window_embeddings", "node_id", "model_fingerprint", "encoder_fingerprint",
-                  "source_turns", "source_digest", "cache_turns", "member_turn_ids", "clustered_turns",
-                  "clustered_at", "appends")
+# turns, the append state, window embeddings and the positions note came later; the state
+# columns later).
+_LATER_COLUMNS = ("window_embeddings", "positions_note", "node_id", "model_fingerprint",
+                  "encoder_fingerprint", "source_turns", "source_digest", "cache_turns",
+                  "member_turn_ids", "clustered_turns", "clustered_at", "appends")
 REQUIRED_COLUMNS = tuple(name for name in MANIFEST_SCHEMA.names if name not in _LATER_COLUMNS)
 
 

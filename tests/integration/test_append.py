@@ -80,7 +80,10 @@ def layers_of(cache) -> list[tuple[torch.Tensor, ...]]:
 # differ: tri-state's final cut, D2O's threshold, DapQ's patch positions).
 EXACT_KINDS = {
     "epicache": {},
-    "compact positions": {"prefill": PrefillConfig(block=BLOCK, positions="compact")},
+    "compact positions": {"prefill": PrefillConfig(block=BLOCK, positions="compact",
+                                                   compact_recent=0)},
+    "compact, the recent tokens at their spacing": {
+        "prefill": PrefillConfig(block=BLOCK, positions="compact", compact_recent=2 * BLOCK)},
     "full cache": {"scorer": "full", "budget": None},
     "streamingllm": {"scorer": "streamingllm"},
     "snapkv": {"scorer": "snapkv"},
@@ -143,6 +146,8 @@ def test_the_other_kinds_append_within_their_budget(folders, tmp_path, kind):
     lm = models.load_llm(config.model)
     for before, after in zip(built, appended):
         assert after.appends == 1 and after.tokens > before.tokens
+        # the default positions ("auto") fall back to original where they cannot compact
+        assert (after.positions_note is None) == (kind == "merging")
         cache = read_stored_cache(store, after, lm.model)
         assert cache.tokens_seen == after.tokens
         for layer in cache.layers:  # each head holds each token once at most

@@ -50,6 +50,26 @@ def test_routing_variants_parse_and_one_method_names_one_router():
         EvalConfig().route_of("epicache+rwin+rcen")
 
 
+def test_each_method_keeps_its_positions():
+    """`epicache` keeps the library's default positions (compact, the last 2,048 tokens at their
+    spacing), so its cell is the one `epicache+compact+span2048` measured; `orig` keeps original
+    positions; the baselines and the paper's recipe keep original positions unless compacted;
+    where entries cannot be re-rotated the default falls back to original."""
+    config = EvalConfig()
+    mode = lambda m: (config.build_config(m, 512).prefill.position_mode,  # noqa: E731
+                      config.build_config(m, 512).as_dict()["prefill"].get("compact_recent"))
+    assert mode("epicache") == mode("epicache+compact+span2048") == ("compact", 2048)
+    assert config.build_config("epicache", 512).hash == \
+        config.build_config("epicache+compact+span2048", 512).hash
+    for original in ("epicache+orig", "epicache-paper", "keydiff", "snapkv", "epicache+tri",
+                     "epicache+dapq", "full"):
+        assert mode(original) == ("original", None), original
+    assert mode("keydiff+compact") == ("compact", None)  # all packed (0: not hashed, as before)
+    assert mode("streamingllm+span512") == ("compact", 512)
+    with pytest.raises(ValueError, match="both original and compact"):
+        config.prefill_config("epicache+orig+compact")
+
+
 def test_the_two_episode_reads_are_each_routers_best_two():
     scores = {"centroid": np.array([[0.9, 0.5, 0.4], [0.1, 0.2, 0.3]]),
               "window": np.array([[0.3, 0.7, 0.69], [0.1, 0.2, 0.3]])}

@@ -44,7 +44,7 @@ def test_compacting_a_recent_window_is_invisible(family):
     model = tiny_model(family)
     ids, question = random_ids(300, seed=3), random_ids(5, seed=4)
     built = {mode: block_prefill(model, ids, StreamingLLMScorer(sink=0), [24] * 3,
-                                 PrefillConfig(block=16, positions=mode))[0]
+                                 PrefillConfig(block=16, positions=mode, compact_recent=0))[0]
              for mode in ("original", "compact")}
     original, compact = built["original"], built["compact"]
     assert original.next_position == compact.tokens_seen == 300
@@ -68,7 +68,7 @@ def test_compact_prefill_reads_past_the_model_positions_and_round_trips():
     ids = random_ids(3 * limit, seed=5)
     budget, block = 32, 64
     cache, stats = block_prefill(model, ids, EpiCacheScorer(random_ids(12, seed=6)), [budget] * 3,
-                                 PrefillConfig(block=block, positions="compact"))
+                                 PrefillConfig(block=block, positions="compact", compact_recent=0))
     assert cache.tokens_seen == stats.tokens == 3 * limit
     held = max(layer.valid.shape[1] for layer in cache.layers)
     assert cache.next_position == held <= budget * model.config.num_key_value_heads
@@ -91,7 +91,7 @@ def test_compact_prefill_reads_past_the_model_positions_and_round_trips():
 def test_original_positions_are_stored_as_original():
     model = tiny_model("qwen2")
     cache, _ = block_prefill(model, random_ids(100, seed=8), StreamingLLMScorer(sink=4), [16] * 3,
-                             PrefillConfig(block=16))
+                             PrefillConfig(block=16, positions="original"))
     header = cache_format.read_header(cache_format.serialize(cache, {}, torch.float32))
     assert header["positions"] == "original" and header["next_position"] == 100
 
@@ -114,18 +114,21 @@ def test_a_history_past_the_positions_is_refused_with_both_ways_out():
 
 @pytest.mark.e2e
 def test_a_build_refuses_a_long_conversation_unless_cut_or_compact():
-    """With SmolLM2 (8,192 positions): a ~9,500-token conversation is refused by default, cut
-    at a session boundary with --max-context-tokens, kept whole with compact positions."""
+    """With SmolLM2 (8,192 positions): a ~9,500-token conversation is kept whole by default
+    (compact positions), refused with original positions (also where the default falls back to
+    them: tri-state), and cut at a session boundary with --max-context-tokens."""
     from pipeline.build.cluster import fit_context
     from pipeline.build.config import BuildConfig
     from pipeline.corpus.synthetic import make_conversation
 
     conv = make_conversation("long", target_tokens=9500, seed=0)
-    with pytest.raises(ContextTooLongError, match="'long' is .* tokens.*--positions compact"):
-        fit_context(conv, BuildConfig())
-    cut = fit_context(conv, BuildConfig(max_context_tokens=7600))
-    assert 0 < len(cut.turns) < len(conv.turns) and cut.meta["cut"]["max_tokens"] == 7600
-    assert fit_context(conv, BuildConfig(prefill=PrefillConfig(positions="compact"))) is conv
+    assert fit_context(conv, BuildConfig()) is conv
+    for prefill in (PrefillConfig(positions="original"),
+                    PrefillConfig(tristate=TriStateConfig(enabled=True))):
+        with pytest.raises(ContextTooLongError, match="'long' is .* tokens.*--positions compact"):
+            fit_context(conv, BuildConfig(prefill=prefill))
+        cut = fit_context(conv, BuildConfig(prefill=prefill, max_context_tokens=7600))
+        assert 0 < len(cut.turns) < len(conv.turns) and cut.meta["cut"]["max_tokens"] == 7600
 
 
 def test_compacting_all_but_the_recent_tokens_keeps_their_spacing():
@@ -153,12 +156,15 @@ def test_compacting_all_but_the_recent_tokens_keeps_their_spacing():
         assert torch.equal(a.rope_positions[a.valid], b.rope_positions[b.valid])
 
 
-def test_compact_recent_zero_is_plain_compaction():
+def test_the_default_positions_keep_a_short_history_at_its_spacing():
+    """The default (`auto`: compact, the last 2,048 tokens at their spacing) builds a history
+    shorter than 2,048 tokens exactly as original positions do; `compact_recent=0` packs it."""
     model = tiny_model("qwen2")
     ids = random_ids(300, seed=13)
-    plain, with_zero = (block_prefill(model, ids, EpiCacheScorer(random_ids(8, seed=14)), [24] * 3,
-                                      PrefillConfig(block=32, positions="compact", **kw))[0]
-                        for kw in ({}, {"compact_recent": 0}))
-    assert plain.next_position == with_zero.next_position
-    for a, b in zip(plain.layers, with_zero.layers):
+    default, original, packed = (
+        block_prefill(model, ids, EpiCacheScorer(random_ids(8, seed=14)), [24] * 3,
+                      PrefillConfig(block=32, **kw))[0]
+        for kw in ({}, {"positions": "original"}, {"positions": "compact", "compact_recent": 0}))
+    assert default.next_position == original.next_position == 300 > packed.next_position
+    for a, b in zip(default.layers, original.layers):
         assert torch.equal(a.rope_positions, b.rope_positions) and torch.equal(a.keys, b.keys)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 
@@ -280,7 +281,7 @@ def _changed(value):
         return value + 0.5
     if isinstance(value, str):
         return {"float16": "bfloat16", "headwise": "perhead", "max": "mean",
-                "original": "compact"}.get(value, value + "-x")
+                "original": "compact", "auto": "original"}.get(value, value + "-x")
     if value is None:
         return 7
     raise TypeError(value)
@@ -364,6 +365,31 @@ def test_build_config_hash_changes_with_every_field():
 def test_build_config_json_round_trip(config):
     back = BuildConfig.from_json(config.to_json())
     assert back == config and back.hash == config.hash
+
+
+def test_auto_positions_hash_as_what_they_resolve_to():
+    """`auto` (the default) is compact positions, or original where the entries cannot be
+    re-rotated, with the reason for the manifest; either way it shares the hash of the mode it
+    resolves to, and `compact_recent` is not hashed under original positions."""
+    tri = TriStateConfig(enabled=True)
+    compact = PrefillConfig(positions="compact", compact_recent=2048)
+    assert PrefillConfig().position_mode == "compact" and PrefillConfig().positions_note is None
+    assert BuildConfig().hash == BuildConfig(prefill=compact).hash
+    for auto, original in [(PrefillConfig(tristate=tri),
+                            PrefillConfig(tristate=tri, positions="original", compact_recent=0)),
+                           (PrefillConfig(decode_positions=True),
+                            PrefillConfig(decode_positions=True, positions="original"))]:
+        assert auto.position_mode == "original"
+        assert "original positions" in auto.positions_note and original.positions_note is None
+        assert BuildConfig(prefill=auto).hash == BuildConfig(prefill=original).hash
+    with pytest.raises(ValueError, match="tri-state"):
+        PrefillConfig(tristate=tri, positions="compact")
+    # a configuration written before positions existed (or before compact_recent) reads back
+    # as what those builds were: original positions, every compacted entry packed
+    old = json.loads(BuildConfig(prefill=compact).to_json())
+    del old["prefill"]["positions"], old["prefill"]["compact_recent"]
+    back = BuildConfig.from_json(json.dumps(old)).prefill
+    assert (back.positions, back.compact_recent) == ("original", 0)
 
 
 def test_build_config_validates():
