@@ -67,6 +67,10 @@ class ScoringConfig:
     sink: int = 0  # always keep the first `sink` tokens
     recent: int = 0  # always keep the `recent` most recent tokens
     patch_tokens: int | None = 256  # cap on the patched prompt's length (its first tokens)
+    # share of each layer's budget held, before focus, for the other episodes' turns this
+    # episode's patch attends to most: where a question routed here by mistake may find its
+    # evidence (0: off)
+    shared: float = 0.0
 
     def __post_init__(self):
         if self.reduce not in ("max", "mean"):
@@ -77,6 +81,8 @@ class ScoringConfig:
             raise ValueError("focus, sink and recent must be non-negative")
         if self.patch_tokens is not None and self.patch_tokens < 1:
             raise ValueError(f"patch_tokens must be positive, got {self.patch_tokens}")
+        if not 0 <= self.shared < 1:
+            raise ValueError(f"shared must be in [0, 1), got {self.shared}")
 
     @classmethod
     def paper(cls) -> "ScoringConfig":

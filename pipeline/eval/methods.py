@@ -44,9 +44,10 @@ ROUTING_VARIANTS = {"rcen": "centroid", "rwin": "window", "rknn": "knn", "rexp":
 # `recent64`, `cap256` (patch tokens), `floor20` (head floor 20% of the budget), `med2`
 # (medoid windows), `ep8` (episodes), `two20` (read the best two episodes when the router's
 # two best scores are closer than 20/1000), `span2048` (compact positions but the last 2,048
-# tokens at their original spacing; `span0` all packed, as `compact`).
+# tokens at their original spacing; `span0` all packed, as `compact`), `shared25` (25% of each
+# layer's budget held for the other episodes' turns the patch attends to most).
 NUMBERED_VARIANTS = ("oq<P>", "alpha<x>", "pool<k>", "focus<P>", "sink<n>", "recent<n>", "cap<n>",
-                     "floor<P>", "med<n>", "ep<n>", "two<P>", "span<n>")
+                     "floor<P>", "med<n>", "ep<n>", "two<P>", "span<n>", "shared<P>")
 _NUMBERED = re.compile(rf"^({'|'.join(v.split('<')[0] for v in NUMBERED_VARIANTS)})"
                        r"(\d+(?:\.\d+)?)$")
 
@@ -151,8 +152,7 @@ class EvalConfig:
         changes = dict(flags[x] for x in v if x in flags)
         numbers = _numbers(v)
         changes |= {key: int(numbers[key]) for key in ("pool", "sink", "recent") if key in numbers}
-        if "focus" in numbers:
-            changes["focus"] = numbers["focus"] / 100
+        changes |= {key: numbers[key] / 100 for key in ("focus", "shared") if key in numbers}
         if "cap" in numbers:
             changes["patch_tokens"] = int(numbers["cap"]) or None
         scoring = replace(scoring, **changes)

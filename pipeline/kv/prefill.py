@@ -79,7 +79,8 @@ def select_keep(scores: torch.Tensor, valid: torch.Tensor, budget: int,
     return keep & valid
 
 
-def layer_state(idx: int, layer: EpisodicLayer, block_start: int) -> LayerState:
+def layer_state(idx: int, layer: EpisodicLayer, block_start: int,
+                budget: int | None = None) -> LayerState:
     request = layer.last_request
     return LayerState(layer_idx=idx, keys=layer.keys[0], values=layer.values[0],
                       valid=layer.valid, positions=layer.positions,
@@ -87,7 +88,8 @@ def layer_state(idx: int, layer: EpisodicLayer, block_start: int) -> LayerState:
                       block_start=block_start,
                       patch_sum=request.patch_sum if request is not None else None,
                       patch_sumsq=request.patch_sumsq if request is not None else None,
-                      patch_count=request.patch_count if request is not None else 0)
+                      patch_count=request.patch_count if request is not None else 0,
+                      budget=budget)
 
 
 def patch_positions(seen: int, n_block: int, n_patch: int, total: int,
@@ -173,7 +175,9 @@ def block_prefill(model: torch.nn.Module, input_ids: torch.Tensor, scorer: Score
             decoder(input_ids=tokens[None], position_ids=positions[None], past_key_values=cache,
                     use_cache=True)
         if eviction is not None:
-            states = [layer_state(idx, layer, seen) for idx, layer in enumerate(cache.layers)]
+            entries = None if budgets is None or config.tristate.enabled else budgets
+            states = [layer_state(idx, layer, seen, None if entries is None else entries[idx])
+                      for idx, layer in enumerate(cache.layers)]
             eviction.step(cache.layers, states, scorer, final=begin + config.block >= n_new)
         if rotation is not None:
             cache.compact(rotation, config.compact_recent)

@@ -41,6 +41,7 @@ class LayerState:
     patch_sum: torch.Tensor | None = None
     patch_sumsq: torch.Tensor | None = None
     patch_count: int = 0
+    budget: int | None = None  # entries per KV head the layer is cut to (None: not by entries)
 
 
 class Scorer(ABC):
@@ -277,15 +278,25 @@ class UtteranceScorer(ShapedScorer):
 @dataclass
 class FocusScorer(ShapedScorer):
     """Weights the scores of the episode's own turns by (1 + `weight`): a cache that only
-    questions about this episode will read keeps this episode's turns first."""
+    questions about this episode will read keeps this episode's turns first. With `shared`,
+    that share of the layer's budget first goes to the other turns the patch attends to most
+    (unweighted), so a question routed here by mistake may still find its evidence."""
     member: torch.Tensor  # [N] bool: token positions inside the episode's windows
     weight: float = 1.0
+    shared: float = 0.0
 
     def score(self, layer: LayerState) -> torch.Tensor:
         scores = self.inner.score(layer).float()
         member = self.member.to(scores.device)
         inside = member[layer.positions.clamp(max=member.shape[0] - 1)]
-        return torch.where(inside, scores * (1 + self.weight), scores)
+        focused = torch.where(inside, scores * (1 + self.weight), scores)
+        held = int(self.shared * layer.budget) if layer.budget is not None else 0
+        if held == 0:
+            return focused
+        others = scores.masked_fill(inside | ~layer.valid, float("-inf"))
+        top = torch.topk(others, min(held, others.shape[1]), dim=1).indices
+        shared = torch.zeros_like(inside).scatter_(1, top, True) & others.isfinite()
+        return focused.masked_fill(shared, float("inf"))
 
 
 @dataclass
@@ -317,10 +328,10 @@ def episodic_scorer(patch: torch.Tensor, config: ScoringConfig, line_ids: torch.
         if line_ids is None:
             raise ValueError("utterance scoring needs the token layout (line ids)")
         scorer = UtteranceScorer(scorer, line_ids)
-    if config.focus:
+    if config.focus or config.shared:
         if member is None:
-            raise ValueError("focus needs the episode's member tokens")
-        scorer = FocusScorer(scorer, member, config.focus)
+            raise ValueError("focus and shared need the episode's member tokens")
+        scorer = FocusScorer(scorer, member, config.focus, config.shared)
     if config.sink or config.recent:
         scorer = ProtectedScorer(scorer, config.sink, config.recent)
     return scorer

@@ -4,6 +4,7 @@ hand or reference computations, the token layout, and the evaluation's diagnosti
 
 from __future__ import annotations
 
+import dataclasses
 import pytest
 import torch
 
@@ -129,6 +130,28 @@ def test_focus_weights_the_episode_turns_and_protection_keeps_sink_and_recent():
         pytest.approx([0.3, 0.2, 0.1])
 
 
+def test_a_shared_share_of_the_budget_holds_the_best_other_turns_first():
+    scores = torch.tensor([[0.4, 0.3, 0.2, 0.1, 0.05, 0.01], [0.0, 0.5, 0.2, 0.1, 0.3, 0.01]])
+    member = torch.tensor([False, False, True, True, False, False])
+    positions = torch.arange(6).expand(2, 6)
+    state = dataclasses.replace(_state(positions), budget=4)
+    focus = FocusScorer(Fixed(scores), member, weight=10.0)
+    assert select_keep(focus.score(state), state.valid, 2, "perhead")[0].tolist() == \
+        [False, False, True, True, False, False]  # focus alone: the episode's two turns
+    shared = FocusScorer(Fixed(scores), member, weight=10.0, shared=0.5).score(state)
+    # half of a budget of 4: each head's two best other entries first, then the episode's
+    assert torch.isinf(shared[0, [0, 1]]).all() and torch.isinf(shared[1, [1, 4]]).all()
+    assert torch.isinf(shared).sum() == 4
+    keep = select_keep(shared, state.valid, 3, "perhead")
+    assert keep.tolist() == [[True, True, True, False, False, False],
+                             [False, True, True, False, True, False]]
+    unbudgeted = FocusScorer(Fixed(scores), member, weight=10.0, shared=0.5).score(
+        _state(positions))  # tri-state budgets bytes: no share of entries to hold
+    assert not torch.isinf(unbudgeted).any()
+    with pytest.raises(ValueError, match="shared"):
+        ScoringConfig(shared=1.0)
+
+
 def test_head_floor_guarantees_each_head_its_top_entries():
     scores = torch.tensor([[9.0, 8.0, 7.0, 6.0], [0.1, 0.3, 0.2, 0.0]])
     valid = torch.ones(2, 4, dtype=torch.bool)
@@ -163,9 +186,11 @@ def test_method_variants_change_one_knob_of_the_recipe():
     config = EvalConfig()
     paper = config.recipe("epicache-paper")
     assert paper.scoring == ScoringConfig.paper() and paper.alpha == 1.0
-    changed = config.recipe("epicache-paper+alpha0+pastonly+pool7+utt+focus50+med2+ep8+floor10")
+    changed = config.recipe(
+        "epicache-paper+alpha0+pastonly+pool7+utt+focus50+med2+ep8+floor10+shared25")
     assert (changed.alpha, changed.scoring.include_patch, changed.scoring.pool,
-            changed.scoring.utterance, changed.scoring.focus) == (0.0, False, 7, True, 0.5)
+            changed.scoring.utterance, changed.scoring.focus,
+            changed.scoring.shared) == (0.0, False, 7, True, 0.5, 0.25)
     assert (changed.episodes.medoids, changed.episodes.episodes, changed.head_floor) == (2, 8, 0.1)
     assert config.recipe("epicache").scoring == config.build.scoring
     assert not config.needs_profile("epicache-paper+alpha0") and config.needs_profile("epicache-paper")
