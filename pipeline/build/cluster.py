@@ -48,7 +48,8 @@ def fit_context(conv: Conversation, config: BuildConfig) -> Conversation:
         conv = cut_at_session(conv, config.max_context_tokens, count)
     limit = models.max_positions(config.model)
     if config.prefill.position_mode == "original" and limit is not None:
-        check_fits(conv.conversation_id, count(render_conversation(conv).text), limit)
+        check_fits(conv.conversation_id, count(render_conversation(conv).text), limit,
+                   cannot_compact=config.prefill.cannot_compact)
     return conv
 
 

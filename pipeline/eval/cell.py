@@ -131,7 +131,8 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
     recipe = config.recipe(method)
     prefill = config.prefill_config(method)
     if prefill.position_mode == "original" and base != "none":
-        check_fits(conv.conversation_id, prep.tokens, lm.config.max_position_embeddings)
+        check_fits(conv.conversation_id, prep.tokens, lm.config.max_position_embeddings,
+                   cannot_compact=prefill.cannot_compact)
     sizes = entry_bytes(lm.model, ORIGINAL_ELEMENT_SIZE)
     layout = token_layout(lm.tokenizer, conv)
     merged: dict[int, int] = {}

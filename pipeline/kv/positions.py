@@ -22,16 +22,20 @@ class ContextTooLongError(ValueError):
 
 
 def check_fits(conversation_id: str, tokens: int, max_positions: int,
-               reserved: int = RESERVED_POSITIONS) -> None:
-    """Refuse a history that leaves fewer than `reserved` of the model's positions free."""
+               reserved: int = RESERVED_POSITIONS, cannot_compact: str | None = None) -> None:
+    """Refuse a history that leaves fewer than `reserved` of the model's positions free. The
+    message offers compact positions only where the build could use them (`cannot_compact`:
+    why it cannot, `PrefillConfig.cannot_compact`)."""
     room = max_positions - reserved
     if tokens > room:
+        compact = (f"compact positions are not possible here ({cannot_compact})" if cannot_compact
+                   else "--positions compact to keep the cache within the model's positions "
+                   "(keys re-rotated)")
         raise ContextTooLongError(
             f"conversation {conversation_id!r} is {tokens:,} tokens and the model reads "
             f"{max_positions:,} positions ({room:,} for the history, {reserved} kept for the "
             f"question and answer): pass --max-context-tokens {room} to cut it at a session "
-            "boundary, or --positions compact to keep the cache within the model's positions "
-            "(keys re-rotated)")
+            f"boundary, or {compact}")
 
 
 class KeyRotation:

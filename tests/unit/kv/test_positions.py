@@ -16,6 +16,8 @@ from pipeline.kv.tristate import TriStateConfig
 from pipeline.store import cache_format
 from tests.support.tiny_models import StandIn, one_torch_thread, random_ids, tiny_model  # noqa: F401
 
+TRI_CANNOT = PrefillConfig(tristate=TriStateConfig(enabled=True)).cannot_compact
+
 
 def rotated(model, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """`keys` [n, d] rotated at `positions` [n] the way the model does it."""
@@ -110,6 +112,9 @@ def test_a_history_past_the_positions_is_refused_with_both_ways_out():
     message = str(e.value)
     assert "'c1' is 23,456 tokens" in message and "8,192 positions" in message
     assert "--max-context-tokens 7680" in message and "--positions compact" in message
+    with pytest.raises(ContextTooLongError) as e:  # tri-state cannot compact: not offered
+        check_fits("c1", 23456, 8192, cannot_compact=TRI_CANNOT)
+    assert "--positions compact" not in str(e.value) and TRI_CANNOT in str(e.value)
 
 
 @pytest.mark.e2e
@@ -123,9 +128,9 @@ def test_a_build_refuses_a_long_conversation_unless_cut_or_compact():
 
     conv = make_conversation("long", target_tokens=9500, seed=0)
     assert fit_context(conv, BuildConfig()) is conv
-    for prefill in (PrefillConfig(positions="original"),
-                    PrefillConfig(tristate=TriStateConfig(enabled=True))):
-        with pytest.raises(ContextTooLongError, match="'long' is .* tokens.*--positions compact"):
+    for prefill, way_out in ((PrefillConfig(positions="original"), "--positions compact"),
+                             (PrefillConfig(tristate=TriStateConfig(enabled=True)), TRI_CANNOT)):
+        with pytest.raises(ContextTooLongError, match=f"'long' is .* tokens.*{way_out}"):
             fit_context(conv, BuildConfig(prefill=prefill))
         cut = fit_context(conv, BuildConfig(prefill=prefill, max_context_tokens=7600))
         assert 0 < len(cut.turns) < len(conv.turns) and cut.meta["cut"]["max_tokens"] == 7600
