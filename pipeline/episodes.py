@@ -97,10 +97,3 @@ def member_turn_ids(conv: Conversation, episode: Episode, window: int) -> tuple[
     """The turn ids of every window of an episode (what a question routed to it is about)."""
     windows = segment(conv.turns, window)
     return tuple(t.turn_id for i in episode.windows for t in windows[i])
-
-
-def route(question_embedding: np.ndarray, centroids: np.ndarray) -> tuple[int, float]:
-    """The episode whose centroid has the highest cosine similarity to the question."""
-    sims = unit(np.asarray(centroids, dtype=np.float64)) @ unit(np.asarray(question_embedding, dtype=np.float64))
-    best = int(np.argmax(sims))
-    return best, float(sims[best])

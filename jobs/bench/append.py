@@ -16,7 +16,7 @@ side in one process with the models loaded once:
 
 Both are timed from the manifest read to the commit. Then the questions whose evidence lies in
 the current sessions (at most `--questions`, LoCoMo's adversarial ones left out) are routed by
-each store's centroids, as the server routes them, and read from the stored caches: the
+each store's episodes as the server routes them (its best episode only), and read from the stored caches: the
 retention of the mean evidence-recall NLLs of each, against the full cache and no history at
 that length (`pipeline.eval.metrics.retention`).
 """
@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipeline.answer.routing import route_records
 from pipeline.build.append import read_stored_cache
 from pipeline.build.config import BuildConfig
 from pipeline.build.conversation import build_conversation
@@ -44,7 +45,6 @@ from pipeline.configs import GrowthConfig
 from pipeline.corpus.reader import iter_corpus, select_conversations
 from pipeline.corpus.render import render_conversation
 from pipeline.corpus.schema import Conversation, CorpusError
-from pipeline.episodes import route
 from pipeline.eval.cell import history_ids, measure_all
 from pipeline.eval.methods import EvalConfig
 from pipeline.eval.metrics import ADVERSARIAL_CATEGORY, retention
@@ -91,14 +91,14 @@ def mean_nll(records: list[dict]) -> float:
 def stored_nll(lm, encoder, store: LocalStore, conv: Conversation, questions: list,
                config: EvalConfig) -> tuple[float, float]:
     """(mean evidence-recall NLL, mean cache objects bytes read per question) of the questions
-    routed by the stored centroids and read from the stored caches."""
+    routed by the evaluation's router to their best episode and read from the stored caches."""
     records = sorted(read_manifest(store, conv.conversation_id), key=lambda r: r.episode)
-    centroids = np.array([r.centroid for r in records])
+    one = dataclasses.replace(config.routing, two_below=0.0)
     embeddings = encoder.encode([q.question for q in questions], normalize_embeddings=True,
                                 show_progress_bar=False)
     routed = defaultdict(list)
     for q, e in zip(questions, embeddings):
-        routed[route(e, centroids)[0]].append(q)
+        routed[route_records(e, records, one)[0][0].episode].append(q)
     measured, read = [], 0
     for episode, group in routed.items():
         cache = read_stored_cache(store, records[episode], lm.model)

@@ -4,7 +4,8 @@ The cache is prefilled once with the full history, then for every episode the pa
 to it is scored once and each recipe (the evaluation's method and variant names,
 `pipeline.eval.methods.EvalConfig.recipe`) keeps its top entries per layer in one step. Block
 prefill decides block by block with an already evicted history, so figures here are higher than
-the evaluation's; they rank selection strategies in minutes instead of hours.
+the evaluation's; they rank selection strategies in minutes instead of hours. Each question
+reads its router's best episode (the evaluation may read the best two).
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ import torch
 
 from pipeline.build.profile import allocator
 from pipeline.corpus.render import render_conversation, render_header
-from pipeline.episodes import build_episodes, member_turn_ids, route
+from pipeline.episodes import build_episodes, member_turn_ids
 from pipeline.eval.cell import prepare, probe_pairs
 from pipeline.eval.metrics import continuation_nlls
 from pipeline.kv import prompts
 from pipeline.kv.layout import kept_share, token_layout
 from pipeline.kv.prefill import PrefillConfig, block_prefill, layer_state, select_keep
 from pipeline.kv.scorers import FullScorer, episodic_scorer
+from pipeline.routers import ROUTERS, RouteIndex, ranked
 
 
 def recall_nlls(lm, conv, questions, cache, config) -> list[float]:
@@ -63,7 +65,10 @@ def screen_conversation(lm, encoder, conv, methods, budgets, config, profile) ->
     for method in methods:
         recipe = config.recipe(method)
         episodes = build_episodes(conv, encoder, recipe.episodes).episodes
-        routes = [route(e, np.stack([ep.centroid for ep in episodes]))[0] for e in embeddings]
+        index = RouteIndex.of_episodes([ep.centroid for ep in episodes],
+                                       [ep.window_embeddings for ep in episodes])
+        router = ROUTERS[config.route_of(method)[0]]
+        routes = [ranked(router.scores(e, index))[0] for e in embeddings]
         for budget in budgets:
             layer_budgets = [budget] * lm.config.num_hidden_layers
             if recipe.alpha > 0:

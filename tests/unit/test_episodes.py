@@ -14,7 +14,7 @@ import pytest
 from pipeline.corpus.render import render_turn
 from pipeline.corpus.schema import Conversation, Turn
 from pipeline.corpus.synthetic import make_conversation
-from pipeline.episodes import EpisodeConfig, build_episodes, route, segment, window_texts
+from pipeline.episodes import EpisodeConfig, build_episodes, segment, window_texts
 
 DIM = 32
 
@@ -135,33 +135,3 @@ def test_identical_windows_give_one_episode():
     result = build_episodes(conv, BagOfWordsEncoder(), EpisodeConfig(window=2, episodes=4))
     assert len(result.episodes) == 1 and result.note
     assert result.episodes[0].windows == tuple(range(6))
-
-
-def test_route_picks_highest_cosine_not_highest_dot():
-    """Routing compares directions: a long centroid pointing away loses to a short one
-    pointing at the question."""
-    centroids = np.array([[10.0, 0.0, 0.0],
-                          [0.0, 0.6, 0.8],
-                          [0.0, -1.0, 0.0]])
-    question = np.array([0.5, 0.5, 0.7])
-    best, sim = route(question, centroids)
-    assert best == 1
-    expected = question @ centroids[1] / np.linalg.norm(question) / np.linalg.norm(centroids[1])
-    assert sim == pytest.approx(expected)
-    assert route(np.array([1.0, 0.1, 0.0]), centroids)[0] == 0
-    assert route(np.array([0.0, -3.0, 0.1]), centroids)[0] == 2
-
-
-def test_route_on_real_centroids_is_argmax_cosine(conversation):
-    """On a built episode set, routing a window's text picks the centroid of highest cosine
-    similarity, and reports that similarity."""
-    encoder = BagOfWordsEncoder()
-    result = build_episodes(conversation, encoder, EpisodeConfig())
-    centroids = np.stack([e.centroid for e in result.episodes])
-    texts = window_texts(conversation, segment(conversation.turns, 4))
-    for text in texts[::5]:
-        q = encoder.encode([text])[0] * 3.0  # an unnormalised question vector
-        best, sim = route(q, centroids)
-        cosines = centroids @ q / np.linalg.norm(centroids, axis=1) / np.linalg.norm(q)
-        assert best == int(np.argmax(cosines))
-        assert sim == pytest.approx(float(cosines.max()), abs=1e-6)

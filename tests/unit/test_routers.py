@@ -52,3 +52,16 @@ def test_manifest_records_are_routed_by_window_and_by_centroid_when_they_predate
     assert [r.episode for r in route_records(question, old, RoutingConfig("window", 0.0))[0]] == [1]
     both = route_records(question, records, RoutingConfig("centroid", 1.0))[0]
     assert [r.episode for r in both] == [1, 0]
+
+
+def test_the_centroid_router_compares_directions_not_lengths():
+    """A long centroid pointing away loses to a short one pointing at the question; the
+    scores are the cosine similarities."""
+    centroids = np.array([[10.0, 0.0, 0.0], [0.0, 0.6, 0.8], [0.0, -1.0, 0.0]])
+    index = RouteIndex.of_episodes(list(centroids), None)
+    question = np.array([0.5, 0.5, 0.7])
+    scores = ROUTERS["centroid"].scores(question, index)
+    assert scores.argmax() == 1 and scores[1] == pytest.approx(
+        question @ centroids[1] / np.linalg.norm(question) / np.linalg.norm(centroids[1]))
+    assert ROUTERS["centroid"].scores(np.array([1.0, 0.1, 0.0]), index).argmax() == 0
+    assert ROUTERS["centroid"].scores(np.array([0.0, -3.0, 0.1]), index).argmax() == 2
