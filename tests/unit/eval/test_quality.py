@@ -152,6 +152,24 @@ def test_a_shared_share_of_the_budget_holds_the_best_other_turns_first():
         ScoringConfig(shared=1.0)
 
 
+def test_block_prefill_gives_the_shared_share_its_layer_budget():
+    """Through the prefill loop: with focus alone the episode's turns crowd the others out;
+    `shared` holds half of every layer's budget for the others, in every head."""
+    model, ids = tiny_model("llama"), random_ids(192)
+    member = torch.arange(192) < 96  # the episode: the first half of the history
+    patch = ids[:8]
+
+    def others_kept(shared: float) -> list[int]:
+        scorer = episodic_scorer(patch, ScoringConfig(utterance=False, shared=shared),
+                                 member=member)
+        cache, _ = block_prefill(model, ids, scorer, [24] * 3, PrefillConfig(
+            block=32, selection="perhead", positions="original"))
+        return [int((layer.valid & (layer.positions >= 96)).sum(1).min())
+                for layer in cache.layers]
+
+    assert max(others_kept(0.0)) < 12 and min(others_kept(0.5)) >= 12
+
+
 def test_head_floor_guarantees_each_head_its_top_entries():
     scores = torch.tensor([[9.0, 8.0, 7.0, 6.0], [0.1, 0.3, 0.2, 0.0]])
     valid = torch.ones(2, 4, dtype=torch.bool)
