@@ -42,6 +42,10 @@ class EpisodeConfig:
     medoids: int = 4  # windows per patched prompt
     seed: int = 0
     n_init: int = 10
+    # each episode also focuses on the other episodes' turns whose nearest window (their own
+    # aside) is one of its windows: a turn off its window's topic sits where the window router
+    # sends questions about it
+    adopt: bool = False
 
     def __post_init__(self):
         for name in ("window", "episodes", "medoids", "n_init"):

@@ -19,7 +19,8 @@ STORE_DTYPES = ("float16", "bfloat16", "float32")
 
 
 # (section, field, the value builds before the field had): hashed only when it differs
-ADDED_LATER = (("prefill", "compact_recent", 0), ("scoring", "shared", 0.0))
+ADDED_LATER = (("prefill", "compact_recent", 0), ("scoring", "shared", 0.0),
+               ("episodes", "adopt", False))
 # what a configuration written before a prefill field existed had (the defaults changed since):
 # original positions, and each later field's earlier value
 PREFILL_BEFORE = {"positions": "original"} | {name: earlier for section, name, earlier

@@ -18,7 +18,7 @@ import torch
 from pipeline.answer.decode import generate_from_cache
 from pipeline.corpus.render import cut_at_session, render_conversation, render_header
 from pipeline.corpus.schema import Conversation, Question
-from pipeline.episodes import build_episodes, member_turn_ids
+from pipeline.episodes import build_episodes, focus_turn_ids, member_turn_ids
 from pipeline.eval.methods import EPISODIC, EvalConfig, parse_method
 from pipeline.eval.metrics import (ADVERSARIAL_CATEGORY, continuation_nlls, evidence_probe,
                                    f1_score, question_text)
@@ -160,9 +160,11 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
         encoder = models.load_encoder(config.encoder)
         episodes = build_episodes(conv, encoder, recipe.episodes)
         scores = route_scores(encoder, episodes, questions)
+        # route hits are judged on the episode's windows, whatever its cache focused on
         members = [member_turn_ids(conv, ep, recipe.episodes.window) for ep in episodes.episodes]
+        window = recipe.episodes.window
         caches = [build(ids, episodic_scorer(encode(ep.patch_text), recipe.scoring, layout.line_ids,
-                                             layout.turn_mask(set(members[ep.index]))))
+                                             layout.turn_mask(focus_turn_ids(conv, ep, window))))
                   for ep in episodes.episodes]
         measured = [select_route(r, method, config)
                     for r in episodic_reads(questions, members, caches, scores, measure)]

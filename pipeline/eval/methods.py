@@ -32,7 +32,7 @@ METHODS = ("full", "streamingllm", "snapkv", "infinipot", "kvzip", "keydiff", "e
 EXTRA_METHODS = ("epicache-paper", "keydiff-block", "random", "oldest")
 EPISODIC = ("epicache", "epicache-paper")  # one cache per episode, routed per question
 ALLOCATED = EPISODIC + ("question",)  # methods that use the sensitivity-aware layer budgets
-VARIANTS = ("tri", "fp8", "max", "dapq", "merge", "d2o", "compact", "orig",
+VARIANTS = ("tri", "fp8", "max", "dapq", "merge", "d2o", "compact", "orig", "adopt",
             # EpiCache diagnosis knobs (docs/quality.md): one factor at a time
             "pastonly", "withpatch", "qmean", "qmax", "utt", "tok", "perhead", "headwise",
             # routing (pipeline.routers): how a question picks its episode
@@ -161,6 +161,8 @@ class EvalConfig:
         floor = numbers["floor"] / 100 if "floor" in numbers else floor
         ep_changes = {field_: int(numbers[key]) for key, field_ in
                       (("med", "medoids"), ("ep", "episodes")) if key in numbers}
+        if "adopt" in v:
+            ep_changes["adopt"] = True
         return Recipe(scoring, alpha, selection, floor, replace(episodes, **ep_changes))
 
     def route_of(self, method: str) -> tuple[str, float]:
