@@ -93,7 +93,8 @@ def build_episode(clustered: ClusterResult, episode: int, budgets: list[int] | N
     ep = episodes.episodes[episode]
     ids = prompts.context_ids(lm.tokenizer, render_conversation(conv).text)
     members = clustered.members[episode]
-    scorer = episode_scorer(lm.tokenizer, conv, ep.patch_text, members, config)
+    scorer = episode_scorer(lm.tokenizer, conv, ep.patch_text, members + ep.adopted_turn_ids,
+                            config)
     cache, stats = block_prefill(lm.model, ids, scorer, budgets, config.prefill,
                                  original_element_size=store_dtype(config)[1])
     files = ModelFingerprints(lm.fingerprint, clustered.encoder_fingerprint)

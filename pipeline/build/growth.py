@@ -80,6 +80,9 @@ def plan_append(conv: Conversation, previous: list[ManifestRecord], config: Buil
     baseline's single episode takes every new window."""
     if not growth.append:
         return Recluster("appending off", "appending is off (--no-append)")
+    if config.episodes.adopt:
+        return Recluster("adopted turns", "its episodes adopt turns by their nearest window "
+                                          "over the whole history")
     previous = sorted(previous, key=lambda r: r.episode)
     first = previous[0]
     if any(getattr(r, name) is None for r in previous for name in _APPEND_STATE):

@@ -189,6 +189,9 @@ def test_the_growth_rule_reclusters_when_the_episodes_no_longer_fit(folders, tmp
     assert why(previous=tokens) == "tokens changed"
     few = [dataclasses.replace(r, episodes_requested=4) for r in built]
     assert why(previous=few) == "more episodes"
+    adopting = dataclasses.replace(config, episodes=dataclasses.replace(config.episodes, adopt=True))
+    planned = plan_conversation(whole, adopting, built, APPEND_ALWAYS)
+    assert planned.reclustered.reason == "adopted turns"
 
 
 def _corpus(path, conversations):
