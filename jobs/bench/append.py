@@ -16,9 +16,9 @@ side in one process with the models loaded once:
 
 Both are timed from the manifest read to the commit. Then the questions whose evidence lies in
 the current sessions (at most `--questions`, LoCoMo's adversarial ones left out) are routed by
-each store's episodes as the server routes them (its best episode only), and read from the stored caches: the
-retention of the mean evidence-recall NLLs of each, against the full cache and no history at
-that length (`pipeline.eval.metrics.retention`).
+each store's episodes as the server routes them (to the best one only), and read from the
+stored caches: the retention of the mean evidence-recall NLLs of each, against the full cache
+and no history at that length (`pipeline.eval.metrics.retention`).
 """
 
 from __future__ import annotations

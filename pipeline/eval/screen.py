@@ -18,7 +18,7 @@ import torch
 
 from pipeline.build.profile import allocator
 from pipeline.corpus.render import render_conversation, render_header
-from pipeline.episodes import build_episodes, member_turn_ids
+from pipeline.episodes import build_episodes, focus_turn_ids, member_turn_ids
 from pipeline.eval.cell import prepare, probe_pairs
 from pipeline.eval.metrics import continuation_nlls
 from pipeline.kv import prompts
@@ -79,8 +79,9 @@ def screen_conversation(lm, encoder, conv, methods, budgets, config, profile) ->
                 if not readers:
                     continue
                 members = member_turn_ids(conv, ep, recipe.episodes.window)
+                focus = focus_turn_ids(conv, ep, recipe.episodes.window)
                 scorer = episodic_scorer(prompts.patch_ids(lm.tokenizer, ep.patch_text),
-                                         recipe.scoring, layout.line_ids, layout.turn_mask(members))
+                                         recipe.scoring, layout.line_ids, layout.turn_mask(focus))
                 cache = copy.deepcopy(full)
                 for layer, state, b in zip(cache.layers, patch_states(lm, full, scorer), layer_budgets):
                     layer.keep(select_keep(scorer.score(state), layer.valid, b, recipe.selection,
