@@ -348,7 +348,8 @@ def test_build_config_hash_changes_with_every_field():
     paths = [p for p, _ in variants]
     assert {"model", "budget", "alpha", "store_dtype", "episodes.window", "episodes.seed",
             "scoring.focus", "scoring.utterance", "prefill.head_floor",
-            "prefill.block", "prefill.selection", "prefill.positions", "calibration.sink"} <= set(paths)
+            "prefill.block", "prefill.selection", "prefill.positions", "calibration.sink",
+            "scoring.shared", "episodes.adopt"} <= set(paths)
     hashes = [v.hash for _, v in variants]
     assert base.hash not in hashes
     assert len(set(hashes)) == len(hashes)
@@ -361,6 +362,7 @@ def test_build_config_hash_changes_with_every_field():
     BuildConfig(model="/models/x", budget=256, alpha=2.5, episodes=EpisodeConfig(window=6, episodes=3),
                 prefill=PrefillConfig(block=128, selection="perhead"),
                 calibration=CalibrationConfig(tokens=2048, sink=64, window=512, seed=3)),
+    BuildConfig(scoring=ScoringConfig(shared=0.25), episodes=EpisodeConfig(adopt=True)),
 ])
 def test_build_config_json_round_trip(config):
     back = BuildConfig.from_json(config.to_json())
