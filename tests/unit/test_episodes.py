@@ -1,5 +1,6 @@
-"""Episode clustering (windows, K-Means, medoids, patched prompts) and question routing, with a
-small deterministic bag-of-words encoder standing in for the sentence encoder."""
+"""Episode clustering (windows, K-Means, medoids, patched prompts, adopted turns), with a small
+deterministic bag-of-words encoder standing in for the sentence encoder (routing is in
+test_routers.py)."""
 
 from __future__ import annotations
 

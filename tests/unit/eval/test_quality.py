@@ -5,6 +5,7 @@ hand or reference computations, the token layout, and the evaluation's diagnosti
 from __future__ import annotations
 
 import dataclasses
+
 import pytest
 import torch
 
