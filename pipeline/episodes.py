@@ -17,7 +17,7 @@ from sklearn.cluster import KMeans
 from pipeline.configs import EpisodeConfig
 from pipeline.corpus.render import render_turns
 from pipeline.corpus.schema import Conversation, Turn
-from pipeline.routers import unit  # noqa: F401  (re-exported: the clustering's normalisation)
+from pipeline.routers import RouteIndex, unit
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,11 @@ class EpisodeSet:
     requested: int
     n_windows: int
     note: str = ""  # why fewer episodes than requested, if so
+
+    def route_index(self) -> RouteIndex:
+        """What the routers compare a question with: the centroids and the windows."""
+        return RouteIndex.of_episodes([ep.centroid for ep in self.episodes],
+                                      [ep.window_embeddings for ep in self.episodes])
 
 
 def segment(turns: tuple[Turn, ...] | list[Turn], window: int) -> list[list[Turn]]:
@@ -115,9 +120,10 @@ def adopted_turns(encoder, conv: Conversation, windows: list[list[Turn]],
                               if near == label != mine) for label in set(labels.tolist())}
 
 
-def focus_turn_ids(conv: Conversation, episode: Episode, window: int) -> tuple[str, ...]:
-    """The turns an episode's cache keeps first: its windows' and those it adopted."""
-    return member_turn_ids(conv, episode, window) + episode.adopted_turn_ids
+def focus_turn_ids(members: tuple[str, ...], episode: Episode) -> tuple[str, ...]:
+    """The turns an episode's cache keeps first: its windows' (`members`, `member_turn_ids`)
+    and those it adopted."""
+    return members + episode.adopted_turn_ids
 
 
 def member_turn_ids(conv: Conversation, episode: Episode, window: int) -> tuple[str, ...]:

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.answer.routing import route_records
+from pipeline.answer.routing import route_index, route_records
 from pipeline.build.append import read_stored_cache
 from pipeline.build.config import BuildConfig
 from pipeline.build.conversation import build_conversation
@@ -93,12 +93,12 @@ def stored_nll(lm, encoder, store: LocalStore, conv: Conversation, questions: li
     """(mean evidence-recall NLL, mean cache objects bytes read per question) of the questions
     routed by the evaluation's router to their best episode and read from the stored caches."""
     records = sorted(read_manifest(store, conv.conversation_id), key=lambda r: r.episode)
-    one = dataclasses.replace(config.routing, two_below=0.0)
+    one, index = dataclasses.replace(config.routing, two_below=0.0), route_index(records)
     embeddings = encoder.encode([q.question for q in questions], normalize_embeddings=True,
                                 show_progress_bar=False)
     routed = defaultdict(list)
     for q, e in zip(questions, embeddings):
-        routed[route_records(e, records, one)[0][0].episode].append(q)
+        routed[route_records(e, records, one, index)[0][0].episode].append(q)
     measured, read = [], 0
     for episode, group in routed.items():
         cache = read_stored_cache(store, records[episode], lm.model)

@@ -14,6 +14,7 @@ from pipeline.build.cluster import ClusterResult, is_episodic
 from pipeline.build.config import BuildConfig, ModelFingerprints
 from pipeline.corpus.render import render_conversation
 from pipeline.corpus.schema import Conversation
+from pipeline.episodes import focus_turn_ids
 from pipeline.kv import models, prompts
 from pipeline.kv.cache import EpisodicCache
 from pipeline.kv.layout import token_layout
@@ -93,7 +94,7 @@ def build_episode(clustered: ClusterResult, episode: int, budgets: list[int] | N
     ep = episodes.episodes[episode]
     ids = prompts.context_ids(lm.tokenizer, render_conversation(conv).text)
     members = clustered.members[episode]
-    scorer = episode_scorer(lm.tokenizer, conv, ep.patch_text, members + ep.adopted_turn_ids,
+    scorer = episode_scorer(lm.tokenizer, conv, ep.patch_text, focus_turn_ids(members, ep),
                             config)
     cache, stats = block_prefill(lm.model, ids, scorer, budgets, config.prefill,
                                  original_element_size=store_dtype(config)[1])

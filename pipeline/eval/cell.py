@@ -162,9 +162,9 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
         scores = route_scores(encoder, episodes, questions)
         # route hits are judged on the episode's windows, whatever its cache focused on
         members = [member_turn_ids(conv, ep, recipe.episodes.window) for ep in episodes.episodes]
-        window = recipe.episodes.window
+        focus = [focus_turn_ids(members[ep.index], ep) for ep in episodes.episodes]
         caches = [build(ids, episodic_scorer(encode(ep.patch_text), recipe.scoring, layout.line_ids,
-                                             layout.turn_mask(focus_turn_ids(conv, ep, window))))
+                                             layout.turn_mask(focus[ep.index])))
                   for ep in episodes.episodes]
         measured = [select_route(r, method, config)
                     for r in episodic_reads(questions, members, caches, scores, measure)]

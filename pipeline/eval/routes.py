@@ -18,7 +18,7 @@ from pipeline.corpus.schema import Question
 from pipeline.episodes import EpisodeSet
 from pipeline.eval.methods import EvalConfig
 from pipeline.kv.cache import EpisodicCache
-from pipeline.routers import ROUTERS, RouteIndex, chosen, ranked
+from pipeline.routers import ROUTERS, chosen, ranked
 
 # The fields a read decides; `select_route` fills them from the chosen read's lists.
 READ_FIELDS = ("evidence_nll", "answer_nll", "evidence_kept", "kv_bytes", "bytes_tokens",
@@ -28,8 +28,7 @@ READ_FIELDS = ("evidence_nll", "answer_nll", "evidence_kept", "kv_bytes", "bytes
 def route_scores(encoder, episodes: EpisodeSet,
                  questions: list[Question]) -> dict[str, np.ndarray]:
     """Every router's [questions, episodes] scores."""
-    index = RouteIndex.of_episodes([ep.centroid for ep in episodes.episodes],
-                                   [ep.window_embeddings for ep in episodes.episodes])
+    index = episodes.route_index()
     embeddings = encoder.encode([q.question for q in questions], normalize_embeddings=True,
                                 show_progress_bar=False)
     return {name: np.stack([router.scores(e, index) for e in embeddings]) if len(questions)

@@ -25,7 +25,7 @@ from pipeline.kv import prompts
 from pipeline.kv.layout import kept_share, token_layout
 from pipeline.kv.prefill import PrefillConfig, block_prefill, layer_state, select_keep
 from pipeline.kv.scorers import FullScorer, episodic_scorer
-from pipeline.routers import ROUTERS, RouteIndex, ranked
+from pipeline.routers import ROUTERS, ranked
 
 
 def recall_nlls(lm, conv, questions, cache, config) -> list[float]:
@@ -64,9 +64,8 @@ def screen_conversation(lm, encoder, conv, methods, budgets, config, profile) ->
     records = []
     for method in methods:
         recipe = config.recipe(method)
-        episodes = build_episodes(conv, encoder, recipe.episodes).episodes
-        index = RouteIndex.of_episodes([ep.centroid for ep in episodes],
-                                       [ep.window_embeddings for ep in episodes])
+        clustered = build_episodes(conv, encoder, recipe.episodes)
+        episodes, index = clustered.episodes, clustered.route_index()
         router = ROUTERS[config.route_of(method)[0]]
         routes = [ranked(router.scores(e, index))[0] for e in embeddings]
         for budget in budgets:
@@ -79,7 +78,7 @@ def screen_conversation(lm, encoder, conv, methods, budgets, config, profile) ->
                 if not readers:
                     continue
                 members = member_turn_ids(conv, ep, recipe.episodes.window)
-                focus = focus_turn_ids(conv, ep, recipe.episodes.window)
+                focus = focus_turn_ids(members, ep)
                 scorer = episodic_scorer(prompts.patch_ids(lm.tokenizer, ep.patch_text),
                                          recipe.scoring, layout.line_ids, layout.turn_mask(focus))
                 cache = copy.deepcopy(full)

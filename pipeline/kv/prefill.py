@@ -162,6 +162,8 @@ def block_prefill(model: torch.nn.Module, input_ids: torch.Tensor, scorer: Score
     total = cache.tokens_seen + n_new  # where decoding will start (DapQ's patch positions)
     cache.collect_moments(isinstance(eviction, TriStateEviction))
     rotation = KeyRotation.for_model(model) if config.position_mode == "compact" else None
+    # what a scorer may hold a share of (tri-state budgets bytes, not entries)
+    entry_budgets = None if config.tristate.enabled else budgets
     stats = PrefillStats()
     for begin in range(0, n_new, config.block):
         block = input_ids[begin:begin + config.block]
@@ -175,8 +177,8 @@ def block_prefill(model: torch.nn.Module, input_ids: torch.Tensor, scorer: Score
             decoder(input_ids=tokens[None], position_ids=positions[None], past_key_values=cache,
                     use_cache=True)
         if eviction is not None:
-            entries = None if budgets is None or config.tristate.enabled else budgets
-            states = [layer_state(idx, layer, seen, None if entries is None else entries[idx])
+            states = [layer_state(idx, layer, seen,
+                                  None if entry_budgets is None else entry_budgets[idx])
                       for idx, layer in enumerate(cache.layers)]
             eviction.step(cache.layers, states, scorer, final=begin + config.block >= n_new)
         if rotation is not None:

@@ -158,4 +158,5 @@ def test_an_off_topic_turn_is_adopted_by_the_episode_of_its_nearest_window():
     assert by_windows[(0, 1)].adopted_turn_ids == ()
     assert all(e.adopted_turn_ids == () for e in plain.episodes)
     dogs = by_windows[(2, 3)]
-    assert focus_turn_ids(conv, dogs, 3) == member_turn_ids(conv, dogs, 3) + ("D1:6",)
+    assert focus_turn_ids(member_turn_ids(conv, dogs, 3), dogs) == \
+        member_turn_ids(conv, dogs, 3) + ("D1:6",)
