@@ -36,14 +36,16 @@ def recall_nlls(lm, conv, questions, cache, config) -> list[float]:
 
 
 @torch.inference_mode()
-def patch_states(lm, cache, scorer):
-    """Every layer's state with the patch's attention to the whole cache (cache unchanged)."""
+def patch_states(lm, cache, scorer, budgets: list[int]):
+    """Every layer's state with the patch's attention to the whole cache (cache unchanged),
+    and the layer's budget (what a `shared` share is held of)."""
     patch = scorer.patch_ids(None)
     seen = cache.next_position
     with cache.scratch(), cache.patched(patch.shape[0], **scorer.patch_options()):
         lm.model.base_model(input_ids=patch[None], past_key_values=cache, use_cache=True,
                             position_ids=torch.arange(seen, seen + patch.shape[0])[None])
-    states = [layer_state(i, layer, 0) for i, layer in enumerate(cache.layers)]
+    states = [layer_state(i, layer, 0, budget)
+              for i, (layer, budget) in enumerate(zip(cache.layers, budgets))]
     for layer in cache.layers:
         layer.last_request = None
     return states
@@ -82,7 +84,8 @@ def screen_conversation(lm, encoder, conv, methods, budgets, config, profile) ->
                 scorer = episodic_scorer(prompts.patch_ids(lm.tokenizer, ep.patch_text),
                                          recipe.scoring, layout.line_ids, layout.turn_mask(focus))
                 cache = copy.deepcopy(full)
-                for layer, state, b in zip(cache.layers, patch_states(lm, full, scorer), layer_budgets):
+                states = patch_states(lm, full, scorer, layer_budgets)
+                for layer, state, b in zip(cache.layers, states, layer_budgets):
                     layer.keep(select_keep(scorer.score(state), layer.valid, b, recipe.selection,
                                            recipe.head_floor))
                 nlls = recall_nlls(lm, conv, [questions[i] for i in readers], cache, config)
