@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     # Start-up time: torch, transformers and the store clients are imported once the arguments
     # are known good, so that --help and an argument error answer at once.
     from pipeline.answer.answerer import Answerer
-    from pipeline.answer.routing import ConversationNotFound, ModelMismatchError
+    from pipeline.answer.lookup import ConversationNotFound, ModelMismatchError
     from pipeline.kv.models import ModelNotFoundError
     from pipeline.store.cache_format import CacheCorruptError
 

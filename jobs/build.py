@@ -22,8 +22,8 @@ import argparse
 import sys
 import time
 
-from pipeline.build.config import BuildConfig
-from pipeline.build.job import BuildError, BuildJob, configure_logging, open_job, print_outcome
+from pipeline.builder.config import BuildConfig
+from pipeline.builder.job import BuildError, BuildJob, configure_logging, open_job, print_outcome
 from pipeline.cli.options import (BUILD_OPTIONS, add_corpus_options, add_driver_options,
                                   add_options, build_config_from_args, driver_options_from_args,
                                   limits_from_args)
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                        a.s3_region, a.ray_address)
         with open_job(job) as opened:
             # Ray, torch and the models load here, once the corpus and the store are known good
-            from pipeline.build.driver import run_job
+            from pipeline.builder.driver import run_job
             summary = run_job(opened, config, options)
     except (ValueError, CorpusError, StoreError, ModelNotFoundError, BuildError) as e:
         print(f"error: {e}", file=sys.stderr)

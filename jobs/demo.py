@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.build.config import BuildConfig
-from pipeline.build.job import BuildError, BuildJob, configure_logging, open_job, print_outcome
+from pipeline.builder.config import BuildConfig
+from pipeline.builder.job import BuildError, BuildJob, configure_logging, open_job, print_outcome
 from pipeline.cli.options import (EPISODE_OPTIONS, MODEL_OPTIONS, PREFILL_BENCH_OPTIONS,
                                   add_options, build_config_from_args)
 from pipeline.cli.parser import make_parser
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with open_job(BuildJob(str(corpus), str(store))) as opened:
             # Ray, torch and the models load here, once the corpus and the store are known good
-            from pipeline.build.driver import run_job
+            from pipeline.builder.driver import run_job
             summary = run_job(opened, config)
     except (ValueError, CorpusError, StoreError, ModelNotFoundError, BuildError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import IO
 
-from pipeline.build.config import BuildConfig
+from pipeline.builder.config import BuildConfig
 from pipeline.cli.numbers import positive_int
 from pipeline.cli.options import (SHARED_BUILD_OPTIONS, add_corpus_options, add_options,
                                   eval_build_config_from_args, limits_from_args)

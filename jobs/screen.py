@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipeline.build.config import BuildConfig
+from pipeline.builder.config import BuildConfig
 from pipeline.cli.options import PREFILL_OPTIONS, add_options, options_named
 from pipeline.cli.parser import make_parser
 from pipeline.corpus.reader import iter_corpus, select_conversations
@@ -78,7 +78,7 @@ def screen(convs: list[Conversation], methods: list[str], budgets: list[int],
            config: EvalConfig) -> int:
     """Screen every conversation and print the table. torch and the models load here, once
     the arguments and the corpus are known good."""
-    from pipeline.build.profile import measure_profile
+    from pipeline.builder.profile import measure_profile
     from pipeline.eval.screen import screen_conversation, table
     from pipeline.kv import models
 

@@ -9,7 +9,7 @@ package imports only from packages above it:
     episodes.py    conversations clustered into episodes; a question routed to one
     store/         where caches live: local and S3 backends, the cache format, the manifests
                    and the manifest table
-    build/         the build: per-conversation and per-episode stages, and their Ray driver
+    builder/       the build: per-conversation and per-episode stages, and their Ray driver
     answer/        answering: routing, the read path, decoding, continuous batching
     eval/          evaluation: methods and variants, retention on LoCoMo
     serve/         the Ray Serve endpoint over answer/

@@ -7,12 +7,12 @@
     PrefillConfig      stage 2: block prefill under a budget (pipeline.kv.prefill)
     CalibrationConfig  the layer profile's calibration (pipeline.kv.budgets)
     GrowthConfig       when a grown conversation is appended to, or re-clustered and rebuilt
-                       (pipeline.build.growth)
+                       (pipeline.builder.growth)
 
 with the default models and the names of the scorers and layer allocators. They live apart
 from the code that runs them (as transformers keeps a model's configuration apart from its
 modelling code) so that a command parses its options and checks its input before torch,
-transformers or Ray load: `pipeline.build.config.BuildConfig` nests them, and the command line
+transformers or Ray load: `pipeline.builder.config.BuildConfig` nests them, and the command line
 (`pipeline.cli.options`) reads their fields.
 """
 

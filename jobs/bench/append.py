@@ -9,7 +9,7 @@ Each conversation is built at its first sessions (the longest run of whole sessi
 side in one process with the models loaded once:
 
 - `append`: the build of the grown record on the store that holds the previous step, as
-  `jobs.build` runs it (`pipeline.build.conversation.build_conversation`): the new session
+  `jobs.build` runs it (`pipeline.builder.conversation.build_conversation`): the new session
   block-prefilled into each episode's stored cache, or re-clustered and rebuilt where the
   growth rule says so (the `decision` column);
 - `rebuild`: the same record built from its first turn on a store of its own (re-clustered).
@@ -35,10 +35,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.answer.routing import route_index, route_records
-from pipeline.build.append import read_stored_cache
-from pipeline.build.config import BuildConfig
-from pipeline.build.conversation import build_conversation
+from pipeline.answer.lookup import route_index, route_records
+from pipeline.builder.append import read_stored_cache
+from pipeline.builder.config import BuildConfig
+from pipeline.builder.conversation import build_conversation
 from pipeline.cli.options import add_threads_option
 from pipeline.cli.parser import make_parser
 from pipeline.configs import GrowthConfig

@@ -25,8 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipeline.build.config import BuildConfig, DriverOptions
-from pipeline.build.driver import run_build
+from pipeline.builder.config import BuildConfig, DriverOptions
+from pipeline.builder.driver import run_build
 from pipeline.cli.parser import make_parser
 from pipeline.configs import EpisodeConfig, GrowthConfig
 from pipeline.corpus.reader import write_jsonl

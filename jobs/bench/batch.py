@@ -25,7 +25,7 @@ import torch
 
 from pipeline.answer.decode import generate_from_cache
 from pipeline.answer.packed import DecodeRow, Prefix, packed_step
-from pipeline.build.config import BuildConfig
+from pipeline.builder.config import BuildConfig
 from pipeline.cli.options import add_model_options
 from pipeline.cli.parser import make_parser
 from pipeline.cli.tables import print_table

@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from pipeline.build.config import BuildConfig
+from pipeline.builder.config import BuildConfig
 from pipeline.cli.options import add_model_options, add_prefill_options
 from pipeline.cli.parser import make_parser
 from pipeline.cli.tables import print_table

@@ -5,7 +5,7 @@ full cache, split into embed, route, load and decode.
         [--max-new-tokens 32] [--store DIR] [--threads 2] [--return-freed-memory]
 
 A synthetic conversation of about `--tokens` tokens is built twice into a local store with the
-real pipeline (`pipeline.build.build_conversation`): as EpiCache episodes under `--budget`,
+real pipeline (`pipeline.builder.build_conversation`): as EpiCache episodes under `--budget`,
 and as one full cache. Then each planted question is answered by `pipeline.answer.Answerer`
 from both stores, alternately: once *cold* (a fresh answerer fetches the cache from the store
 and verifies its checksum; the models are already loaded) and once more *warm* (the same
@@ -36,8 +36,8 @@ import torch
 from pipeline.answer.answerer import Answerer
 from pipeline.answer.fetch import fetch_cache
 from pipeline.answer.malloc_tuning import retain_freed_memory
-from pipeline.build.config import BuildConfig
-from pipeline.build.conversation import build_conversation, files_of, is_built
+from pipeline.builder.config import BuildConfig
+from pipeline.builder.conversation import build_conversation, files_of, is_built
 from pipeline.cli.options import (BUILD_OPTIONS, add_model_options, add_options, apply_options,
                                   options_named)
 from pipeline.cli.parser import make_parser

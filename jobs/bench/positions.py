@@ -27,7 +27,7 @@ from dataclasses import replace
 
 import torch
 
-from pipeline.build.config import BuildConfig
+from pipeline.builder.config import BuildConfig
 from pipeline.cli.options import PREFILL_BENCH_OPTIONS, add_options, add_threads_option
 from pipeline.cli.parser import make_parser
 from pipeline.corpus.reader import iter_corpus, select_conversations

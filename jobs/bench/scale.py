@@ -44,11 +44,11 @@ import psutil
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.build.config import DriverOptions
-from pipeline.build.driver import run_build
-from pipeline.build.rehearsal import (SYNTHETIC_CONFIG, SYNTHETIC_STAGES, S3Requests,
+from pipeline.builder.config import DriverOptions
+from pipeline.builder.driver import run_build
+from pipeline.builder.rehearsal import (SYNTHETIC_CONFIG, SYNTHETIC_STAGES, S3Requests,
                                       put_synthetic_corpus, write_synthetic_corpus)
-from pipeline.build.sources import corpus_objects
+from pipeline.builder.sources import corpus_objects
 from pipeline.cli.options import (DRIVER_OPTIONS, add_options, driver_options_from_args,
                                   options_named)
 from pipeline.cli.parser import make_parser

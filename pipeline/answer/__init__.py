@@ -1,7 +1,7 @@
 """Answering: from a question to an answer decoded from its episode's cache.
 
     limits.py         AnswerLimits: question, answer length, temperature, positions (torch-free)
-    routing.py        the manifest, the model check and the route to the nearest episode
+    lookup.py         the manifest, the model check and the route to the nearest episode
     fetch.py          the read path: disk tier or store, SHA-256 checked while parsed
     lru.py            CacheLRU: loaded caches under a byte budget
     decode.py         one answer decoded from one cache (whole, or streamed in pieces)

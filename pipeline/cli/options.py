@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Callable, Sequence, TypeVar
 
-from pipeline.build.config import STORE_DTYPES, BuildConfig, DriverOptions
+from pipeline.builder.config import STORE_DTYPES, BuildConfig, DriverOptions
 from pipeline.cli.numbers import count, finite, non_negative, positive_int
 from pipeline.config_fields import choices_of, get_path, parser_of, replace_path
 from pipeline.configs import (ALLOCATOR_NAMES, SCORER_NAMES, MergeConfig, ScoringConfig,

@@ -2,6 +2,7 @@
 
     methods.py        the method and variant language, EvalConfig
     cell.py           one (conversation, method, budget) cell: build, then measure
+    episode_reads.py  every episode read for every question; each router's choice selected
     metrics.py        evidence-recall and answer NLLs, F1, retention
     summary.py        retention per question and summaries per method, budget and group
     runner.py         the cells as Ray tasks, finished cells kept for re-runs

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from pipeline.build.cluster import cluster_conversation
-from pipeline.build.config import BuildConfig
-from pipeline.build.episode import episode_scorer
+from pipeline.builder.cluster import cluster_conversation
+from pipeline.builder.config import BuildConfig
+from pipeline.builder.episode import episode_scorer
 from pipeline.corpus.render import render_conversation
 from pipeline.corpus.synthetic import make_conversation
 from pipeline.kv import models, prompts

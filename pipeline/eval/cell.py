@@ -22,7 +22,7 @@ from pipeline.episodes import build_episodes, focus_turn_ids, member_turn_ids
 from pipeline.eval.methods import EPISODIC, EvalConfig, parse_method
 from pipeline.eval.metrics import (ADVERSARIAL_CATEGORY, continuation_nlls, evidence_probe,
                                    f1_score, question_text)
-from pipeline.eval.routes import episodic_reads, route_scores, select_route
+from pipeline.eval.episode_reads import episodic_reads, route_scores, select_route
 from pipeline.eval.summary import nan_mean
 from pipeline.kv import models, prompts
 from pipeline.kv.cache import EpisodicCache
@@ -119,7 +119,7 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
                   layer_budgets: list[int] | None) -> list[dict]:
     """Per-question records of one (conversation, method, budget) cell. `method` may also be
     "none": the no-history reference. `layer_budgets` None means `budget` in every layer.
-    An episodic cell reads every episode for every question (`pipeline.eval.routes`): its
+    An episodic cell reads every episode for every question (`pipeline.eval.episode_reads`): its
     records carry each router's choice, and the method's own routing is selected."""
     lm = models.load_llm(config.model)
     if layer_budgets is None and budget is not None:

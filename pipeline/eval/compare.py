@@ -18,8 +18,8 @@ import torch
 
 from pipeline.answer.answerer import Answerer
 from pipeline.answer.decode import decode_answer
-from pipeline.answer.routing import embed_question, route_records
-from pipeline.build.config import BuildConfig
+from pipeline.answer.lookup import embed_question, route_records
+from pipeline.builder.config import BuildConfig
 from pipeline.corpus.schema import Conversation
 from pipeline.eval.cell import history_ids, measure_all, prepare
 from pipeline.eval.methods import EvalConfig

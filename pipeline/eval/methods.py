@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field, replace
 
-from pipeline.build.config import BuildConfig
+from pipeline.builder.config import BuildConfig
 from pipeline.configs import (EpisodeConfig, MergeConfig, PositionMode, PrefillConfig,
                               RoutingConfig, ScoringConfig, TriStateConfig)
 

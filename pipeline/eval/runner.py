@@ -20,12 +20,12 @@ from types import SimpleNamespace
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from pipeline.build.profile import allocator, layer_profile
+from pipeline.builder.profile import allocator, layer_profile
 from pipeline.corpus.schema import Conversation
 from pipeline.eval.cell import Prepared, evaluate_cell, prepare
 from pipeline.eval.methods import EPISODIC, EvalConfig, allocator_of, parse_method
 from pipeline.eval.report import records_parquet
-from pipeline.eval.routes import select_route
+from pipeline.eval.episode_reads import select_route
 from pipeline.store.local import LocalStore
 from pipeline.store.uri import open_store
 
@@ -74,7 +74,7 @@ def cell_key(conv: Conversation, digest: str, method: str, budget: int | None,
 @dataclass
 class Cell:
     """One cell to compute, and every method whose records it gives (routing variants of one
-    episodic method share a cell: `pipeline.eval.routes`)."""
+    episodic method share a cell: `pipeline.eval.episode_reads`)."""
     conversation_id: str
     budget: int | None
     key: str

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import torch
 
-from pipeline.build.profile import allocator
+from pipeline.builder.profile import allocator
 from pipeline.corpus.render import render_conversation, render_header
 from pipeline.episodes import build_episodes, focus_turn_ids, member_turn_ids
 from pipeline.eval.cell import prepare, probe_pairs

@@ -7,7 +7,7 @@
     schemas.py      the request bodies (pydantic) and parse_body (400 / 422 naming the field)
     openai_chat.py  the OpenAI chat wire format: completion objects, server-sent event chunks
     decoder.py      the Decoder deployment: the model and the LRU of episodic caches
-    router.py       the Router deployment: the HTTP ingress (the FastAPI app), the encoder and
+    ingress.py      the Router deployment: the HTTP ingress (the FastAPI app), the encoder and
                     the manifests
     app.py          resolve_models, build_app (router bound to decoder), app_builder
 

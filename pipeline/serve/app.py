@@ -12,7 +12,7 @@ from dataclasses import asdict
 from pipeline.kv.models import DEFAULT_ENCODER, DEFAULT_LLM
 from pipeline.ray_runtime import WORKER_ENV
 from pipeline.serve.decoder import Decoder
-from pipeline.serve.router import Router
+from pipeline.serve.ingress import Router
 from pipeline.serve.settings import ServeSettings
 from pipeline.store.base import Store
 from pipeline.store.manifest import list_conversations, read_manifest

@@ -26,7 +26,7 @@ from pipeline.answer.fetch import cache_parser, fetch_object, resident_read
 from pipeline.answer.limits import DEFAULT_LIMITS, AnswerLimits
 from pipeline.answer.lru import CacheLRU
 from pipeline.answer.malloc_tuning import retain_freed_memory
-from pipeline.answer.routing import check_models
+from pipeline.answer.lookup import check_models
 from pipeline.kv import models
 from pipeline.serve.errors import classify
 from pipeline.store.disk_tier import DiskTier

@@ -80,7 +80,7 @@ class ManifestRecord:
     # (pipeline.corpus.history): a changed or grown record is told apart from an unchanged one.
     source_turns: int | None = column(pa.int32(), default=None)
     source_digest: str | None = column(pa.string(), default=None)
-    # What an append goes on from (pipeline.build.growth): the turns the caches hold (the
+    # What an append goes on from (pipeline.builder.growth): the turns the caches hold (the
     # record as built: after any cut), this episode's turns (its windows'), how many turns the
     # conversation had when it was last clustered, when, and the appends since. None in
     # manifests written before appends: such a conversation is rebuilt when it grows.

@@ -12,8 +12,8 @@ from transformers import DynamicCache
 from jobs import demo
 from pipeline.answer.answerer import Answerer
 from pipeline.answer.decode import generate_from_cache
-from pipeline.build.config import BuildConfig, DriverOptions
-from pipeline.build.driver import run_build
+from pipeline.builder.config import BuildConfig, DriverOptions
+from pipeline.builder.driver import run_build
 from pipeline.corpus.reader import read_corpus, write_jsonl
 from pipeline.corpus.render import render_conversation
 from pipeline.corpus.synthetic import make_corpus

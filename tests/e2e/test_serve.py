@@ -107,7 +107,7 @@ def test_a_dead_decoder_replica_is_a_503_and_no_answer_in_time_a_504():
 # ---------------------------------------------------------------------------------------------
 
 def _config():
-    from pipeline.build.config import BuildConfig
+    from pipeline.builder.config import BuildConfig
     from pipeline.episodes import EpisodeConfig
     from pipeline.kv.budgets import CalibrationConfig
     from pipeline.kv.prefill import PrefillConfig
@@ -137,8 +137,8 @@ def _corrupt_copy(store, source_id: str, new_id: str) -> list[str]:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, ray_local):
     """Two synthetic conversations (~1,600 tokens, 2 episodes, budget 128) and a corrupted one."""
-    from pipeline.build.config import DriverOptions
-    from pipeline.build.driver import run_build
+    from pipeline.builder.config import DriverOptions
+    from pipeline.builder.driver import run_build
     from pipeline.corpus.synthetic import make_corpus
 
     root = tmp_path_factory.mktemp("serve")
@@ -258,7 +258,7 @@ def test_second_question_routed_to_the_same_episode_does_not_fetch_again(local_a
     conv = conversations[1]
     # two different questions that the library routes to the same one episode
     answerer = Answerer(LocalStore(store_dir))
-    from pipeline.answer.routing import embed_question, route_records
+    from pipeline.answer.lookup import embed_question, route_records
     from pipeline.kv import models
 
     encoder, rows = models.load_encoder(), answerer.manifest(conv.conversation_id)
@@ -511,7 +511,7 @@ def test_a_conversation_grown_while_it_is_answered_is_served_at_its_new_version(
     """Questions keep coming while a session is appended to the conversation (the real build
     with SmolLM2): every answer succeeds, each from one version, and once the new manifest is
     committed the server reads the new objects and answers as the library does from them."""
-    from pipeline.build.conversation import build_conversation
+    from pipeline.builder.conversation import build_conversation
     from pipeline.configs import GrowthConfig
     from pipeline.corpus.schema import Turn
     from pipeline.store.manifest import read_manifest, write_manifest

@@ -15,15 +15,15 @@ import dataclasses
 import pytest
 import torch
 
-from pipeline.build import conversation as conversation_module
-from pipeline.build.append import read_stored_cache
-from pipeline.build.cluster import ClusterResult, cluster_conversation, plan_conversation
-from pipeline.build.config import BuildConfig, DriverOptions
-from pipeline.build.conversation import build_conversation
-from pipeline.build.driver import run_build
-from pipeline.build.episode import build_episode
-from pipeline.build.growth import AppendPlan, Recluster
-from pipeline.build.profile import layer_budgets
+from pipeline.builder import conversation as conversation_module
+from pipeline.builder.append import read_stored_cache
+from pipeline.builder.cluster import ClusterResult, cluster_conversation, plan_conversation
+from pipeline.builder.config import BuildConfig, DriverOptions
+from pipeline.builder.conversation import build_conversation
+from pipeline.builder.driver import run_build
+from pipeline.builder.episode import build_episode
+from pipeline.builder.growth import AppendPlan, Recluster
+from pipeline.builder.profile import layer_budgets
 from pipeline.configs import (EpisodeConfig, GrowthConfig, MergeConfig, PrefillConfig,
                               TriStateConfig)
 from pipeline.corpus.reader import write_jsonl

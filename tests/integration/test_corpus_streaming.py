@@ -19,11 +19,11 @@ import pytest
 import ray
 
 from jobs import build
-from pipeline.build import driver as build_driver
-from pipeline.build.config import DriverOptions
-from pipeline.build.driver import run_build
-from pipeline.build.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES, S3Requests, synthetic_lines
-from pipeline.build.sources import corpus_objects
+from pipeline.builder import driver as build_driver
+from pipeline.builder.config import DriverOptions
+from pipeline.builder.driver import run_build
+from pipeline.builder.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES, S3Requests, synthetic_lines
+from pipeline.builder.sources import corpus_objects
 from pipeline.corpus.reader import CorpusObject, CorpusStream, ReadStats
 from pipeline.corpus.schema import CorpusError
 from pipeline.store.local import LocalStore

@@ -16,10 +16,10 @@ import ray
 
 from jobs import build
 from jobs import evaluate as evaluate_job
-from pipeline.build import driver as build_driver
-from pipeline.build.config import DriverOptions
-from pipeline.build.driver import run_build
-from pipeline.build.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES
+from pipeline.builder import driver as build_driver
+from pipeline.builder.config import DriverOptions
+from pipeline.builder.driver import run_build
+from pipeline.builder.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES
 from pipeline.corpus.reader import ReadStats, check_corpus, iter_corpus, read_corpus
 from pipeline.corpus.records import CorpusLimits
 from pipeline.corpus.schema import CorpusError

@@ -15,9 +15,9 @@ import pytest
 from jobs import answer as answer_job
 from jobs import build
 from pipeline.answer.answerer import Answerer
-from pipeline.answer.routing import ModelMismatchError, NeedsRebuildError
-from pipeline.build.config import DriverOptions
-from pipeline.build.driver import run_build
+from pipeline.answer.lookup import ModelMismatchError, NeedsRebuildError
+from pipeline.builder.config import DriverOptions
+from pipeline.builder.driver import run_build
 from pipeline.corpus.reader import write_jsonl
 from pipeline.corpus.synthetic import make_corpus
 from pipeline.kv import models

@@ -20,9 +20,9 @@ import pytest
 from jobs import build, gc
 from pipeline.answer.answerer import Answerer
 from pipeline.answer.fetch import fetch_cache
-from pipeline.build.config import DriverOptions
-from pipeline.build.driver import run_build
-from pipeline.build.rehearsal import SYNTHETIC_CONFIG, synthetic_cache
+from pipeline.builder.config import DriverOptions
+from pipeline.builder.driver import run_build
+from pipeline.builder.rehearsal import SYNTHETIC_CONFIG, synthetic_cache
 from pipeline.corpus.reader import read_corpus, write_jsonl
 from pipeline.corpus.synthetic import make_corpus
 from pipeline.store import cache_format

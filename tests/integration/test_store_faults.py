@@ -14,8 +14,8 @@ import uuid
 import pytest
 
 from jobs import answer, gc, manifests, serve
-from pipeline.build.conversation import is_built
-from pipeline.build.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_FILES
+from pipeline.builder.conversation import is_built
+from pipeline.builder.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_FILES
 from pipeline.serve.errors import classify
 from pipeline.store import cache_format
 from pipeline.store.base import StoreError
@@ -203,7 +203,7 @@ def test_commit_checks_the_objects_without_downloading_them(store, monkeypatch):
     """The manifest commit trusts the worker's SHA-256 and checks each object with one HEAD
     (present, at the size written): no GET of a cache object; a missing or short object is
     refused, so the manifest never names it."""
-    from pipeline.build.conversation import commit_manifest
+    from pipeline.builder.conversation import commit_manifest
 
     rows = put_conversation(store, "conv-1")
     gets: list[str] = []

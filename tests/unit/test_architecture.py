@@ -23,7 +23,7 @@ LAYERS = [
     ("pipeline.corpus", 1), ("pipeline.routers", 1),
     ("pipeline.kv", 2), ("pipeline.episodes", 2),
     ("pipeline.store", 3),
-    ("pipeline.build", 4),
+    ("pipeline.builder", 4),
     ("pipeline.answer", 5),
     ("pipeline.eval", 6), ("pipeline.serve", 6),
     ("pipeline.cli", 7),
@@ -44,17 +44,17 @@ LAZY = {
     ("jobs.serve", "pipeline.store.base"), ("jobs.serve", "pipeline.store.uri"),
     # Fast failure: the other commands check their arguments and their corpus (or the build its
     # first object) before Ray, torch and the models load; then their heavy part imports them.
-    ("jobs.build", "pipeline.build.driver"), ("jobs.demo", "pipeline.build.driver"),
+    ("jobs.build", "pipeline.builder.driver"), ("jobs.demo", "pipeline.builder.driver"),
     ("jobs.demo", "pipeline.eval.compare"),
     ("jobs.evaluate", "pipeline.eval.runner"), ("jobs.evaluate", "pipeline.eval.summary"),
     ("jobs.evaluate", "pipeline.ray_runtime"),
-    ("jobs.screen", "pipeline.build.profile"), ("jobs.screen", "pipeline.eval.screen"),
+    ("jobs.screen", "pipeline.builder.profile"), ("jobs.screen", "pipeline.eval.screen"),
     ("jobs.screen", "pipeline.kv.models"),
     # Only `jobs.manifests --check-models` reads model files; listing a store needs no torch.
     ("jobs.manifests", "pipeline.kv.models"),
     # Start-up time: `jobs.answer` refuses a bad argument (a question over the limits included)
     # before torch, transformers and pyarrow load.
-    ("jobs.answer", "pipeline.answer.answerer"), ("jobs.answer", "pipeline.answer.routing"),
+    ("jobs.answer", "pipeline.answer.answerer"), ("jobs.answer", "pipeline.answer.lookup"),
     ("jobs.answer", "pipeline.kv.models"), ("jobs.answer", "pipeline.store.cache_format"),
 }
 

@@ -1,11 +1,11 @@
-"""The routers (pipeline.routers) and the routing of manifest records (pipeline.answer.routing)."""
+"""The routers (pipeline.routers) and the routing of manifest records (pipeline.answer.lookup)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from pipeline.answer.routing import route_index, route_records
+from pipeline.answer.lookup import route_index, route_records
 from pipeline.configs import ROUTER_NAMES, RoutingConfig
 from pipeline.routers import ROUTERS, RouteIndex, chosen, unit
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.answer.routing import ModelMismatchError, NeedsRebuildError, check_models
-from pipeline.build.config import ModelFingerprints
-from pipeline.build.conversation import ModelFilesDifferError, check_same_files
+from pipeline.answer.lookup import ModelMismatchError, NeedsRebuildError, check_models
+from pipeline.builder.config import ModelFingerprints
+from pipeline.builder.conversation import ModelFilesDifferError, check_same_files
 from pipeline.serve.errors import classify
 from pipeline.store.manifest import CacheRef, ManifestRecord
 

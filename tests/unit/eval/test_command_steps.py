@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from pipeline.build.driver import Summary
+from pipeline.builder.driver import Summary
 from pipeline.eval.command_steps import (Step, build_figure, output_tail, parse_build_summary,
                                          render_report, run_step)
 from tests.support.paths import REPO

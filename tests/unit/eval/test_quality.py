@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from pipeline.build.config import BuildConfig
+from pipeline.builder.config import BuildConfig
 from pipeline.corpus.render import render_conversation
 from pipeline.corpus.schema import Conversation, Question, Turn
 from pipeline.eval.cell import evaluate_cell, evidence_diagnostics, prepare

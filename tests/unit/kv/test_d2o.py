@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.build.config import BuildConfig
+from pipeline.builder.config import BuildConfig
 from pipeline.eval.cell import cache_footprint
 from pipeline.eval.methods import EvalConfig, allocator_of, parse_method
 from pipeline.kv.attention import attention_column_sums

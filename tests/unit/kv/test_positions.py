@@ -122,8 +122,8 @@ def test_a_build_refuses_a_long_conversation_unless_cut_or_compact():
     """With SmolLM2 (8,192 positions): a ~9,500-token conversation is kept whole by default
     (compact positions), refused with original positions (also where the default falls back to
     them: tri-state), and cut at a session boundary with --max-context-tokens."""
-    from pipeline.build.cluster import fit_context
-    from pipeline.build.config import BuildConfig
+    from pipeline.builder.cluster import fit_context
+    from pipeline.builder.config import BuildConfig
     from pipeline.corpus.synthetic import make_conversation
 
     conv = make_conversation("long", target_tokens=9500, seed=0)

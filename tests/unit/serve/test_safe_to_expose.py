@@ -10,10 +10,10 @@ import pytest
 
 import jobs.serve
 from pipeline.answer.limits import LimitError
-from pipeline.answer.routing import ConversationNotFound, ModelMismatchError
+from pipeline.answer.lookup import ConversationNotFound, ModelMismatchError
 from pipeline.corpus.schema import UnsafeIdError
 from pipeline.serve.errors import classify
-from pipeline.serve.router import public_name
+from pipeline.serve.ingress import public_name
 from pipeline.serve.settings import AUTH_ENV, ServeSettings
 from pipeline.store.base import ObjectNotFound, StoreError
 from pipeline.store.cache_format import CacheCorruptError, ChecksumError

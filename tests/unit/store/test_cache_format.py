@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pipeline.answer.decode import generate_from_cache
-from pipeline.build.config import BuildConfig
+from pipeline.builder.config import BuildConfig
 from pipeline.corpus.schema import UnsafeIdError
 from pipeline.episodes import EpisodeConfig
 from pipeline.kv.budgets import CalibrationConfig

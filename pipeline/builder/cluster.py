@@ -1,5 +1,5 @@
 """Stage 1 of a build: the conversation as built (cut to fit) and its episodes, or, for a
-conversation that grew since its build, the plan of the append (`pipeline.build.growth`)."""
+conversation that grew since its build, the plan of the append (`pipeline.builder.growth`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import datetime as dt
 import time
 from dataclasses import dataclass, replace
 
-from pipeline.build.config import BuildConfig
-from pipeline.build.growth import AppendPlan, Recluster, plan_append
+from pipeline.builder.config import BuildConfig
+from pipeline.builder.growth import AppendPlan, Recluster, plan_append
 from pipeline.configs import GrowthConfig
 from pipeline.corpus.render import cut_at_session, render_conversation
 from pipeline.corpus.schema import Conversation

@@ -13,11 +13,11 @@ from typing import Any
 
 import ray
 
-from pipeline.build.append import prefill_episode
-from pipeline.build.cluster import ClusterResult, plan_conversation
-from pipeline.build.config import BuildConfig, ModelFingerprints
-from pipeline.build.growth import AppendPlan, Recluster
-from pipeline.build.profile import layer_budgets
+from pipeline.builder.append import prefill_episode
+from pipeline.builder.cluster import ClusterResult, plan_conversation
+from pipeline.builder.config import BuildConfig, ModelFingerprints
+from pipeline.builder.growth import AppendPlan, Recluster
+from pipeline.builder.profile import layer_budgets
 from pipeline.configs import GrowthConfig
 from pipeline.corpus.schema import Conversation
 from pipeline.kv import models

@@ -1,4 +1,4 @@
-"""An episodic cell's reads and each routing variant's selection from them (pipeline.eval.routes)."""
+"""An episodic cell's reads and each routing variant's selection from them (pipeline.eval.episode_reads)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from pipeline.configs import RoutingConfig
 from pipeline.eval.methods import EvalConfig, parse_method
 from pipeline.eval.report import records_parquet
-from pipeline.eval.routes import READ_FIELDS, candidate_pairs, select_route
+from pipeline.eval.episode_reads import READ_FIELDS, candidate_pairs, select_route
 from pipeline.eval.runner import kept_cell
 from pipeline.store.local import LocalStore
 

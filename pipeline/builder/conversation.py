@@ -1,7 +1,7 @@
 """Stage 4 of a build, the commit, and the whole build of one conversation in one process.
 
 The manifest is the commit point: it is written last, once every object it names is in the store
-at the size written. The Ray job (`pipeline.build.driver`) fans the same stages out as tasks.
+at the size written. The Ray job (`pipeline.builder.driver`) fans the same stages out as tasks.
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from pipeline.build.append import prefill_episode
-from pipeline.build.cluster import plan_conversation
-from pipeline.build.config import BuildConfig, ModelFingerprints
-from pipeline.build.profile import layer_budgets
+from pipeline.builder.append import prefill_episode
+from pipeline.builder.cluster import plan_conversation
+from pipeline.builder.config import BuildConfig, ModelFingerprints
+from pipeline.builder.profile import layer_budgets
 from pipeline.configs import GrowthConfig
 from pipeline.corpus.history import history_change, turns_digest
 from pipeline.corpus.schema import Conversation

@@ -23,10 +23,10 @@ import ray
 import torch
 from safetensors.torch import save as st_save
 
-from pipeline.build.cluster import ClusterResult
-from pipeline.build.config import BuildConfig, ModelFingerprints
-from pipeline.build.growth import AppendPlan
-from pipeline.build.tasks import Planned, Stages, WorkerStamp
+from pipeline.builder.cluster import ClusterResult
+from pipeline.builder.config import BuildConfig, ModelFingerprints
+from pipeline.builder.growth import AppendPlan
+from pipeline.builder.tasks import Planned, Stages, WorkerStamp
 from pipeline.configs import GrowthConfig
 from pipeline.corpus.schema import Conversation
 from pipeline.episodes import Episode, EpisodeConfig, EpisodeSet

@@ -3,7 +3,7 @@
 Stages per conversation: a clustering task (CPU), then one block-prefill task per episode (GPU
 when the cluster has one), then the manifest commit (the driver writes it once every episode is
 stored). A conversation whose record grew since its build is planned instead of clustered
-(`pipeline.build.growth`), and its episode tasks append the new turns to the stored caches.
+(`pipeline.builder.growth`), and its episode tasks append the new turns to the stored caches.
 The driver keeps at most `max_in_flight` tasks submitted (`ray.wait`) and streams the corpus,
 so its memory does not grow with the corpus. Conversations whose manifest already
 carries this configuration's hash and the fingerprints of the model files the budgets task
@@ -26,11 +26,11 @@ import ray
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from pipeline.build.config import BuildConfig, DriverOptions, ModelFingerprints
-from pipeline.build.conversation import commit_manifest, stored_version, with_source
-from pipeline.build.job import BuildError, OpenedJob, Summary
-from pipeline.build.sources import corpus_objects
-from pipeline.build.tasks import MODEL_STAGES, Planned, Stages, WorkerStamp
+from pipeline.builder.config import BuildConfig, DriverOptions, ModelFingerprints
+from pipeline.builder.conversation import commit_manifest, stored_version, with_source
+from pipeline.builder.job import BuildError, OpenedJob, Summary
+from pipeline.builder.sources import corpus_objects
+from pipeline.builder.tasks import MODEL_STAGES, Planned, Stages, WorkerStamp
 from pipeline.corpus.reader import CorpusStream, ReadStats
 from pipeline.corpus.records import DEFAULT_LIMITS, CorpusLimits
 from pipeline.corpus.schema import Conversation, CorpusError
@@ -311,7 +311,7 @@ def run_build(corpus: str | CorpusStream, store: str | Store, config: BuildConfi
               limits: CorpusLimits = DEFAULT_LIMITS, stages: Stages = MODEL_STAGES) -> Summary:
     """Drive the whole build on the connected Ray; returns the summary (the caller decides the
     exit code). `corpus` is a local path or an s3:// URI (read with `on_bad_record` and
-    `limits`), or a `CorpusStream` already opened and primed (`pipeline.build.job`); `store` a
+    `limits`), or a `CorpusStream` already opened and primed (`pipeline.builder.job`); `store` a
     Store or its URI. The corpus is streamed object by object, each object checked before its
     conversations are scheduled; a bad record (fail mode) raises `CorpusError` and stops the
     build (conversations already committed are kept). Committed rows go to the store's
@@ -340,7 +340,7 @@ def run_build(corpus: str | CorpusStream, store: str | Store, config: BuildConfi
 
 def run_job(opened: OpenedJob, config: BuildConfig,
             options: DriverOptions = DriverOptions()) -> Summary:
-    """Run a build whose corpus and store `pipeline.build.job.open_job` has checked: Ray joined
+    """Run a build whose corpus and store `pipeline.builder.job.open_job` has checked: Ray joined
     (or started), then `run_build`. On Ctrl-C the tasks (and a local Ray) are stopped before
     the interrupt goes on."""
     init_ray(opened.job.ray_address)

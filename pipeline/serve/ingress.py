@@ -18,7 +18,7 @@ from ray import serve
 from ray.exceptions import RayActorError
 
 from pipeline.answer.limits import LimitError
-from pipeline.answer.routing import (check_models, embed_question, load_manifest, route_index,
+from pipeline.answer.lookup import (check_models, embed_question, load_manifest, route_index,
                                      route_records)
 from pipeline.configs import RoutingConfig
 from pipeline.corpus.schema import check_safe_id

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.build.config import BuildConfig
+from pipeline.builder.config import BuildConfig
 from pipeline.configs import GrowthConfig
 from pipeline.corpus.render import render_conversation
 from pipeline.corpus.schema import Conversation

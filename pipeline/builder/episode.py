@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.build.cluster import ClusterResult, is_episodic
-from pipeline.build.config import BuildConfig, ModelFingerprints
+from pipeline.builder.cluster import ClusterResult, is_episodic
+from pipeline.builder.config import BuildConfig, ModelFingerprints
 from pipeline.corpus.render import render_conversation
 from pipeline.corpus.schema import Conversation
 from pipeline.episodes import focus_turn_ids

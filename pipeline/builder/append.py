@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from pipeline.build.cluster import ClusterResult
-from pipeline.build.config import BuildConfig, ModelFingerprints
-from pipeline.build.episode import (
+from pipeline.builder.cluster import ClusterResult
+from pipeline.builder.config import BuildConfig, ModelFingerprints
+from pipeline.builder.episode import (
     build_episode,
     cache_fields,
     episode_scorer,
     store_cache,
     store_dtype,
 )
-from pipeline.build.growth import AppendPlan
+from pipeline.builder.growth import AppendPlan
 from pipeline.corpus.render import render_conversation
 from pipeline.kv import models, prompts
 from pipeline.kv.cache import EpisodicCache

@@ -4,7 +4,7 @@ starts, the store opened, and every skipped record reported; and the build's out
 The corpus is read up to its first conversation (its first object checked whole) before the
 store is opened (a local one would be created) and before Ray and the model start: a bad or
 empty corpus fails in well under a second and writes nothing, since this module imports
-neither torch nor Ray (`pipeline.build.driver.run_job` runs the build once `open_job` has
+neither torch nor Ray (`pipeline.builder.driver.run_job` runs the build once `open_job` has
 checked its input). Later objects are checked each before its own conversations are scheduled.
 Skips (even where every record is skipped) go to `<store>/reports/<UTC time>-<pid>/skipped.jsonl`
 (a folder per run: no run overwrites another's report) and the first 20 to stderr.
@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import IO
 
-from pipeline.build.sources import corpus_objects
+from pipeline.builder.sources import corpus_objects
 from pipeline.corpus.reader import SKIP_REPORT, CorpusStream, OnBadRecord, ReadStats
 from pipeline.corpus.records import DEFAULT_LIMITS, CorpusLimits
 from pipeline.corpus.schema import CorpusError
