@@ -5,7 +5,7 @@
 
 Each question is routed to the nearest episode; consecutive questions routed to the same
 episode reuse the resident cache. Questions and sampling parameters are held to the limits the
-server holds them to (`pipeline.answer.limits`; docs/serving.md, "Limits").
+server holds them to (`pipeline.config.limits`; docs/serving.md, "Limits").
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import json
 import logging
 import sys
 
-from pipeline.answer.limits import CHARS_PER_TOKEN, DEFAULT_LIMITS, AnswerLimits
 from pipeline.answer.malloc_tuning import retain_freed_memory
 from pipeline.cli.numbers import non_negative
-from pipeline.cli.parser import add_store_options, make_parser
-from pipeline.configs import RoutingConfig
+from pipeline.cli.parser import add_store_options, make_parser, store_options
+from pipeline.config import RoutingConfig
+from pipeline.config.limits import CHARS_PER_TOKEN, DEFAULT_LIMITS, AnswerLimits
 from pipeline.corpus.schema import UnsafeIdError
 from pipeline.routers import ROUTERS
 from pipeline.store.base import StoreError
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
     retain_freed_memory()  # as the Serve decoder does: caches load into reused memory
     try:
-        answerer = Answerer(open_store(a.store, endpoint_url=a.s3_endpoint, create=False),
+        answerer = Answerer(open_store(a.store, store_options(a), create=False),
                             limits=a.limits, routing=RoutingConfig(a.route_by, a.two_below))
         for q in a.question:
             r = answerer.answer(a.conversation, q, a.max_new_tokens, a.temperature)

@@ -22,12 +22,12 @@ import argparse
 import sys
 import time
 
-from pipeline.builder.config import BuildConfig
 from pipeline.builder.job import BuildError, BuildJob, configure_logging, open_job, print_outcome
 from pipeline.cli.options import (BUILD_OPTIONS, add_corpus_options, add_driver_options,
                                   add_options, build_config_from_args, driver_options_from_args,
                                   limits_from_args)
-from pipeline.cli.parser import add_store_options, make_parser
+from pipeline.cli.parser import add_store_options, make_parser, store_options
+from pipeline.config import BuildConfig
 from pipeline.corpus.schema import CorpusError
 from pipeline.kv.errors import ModelNotFoundError
 from pipeline.store.base import StoreError
@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         config, options = config_from_args(a), driver_options_from_args(a)
-        job = BuildJob(a.corpus, a.store, a.on_bad_record, limits_from_args(a), a.s3_endpoint,
-                       a.s3_region, a.ray_address)
+        job = BuildJob(a.corpus, a.store, a.on_bad_record, limits_from_args(a), store_options(a),
+                       a.ray_address)
         with open_job(job) as opened:
             # Ray, torch and the models load here, once the corpus and the store are known good
             from pipeline.builder.driver import run_job

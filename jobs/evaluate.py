@@ -12,10 +12,10 @@ content and what decides the cell (the method's effective configuration, the mea
 settings), so a re-run after an interruption (or with more methods or budgets) computes only
 the cells it does not have. A failed cell is listed in summary.json and the run exits 1.
 
-Methods take variants (see `pipeline.eval`): `epicache-tri` (ARKV tri-state, budget M =
-the bytes of M float16 tokens per layer and KV head), `epicache-dapq`, `epicache-merge`,
-`epicache-d2o`, or combined, `epicache+tri+dapq+merge`; EpiCache's recipe knobs one at a time,
-`epicache+alpha1`, `epicache+tok`, `epicache+focus0`, ... (docs/quality.md).
+A method is a preset (`pipeline.eval.methods.PRESETS`: `epicache`, `epicache-paper`,
+`epicache-tri`, the baselines, ...) with optional overrides by configuration field, e.g.
+`epicache+scoring.focus=0.5` or `epicache-tri+prefill.tristate.fp8=true`; `--set PATH=VALUE`
+overrides a field of every method (docs/evaluation.md).
 """
 
 from __future__ import annotations
@@ -28,15 +28,16 @@ import time
 from pathlib import Path
 from typing import IO
 
-from pipeline.builder.config import BuildConfig
 from pipeline.cli.numbers import positive_int
 from pipeline.cli.options import (SHARED_BUILD_OPTIONS, add_corpus_options, add_options,
                                   eval_build_config_from_args, limits_from_args)
 from pipeline.cli.parser import make_parser
+from pipeline.config import BuildConfig
 from pipeline.corpus.reader import (SKIP_REPORT, ReadStats, check_corpus, iter_corpus,
                                     select_conversations)
 from pipeline.corpus.schema import Conversation, CorpusError
-from pipeline.eval.methods import METHODS, EvalConfig, describe_methods, parse_method
+from pipeline.eval.methods import (DEFAULT_METHODS, EvalConfig, describe_methods, parse_method,
+                                   parse_override)
 from pipeline.eval.report import write_report
 
 
@@ -44,9 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = make_parser("jobs.evaluate", __doc__)
     p.add_argument("--corpus", required=True, help="LoCoMo .json, the project's JSONL, or a folder")
     p.add_argument("--out", default="eval-out", help="output folder (finished cells kept in cells/)")
-    p.add_argument("--methods", default=", ".join(METHODS),
-                   help="comma-separated, each <method>, <method>-<variant> or "
-                        f"<method>+<variant>+... ({describe_methods()}; what each does: "
+    p.add_argument("--methods", default=", ".join(DEFAULT_METHODS),
+                   help="comma-separated, each <preset> or <preset>+<path>=<value>+... "
+                        f"({describe_methods()}; what each does: "
                         "docs/evaluation.md)")
     p.add_argument("--budgets", default="256,512,1024",
                    help="comma-separated budgets, one cell each; a budget is the mean entries "
@@ -63,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also generate answers and score F1 (slow; at the floor for a 135M model)")
     p.add_argument("--max-new-tokens", type=positive_int, default=EvalConfig.max_new_tokens,
                    help="answer length with --f1")
+    p.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
+                   help="override a configuration field of every method (repeatable), e.g. "
+                        "--set scoring.focus=0.5 --set routing.two_below=0")
     p.add_argument("--in-process", action="store_true",
                    help="run the cells one after another in this process instead of as Ray "
                         "tasks (one GPU, or a machine without Ray)")
@@ -74,18 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
 def methods_and_budgets(a: argparse.Namespace) -> tuple[list[str], list[int]]:
     """The methods and budgets asked for; ValueError naming what is wrong."""
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
-    unknown = set()
+    unknown = {}
     for m in methods:
         try:
             parse_method(m)
-        except ValueError:
-            unknown.add(m)
+        except ValueError as e:
+            unknown[m] = str(e)
     try:
         budgets = [int(b) for b in a.budgets.split(",") if b.strip()]
     except ValueError:
         raise ValueError(f"--budgets takes comma-separated integers, got {a.budgets!r}") from None
     if unknown or not methods or not budgets or min(budgets) < 1:
-        raise ValueError(f"unknown methods {sorted(unknown)}" if unknown else
+        raise ValueError(f"unknown methods {sorted(unknown)}: " + "; ".join(
+            reason for reason in unknown.values()) if unknown else
                          "need at least one method and positive budgets")
     return methods, budgets
 
@@ -125,8 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         methods, budgets = methods_and_budgets(a)
         config = EvalConfig(eval_build_config_from_args(a),
+                            overrides=tuple(parse_override(o) for o in a.set),
                             questions_per_conversation=a.questions_per_conversation,
                             max_new_tokens=a.max_new_tokens, generate=a.f1)
+        for m in methods:  # every configuration made once, so a bad value fails here
+            config.build_config(m, budgets[0]), config.route_of(m)
         convs, read = read_corpus(a, out)
     except (CorpusError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -26,7 +26,7 @@ import argparse
 import sys
 
 from pipeline.cli.numbers import non_negative
-from pipeline.cli.parser import add_store_options, make_parser
+from pipeline.cli.parser import add_store_options, make_parser, store_options
 from pipeline.store.base import StoreError
 from pipeline.store.garbage import FAULT_KINDS, find_garbage, remove
 from pipeline.store.uri import open_store
@@ -34,8 +34,7 @@ from pipeline.store.uri import open_store
 
 def build_parser() -> argparse.ArgumentParser:
     p = make_parser("jobs.gc", __doc__)
-    add_store_options(p)
-    p.add_argument("--s3-region", default=None, help="S3 region (default: the AWS chain)")
+    add_store_options(p, region=True)
     p.add_argument("--verify", action="store_true",
                    help="read every object a manifest names and check its size and SHA-256")
     p.add_argument("--delete", action="store_true", help="remove the orphans and unfinished "
@@ -48,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     try:
-        store = open_store(a.store, endpoint_url=a.s3_endpoint, region=a.s3_region, create=False)
+        store = open_store(a.store, store_options(a), create=False)
         g = find_garbage(store, a.min_age_seconds, verify=a.verify)
         for fault in g.faults:
             print(f"{fault.kind:<17} {fault.key}: {fault.detail}")

@@ -36,7 +36,7 @@ from collections.abc import Iterable, Iterator
 import pyarrow as pa
 
 from pipeline.cli.numbers import non_negative
-from pipeline.cli.parser import add_store_options, make_parser
+from pipeline.cli.parser import add_store_options, make_parser, store_options
 from pipeline.corpus.schema import UnsafeIdError
 from pipeline.store import table_sync
 from pipeline.store.base import Store, StoreError
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     filters = {"conversations": a.conversation, "config_hashes": a.config_hash,
                "models": a.model}
     try:
-        store = open_store(a.store, endpoint_url=a.s3_endpoint, create=False)
+        store = open_store(a.store, store_options(a), create=False)
         if a.rebuild or a.compact:
             return maintain(store, a.rebuild, a.retain_hours)
         table = ManifestTable(store)

@@ -1,12 +1,11 @@
 """Screen EpiCache recipes fast: one full prefill per conversation, then each recipe's selection.
 
     python -m jobs.screen --corpus ../shared/data/locomo --conversations 30 --budgets 1024 \\
-        --methods epicache-paper,epicache-paper+utt,epicache-paper+focus1000+utt,epicache
+        --methods epicache-paper,epicache-paper+scoring.utterance=true,epicache
 
 A proxy, not the evaluation: the cache is prefilled once with the full history, then for every
-episode the patch's attention to it is scored once and each recipe (the `jobs.evaluate` method
-and variant names, `pipeline.eval.EvalConfig.recipe`) keeps its top entries per layer in one
-step. Block prefill decides block by block and its later keys were computed with an already
+episode the patch's attention to it is scored once and each recipe (a `jobs.evaluate` preset
+with its overrides) keeps its top entries per layer in one step. Block prefill decides block by block and its later keys were computed with an already
 evicted history, so figures here are higher than `jobs.evaluate`'s; they rank selection
 strategies in minutes instead of hours. Retention of the mean evidence NLLs, with the same
 probes, routing and diagnostics as the evaluation; one process, no Ray.
@@ -17,12 +16,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipeline.builder.config import BuildConfig
 from pipeline.cli.options import PREFILL_OPTIONS, add_options, options_named
 from pipeline.cli.parser import make_parser
+from pipeline.config import BuildConfig
 from pipeline.corpus.reader import iter_corpus, select_conversations
 from pipeline.corpus.schema import Conversation, CorpusError
-from pipeline.eval.methods import EPISODIC, EvalConfig, parse_method
+from pipeline.eval.methods import EvalConfig, parse_method
 
 # The screen's conversations are cut as the quality work cuts them (docs/quality.md).
 SCREEN_BUILD = BuildConfig(max_context_tokens=7600)
@@ -34,8 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--conversations", default=None,
                    help="comma-separated ids, 26 = locomo-26 (default: all)")
     p.add_argument("--methods", default="epicache-paper,epicache",
-                   help="comma-separated EpiCache recipes: epicache or epicache-paper, with "
-                        "jobs.evaluate's variants (python -m jobs.evaluate --help)")
+                   help="comma-separated EpiCache recipes: jobs.evaluate's epicache presets, "
+                        "with overrides +PATH=VALUE (python -m jobs.evaluate --help)")
     p.add_argument("--budgets", default="512,1024",
                    help="comma-separated budgets: mean entries kept per layer and KV head")
     add_options(p, options_named(PREFILL_OPTIONS, "--max-context-tokens"), SCREEN_BUILD)
@@ -51,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     try:
         for m in methods:
-            if parse_method(m)[0] not in EPISODIC:
+            if not parse_method(m).episodic:
                 raise ValueError(f"{m!r}: the screen runs EpiCache recipes only")
         budgets = parse_budgets(a.budgets)
         convs = list(iter_corpus(a.corpus))

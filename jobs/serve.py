@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.store.uri import open_store
 
     try:
-        store = open_store(settings.store, endpoint_url=settings.s3_endpoint, create=False)
+        store = open_store(settings.store, settings.store_options, create=False)
         model, encoder = resolve_models(store, settings.model, settings.encoder)
     except (StoreError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

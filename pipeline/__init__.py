@@ -4,6 +4,8 @@ Offline, a corpus is turned into a few small, topic-specific caches per conversa
 question is routed to its episode's cache and decoded from it. Data flows down this list, and a
 package imports only from packages above it:
 
+    config/        the configurations, without torch: every stage's, the build's (hashed into
+                   the manifests), the answer's limits
     corpus/        conversations as data: the JSONL schema, LoCoMo, streaming reads, rendering
     kv/            the KV method: models, the episodic cache, scorers, budgets, block prefill
     episodes.py    conversations clustered into episodes; a question routed to one
@@ -15,8 +17,6 @@ package imports only from packages above it:
     serve/         the Ray Serve endpoint over answer/
     cli/           the command line's shared parser and options
     ray_runtime.py the Ray worker environment and joining or starting Ray
-    config_fields.py  configuration fields by dotted path (types, defaults, text casts)
-    configs.py     the stages' configurations and default models, without torch
 
 `jobs/` holds the commands that wire these together; `kernels/` the Triton kernels.
 """

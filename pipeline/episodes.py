@@ -9,12 +9,12 @@ episodes. An episode keeps its centroid (for routing questions) and its medoid w
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 from sklearn.cluster import KMeans
 
-from pipeline.configs import EpisodeConfig
+from pipeline.config import EpisodeConfig
 from pipeline.corpus.render import render_turns
 from pipeline.corpus.schema import Conversation, Turn
 from pipeline.routers import RouteIndex, unit
@@ -30,8 +30,6 @@ class Episode:
     patch_text: str
     # [member windows, dim] unit-norm, in `windows`' order: what the window routers compare
     window_embeddings: np.ndarray | None = None
-    # other episodes' turns this one also focuses on (`EpisodeConfig.adopt`)
-    adopted_turn_ids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -93,37 +91,11 @@ def build_episodes(conv: Conversation, encoder, config: EpisodeConfig = EpisodeC
             medoid_turn_ids=tuple(t.turn_id for t in patch_turns),
             patch_text=render_turns(conv, patch_turns, header=False).text,
             window_embeddings=embeddings[members].astype(np.float32)))
-    if config.adopt and len(episodes) > 1:
-        adopted = adopted_turns(encoder, conv, windows, embeddings, labels)
-        episodes = [replace(ep, adopted_turn_ids=adopted[label])
-                    for ep, label in zip(episodes, sorted(set(labels.tolist())))]
     note = ""
     if len(episodes) < config.episodes:
         note = (f"{len(episodes)} of {config.episodes} episodes: the conversation has "
                 f"{len(windows)} windows of {config.window} turns ({distinct} distinct)")
     return EpisodeSet(tuple(episodes), config.episodes, len(windows), note)
-
-
-def adopted_turns(encoder, conv: Conversation, windows: list[list[Turn]],
-                  window_embeddings: np.ndarray, labels: np.ndarray) -> dict[int, tuple[str, ...]]:
-    """By cluster label, the turns of other clusters whose nearest window, their own aside, has
-    that label: where the window router sends a question that the turn answers."""
-    turns = [t for w in windows for t in w]
-    own = np.repeat(np.arange(len(windows)), [len(w) for w in windows])
-    texts = [render_turns(conv, [t], header=False).text for t in turns]
-    embeddings = unit(np.asarray(encoder.encode(texts, normalize_embeddings=True,
-                                                show_progress_bar=False), dtype=np.float64))
-    similarity = embeddings @ window_embeddings.T
-    similarity[np.arange(len(turns)), own] = -np.inf
-    nearest = labels[similarity.argmax(axis=1)]
-    return {int(label): tuple(t.turn_id for t, near, mine in zip(turns, nearest, labels[own])
-                              if near == label != mine) for label in set(labels.tolist())}
-
-
-def focus_turn_ids(members: tuple[str, ...], episode: Episode) -> tuple[str, ...]:
-    """The turns an episode's cache keeps first: its windows' (`members`, `member_turn_ids`)
-    and those it adopted."""
-    return members + episode.adopted_turn_ids
 
 
 def member_turn_ids(conv: Conversation, episode: Episode, window: int) -> tuple[str, ...]:

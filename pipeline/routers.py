@@ -8,9 +8,6 @@ compare the question with.
 
 - `centroid`: the nearest centroid (the paper's rule).
 - `window`: the episode of the nearest window (a centroid averages an episode's topics away).
-- `knn`: the windows nearest the question vote for their episodes, weighted by similarity.
-- `expand` / `expandwin`: the question plus its best-matching windows (a second look, as in
-  pseudo-relevance feedback), then the centroid or window rule.
 """
 
 from __future__ import annotations
@@ -72,32 +69,7 @@ class WindowRouter:
         return index.per_episode_max(index.windows @ unit(np.asarray(question, dtype=np.float64)))
 
 
-@dataclass(frozen=True)
-class KnnRouter:
-    k: int = 5
-
-    def scores(self, question: np.ndarray, index: RouteIndex) -> np.ndarray:
-        sims = index.windows @ unit(np.asarray(question, dtype=np.float64))
-        nearest = np.argsort(-sims, kind="stable")[:self.k]
-        votes = np.zeros(index.n_episodes)
-        np.add.at(votes, index.window_episode[nearest], sims[nearest])
-        return votes
-
-
-@dataclass(frozen=True)
-class ExpandedRouter:
-    """The question moved towards its `top` best-matching windows, then `inner`'s rule."""
-    inner: CentroidRouter | WindowRouter = CentroidRouter()
-    top: int = 3
-
-    def scores(self, question: np.ndarray, index: RouteIndex) -> np.ndarray:
-        q = unit(np.asarray(question, dtype=np.float64))
-        nearest = np.argsort(-(index.windows @ q), kind="stable")[:self.top]
-        return self.inner.scores(unit(q + index.windows[nearest].mean(axis=0)), index)
-
-
-ROUTERS = {"centroid": CentroidRouter(), "window": WindowRouter(), "knn": KnnRouter(),
-           "expand": ExpandedRouter(), "expandwin": ExpandedRouter(WindowRouter())}
+ROUTERS = {"centroid": CentroidRouter(), "window": WindowRouter()}
 
 
 def ranked(scores: np.ndarray) -> list[int]:

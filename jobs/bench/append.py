@@ -33,24 +33,21 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from pipeline.answer.lookup import route_index, route_records
 from pipeline.builder.append import read_stored_cache
-from pipeline.builder.config import BuildConfig
 from pipeline.builder.conversation import build_conversation
+from pipeline.cli.bench import bench_conversations, bench_parser, start_bench
 from pipeline.cli.options import add_threads_option
-from pipeline.cli.parser import make_parser
-from pipeline.configs import GrowthConfig
-from pipeline.corpus.reader import iter_corpus, select_conversations
+from pipeline.config import BuildConfig, GrowthConfig
 from pipeline.corpus.render import render_conversation
-from pipeline.corpus.schema import Conversation, CorpusError
+from pipeline.corpus.schema import Conversation
 from pipeline.eval.cell import history_ids, measure_all
 from pipeline.eval.methods import EvalConfig
 from pipeline.eval.metrics import ADVERSARIAL_CATEGORY, retention
 from pipeline.kv import models, prompts
 from pipeline.kv.prefill import block_prefill
-from pipeline.kv.scorers import FullScorer
+from pipeline.kv.methods.full import Full
 from pipeline.store.local import LocalStore
 from pipeline.store.manifest import read_manifest
 
@@ -110,9 +107,9 @@ def stored_nll(lm, encoder, store: LocalStore, conv: Conversation, questions: li
 def reference_nlls(lm, conv: Conversation, questions: list, config: EvalConfig
                    ) -> tuple[float, float]:
     """(no history, full cache) mean evidence-recall NLLs at this length."""
-    none, _ = block_prefill(lm.model, history_ids(lm.tokenizer, conv, turns=False), FullScorer(),
+    none, _ = block_prefill(lm.model, history_ids(lm.tokenizer, conv, turns=False), Full(),
                             None)
-    full, _ = block_prefill(lm.model, history_ids(lm.tokenizer, conv), FullScorer(), None)
+    full, _ = block_prefill(lm.model, history_ids(lm.tokenizer, conv), Full(), None)
     return (mean_nll(measure_all(lm, conv, questions, none, config)),
             mean_nll(measure_all(lm, conv, questions, full, config)))
 
@@ -202,10 +199,7 @@ def summary(rows: list[dict]) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = make_parser("jobs.bench.append", __doc__)
-    p.add_argument("--corpus", required=True, help="LoCoMo folder or file (or project JSONL)")
-    p.add_argument("--conversations", default="26,30,41",
-                   help="conversation ids, comma-separated (matches locomo-<id>)")
+    p = bench_parser("append", __doc__, conversations="26,30,41")
     p.add_argument("--model", default=BuildConfig().model, help="LLM: packaged name or folder")
     p.add_argument("--encoder", default=BuildConfig().encoder, help="sentence encoder")
     p.add_argument("--start-tokens", type=int, default=3000,
@@ -225,14 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
-        convs = select_conversations(iter_corpus(args.corpus), args.conversations, args.corpus)
-    except CorpusError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    parser = build_parser()
+    args = start_bench(parser, argv)
+    convs = bench_conversations(parser, args)
     print(HEADER, flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-append-") as root:

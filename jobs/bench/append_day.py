@@ -25,10 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipeline.builder.config import BuildConfig, DriverOptions
 from pipeline.builder.driver import run_build
-from pipeline.cli.parser import make_parser
-from pipeline.configs import EpisodeConfig, GrowthConfig
+from pipeline.cli.bench import bench_parser, start_bench
+from pipeline.config import BuildConfig, DriverOptions, EpisodeConfig, GrowthConfig
 from pipeline.corpus.reader import write_jsonl
 from pipeline.corpus.synthetic import make_corpus
 from pipeline.ray_runtime import init_ray
@@ -133,7 +132,7 @@ def report(runs: list[dict]) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = make_parser("jobs.bench.append_day", __doc__)
+    p = bench_parser("append_day", __doc__)
     p.add_argument("--conversations", type=int, default=100, help="conversations in the corpus")
     p.add_argument("--target-tokens", type=int, default=1500,
                    help="each conversation's length on day 2 (estimated tokens)")
@@ -146,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    a = start_bench(build_parser(), argv)
     config = BuildConfig(budget=a.budget,
                          episodes=dataclasses.replace(EpisodeConfig(), episodes=a.episodes))
     # no questions: day 1's would name evidence in the session it lacks

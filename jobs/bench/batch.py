@@ -25,10 +25,10 @@ import torch
 
 from pipeline.answer.decode import generate_from_cache
 from pipeline.answer.packed import DecodeRow, Prefix, packed_step
-from pipeline.builder.config import BuildConfig
+from pipeline.cli.bench import bench_parser, start_bench
 from pipeline.cli.options import add_model_options
-from pipeline.cli.parser import make_parser
 from pipeline.cli.tables import print_table
+from pipeline.config import BuildConfig
 from pipeline.eval.bench_support import bench_text
 from pipeline.kv import models, prompts
 from pipeline.kv.prefill import PrefillConfig, block_prefill
@@ -74,7 +74,7 @@ def run_batch(lm: models.LoadedModel, cache, questions: list[torch.Tensor], new_
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = make_parser("jobs.bench.batch", __doc__)
+    p = bench_parser("batch", __doc__)
     add_model_options(p)
     p.add_argument("--tokens", type=int, default=4000, help="conversation length (tokens)")
     p.add_argument("--budget", type=int, default=512,
@@ -85,9 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    a = start_bench(build_parser(), argv)
     batches = [int(b) for b in a.batches.split(",")]
     lm = models.load_llm(a.model)
     config = BuildConfig(budget=a.budget)

@@ -22,18 +22,17 @@ import sys
 
 import torch
 
-from pipeline.builder.config import BuildConfig
+from pipeline.cli.bench import bench_parser, start_bench
 from pipeline.cli.options import add_model_options, add_prefill_options
-from pipeline.cli.parser import make_parser
 from pipeline.cli.tables import print_table
+from pipeline.config import BuildConfig, ScoringConfig
 from pipeline.eval.bench_support import bench_text, first_layers, full_prefill
 from pipeline.kv import models
 from pipeline.kv.prefill import PrefillConfig, block_prefill
-from pipeline.kv.scorers import ScoringConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = make_parser("jobs.bench.build_speed", __doc__)
+    p = bench_parser("build_speed", __doc__)
     add_prefill_options(p, lengths="8192,16384,32768")
     p.add_argument("--repeats", type=int, default=1, help="runs of each side; the best is kept")
     add_model_options(p)
@@ -43,11 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    a = start_bench(build_parser(), argv)
     config = BuildConfig(model=a.model, scoring=ScoringConfig.paper()) if a.paper else \
         BuildConfig(model=a.model)
-    if a.threads:
-        torch.set_num_threads(a.threads)
     lm = models.load_llm(a.model, "cpu")
     model = first_layers(lm.model, a.layers)
     budgets = [a.budget] * model.config.num_hidden_layers

@@ -36,12 +36,12 @@ import torch
 from pipeline.answer.answerer import Answerer
 from pipeline.answer.fetch import fetch_cache
 from pipeline.answer.malloc_tuning import retain_freed_memory
-from pipeline.builder.config import BuildConfig
 from pipeline.builder.conversation import build_conversation, files_of, is_built
+from pipeline.cli.bench import bench_parser, start_bench
 from pipeline.cli.options import (BUILD_OPTIONS, add_model_options, add_options, apply_options,
                                   options_named)
-from pipeline.cli.parser import make_parser
 from pipeline.cli.tables import print_table
+from pipeline.config import BuildConfig
 from pipeline.corpus.synthetic import make_conversation
 from pipeline.kv import models
 from pipeline.store import cache_format
@@ -135,7 +135,7 @@ DECODE_BUILD_OPTIONS = options_named(BUILD_OPTIONS, "--budget", "--episodes", "-
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = make_parser("jobs.bench.decode", __doc__)
+    p = bench_parser("decode", __doc__)
     p.add_argument("--tokens", type=int, default=8000, help="length of the synthetic conversation")
     add_options(p, DECODE_BUILD_OPTIONS, BuildConfig())
     p.add_argument("--questions", type=int, default=8, help="planted questions answered (turns)")
@@ -149,9 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    a = start_bench(build_parser(), argv)
     conv = make_conversation("bench-decode", target_tokens=a.tokens, seed=0)
     episodic = apply_options(BuildConfig(model=a.model, max_context_tokens=a.tokens),
                              DECODE_BUILD_OPTIONS, a)

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.cli.parser import make_parser
+from pipeline.cli.bench import bench_parser, start_bench
 from pipeline.eval.command_steps import Step, build_figure, render_report, run_step
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root: every step runs there
@@ -114,14 +114,14 @@ def environment() -> dict[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = make_parser("jobs.bench.gpu", __doc__)
+    p = bench_parser("gpu", __doc__)
     p.add_argument("--out", type=Path, default=Path("gpu-report"),
                    help=f"folder of the report ({REPORT}); created when CUDA is present")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    a = start_bench(build_parser(), argv)
     if not torch.cuda.is_available():
         print(NO_CUDA)
         return 0

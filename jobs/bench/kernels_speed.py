@@ -40,7 +40,7 @@ import torch
 
 from kernels import quant_reference
 from kernels.score import patch_attention_scores_reference
-from pipeline.cli.parser import make_parser
+from pipeline.cli.bench import bench_parser, start_bench
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 INVALID_SHARE = 0.1  # cached slots marked invalid (evicted), as in a cache mid-build
@@ -251,7 +251,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = make_parser("jobs.bench.kernels_speed", __doc__)
+    p = bench_parser("kernels_speed", __doc__)
     p.add_argument("--shapes", default="smollm2,3b", help=f"comma-separated of {list(SHAPES)}")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (the median is kept)")
     p.add_argument("--dtype", choices=list(DTYPES), default=None,
@@ -265,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    a = parser.parse_args(argv)
+    a = start_bench(parser, argv)
     if a.memory_probe:
         print(cpu_memory_probe(*a.memory_probe, dtype=a.dtype or "fp32", threads=a.threads))
         return 0
@@ -277,7 +277,6 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     dtype = a.dtype or ("bf16" if cuda else "fp32")
-    torch.set_num_threads(a.threads)
     if cuda:
         print(f"device: {torch.cuda.get_device_name()} | inputs {dtype} | median of {a.reps} runs")
     else:

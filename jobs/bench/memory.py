@@ -22,20 +22,20 @@ import sys
 
 import torch
 
-from pipeline.builder.config import BuildConfig
+from pipeline.cli.bench import bench_parser, start_bench
 from pipeline.cli.options import add_model_options, add_prefill_options
-from pipeline.cli.parser import make_parser
 from pipeline.cli.tables import print_table
+from pipeline.config import BuildConfig
 from pipeline.eval.bench_support import bench_text, dynamic_cache_bytes, first_layers, full_prefill
 from pipeline.kv import models, prompts
 from pipeline.kv.prefill import PrefillConfig, block_prefill
-from pipeline.kv.scorers import EpiCacheScorer
+from pipeline.kv.methods.epicache import EpiCache
 
 
 def measure(model: torch.nn.Module, ids: torch.Tensor, patch: torch.Tensor, budget: int,
             block: int, run_full: bool) -> dict:
     n_layers = model.config.num_hidden_layers
-    _, stats = block_prefill(model, ids, EpiCacheScorer(patch=patch), [budget] * n_layers,
+    _, stats = block_prefill(model, ids, EpiCache(patch=patch), [budget] * n_layers,
                              PrefillConfig(block=block))
     row = {"tokens": ids.shape[0], "patch": patch.shape[0],
            "block_entries": max(stats.peak_entries), "block_slots": max(stats.peak_slots),
@@ -48,7 +48,7 @@ def measure(model: torch.nn.Module, ids: torch.Tensor, patch: torch.Tensor, budg
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = make_parser("jobs.bench.memory", __doc__)
+    p = bench_parser("memory", __doc__)
     add_prefill_options(p, lengths="4096,8192,16384,32768,65536")
     p.add_argument("--patch-tokens", type=int, default=256,
                    help="cut the medoid patch to this length, the same at every length")
@@ -59,9 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    a = start_bench(build_parser(), argv)
     lengths = sorted(int(x) for x in a.lengths.split(","))
     lm = models.load_llm(a.model, "cpu")
     model = first_layers(lm.model, a.layers)

@@ -25,20 +25,17 @@ import sys
 import time
 from dataclasses import replace
 
-import torch
-
-from pipeline.builder.config import BuildConfig
+from pipeline.cli.bench import bench_conversations, bench_parser, start_bench
 from pipeline.cli.options import PREFILL_BENCH_OPTIONS, add_options, add_threads_option
-from pipeline.cli.parser import make_parser
-from pipeline.corpus.reader import iter_corpus, select_conversations
-from pipeline.corpus.schema import CorpusError
+from pipeline.config import BuildConfig
 from pipeline.eval.cell import evaluate_cell, prepare
 from pipeline.eval.methods import EvalConfig
 from pipeline.eval.metrics import retention
 from pipeline.kv import models
 
-ROWS = (("cut", "epicache+orig", False), ("cut+compact", "epicache+compact", False),
-        ("whole+compact", "epicache+compact", True), ("whole", "epicache", True))
+COMPACT = "epicache+prefill.compact_recent=0"  # every kept entry packed
+ROWS = (("cut", "epicache-orig", False), ("cut+compact", COMPACT, False),
+        ("whole+compact", COMPACT, True), ("whole", "epicache", True))
 
 
 def measure(conv, config: EvalConfig, budget: int) -> list[dict]:
@@ -65,10 +62,7 @@ def measure(conv, config: EvalConfig, budget: int) -> list[dict]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = make_parser("jobs.bench.positions", __doc__)
-    p.add_argument("--corpus", required=True, help="LoCoMo folder or file (or project JSONL)")
-    p.add_argument("--conversations", default="26",
-                   help="conversation ids, comma-separated (matches locomo-<id>)")
+    p = bench_parser("positions", __doc__, conversations="26")
     p.add_argument("--cut-tokens", type=int, default=7600,
                    help="the cut build's length, and which questions are measured")
     add_options(p, PREFILL_BENCH_OPTIONS[:1], BuildConfig())
@@ -79,16 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    parser = build_parser()
+    a = start_bench(parser, argv)
     config = EvalConfig(BuildConfig(max_context_tokens=a.cut_tokens),
                         questions_per_conversation=a.questions or None)
-    try:
-        conversations = select_conversations(iter_corpus(a.corpus), a.conversations, a.corpus)
-    except CorpusError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    conversations = bench_conversations(parser, a)
     rows = [row for conv in conversations for row in measure(conv, config, a.budget)]
     print(f"\nmodel {models.DEFAULT_LLM}, budget {a.budget}, retention of the mean evidence NLLs "
           f"(references: the {a.cut_tokens}-token cut's full cache and no history)\n")

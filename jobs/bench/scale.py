@@ -44,21 +44,20 @@ import psutil
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.builder.config import DriverOptions
 from pipeline.builder.driver import run_build
 from pipeline.builder.rehearsal import (SYNTHETIC_CONFIG, SYNTHETIC_STAGES, S3Requests,
                                       put_synthetic_corpus, write_synthetic_corpus)
 from pipeline.builder.sources import corpus_objects
+from pipeline.cli.bench import bench_parser, start_bench
 from pipeline.cli.options import (DRIVER_OPTIONS, add_options, driver_options_from_args,
                                   options_named)
-from pipeline.cli.parser import make_parser
+from pipeline.config import DriverOptions
 from pipeline.corpus.reader import CorpusStream
 from pipeline.ray_runtime import init_ray
 from pipeline.store import seaweedfs
-from pipeline.store.base import Store, StoreError
+from pipeline.store.base import Store, StoreError, StoreOptions
 from pipeline.store.local import LocalStore
 from pipeline.store.manifest import list_conversations, read_manifest
-from pipeline.store.s3 import S3Store, parse_s3_uri
 from pipeline.store.table import TABLE_SCHEMA, ManifestTable
 from pipeline.store.table_query import connect, select
 from pipeline.store.uri import open_store
@@ -295,18 +294,18 @@ def index_bench(conversations: int) -> int:
     return 0
 
 
-def bench_large(prefix: str, endpoint: str | None, n: int, options: DriverOptions,
+def bench_large(prefix: str, store_options: StoreOptions, n: int, options: DriverOptions,
                 commit_n: int = 1000) -> list[str]:
     """The large rehearsal (see the module's docstring); returns its report lines."""
     base = prefix.rstrip("/")
     corpus_uri = f"{base}/corpus"
     t = time.perf_counter()
-    size = put_synthetic_corpus(S3Store(*parse_s3_uri(corpus_uri), endpoint_url=endpoint), n)
+    size = put_synthetic_corpus(open_store(corpus_uri, store_options), n)
     lines = [f"corpus: {n:,} conversations in {-(-n // 1000)} JSONL objects "
              f"({size / 2**20:.1f} MiB) under {corpus_uri}, written in {time.perf_counter() - t:.0f} s"]
     marks = (n // 10, n)
     with tempfile.TemporaryDirectory(prefix="epicache-bench-large-") as work:
-        objects = corpus_objects(corpus_uri, endpoint)
+        objects = corpus_objects(corpus_uri, store_options)
         corpus = MarkedCorpus(objects, marks=marks, where=corpus_uri)
         summary = run_build(corpus, open_store(str(Path(work) / "store")), SYNTHETIC_CONFIG,
                             options, stages=SYNTHETIC_STAGES)
@@ -323,9 +322,9 @@ def bench_large(prefix: str, endpoint: str | None, n: int, options: DriverOption
         f"{r100:.0f} MiB; growth {growth}",
     ]
     # The commit's S3 requests: a smaller build into an S3 store, its client's calls counted.
-    store = open_store(f"{base}/store", endpoint_url=endpoint)
+    store = open_store(f"{base}/store", store_options)
     requests = S3Requests(store)
-    small = CorpusStream(corpus_objects(corpus_uri, endpoint)[:max(1, commit_n // 1000)],
+    small = CorpusStream(corpus_objects(corpus_uri, store_options)[:max(1, commit_n // 1000)],
                          where=corpus_uri)
     summary = run_build(small, store, SYNTHETIC_CONFIG, options, stages=SYNTHETIC_STAGES)
     gets, heads = requests("GetObject", "caches"), requests("HeadObject", "caches")
@@ -347,7 +346,7 @@ def run_large(a: argparse.Namespace) -> int:
             prefix, endpoint = server.uri("bench-large"), server.endpoint
             print(f"SeaweedFS started at {endpoint} (data in {root})", file=sys.stderr)
         init_ray()
-        lines = bench_large(prefix, endpoint, a.conversations or 100_000,
+        lines = bench_large(prefix, StoreOptions(endpoint), a.conversations or 100_000,
                             driver_options_from_args(a, SCALE_DRIVER_OPTIONS, SCALE_DRIVER))
     except (StoreError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -361,7 +360,7 @@ def run_large(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = make_parser("jobs.bench.scale", __doc__)
+    p = bench_parser("scale", __doc__)
     p.add_argument("--conversations", type=int, default=None,
                    help="synthetic conversations (default: 10,000; with --large 100,000)")
     p.add_argument("--large", action="store_true",
@@ -386,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    a = start_bench(build_parser(), argv)
     if a.index_rows:
         return index_bench(a.index_rows)
     if a.large:
@@ -394,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     n = a.conversations or 10_000
     work = Path(tempfile.mkdtemp(prefix="epicache-bench-"))
     try:
-        store = open_store(a.store or str(work / "store"), endpoint_url=a.s3_endpoint)
+        store = open_store(a.store or str(work / "store"), StoreOptions(a.s3_endpoint))
         corpus = work / "corpus.jsonl"
         write_synthetic_corpus(corpus, n, a.fail_every)
         init_ray()

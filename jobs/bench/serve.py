@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import requests
 
-from pipeline.cli.parser import make_parser
+from pipeline.cli.bench import bench_parser, start_bench
 from pipeline.corpus.reader import read_corpus
 
 STAGES = ("embed", "route", "fetch", "decode")
@@ -292,7 +292,7 @@ def _levels(value: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = make_parser("jobs.bench.serve", __doc__)
+    p = bench_parser("serve", __doc__)
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the running jobs.serve app")
     p.add_argument("--corpus", help="JSONL corpus the store was built from, for its questions "
                                     "(default: none; generic questions to each --conversation)")
@@ -321,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    a = start_bench(build_parser(), argv)
     try:
         pairs = load_questions(a.corpus, a.conversation, a.conversations,
                                a.questions_per_conversation)

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.answer.decode import Decoded, finish_reason, question_prompt
-from pipeline.answer.limits import DEFAULT_LIMITS, AnswerLimits
 from pipeline.answer.packed import DecodeRow, Prefix, packed_step
+from pipeline.config.limits import DEFAULT_LIMITS, AnswerLimits
 from pipeline.kv import models, prompts
 from pipeline.kv.cache import EpisodicCache
 

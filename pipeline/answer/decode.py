@@ -14,7 +14,7 @@ from typing import Iterator
 
 import torch
 
-from pipeline.answer.limits import DEFAULT_LIMITS, AnswerLimits, check_positions
+from pipeline.config.limits import DEFAULT_LIMITS, AnswerLimits, check_positions
 from pipeline.kv import models, prompts
 from pipeline.kv.cache import EpisodicCache
 

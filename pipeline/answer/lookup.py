@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from pipeline.configs import RoutingConfig
+from pipeline.config import RoutingConfig
 from pipeline.corpus.schema import check_safe_id
 from pipeline.routers import ROUTERS, RouteIndex, chosen
 from pipeline.store.base import Store

@@ -1,7 +1,5 @@
 """The build: a corpus in, episodic caches and manifests out, one conversation at a time or on Ray.
 
-    config.py        BuildConfig: every stage's configuration, hashed into the manifests;
-                     DriverOptions: how the driver runs and when it appends (not hashed)
     cluster.py       stage 1: the conversation cut to fit, and its episodes (or an append's plan)
     growth.py        stage 1 of a grown conversation: its new windows placed in the episodes,
                      or why it is re-clustered (GrowthConfig)
@@ -15,4 +13,6 @@
     job.py           the build as one job: corpus checked and store opened first (no torch,
                      no Ray: open_job), skip report, Summary, BuildError
     rehearsal.py     synthetic stages for the scale rehearsal and the tests
+
+What a build is configured with (BuildConfig, hashed; DriverOptions, not) is in pipeline.config.
 """

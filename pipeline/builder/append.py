@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 
 from pipeline.builder.cluster import ClusterResult
-from pipeline.builder.config import BuildConfig, ModelFingerprints
 from pipeline.builder.episode import (
     build_episode,
     cache_fields,
@@ -24,6 +23,7 @@ from pipeline.builder.episode import (
     store_dtype,
 )
 from pipeline.builder.growth import AppendPlan
+from pipeline.config import BuildConfig, ModelFingerprints
 from pipeline.corpus.render import render_conversation
 from pipeline.kv import models, prompts
 from pipeline.kv.cache import EpisodicCache

@@ -7,20 +7,19 @@ import datetime as dt
 import time
 from dataclasses import dataclass, replace
 
-from pipeline.builder.config import BuildConfig
 from pipeline.builder.growth import AppendPlan, Recluster, plan_append
-from pipeline.configs import GrowthConfig
+from pipeline.config import BuildConfig, GrowthConfig
 from pipeline.corpus.render import cut_at_session, render_conversation
 from pipeline.corpus.schema import Conversation
 from pipeline.episodes import EpisodeConfig, EpisodeSet, build_episodes, member_turn_ids
 from pipeline.kv import models, prompts
 from pipeline.kv.positions import check_fits
-from pipeline.kv.scorers import EpiCacheScorer
+from pipeline.kv.methods.epicache import EpiCache
 from pipeline.store.manifest import ManifestRecord
 
 
 def is_episodic(config: BuildConfig) -> bool:
-    return config.scorer == EpiCacheScorer.name
+    return config.scorer == EpiCache.name
 
 
 @dataclass(frozen=True)

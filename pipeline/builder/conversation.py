@@ -11,9 +11,8 @@ import logging
 
 from pipeline.builder.append import prefill_episode
 from pipeline.builder.cluster import plan_conversation
-from pipeline.builder.config import BuildConfig, ModelFingerprints
 from pipeline.builder.profile import layer_budgets
-from pipeline.configs import GrowthConfig
+from pipeline.config import BuildConfig, GrowthConfig, ModelFingerprints
 from pipeline.corpus.history import history_change, turns_digest
 from pipeline.corpus.schema import Conversation
 from pipeline.kv import models

@@ -26,18 +26,17 @@ import ray
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from pipeline.builder.config import BuildConfig, DriverOptions, ModelFingerprints
 from pipeline.builder.conversation import commit_manifest, stored_version, with_source
 from pipeline.builder.job import BuildError, OpenedJob, Summary
 from pipeline.builder.sources import corpus_objects
 from pipeline.builder.tasks import MODEL_STAGES, Planned, Stages, WorkerStamp
+from pipeline.config import BuildConfig, DriverOptions, ModelFingerprints
 from pipeline.corpus.reader import CorpusStream, ReadStats
 from pipeline.corpus.records import DEFAULT_LIMITS, CorpusLimits
 from pipeline.corpus.schema import Conversation, CorpusError
 from pipeline.ray_runtime import init_ray
 from pipeline.store.base import Store
 from pipeline.store.manifest import ManifestRecord, list_conversations
-from pipeline.store.s3 import S3Store
 from pipeline.store.table_sync import IndexWriter
 from pipeline.store.uri import open_store
 
@@ -318,8 +317,7 @@ def run_build(corpus: str | CorpusStream, store: str | Store, config: BuildConfi
     manifest table every `options.index_flush_rows` rows (or minute) and at the end."""
     store = open_store(store) if isinstance(store, str) else store
     if isinstance(corpus, str):
-        endpoint = store.endpoint_url if isinstance(store, S3Store) else None
-        corpus = CorpusStream(corpus_objects(corpus, endpoint), on_bad_record, ReadStats(),
+        corpus = CorpusStream(corpus_objects(corpus, store.options), on_bad_record, ReadStats(),
                               limits, where=corpus)
     gpus = options.gpus_per_task
     if gpus is None:

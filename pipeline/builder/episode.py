@@ -5,37 +5,41 @@ from __future__ import annotations
 import datetime as dt
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
 
 from pipeline.builder.cluster import ClusterResult, is_episodic
-from pipeline.builder.config import BuildConfig, ModelFingerprints
+from pipeline.config import BuildConfig, ModelFingerprints
 from pipeline.corpus.render import render_conversation
 from pipeline.corpus.schema import Conversation
-from pipeline.episodes import focus_turn_ids
 from pipeline.kv import models, prompts
 from pipeline.kv.cache import EpisodicCache
 from pipeline.kv.layout import token_layout
 from pipeline.kv.prefill import PrefillStats, block_prefill
-from pipeline.kv.scorers import Scorer, build_scorer, episodic_scorer
+from pipeline.kv import methods
+from pipeline.kv.methods.base import Method, MethodInputs, Scorer
 from pipeline.store import cache_format
 from pipeline.store.base import Store, cache_key
 from pipeline.store.manifest import ManifestRecord
 
 
+def build_method(config: BuildConfig) -> Method:
+    """The configured method with its parameters: EpiCache's are `config.scoring` (hashed into
+    the build); the baselines keep their papers' defaults."""
+    return methods.create(config.scorer, **(asdict(config.scoring) if is_episodic(config) else {}))
+
+
 def episode_scorer(tokenizer, conv: Conversation, patch_text: str, members: tuple[str, ...],
                    config: BuildConfig) -> Scorer:
-    """The scorer of one episode's build: EpiCache's, shaped by `config.scoring` (it may read
-    the conversation's token layout and the episode's own turns, `members`), or the configured
-    baseline."""
-    encode = lambda text: prompts.patch_ids(tokenizer, text)  # noqa: E731
-    if not is_episodic(config):
-        return build_scorer(config.scorer, encode, patch_text)
-    layout = token_layout(tokenizer, conv)
-    return episodic_scorer(encode(patch_text), config.scoring, layout.line_ids,
-                           layout.turn_mask(members))
+    """The method of one episode's build, bound to its patch text and, for EpiCache, the
+    conversation's token layout and the episode's own turns (`members`)."""
+    inputs = MethodInputs(lambda text: prompts.patch_ids(tokenizer, text), patch_text)
+    if is_episodic(config):
+        layout = token_layout(tokenizer, conv)
+        inputs = replace(inputs, line_ids=layout.line_ids, member=layout.turn_mask(members))
+    return build_method(config).bind(inputs)
 
 
 def store_dtype(config: BuildConfig) -> tuple[torch.dtype, int]:
@@ -86,21 +90,32 @@ def cache_fields(stored: StoredCache, cache: EpisodicCache, stats: PrefillStats,
         built_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
 
 
-def build_episode(clustered: ClusterResult, episode: int, budgets: list[int] | None,
-                  config: BuildConfig, store: Store) -> ManifestRecord:
-    """Block-prefill one episode's cache, store it, and return its manifest record."""
+@dataclass(frozen=True)
+class BuiltEpisode:
+    """An episode's build: its manifest record, and the cache it stored with its prefill's
+    stats (the evaluation measures them; a Ray task returns only the record)."""
+    record: ManifestRecord
+    cache: EpisodicCache
+    stats: PrefillStats
+
+
+def build_episode_cache(clustered: ClusterResult, episode: int, budgets: list[int] | None,
+                        config: BuildConfig, store: Store,
+                        patch_text: str | None = None) -> BuiltEpisode:
+    """Block-prefill one episode's cache, store it, and make its manifest record. `patch_text`
+    replaces the episode's medoid text as the method's patch (the evaluation's question
+    bound)."""
     lm = models.load_llm(config.model)
     conv, episodes = clustered.conversation, clustered.episodes
     ep = episodes.episodes[episode]
     ids = prompts.context_ids(lm.tokenizer, render_conversation(conv).text)
     members = clustered.members[episode]
-    scorer = episode_scorer(lm.tokenizer, conv, ep.patch_text, focus_turn_ids(members, ep),
-                            config)
+    scorer = episode_scorer(lm.tokenizer, conv, patch_text or ep.patch_text, members, config)
     cache, stats = block_prefill(lm.model, ids, scorer, budgets, config.prefill,
                                  original_element_size=store_dtype(config)[1])
     files = ModelFingerprints(lm.fingerprint, clustered.encoder_fingerprint)
     stored = store_cache(cache, conv.conversation_id, episode, config, files, store)
-    return ManifestRecord(
+    record = ManifestRecord(
         conversation_id=conv.conversation_id, episode=episode,
         episodes_requested=episodes.requested if is_episodic(config) else 1,
         episodes_built=len(episodes.episodes), episode_note=episodes.note,
@@ -114,3 +129,10 @@ def build_episode(clustered: ClusterResult, episode: int, budgets: list[int] | N
         cache_turns=len(conv.turns), member_turn_ids=list(members),
         clustered_turns=len(conv.turns), clustered_at=clustered.clustered_at, appends=0,
         **cache_fields(stored, cache, stats, config))
+    return BuiltEpisode(record, cache, stats)
+
+
+def build_episode(clustered: ClusterResult, episode: int, budgets: list[int] | None,
+                  config: BuildConfig, store: Store) -> ManifestRecord:
+    """Block-prefill one episode's cache, store it, and return its manifest record."""
+    return build_episode_cache(clustered, episode, budgets, config, store).record

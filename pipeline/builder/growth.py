@@ -20,8 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.builder.config import BuildConfig
-from pipeline.configs import GrowthConfig
+from pipeline.config import BuildConfig, GrowthConfig
 from pipeline.corpus.render import render_conversation
 from pipeline.corpus.schema import Conversation
 from pipeline.episodes import embed_windows, segment, unit
@@ -80,9 +79,6 @@ def plan_append(conv: Conversation, previous: list[ManifestRecord], config: Buil
     baseline's single episode takes every new window."""
     if not growth.append:
         return Recluster("appending off", "appending is off (--no-append)")
-    if config.episodes.adopt:
-        return Recluster("adopted turns", "its episodes adopt turns by their nearest window "
-                                          "over the whole history")
     previous = sorted(previous, key=lambda r: r.episode)
     first = previous[0]
     if any(getattr(r, name) is None for r in previous for name in _APPEND_STATE):

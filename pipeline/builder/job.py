@@ -28,7 +28,7 @@ from pipeline.builder.sources import corpus_objects
 from pipeline.corpus.reader import SKIP_REPORT, CorpusStream, OnBadRecord, ReadStats
 from pipeline.corpus.records import DEFAULT_LIMITS, CorpusLimits
 from pipeline.corpus.schema import CorpusError
-from pipeline.store.base import Store
+from pipeline.store.base import Store, StoreOptions
 from pipeline.store.uri import open_store
 
 SKIPS_SHOWN = 20  # skips printed to stderr; all of them are in the report
@@ -93,13 +93,13 @@ def configure_logging(level: str = "INFO") -> None:
 @dataclass(frozen=True)
 class BuildJob:
     """What a build reads and where it writes: the corpus (a path or s3:// URI) and its reading
-    rules, the store (a folder or s3:// URI), and the S3 endpoint and region and Ray cluster."""
+    rules, the store (a folder or s3:// URI) and how to reach it (the corpus, when in S3, is
+    reached alike), and the Ray cluster."""
     corpus: str
     store: str
     on_bad_record: OnBadRecord = "fail"
     limits: CorpusLimits = DEFAULT_LIMITS
-    s3_endpoint: str | None = None
-    s3_region: str | None = None
+    store_options: StoreOptions = StoreOptions()
     ray_address: str | None = None
 
 
@@ -151,7 +151,7 @@ def open_job(job: BuildJob, err: IO[str] | None = None) -> Iterator[OpenedJob]:
             report.write(json.dumps(skip.as_dict()) + "\n")
 
         stats = ReadStats(keep=SKIPS_SHOWN, sink=to_report)
-        corpus = CorpusStream(corpus_objects(job.corpus, job.s3_endpoint), job.on_bad_record,
+        corpus = CorpusStream(corpus_objects(job.corpus, job.store_options), job.on_bad_record,
                               stats, job.limits, where=job.corpus)
         unusable = None
         try:
@@ -161,7 +161,7 @@ def open_job(job: BuildJob, err: IO[str] | None = None) -> Iterator[OpenedJob]:
                 raise
             unusable = e  # every record skipped: reported below, as any skips are, then raised
         shown = print_skips(stats, 0, err)
-        store = open_store(job.store, endpoint_url=job.s3_endpoint, region=job.s3_region)
+        store = open_store(job.store, job.store_options)
         key = skip_report_key()
         if put_skip_report(store, report, key):
             print(f"skip report: {store.uri}/{key}", file=err)

@@ -6,7 +6,7 @@ import hashlib
 import json
 import time
 
-from pipeline.builder.config import BuildConfig
+from pipeline.config import BuildConfig
 from pipeline.corpus.render import render_conversation
 from pipeline.corpus.synthetic import make_conversation
 from pipeline.kv import models, prompts

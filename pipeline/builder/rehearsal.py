@@ -24,10 +24,9 @@ import torch
 from safetensors.torch import save as st_save
 
 from pipeline.builder.cluster import ClusterResult
-from pipeline.builder.config import BuildConfig, ModelFingerprints
 from pipeline.builder.growth import AppendPlan
 from pipeline.builder.tasks import Planned, Stages, WorkerStamp
-from pipeline.configs import GrowthConfig
+from pipeline.config import BuildConfig, GrowthConfig, ModelFingerprints
 from pipeline.corpus.schema import Conversation
 from pipeline.episodes import Episode, EpisodeConfig, EpisodeSet
 from pipeline.store import cache_format

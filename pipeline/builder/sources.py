@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from pipeline.corpus.reader import CorpusObject, local_objects
 from pipeline.corpus.schema import CorpusError
-from pipeline.store.s3 import S3Store, parse_s3_uri
+from pipeline.store.base import Store, StoreOptions
+from pipeline.store.s3 import parse_s3_uri
+from pipeline.store.uri import open_store
 
 
-def corpus_objects(uri: str, endpoint_url: str | None = None) -> list[CorpusObject]:
+def corpus_objects(uri: str, options: StoreOptions | None = None) -> list[CorpusObject]:
     """The objects of a corpus: a local file or folder, `s3://bucket/key.jsonl` (one object)
-    or `s3://bucket/folder` (the .jsonl/.json objects directly under it, in key order). Only
-    the listing happens here; records are streamed from S3 (GetObject) as the build reads
-    them, never copied to the driver's disk."""
+    or `s3://bucket/folder` (the .jsonl/.json objects directly under it, in key order), reached
+    with the store's `options`. Only the listing happens here; records are streamed from S3
+    (GetObject) as the build reads them, never copied to the driver's disk."""
     if not uri.startswith("s3://"):
         return local_objects(uri)
     bucket, key = parse_s3_uri(uri)
@@ -19,16 +21,16 @@ def corpus_objects(uri: str, endpoint_url: str | None = None) -> list[CorpusObje
         raise CorpusError(f"{uri}: give an object (.jsonl/.json) or a folder inside the bucket")
     parent, _, name = key.rpartition("/")
     if name.endswith((".jsonl", ".json")):
-        folder = S3Store(bucket, parent, endpoint_url=endpoint_url)
+        folder = open_store(f"s3://{bucket}/{parent}", options, create=False)
         size = folder.info(name).size  # a missing object fails here, in one line
-        return [_s3_object(folder, name, size)]
-    folder = S3Store(bucket, key, endpoint_url=endpoint_url)
+        return [_object(folder, name, size)]
+    folder = open_store(f"s3://{bucket}/{key}", options, create=False)
     names = [k for k in folder.list() if "/" not in k and k.endswith((".jsonl", ".json"))]
     if not names:
         raise CorpusError(f"{uri}: no such object, and no .jsonl or .json objects under it")
-    return [_s3_object(folder, n) for n in names]
+    return [_object(folder, n) for n in names]
 
 
-def _s3_object(folder: S3Store, name: str, size: int | None = None) -> CorpusObject:
+def _object(folder: Store, name: str, size: int | None = None) -> CorpusObject:
     return CorpusObject(name, lambda: folder.open(name),
                         (lambda: size) if size is not None else (lambda: folder.info(name).size))

@@ -15,10 +15,9 @@ import ray
 
 from pipeline.builder.append import prefill_episode
 from pipeline.builder.cluster import ClusterResult, plan_conversation
-from pipeline.builder.config import BuildConfig, ModelFingerprints
 from pipeline.builder.growth import AppendPlan, Recluster
 from pipeline.builder.profile import layer_budgets
-from pipeline.configs import GrowthConfig
+from pipeline.config import BuildConfig, GrowthConfig, ModelFingerprints
 from pipeline.corpus.schema import Conversation
 from pipeline.kv import models
 from pipeline.store.base import Store

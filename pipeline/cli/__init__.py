@@ -5,4 +5,5 @@
     options.py  the options made from the configurations' fields (build, driver, corpus,
                 store, serve, benchmarks), each group added and read back in one place
     tables.py   fixed-width tables, as the benchmarks print them
+    bench.py    the benchmarks' common opening: their parser, `--threads`, `--corpus`
 """

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Callable, Sequence, TypeVar
 
-from pipeline.builder.config import STORE_DTYPES, BuildConfig, DriverOptions
 from pipeline.cli.numbers import count, finite, non_negative, positive_int
-from pipeline.config_fields import choices_of, get_path, parser_of, replace_path
-from pipeline.configs import (ALLOCATOR_NAMES, SCORER_NAMES, MergeConfig, ScoringConfig,
-                              TriStateConfig)
+from pipeline.config import (ALLOCATOR_NAMES, STORE_DTYPES, BuildConfig,
+                             DriverOptions, MergeConfig, ScoringConfig, TriStateConfig)
+from pipeline.config.fields import choices_of, get_path, parser_of, replace_path
 from pipeline.corpus.records import CorpusLimits
+from pipeline.kv import methods
 from pipeline.serve.settings import ServeSettings
 
 C = TypeVar("C")
@@ -152,7 +152,8 @@ BUILD_OPTIONS = SHARED_BUILD_OPTIONS + (
     FieldOption("--scorer", "scorer",
                 "how entries are scored for eviction, one of %(choices)s (docs/building.md, "
                 "'Scorers'); epicache builds one cache per episode, the others one per "
-                "conversation", choices=sorted(set(SCORER_NAMES) - {"question"}), metavar="SCORER"),
+                "conversation", choices=sorted(set(methods.REGISTRY) - {"question"}),
+                metavar="SCORER"),
     FieldOption("--budget", "budget",
                 "mean entries kept per layer and KV head (--tristate: the bytes of that many "
                 "Original entries)"),

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+from pipeline.store.base import StoreOptions
+
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """Keeps the description's layout and appends `(default: X)` to an option's help, except
@@ -32,10 +34,16 @@ def make_parser(module: str, doc: str, epilog: str | None = None) -> argparse.Ar
 def add_store_options(p: argparse.ArgumentParser, help: str = "store folder, or s3://bucket/prefix",
                       region: bool = False) -> None:
     """`--store` and `--s3-endpoint` (and `--s3-region`), as every command that opens a store
-    takes them; the endpoint's fallbacks are `pipeline.store.s3.s3_endpoint`'s."""
+    takes them; the command passes them on as one `store_options(a)`, whose endpoint the S3
+    backend resolves (`pipeline.store.s3.s3_endpoint`)."""
     p.add_argument("--store", required=True, help=help)
     p.add_argument("--s3-endpoint", default=None,
                    help="S3-compatible endpoint URL (default: $EPICACHE_S3_ENDPOINT, else "
                         "$AWS_ENDPOINT_URL_S3 / $AWS_ENDPOINT_URL, else AWS)")
     if region:
         p.add_argument("--s3-region", default=None, help="S3 region (default: the AWS chain)")
+
+
+def store_options(a: argparse.Namespace) -> StoreOptions:
+    """The store options `add_store_options` parsed, as `open_store` takes them."""
+    return StoreOptions(endpoint=a.s3_endpoint, region=getattr(a, "s3_region", None))

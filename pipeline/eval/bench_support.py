@@ -15,12 +15,12 @@ import torch
 from transformers import DynamicCache
 
 from pipeline.builder.cluster import cluster_conversation
-from pipeline.builder.config import BuildConfig
 from pipeline.builder.episode import episode_scorer
+from pipeline.config import BuildConfig
 from pipeline.corpus.render import render_conversation
 from pipeline.corpus.synthetic import make_conversation
 from pipeline.kv import models, prompts
-from pipeline.kv.scorers import Scorer
+from pipeline.kv.methods.base import Scorer
 
 
 @dataclass(frozen=True)

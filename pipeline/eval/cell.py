@@ -1,8 +1,9 @@
 """One evaluation cell = (conversation, method, budget): build its caches, measure its questions.
 
-A cell builds the caches its method needs in the block-prefill setting (one per conversation;
-one per episode for EpiCache, routed per question; one per question for the `question` upper
-bound), then measures every question with `pipeline.eval.metrics`. The two references, the full
+A cell builds the caches its method needs through the product's build (`pipeline.builder`,
+into an in-memory store: one cache per conversation; one per episode for EpiCache, routed per
+question; one per question for the `question` upper bound), then measures every question with
+`pipeline.eval.metrics`. The two references, the full
 cache (`full`) and no history (`none`), are cells of their own, computed once per conversation;
 retention is derived from them when the records are gathered (`pipeline.eval.summary`).
 """
@@ -10,27 +11,31 @@ retention is derived from them when the records are gathered (`pipeline.eval.sum
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 
 from pipeline.answer.decode import generate_from_cache
+from pipeline.builder.cluster import cluster_conversation
+from pipeline.builder.episode import build_episode_cache
+from pipeline.config import BuildConfig
 from pipeline.corpus.render import cut_at_session, render_conversation, render_header
 from pipeline.corpus.schema import Conversation, Question
-from pipeline.episodes import build_episodes, focus_turn_ids, member_turn_ids
-from pipeline.eval.methods import EPISODIC, EvalConfig, parse_method
+from pipeline.eval.episode_reads import episodic_reads, route_scores, select_route
+from pipeline.eval.methods import NO_HISTORY, EvalConfig, parse_method
 from pipeline.eval.metrics import (ADVERSARIAL_CATEGORY, continuation_nlls, evidence_probe,
                                    f1_score, question_text)
-from pipeline.eval.episode_reads import episodic_reads, route_scores, select_route
 from pipeline.eval.summary import nan_mean
 from pipeline.kv import models, prompts
 from pipeline.kv.cache import EpisodicCache
 from pipeline.kv.layout import TokenLayout, kept_share, token_layout
-from pipeline.kv.positions import check_fits
-from pipeline.kv.prefill import block_prefill, entry_bytes
-from pipeline.kv.scorers import FullScorer, build_scorer, episodic_scorer
+from pipeline.kv.methods.full import Full
+from pipeline.kv.prefill import PrefillStats, block_prefill, entry_bytes
 from pipeline.kv.tristate import EntryBytes
+from pipeline.store.memory import MemoryStore
 
 ORIGINAL_ELEMENT_SIZE = 2  # Original entries counted as stored by default (float16)
 
@@ -119,33 +124,26 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
                   layer_budgets: list[int] | None) -> list[dict]:
     """Per-question records of one (conversation, method, budget) cell. `method` may also be
     "none": the no-history reference. `layer_budgets` None means `budget` in every layer.
-    An episodic cell reads every episode for every question (`pipeline.eval.episode_reads`): its
-    records carry each router's choice, and the method's own routing is selected."""
+
+    The caches are built as `jobs.build` builds them (`pipeline.builder`: the conversation
+    fitted and clustered, each episode block-prefilled and stored, here in an in-memory store
+    dropped with the cell), and measured as built. An episodic cell reads every episode for
+    every question (`pipeline.eval.episode_reads`): its records carry each router's choice, and
+    the method's own routing is selected."""
     lm = models.load_llm(config.model)
     if layer_budgets is None and budget is not None:
         layer_budgets = [budget] * lm.config.num_hidden_layers
-    conv = prep.conversation
+    conv, questions = prep.conversation, list(prep.questions)
     start = time.perf_counter()
-    build_seconds = 0.0
-    base, _ = parse_method(method)
-    recipe = config.recipe(method)
-    prefill = config.prefill_config(method)
-    if prefill.position_mode == "original" and base != "none":
-        check_fits(conv.conversation_id, prep.tokens, lm.config.max_position_embeddings,
-                   cannot_compact=prefill.cannot_compact)
+    build = config.build_config(method, budget)
     sizes = entry_bytes(lm.model, ORIGINAL_ELEMENT_SIZE)
     layout = token_layout(lm.tokenizer, conv)
-    merged: dict[int, int] = {}
-    encode = lambda text: prompts.patch_ids(lm.tokenizer, text)  # noqa: E731
-    questions = list(prep.questions)
+    merged: dict[int, int] = {}  # id(cache) -> entries merged (D2O) by its build
+    seconds = []
 
-    def build(ids, scorer) -> EpisodicCache:
-        nonlocal build_seconds
-        budgets = None if base in ("full", "none") else layer_budgets
-        cache, stats = block_prefill(lm.model, ids, scorer, budgets, prefill,
-                                     original_element_size=ORIGINAL_ELEMENT_SIZE)
-        build_seconds += stats.seconds
+    def built(cache: EpisodicCache, stats: PrefillStats) -> EpisodicCache:
         merged[id(cache)] = stats.merged_entries
+        seconds.append(stats.seconds)
         return cache
 
     def measure(cache: EpisodicCache, indices: list[int]) -> list[dict]:
@@ -155,34 +153,52 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
                  **evidence_diagnostics(conv, q, layout, cache), **footprint, **record}
                 for q, record in zip(chosen, measure_all(lm, conv, chosen, cache, config))]
 
-    ids = history_ids(lm.tokenizer, conv)
-    if base in EPISODIC:
-        encoder = models.load_encoder(config.encoder)
-        episodes = build_episodes(conv, encoder, recipe.episodes)
-        scores = route_scores(encoder, episodes, questions)
-        # route hits are judged on the episode's windows, whatever its cache focused on
-        members = [member_turn_ids(conv, ep, recipe.episodes.window) for ep in episodes.episodes]
-        focus = [focus_turn_ids(members[ep.index], ep) for ep in episodes.episodes]
-        caches = [build(ids, episodic_scorer(encode(ep.patch_text), recipe.scoring, layout.line_ids,
-                                             layout.turn_mask(focus[ep.index])))
-                  for ep in episodes.episodes]
-        measured = [select_route(r, method, config)
-                    for r in episodic_reads(questions, members, caches, scores, measure)]
-    elif base == "question":  # an upper bound: one build per question, the question as the patch
-        measured = [measure(build(ids, build_scorer(base, encode, question_text(q))), [i])[0]
-                    for i, q in enumerate(questions)]
-    else:
-        scorer = FullScorer() if base in ("full", "none") else build_scorer(base, encode)
-        cache = build(history_ids(lm.tokenizer, conv, turns=base != "none"), scorer)
+    if method == NO_HISTORY:  # the reference: the same prompt without the turns
+        cache = built(*block_prefill(lm.model, history_ids(lm.tokenizer, conv, turns=False),
+                                     Full(), None, build.prefill,
+                                     original_element_size=ORIGINAL_ELEMENT_SIZE))
         measured = measure(cache, list(range(len(questions))))
+    else:
+        measured = _built_and_measured(conv, questions, method, build,
+                                       None if build.budget is None else layer_budgets,
+                                       config, built, measure)
     elapsed = time.perf_counter() - start
     return [{"conversation_id": conv.conversation_id, "method": method,
-             "budget": budget if method not in ("full", "none") else None,
+             "budget": budget if build.budget is not None and method != NO_HISTORY else None,
              "question_index": i, "question": q.question, "answer": q.answer,
              "category": q.category, "evidence": list(q.evidence), "episode": 0,
              "route_similarity": float("nan"), "route_hit": None,
-             **record, "cell_seconds": elapsed, "build_seconds": build_seconds}
+             **record, "cell_seconds": elapsed, "build_seconds": sum(seconds)}
             for i, (q, record) in enumerate(zip(questions, measured))]
+
+
+def _built_and_measured(conv: Conversation, questions: list[Question], method: str,
+                        build: BuildConfig, budgets: list[int] | None, config: EvalConfig,
+                        built: Callable, measure: Callable) -> list[dict]:
+    """Build a method's caches through the product's build into an in-memory store, and
+    measure each question on the cache(s) it reads."""
+    store = MemoryStore(f"eval-{uuid.uuid4().hex}")
+    try:
+        clustered = cluster_conversation(conv, build)
+
+        def cache_of(episode: int, patch_text: str | None = None) -> EpisodicCache:
+            done = build_episode_cache(clustered, episode, budgets, build, store, patch_text)
+            store.delete(done.record.object_key)  # measured as built; nothing kept
+            return built(done.cache, done.stats)
+
+        if parse_method(method).episodic:
+            caches = [cache_of(ep.index) for ep in clustered.episodes.episodes]
+            encoder = models.load_encoder(config.encoder)
+            scores = route_scores(encoder, clustered.episodes, questions)
+            # route hits are judged on the episode's windows, whatever its cache focused on
+            return [select_route(r, method, config) for r in episodic_reads(
+                questions, list(clustered.members), caches, scores, measure)]
+        if build.scorer == "question":  # an upper bound: one build per question
+            return [measure(cache_of(0, question_text(q)), [i])[0]
+                    for i, q in enumerate(questions)]
+        return measure(cache_of(0), list(range(len(questions))))
+    finally:
+        store.drop()
 
 
 def cache_footprint(cache: EpisodicCache, sizes: EntryBytes, merged: int = 0) -> dict:

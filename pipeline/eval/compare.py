@@ -19,7 +19,7 @@ import torch
 from pipeline.answer.answerer import Answerer
 from pipeline.answer.decode import decode_answer
 from pipeline.answer.lookup import embed_question, route_records
-from pipeline.builder.config import BuildConfig
+from pipeline.config import BuildConfig
 from pipeline.corpus.schema import Conversation
 from pipeline.eval.cell import history_ids, measure_all, prepare
 from pipeline.eval.methods import EvalConfig
@@ -27,7 +27,7 @@ from pipeline.eval.metrics import f1_score, retention
 from pipeline.kv import models
 from pipeline.kv.cache import EpisodicCache
 from pipeline.kv.prefill import block_prefill
-from pipeline.kv.scorers import FullScorer
+from pipeline.kv.methods.full import Full
 from pipeline.store import cache_format
 
 CACHES = ("episodic", "full")  # the two caches every question is answered from
@@ -49,7 +49,7 @@ def reference_caches(lm: models.LoadedModel, conv: Conversation,
     dtype = getattr(torch, config.store_dtype)
     caches = []
     for turns in (True, False):
-        cache, _ = block_prefill(lm.model, history_ids(lm.tokenizer, conv, turns), FullScorer(),
+        cache, _ = block_prefill(lm.model, history_ids(lm.tokenizer, conv, turns), Full(),
                                  None, config.prefill)
         data = cache_format.serialize(cache, {"conversation_id": conv.conversation_id}, dtype)
         caches.append(cache_format.deserialize(data, None, dtype=lm.model.dtype,

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from pipeline.builder.profile import allocator, layer_profile
 from pipeline.corpus.schema import Conversation
 from pipeline.eval.cell import Prepared, evaluate_cell, prepare
-from pipeline.eval.methods import EPISODIC, EvalConfig, allocator_of, parse_method
+from pipeline.eval.methods import NO_HISTORY, EvalConfig, parse_method
 from pipeline.eval.report import records_parquet
 from pipeline.eval.episode_reads import select_route
 from pipeline.store.local import LocalStore
@@ -56,15 +56,14 @@ def cell_key(conv: Conversation, digest: str, method: str, budget: int | None,
     what decides the cell's records (the method's effective build configuration, its layer
     budgets, the measurement settings), not by the method's name, so `epicache` and the variant
     it equals share one cell, and changing any knob gives a new key."""
-    base, _ = parse_method(method)
+    spec = parse_method(method)
+    base = NO_HISTORY if method == NO_HISTORY else spec.preset.scorer
     what = {"base": base, "budget": budget, "layer_budgets": layer_budgets,
             "build": config.build_config(method, budget).as_dict(),
             "measure": {k: getattr(config, k) for k in (
                 "max_context_tokens", "questions_per_conversation", "generate", "max_new_tokens",
                 "recall_words", "recall_tokens")}}
-    if base == "epicache-paper":
-        what["base"] = "epicache"  # the same method under its paper recipe
-    if base not in EPISODIC:  # knobs only EpiCache reads
+    if not spec.episodic:  # knobs only EpiCache reads
         for knob in ("scoring", "episodes", "encoder"):
             what["build"].pop(knob)
     cell = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -161,13 +160,13 @@ def layer_budgets_of(config: EvalConfig, methods: list[str], budgets: list[int],
     allocated = [m for m in methods if config.needs_profile(m)]
     profiles = {}
     for m in allocated:
-        kind = allocator_of(m)
+        kind = config.allocator_of(m)
         if kind not in profiles:
             where = str(out / "profiles")
             profiles[kind] = profile(where, config, m) if in_process else \
                 ray_tasks().get(ray_tasks().profile.remote(where, config, m))
     return {(m, b): allocator(config.build_config(m, b)).allocate(
-        profiles[allocator_of(m)], b) for m in allocated for b in budgets}
+        profiles[config.allocator_of(m)], b) for m in allocated for b in budgets}
 
 
 def run_cells(convs: list[Conversation], methods: list[str], budgets: list[int],
@@ -183,7 +182,7 @@ def run_cells(convs: list[Conversation], methods: list[str], budgets: list[int],
         prep = prepare(conv, config) if in_process else ray_tasks().prepare.remote(conv, config)
         preps.append(prep)
         digest = conversation_digest(conv)  # hashes the whole conversation: once, not per cell
-        cells = [("none", None), ("full", None)] + [(m, b) for m in methods if m != "full"
+        cells = [(NO_HISTORY, None), ("full", None)] + [(m, b) for m in methods if m != "full"
                                                     for b in budgets]
         for method, budget in cells:  # uniform layer budgets unless the method allocates
             allocated = layer_budgets.get((method, budget))

@@ -1,8 +1,10 @@
 """A fast proxy for ranking EpiCache recipes: one full prefill, then each recipe's selection.
 
 The cache is prefilled once with the full history, then for every episode the patch's attention
-to it is scored once and each recipe (the evaluation's method and variant names,
-`pipeline.eval.methods.EvalConfig.recipe`) keeps its top entries per layer in one step. Block
+to it is scored once and each recipe (the evaluation's presets and overrides,
+`pipeline.eval.methods`) keeps its top entries per layer in one step, with the build's own
+pieces: its clustering, its episode scorer and its top-k eviction (`pipeline.builder`,
+`pipeline.kv.eviction`). Block
 prefill decides block by block with an already evicted history, so figures here are higher than
 the evaluation's; they rank selection strategies in minutes instead of hours. Each question
 reads its router's best episode (the evaluation may read the best two).
@@ -16,15 +18,17 @@ import sys
 import numpy as np
 import torch
 
+from pipeline.builder.cluster import cluster_conversation
+from pipeline.builder.episode import episode_scorer
 from pipeline.builder.profile import allocator
 from pipeline.corpus.render import render_conversation, render_header
-from pipeline.episodes import build_episodes, focus_turn_ids, member_turn_ids
 from pipeline.eval.cell import prepare, probe_pairs
 from pipeline.eval.metrics import continuation_nlls
 from pipeline.kv import prompts
 from pipeline.kv.layout import kept_share, token_layout
-from pipeline.kv.prefill import PrefillConfig, block_prefill, layer_state, select_keep
-from pipeline.kv.scorers import FullScorer, episodic_scorer
+from pipeline.kv.eviction import TokenEviction
+from pipeline.kv.methods.full import Full
+from pipeline.kv.prefill import PrefillConfig, block_prefill, layer_state
 from pipeline.routers import ROUTERS, ranked
 
 
@@ -41,7 +45,7 @@ def patch_states(lm, cache, scorer, budgets: list[int]):
     and the layer's budget (what a `shared` share is held of)."""
     patch = scorer.patch_ids(None)
     seen = cache.next_position
-    with cache.scratch(), cache.patched(patch.shape[0], **scorer.patch_options()):
+    with cache.scratch(), cache.patched(patch.shape[0]):
         lm.model.base_model(input_ids=patch[None], past_key_values=cache, use_cache=True,
                             position_ids=torch.arange(seen, seen + patch.shape[0])[None])
     states = [layer_state(i, layer, 0, budget)
@@ -56,38 +60,35 @@ def screen_conversation(lm, encoder, conv, methods, budgets, config, profile) ->
     conv, questions = prep.conversation, list(prep.questions)
     layout = token_layout(lm.tokenizer, conv)
     ids = prompts.context_ids(lm.tokenizer, render_conversation(conv).text)
-    full, _ = block_prefill(lm.model, ids, FullScorer(), None, PrefillConfig(block=1024))
+    full, _ = block_prefill(lm.model, ids, Full(), None, PrefillConfig(block=1024))
     none, _ = block_prefill(lm.model, prompts.context_ids(lm.tokenizer, render_header(conv)),
-                            FullScorer(), None, PrefillConfig())
+                            Full(), None, PrefillConfig())
     refs = {"full": recall_nlls(lm, conv, questions, full, config),
             "none": recall_nlls(lm, conv, questions, none, config)}
     embeddings = encoder.encode([q.question for q in questions], normalize_embeddings=True,
                                 show_progress_bar=False)
     records = []
     for method in methods:
-        recipe = config.recipe(method)
-        clustered = build_episodes(conv, encoder, recipe.episodes)
-        episodes, index = clustered.episodes, clustered.route_index()
+        clustered = cluster_conversation(conv, config.build_config(method, budgets[0]))
+        episodes, index = clustered.episodes.episodes, clustered.episodes.route_index()
         router = ROUTERS[config.route_of(method)[0]]
         routes = [ranked(router.scores(e, index))[0] for e in embeddings]
         for budget in budgets:
+            build = config.build_config(method, budget)
             layer_budgets = [budget] * lm.config.num_hidden_layers
-            if recipe.alpha > 0:
-                layer_budgets = allocator(config.build_config(method, budget)).allocate(
-                    profile(), budget)
+            if build.alpha > 0:
+                layer_budgets = allocator(build).allocate(profile(), budget)
             for ep in episodes:
                 readers = [i for i, r in enumerate(routes) if r == ep.index]
                 if not readers:
                     continue
-                members = member_turn_ids(conv, ep, recipe.episodes.window)
-                focus = focus_turn_ids(members, ep)
-                scorer = episodic_scorer(prompts.patch_ids(lm.tokenizer, ep.patch_text),
-                                         recipe.scoring, layout.line_ids, layout.turn_mask(focus))
+                members = clustered.members[ep.index]
+                scorer = episode_scorer(lm.tokenizer, conv, ep.patch_text,
+                                        members, build)
                 cache = copy.deepcopy(full)
                 states = patch_states(lm, full, scorer, layer_budgets)
-                for layer, state, b in zip(cache.layers, states, layer_budgets):
-                    layer.keep(select_keep(scorer.score(state), layer.valid, b, recipe.selection,
-                                           recipe.head_floor))
+                TokenEviction(layer_budgets, build.prefill.selection,
+                              build.prefill.head_floor).step(cache.layers, states, scorer, True)
                 nlls = recall_nlls(lm, conv, [questions[i] for i in readers], cache, config)
                 for i, nll in zip(readers, nlls):
                     q = questions[i]

@@ -6,13 +6,17 @@
     layout.py     where each turn's tokens sit in the rendered conversation
     attention.py  the episodic attention function (transformers' AttentionInterface)
     cache.py      EpisodicCache: a transformers Cache with per-head validity and positions
-    positions.py  original or compact positions (keys re-rotated after eviction)
-    scorers.py    what decides which entries stay: one small class per method
+    methods/      the compression methods, one module each, and their registry: what
+                  decides which entries stay
     budgets.py    layer budgets: sensitivity (EpiCache) and variance (D2O) allocators
-    eviction.py   the eviction strategy interface and top-k eviction
-    tristate.py   ARKV's Original / Quantized / Evicted strategy
-    merging.py    D2O's merging of evicted entries into kept ones
+    eviction.py   the Compression interface (how a layer is cut, where a patch sits, what
+                  follows a cut), its wrappers' base, and top-k eviction
+    tristate.py   ARKV's Original / Quantized / Evicted eviction
+    merging.py    D2O's merging of evicted entries into kept ones (a wrapper)
+    positions.py  original or compact positions (a wrapper re-rotates kept keys), DapQ's
+                  decode positions (a wrapper)
+    compression.py  a PrefillConfig composed into those strategies, in one place
     prefill.py    block_prefill: the loop that runs blocks, scores and evicts
 
-The loop knows no method by name: scorers and eviction strategies are swapped behind it.
+The loop knows no method and no strategy by name: both are swapped behind it.
 """

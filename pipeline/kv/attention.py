@@ -50,8 +50,6 @@ class AttentionRequest:
     # segment ids [q_len] non-decreasing, each starting at `first_position`. A new token sees
     # the cache and the earlier tokens of its own segment only.
     segments: torch.Tensor | None = None
-    reduce: str = "max"  # patch scores: max or mean over the patch queries (and query heads)
-    include_patch: bool = True  # the patch's own keys share the scoring softmax
 
 
 @dataclass
@@ -241,8 +239,7 @@ def episodic_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
         valid = mask[0, ::group, -1, :n_cached]  # the last patch query sees every valid slot
         request.scores = patch_attention_scores(
             query[0, :, -p:], key[0, :, :n_cached], key[0, :, n_cached:], valid,
-            scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
-            reduce=request.reduce, include_patch=request.include_patch)
+            scale=scaling if scaling is not None else query.shape[-1] ** -0.5)
         if request.moments:
             request.patch_sum, request.patch_sumsq, request.patch_count = patch_attention_moments(
                 query[0, :, -p:], key[0, :, :n_cached], key[0, :, n_cached:], valid,

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from pipeline.configs import CalibrationConfig
+from pipeline.config import CalibrationConfig
 from pipeline.kv.attention import attention_column_sums
 
 

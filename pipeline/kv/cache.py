@@ -37,7 +37,6 @@ class EpisodicLayer(CacheLayerMixin):
         self.tokens_seen = 0  # tokens fed so far
         self.next_position = 0  # the position the next token takes (tokens_seen unless compacted)
         self.n_patch = 0  # while > 0, that many trailing new tokens are a patch: scored, not kept
-        self.patch_options: dict = {}  # how the patch's attention is scored (`Scorer.patch_options`)
         self.segments: torch.Tensor | None = None  # while set: the new tokens are packed sequences
         self.last_request: AttentionRequest | None = None
         self.peak_entries = 0.0  # instrumentation: max valid entries per head seen
@@ -75,8 +74,7 @@ class EpisodicLayer(CacheLayerMixin):
         self.last_request = AttentionRequest(key=keys, past_valid=self.valid,
                                              past_positions=self.rope_positions,
                                              first_position=self.next_position, n_patch=self.n_patch,
-                                             moments=self.moments, segments=self.segments,
-                                             **self.patch_options)
+                                             moments=self.moments, segments=self.segments)
         hand_off(self.last_request)
 
         n_heads, slots = self.valid.shape
@@ -323,16 +321,16 @@ class EpisodicCache(Cache):
             layer.moments = on
 
     @contextmanager
-    def patched(self, n_patch: int, **options) -> Iterator[None]:
-        """During this forward, the last `n_patch` tokens are a patch: scored, never stored;
-        `options` (`reduce`, `include_patch`) say how its attention becomes scores."""
+    def patched(self, n_patch: int) -> Iterator[None]:
+        """During this forward, the last `n_patch` tokens are a patch: scored (the max of their
+        attention to each entry), never stored."""
         for layer in self.layers:
-            layer.n_patch, layer.patch_options = n_patch, options
+            layer.n_patch = n_patch
         try:
             yield
         finally:
             for layer in self.layers:
-                layer.n_patch, layer.patch_options = 0, {}
+                layer.n_patch = 0
 
     @contextmanager
     def packed(self, segments: torch.Tensor) -> Iterator[None]:

@@ -2,7 +2,7 @@
 
 Each evicted key goes to its most similar kept key (cosine); if that similarity reaches the
 layer's EMA threshold it is folded into that entry by similarity-weighted averaging (keys and
-values), else dropped.
+values), else dropped. `Merging` does this around any eviction strategy.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import math
 
 import torch
 
-from pipeline.configs import MergeConfig
+from pipeline.config import MergeConfig
+from pipeline.kv.eviction import Cut, Wrapper
 
 
 class Merger:
@@ -57,3 +58,21 @@ class Merger:
                 1, index[..., None].expand(-1, -1, tensor.shape[-1]), tensor.float() * weight[..., None])
             tensor[touched] = (num / den[..., None])[touched].to(tensor.dtype)
         self.merged += int(merge.sum().item())
+
+
+class Merging(Wrapper):
+    """D2O merging around an eviction: before a layer is cut, what the cut evicts is folded
+    into the entries it may fold into (`Cut.targets`)."""
+
+    def __init__(self, inner, config: MergeConfig):
+        super().__init__(inner)
+        self.merger = Merger(config)
+
+    def apply(self, layer_idx: int, layer, cut: Cut) -> None:
+        targets = cut.keep if cut.targets is None else cut.targets
+        self.merger.merge(layer_idx, layer, cut.keep, targets)
+        self.inner.apply(layer_idx, layer, cut)
+
+    def report(self, stats) -> None:
+        self.inner.report(stats)
+        stats.merged_entries = self.merger.merged

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.configs import DEFAULT_ENCODER, DEFAULT_LLM
+from pipeline.config import DEFAULT_ENCODER, DEFAULT_LLM
 from pipeline.kv.errors import ModelNotFoundError
 from pipeline.kv.attention import EPISODIC_ATTENTION, register_episodic_attention
 from pipeline.kv.fingerprint import FingerprintError, folder_fingerprint

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from transformers.models.llama.modeling_llama import rotate_half
 
+from pipeline.kv.eviction import Wrapper
+
 # Positions kept free after the history for the question, the answer and the scoring patch.
 RESERVED_POSITIONS = 512
 
@@ -61,3 +63,24 @@ class KeyRotation:
         angles = torch.cat([angles, angles], dim=-1)
         k = keys.float()
         return (k * angles.cos() + rotate_half(k) * angles.sin()).to(keys.dtype)
+
+
+class CompactPositions(Wrapper):
+    """After every block's eviction the kept entries move to positions 0, 1, 2, ... (keys
+    re-rotated), the last `recent` tokens at their original spacing (`EpisodicCache.compact`)."""
+
+    def __init__(self, inner, rotation: KeyRotation, recent: int):
+        super().__init__(inner)
+        self.rotation, self.recent = rotation, recent
+
+    def after_step(self, cache) -> None:
+        self.inner.after_step(cache)
+        cache.compact(self.rotation, self.recent)
+
+
+class DecodePositions(Wrapper):
+    """DapQ: the patch queries sit at the positions where decoding will start (after the whole
+    input), so they score the cache as a question will read it."""
+
+    def patch_positions(self, first: int, n_block: int, n_patch: int, total: int) -> torch.Tensor:
+        return torch.cat([torch.arange(first, first + n_block), torch.arange(total, total + n_patch)])

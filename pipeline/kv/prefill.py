@@ -1,4 +1,5 @@
-"""Block prefill under a fixed budget (EpiCache stage 2): the only place that evicts.
+"""Block prefill under a fixed budget (EpiCache stage 2): the loop that runs blocks, scores
+and evicts.
 
 The conversation goes through the model `block` tokens at a time. When the scorer has a patched
 prompt, it rides in the same forward right after the block: its queries see the cache, the
@@ -7,30 +8,24 @@ the attention call; its keys and values are never stored. Then each layer is cut
 budget. So a layer never holds more than budget + block entries, whatever the conversation's
 length: peak memory is flat.
 
-What an eviction step does is a strategy (`pipeline.kv.eviction`): cut to a budget of entries
-(EpiCache), or ARKV's tri-state Original / Quantized / Evicted under a byte budget; either may
-merge what it evicts into similar kept entries (D2O). With `decode_positions` (DapQ) the patch
-queries sit at the positions where decoding will start, after the whole conversation. With
-compact positions (`pipeline.kv.positions`) every eviction is followed by moving the kept entries
-to positions 0, 1, 2, ..., so a history of any length stays within the model's positions.
+Which entries a cut keeps is the method's (`pipeline.kv.methods`); how a layer is cut, where the
+patch sits and what follows a cut is a `Compression` (`pipeline.kv.eviction`), composed from
+the configuration by `pipeline.kv.compression`. The loop names no method and no strategy.
 """
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from pipeline.configs import PrefillConfig, Selection
+from pipeline.config import PrefillConfig
 from pipeline.kv.cache import EpisodicCache, EpisodicLayer
-from pipeline.kv.eviction import Eviction, TokenEviction
-from pipeline.kv.merging import Merger
-from pipeline.kv.positions import KeyRotation
-from pipeline.kv.scorers import BlockContext, LayerState, Scorer
-from pipeline.kv.tristate import EntryBytes, TriStateEviction
+from pipeline.kv.compression import compression_for
+from pipeline.kv.methods.base import BlockContext, LayerState, Scorer
+from pipeline.kv.tristate import EntryBytes
 
 
 @dataclass
@@ -56,29 +51,6 @@ class PrefillStats:
     byte_budgets: list[int] = field(default_factory=list)  # tri-state: bytes per layer
 
 
-def select_keep(scores: torch.Tensor, valid: torch.Tensor, budget: int,
-                selection: Selection, head_floor: float = 0.0) -> torch.Tensor:
-    """[Hkv, slots] bool: the entries to keep so that the layer holds `budget` per head.
-
-    head-wise: the top budget x Hkv entries across the layer's heads (heads get unequal shares),
-    each head first guaranteed its top `head_floor x budget` (AdaKV's safeguard);
-    per-head: the top `budget` entries of each head."""
-    scores = scores.float().masked_fill(~valid, float("-inf"))
-    keep = torch.zeros_like(valid)
-    floor = min(int(head_floor * budget), valid.shape[1])
-    if selection == "headwise" and floor > 0:
-        top = torch.topk(scores, floor, dim=1).indices
-        scores = scores.scatter(1, top, torch.full_like(scores, float("inf"))).masked_fill(
-            ~valid, float("-inf"))
-    if selection == "headwise":
-        k = min(budget * valid.shape[0], int(valid.sum().item()))
-        keep.view(-1)[torch.topk(scores.reshape(-1), k).indices] = True
-    else:
-        k = min(budget, valid.shape[1])
-        keep.scatter_(1, torch.topk(scores, k, dim=1).indices, True)
-    return keep & valid
-
-
 def layer_state(idx: int, layer: EpisodicLayer, block_start: int,
                 budget: int | None = None) -> LayerState:
     request = layer.last_request
@@ -90,36 +62,6 @@ def layer_state(idx: int, layer: EpisodicLayer, block_start: int,
                       patch_sumsq=request.patch_sumsq if request is not None else None,
                       patch_count=request.patch_count if request is not None else 0,
                       budget=budget)
-
-
-def patch_positions(seen: int, n_block: int, n_patch: int, total: int,
-                    decode_positions: bool) -> torch.Tensor:
-    """Positions of a block and its patch: consecutive after what was seen, or (DapQ) the
-    patch at the positions where decoding will start, `total` (the whole input) onwards."""
-    block = torch.arange(seen, seen + n_block)
-    first = total if decode_positions else seen + n_block
-    return torch.cat([block, torch.arange(first, first + n_patch)])
-
-
-def make_eviction(config: PrefillConfig, budgets: list[int] | None,
-                  byte_budgets: list[int] | None, sizes: EntryBytes) -> Eviction | None:
-    """The eviction step the configuration asks for (None: the full cache)."""
-    merger = Merger(config.merge) if config.merge.enabled else None
-    if config.tristate.enabled:
-        if byte_budgets is None and budgets is not None:  # the bytes of M Original tokens
-            raise ValueError("tri-state needs byte budgets (see token_byte_budgets)")
-        if byte_budgets is None:
-            return None
-        return TriStateEviction(byte_budgets, config.selection, config.tristate, sizes, merger)
-    if byte_budgets is not None:
-        raise ValueError("byte budgets need tri-state compression (PrefillConfig.tristate)")
-    select = functools.partial(select_keep, head_floor=config.head_floor)
-    return None if budgets is None else TokenEviction(budgets, config.selection, select, merger)
-
-
-def token_byte_budgets(budgets: list[int], kv_heads: int, sizes: EntryBytes) -> list[int]:
-    """Per layer, the bytes of `budgets[layer]` Original tokens in every KV head."""
-    return [b * kv_heads * sizes.original for b in budgets]
 
 
 def entry_bytes(model: torch.nn.Module, original_element_size: int | None = None) -> EntryBytes:
@@ -151,19 +93,14 @@ def block_prefill(model: torch.nn.Module, input_ids: torch.Tensor, scorer: Score
         if given is not None and len(given) != n_layers:
             raise ValueError(f"{len(given)} {name} for a model with {n_layers} layers")
     sizes = entry_bytes(model, original_element_size)
-    if config.tristate.enabled and byte_budgets is None and budgets is not None:
-        byte_budgets = token_byte_budgets(budgets, model.config.num_key_value_heads, sizes)
-    eviction = make_eviction(config, budgets, byte_budgets, sizes)
+    compression = compression_for(config, model, sizes, budgets, byte_budgets)
     decoder = model.base_model  # no LM head: block prefill needs no logits
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     n_new = input_ids.shape[0]
     cache = EpisodicCache(n_layers) if cache is None else cache
-    total = cache.tokens_seen + n_new  # where decoding will start (DapQ's patch positions)
-    cache.collect_moments(isinstance(eviction, TriStateEviction))
-    rotation = KeyRotation.for_model(model) if config.position_mode == "compact" else None
-    # what a scorer may hold a share of (tri-state budgets bytes, not entries)
-    entry_budgets = None if config.tristate.enabled else budgets
+    total = cache.tokens_seen + n_new  # where decoding will start
+    cache.collect_moments(compression.collects_moments)
     stats = PrefillStats()
     for begin in range(0, n_new, config.block):
         block = input_ids[begin:begin + config.block]
@@ -171,18 +108,15 @@ def block_prefill(model: torch.nn.Module, input_ids: torch.Tensor, scorer: Score
         patch = scorer.patch_ids(BlockContext(block_ids=block, tokens_seen=seen))
         patch = patch.to(device) if patch is not None else block.new_zeros(0)
         tokens = torch.cat([block, patch])
-        positions = patch_positions(cache.next_position, block.shape[0], patch.shape[0], total,
-                                    config.decode_positions).to(device)
-        with cache.patched(patch.shape[0], **scorer.patch_options()):
+        positions = compression.patch_positions(cache.next_position, block.shape[0],
+                                                patch.shape[0], total).to(device)
+        with cache.patched(patch.shape[0]):
             decoder(input_ids=tokens[None], position_ids=positions[None], past_key_values=cache,
                     use_cache=True)
-        if eviction is not None:
-            states = [layer_state(idx, layer, seen,
-                                  None if entry_budgets is None else entry_budgets[idx])
-                      for idx, layer in enumerate(cache.layers)]
-            eviction.step(cache.layers, states, scorer, final=begin + config.block >= n_new)
-        if rotation is not None:
-            cache.compact(rotation, config.compact_recent)
+        states = [layer_state(idx, layer, seen, compression.entry_budget(idx))
+                  for idx, layer in enumerate(cache.layers)]
+        compression.step(cache.layers, states, scorer, final=begin + config.block >= n_new)
+        compression.after_step(cache)
         for layer in cache.layers:
             layer.last_request = None
         stats.blocks += 1
@@ -195,19 +129,16 @@ def block_prefill(model: torch.nn.Module, input_ids: torch.Tensor, scorer: Score
     stats.peak_slots = [layer.peak_slots for layer in cache.layers]
     stats.peak_bytes = [layer.peak_bytes for layer in cache.layers]
     stats.final_entries = cache.entries_per_layer()
-    _count_states(stats, cache, model, sizes, eviction)
+    _count_states(stats, cache, model, sizes)
+    compression.report(stats)
     return cache, stats
 
 
 def _count_states(stats: PrefillStats, cache: EpisodicCache, model: torch.nn.Module,
-                  sizes: EntryBytes, eviction: Eviction | None) -> None:
+                  sizes: EntryBytes) -> None:
     stats.original_entries, stats.quantized_entries = cache.state_counts()
     seen = cache.tokens_seen * model.config.num_key_value_heads * len(cache.layers)
     stats.evicted_entries = seen - stats.original_entries - stats.quantized_entries
     stats.original_bytes = stats.original_entries * sizes.original
     stats.quantized_bytes = stats.quantized_entries * sizes.quantized
     stats.evicted_bytes = stats.evicted_entries * sizes.original
-    merger = getattr(eviction, "merger", None)
-    stats.merged_entries = merger.merged if merger is not None else 0
-    stats.oq_ratios = list(getattr(eviction, "last_ratios", []))
-    stats.byte_budgets = list(getattr(eviction, "byte_budgets", []))

@@ -14,10 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.configs import TriStateConfig
-from pipeline.kv.eviction import Eviction
-from pipeline.kv.merging import Merger
-from pipeline.kv.scorers import LayerState
+from pipeline.config import TriStateConfig
+from pipeline.kv.eviction import Compression, Cut
+from pipeline.kv.methods.base import LayerState
 
 # Bytes of one quantized (token, KV head) entry beyond its codes: a float32 scale for the key
 # row and one for the value row.
@@ -127,15 +126,19 @@ def plan_tristate(scores: torch.Tensor, valid: torch.Tensor, quantized: torch.Te
     return TriStatePlan(keep=keep, quantize=quant.reshape(valid.shape))
 
 
-class TriStateEviction(Eviction):
+class TriStateEviction(Compression):
     """ARKV's tri-state cache tailor, once per block, under per-layer byte budgets."""
 
     def __init__(self, byte_budgets: list[int], selection: str, config: TriStateConfig,
-                 sizes: EntryBytes, merger: Merger | None):
+                 sizes: EntryBytes):
         self.byte_budgets, self.selection, self.config = byte_budgets, selection, config
-        self.sizes, self.merger = sizes, merger
+        self.sizes = sizes
         self.steps = 0  # eviction steps that ran (per layer, summed)
         self.last_ratios: list[float] = []
+
+    @property
+    def collects_moments(self) -> bool:
+        return True
 
     def window_tokens(self, layer, budget_bytes: int) -> int:
         """The protected window, shrunk if the layer's budget cannot hold it Original."""
@@ -148,7 +151,7 @@ class TriStateEviction(Eviction):
         evictable = layer.valid & ~protected_window(layer, self.window_tokens(layer, budget_bytes))
         return oq_score(state.patch_sum[evictable], self.config)
 
-    def step(self, layers, states, scorer, final):
+    def plan(self, layers, states, scorer, final):
         q = [self.layer_oq_score(layer, state, self.byte_budgets[idx])
              for idx, (layer, state) in enumerate(zip(layers, states))]
         if all(s.patch_sum is None for s in states):  # no patch attention: rho = original_scale
@@ -169,8 +172,11 @@ class TriStateEviction(Eviction):
             window = protected_window(layer, self.window_tokens(layer, budget))
             plan = plan_tristate(scores, layer.valid, layer.quantized_mask(), window, budget,
                                  self.last_ratios[idx], self.sizes, self.selection)
-            if self.merger is not None:  # never into an entry already quantized
-                self.merger.merge(idx, layer, plan.keep, plan.keep & ~layer.quantized_mask())
-            layer.quantize(plan.quantize, fp8=self.config.fp8)
-            layer.keep(plan.keep)
             self.steps += 1
+            # evicted entries never fold into an entry already quantized (D2O merging)
+            yield idx, Cut(plan.keep, plan.quantize, self.config.fp8,
+                           targets=plan.keep & ~layer.quantized_mask())
+
+    def report(self, stats) -> None:
+        stats.oq_ratios = list(self.last_ratios)
+        stats.byte_budgets = list(self.byte_budgets)

@@ -7,8 +7,6 @@ model libraries) as their runtime environment, as every Ray worker the jobs star
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 from pipeline.kv.models import DEFAULT_ENCODER, DEFAULT_LLM
 from pipeline.ray_runtime import WORKER_ENV
 from pipeline.serve.decoder import Decoder
@@ -47,16 +45,12 @@ def build_app(settings: ServeSettings, model: str, encoder: str):
             "target_ongoing_requests": settings.decoder_target_ongoing}
     else:
         decoder_options["num_replicas"] = settings.decoder_replicas
-    decoder = Decoder.options(**decoder_options).bind(
-        settings.store, settings.s3_endpoint, model, settings.cache_bytes, settings.torch_threads,
-        settings.disk_cache, settings.disk_cache_bytes, settings.prefetch_workers,
-        max_batch=settings.max_batch, max_batch_tokens=settings.max_batch_tokens,
-        limits=settings.limits)
+    decoder = Decoder.options(**decoder_options).bind(settings, model)
     return Router.options(
         num_replicas=settings.router_replicas, max_ongoing_requests=256,
         ray_actor_options={"num_cpus": settings.router_cpus,
                            "runtime_env": {"env_vars": WORKER_ENV}},
-    ).bind(decoder, asdict(settings), model, encoder)
+    ).bind(decoder, settings, model, encoder)
 
 
 def app_builder(args: dict[str, str]):
@@ -66,6 +60,6 @@ def app_builder(args: dict[str, str]):
     if "store" not in args:
         raise ValueError("serve run jobs.serve:app_builder needs store=URI")
     settings = ServeSettings.from_strings(args)
-    store = open_store(settings.store, endpoint_url=settings.s3_endpoint, create=False)
+    store = open_store(settings.store, settings.store_options, create=False)
     model, encoder = resolve_models(store, settings.model, settings.encoder)
     return build_app(settings, model, encoder)

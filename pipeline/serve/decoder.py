@@ -22,13 +22,14 @@ from transformers import AsyncTextIteratorStreamer
 
 from pipeline.answer.batcher import DecodeBatcher
 from pipeline.answer.decode import AnswerPieces
-from pipeline.answer.fetch import cache_parser, fetch_object, resident_read
-from pipeline.answer.limits import DEFAULT_LIMITS, AnswerLimits
+from pipeline.answer.fetch import resident_read
 from pipeline.answer.lru import CacheLRU
 from pipeline.answer.malloc_tuning import retain_freed_memory
 from pipeline.answer.lookup import check_models
 from pipeline.kv import models
 from pipeline.serve.errors import classify
+from pipeline.serve.settings import ServeSettings
+from pipeline.store.cache_read import Verified, read_bytes, read_cache
 from pipeline.store.disk_tier import DiskTier
 from pipeline.store.manifest import CacheRef
 from pipeline.store.uri import open_store
@@ -48,22 +49,23 @@ class Decoder:
     """Holds the model and the resident caches; fetches concurrently and decodes the requests in
     flight in one batch (each from its own view of its cache: a resident cache is never written)."""
 
-    def __init__(self, store: str, s3_endpoint: str | None, model: str, cache_bytes: int,
-                 torch_threads: int | None = None, disk_cache: str | None = None,
-                 disk_cache_bytes: int = 0, prefetch_workers: int = 1, max_batch: int = 8,
-                 max_batch_tokens: int = 32768, limits: AnswerLimits = DEFAULT_LIMITS):
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
+    def __init__(self, settings: ServeSettings, model: str):
+        """`model`: the model to serve, `settings.model` resolved (`pipeline.serve.app`)."""
+        if settings.torch_threads:
+            torch.set_num_threads(settings.torch_threads)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.store = open_store(store, endpoint_url=s3_endpoint, create=False)
+        self.store = open_store(settings.store, settings.store_options, create=False)
         self.model_name = model
         self.lm = models.load_llm(model, self.device)
-        self.caches = CacheLRU(cache_bytes)
-        self.disk = DiskTier(disk_cache, disk_cache_bytes) if disk_cache else None
-        self.prefetcher = ThreadPoolExecutor(prefetch_workers, thread_name_prefix="prefetch") \
-            if prefetch_workers > 0 else None
+        self.caches = CacheLRU(settings.cache_bytes)
+        self.disk = DiskTier(settings.disk_cache, settings.disk_cache_bytes) \
+            if settings.disk_cache else None
+        workers = settings.prefetch_workers
+        self.prefetcher = ThreadPoolExecutor(workers, thread_name_prefix="prefetch") \
+            if workers > 0 else None
         self._figures_lock = threading.Lock()
-        self.batcher = DecodeBatcher(self.lm, max_batch, max_batch_tokens, limits)
+        self.batcher = DecodeBatcher(self.lm, settings.max_batch, settings.max_batch_tokens,
+                                     settings.limits)
         gc.freeze()  # the model's objects leave the collector: no 100+ ms pauses in a turn
         retain_freed_memory()  # a cold load reuses freed memory instead of faulting pages in
         self.figures = {"fetched_bytes": 0, "store_reads": 0, "disk_reads": 0,
@@ -75,17 +77,17 @@ class Decoder:
             for name, n in increments.items():
                 self.figures[name] += n
 
-    def _fetch(self, ref: CacheRef, parse=None):
-        """The episode's object from the disk tier, else the store (then kept in the tier),
-        with `parse` run on it while its checksum is verified; counted. What `parse` made."""
-        fetched = fetch_object(self.store, ref, self.disk, parse)
-        self._count(**({"disk_reads": 1} if fetched.from_disk else
-                       {"store_reads": 1, "fetched_bytes": len(fetched.data)}))
-        return fetched.parsed
+    def _counted(self, read: Verified) -> Verified:
+        """A verified read (the store's `cache_read`: the disk tier, else the store, then kept
+        in the tier), counted."""
+        self._count(**({"disk_reads": 1} if read.from_disk else
+                       {"store_reads": 1, "fetched_bytes": len(read.data)}))
+        return read
 
     def _load(self, ref: CacheRef):
-        """The episode's cache: fetched, and parsed while its checksum is verified."""
-        return self._fetch(ref, cache_parser(ref, self.lm.model.dtype, self.device))
+        """The episode's cache, verified against the manifest beside its parse."""
+        return self._counted(read_cache(self.store, ref, self.disk, self.lm.model.dtype,
+                                        self.device)).cache
 
     def _check(self, ref: CacheRef) -> None:
         """`ModelMismatchError` (409) unless the episode was built with this model's files."""
@@ -180,7 +182,7 @@ class Decoder:
                 self._count(prefetch_fetched=1,
                             prefetch_resident=int(self.caches.offer(key, cache)))
             elif self.disk is not None and ref.sha256 not in self.disk:  # to disk only
-                self._fetch(ref)
+                self._counted(read_bytes(self.store, ref, self.disk))
                 self._count(prefetch_fetched=1)
             else:
                 self._count(prefetch_skipped=1)

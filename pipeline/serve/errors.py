@@ -15,8 +15,8 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pipeline.answer.limits import LimitError
 from pipeline.answer.lookup import ConversationNotFound, ModelMismatchError, NeedsRebuildError
+from pipeline.config.limits import LimitError
 from pipeline.corpus.schema import UnsafeIdError
 from pipeline.store.base import ObjectNotFound, StoreError
 from pipeline.store.cache_format import CacheCorruptError, ChecksumError

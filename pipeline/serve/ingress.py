@@ -17,10 +17,10 @@ from fastapi import FastAPI, Request
 from ray import serve
 from ray.exceptions import RayActorError
 
-from pipeline.answer.limits import LimitError
 from pipeline.answer.lookup import (check_models, embed_question, load_manifest, route_index,
                                      route_records)
-from pipeline.configs import RoutingConfig
+from pipeline.config import RoutingConfig
+from pipeline.config.limits import LimitError
 from pipeline.corpus.schema import check_safe_id
 from pipeline.kv import models
 from pipeline.serve import openai_chat
@@ -64,15 +64,14 @@ class _Conversation:
 class Router:
     """Embeds the question, routes it to an episode, and asks the decoder for the answer."""
 
-    def __init__(self, decoder, settings: dict, model: str, encoder: str):
+    def __init__(self, decoder, settings: ServeSettings, model: str, encoder: str):
 
         self.decoder = decoder
-        self.settings = ServeSettings(**settings)
+        self.settings = settings
         self.limits = self.settings.limits
         self.routing = RoutingConfig(self.settings.route_by, self.settings.two_below)
         self.model_name, self.encoder_name = model, encoder
-        self.store = open_store(self.settings.store, endpoint_url=self.settings.s3_endpoint,
-                                create=False)
+        self.store = open_store(self.settings.store, self.settings.store_options, create=False)
         self.encoder = models.load_encoder(encoder, "cpu")
         self.encoder_fingerprint = models.encoder_fingerprint(encoder)  # of the files loaded
         self.encoder_lock = threading.Lock()  # a tokenizer is not safe across threads

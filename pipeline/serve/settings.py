@@ -12,9 +12,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.answer.limits import CHARS_PER_TOKEN, DEFAULT_LIMITS, AnswerLimits
-from pipeline.config_fields import parser_of
-from pipeline.configs import RoutingConfig
+from pipeline.config import RoutingConfig
+from pipeline.config.fields import parser_of
+from pipeline.config.limits import CHARS_PER_TOKEN, DEFAULT_LIMITS, AnswerLimits
+from pipeline.store.base import StoreOptions
 from pipeline.store.s3 import s3_endpoint
 
 AUTH_ENV = "EPICACHE_SERVE_TOKEN"
@@ -126,6 +127,12 @@ class ServeSettings:
             raise ValueError("cache_bytes and manifest_ttl_s must be >= 0")
         if self.disk_cache_bytes < 0 or self.prefetch_workers < 0:
             raise ValueError("disk_cache_bytes and prefetch_workers must be >= 0")
+
+    @property
+    def store_options(self) -> StoreOptions:
+        """How the deployments reach the store: the endpoint resolved here, where the command
+        runs, so that every replica uses the one the operator's environment named."""
+        return StoreOptions(endpoint=self.s3_endpoint)
 
     @property
     def limits(self) -> AnswerLimits:

@@ -1,13 +1,17 @@
 """Where caches, manifests and calibration profiles live: a key-value interface over bytes.
 
 Writes are atomic (a reader never sees half an object) and keys are built only from sanitised
-ids (`cache_key`, `manifest_key`, `profile_key`). The backends are `pipeline.store.local` and
-`pipeline.store.s3`; `pipeline.store.uri.open_store` picks one from a URI.
+ids (`cache_key`, `manifest_key`, `profile_key`). Each backend is one module behind `Store`
+(`local`, `s3`, `memory`), registered by its URI scheme in `pipeline.store.uri.BACKENDS`;
+`open_store` picks one from a URI. What callers ask of a backend beyond bytes (where an outside
+engine finds its objects, what that engine needs to reach them, how to open a sibling URI) is a
+capability here, so nothing outside `pipeline/store/` tests a store's class.
 """
 
 from __future__ import annotations
 
 import io
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,9 +70,32 @@ class ObjectInfo:
     modified: float  # seconds since the epoch
 
 
+@dataclass(frozen=True)
+class StoreOptions:
+    """How to reach a store beyond its URI, passed through unread by callers: the endpoint of
+    an S3-compatible server and the region (None: resolved by the S3 backend, from
+    $EPICACHE_S3_ENDPOINT or the AWS chain). Never credentials: those come from the AWS chain
+    when a client is made, so nothing that carries options can leak them."""
+    endpoint: str | None = None
+    region: str | None = None
+
+    def __repr__(self) -> str:
+        """Without any user:password@ part of the endpoint (options are logged and shipped)."""
+        endpoint = re.sub(r"//[^/@]*@", "//", self.endpoint) if self.endpoint else None
+        return f"StoreOptions(endpoint={endpoint!r}, region={self.region!r})"
+
+
 class Store(ABC):
     """Bytes under safe keys. Stores pickle without credentials, so Ray tasks can take them."""
     uri: str
+    # what it was opened with: a sibling URI (an s3:// corpus beside an S3 store) opens alike
+    options: StoreOptions = StoreOptions()
+
+    @classmethod
+    def from_uri(cls, uri: str, options: StoreOptions, *, create: bool = True) -> Store:
+        """The store a URI of this backend's scheme names (`open_store` calls it);
+        `create=False` refuses one that does not exist."""
+        raise NotImplementedError(f"{cls.__name__} is not opened from a URI")
 
     @abstractmethod
     def put(self, key: str, data: bytes) -> None:
@@ -106,3 +133,14 @@ class Store(ABC):
 
     def delete_partial(self, partial: Partial) -> None:
         raise NotImplementedError
+
+    # -- capabilities: what callers ask instead of testing the class ---------------------------
+    def location(self, key: str) -> str | None:
+        """Where an engine outside this process (delta-rs, DuckDB) reads the objects under `key`:
+        a path or URL, or None when it cannot (an in-memory store). The manifest table needs one."""
+        return None
+
+    def storage_options(self, what: str) -> dict[str, str] | None:
+        """What such an engine needs besides the location (delta-rs storage options, credentials
+        read now and never kept); None when nothing. `what` names the reader in an error."""
+        return None

@@ -7,10 +7,11 @@ conversation and episode, the tokens seen, the next position and the position mo
 (`positions`: "original", or "compact": each head's keys rotated at 0, 1, 2, ... and decoding
 continues at `next_position`; with `compact_cut`, the entries of tokens from it on are rotated at
 `compact_base` + their distance from it). Reading checks the SHA-256 recorded in the
-manifest: `read_parsed` reads an object once (from the store or the local disk tier) and hashes
-it on a second thread while this one parses it (hashlib releases the GIL), and a parse of bytes
-that fail the checksum is dropped, never returned. Parsing unverified bytes is safe: safetensors
-never executes anything, and every size comes from the object itself.
+manifest: the read path (`pipeline.store.cache_read`) reads an object once (from the store or
+the local disk tier) and hashes it on a second thread while this one parses it (`verifying`;
+hashlib releases the GIL), and a parse of bytes that fail the checksum is dropped, never
+returned. Parsing unverified bytes is safe: safetensors never executes anything, and every size
+comes from the object itself.
 
 Format 2 (tri-state caches, ARKV): the tensors above hold the Original entries only; the
 Quantized entries are `layers.{i}.qkeys` / `.qvalues` [entries, d] codes (int8 or
@@ -27,15 +28,15 @@ import json
 import struct
 import threading
 from contextlib import contextmanager
-from typing import BinaryIO, Callable, Iterator, TypeVar
+from typing import BinaryIO, Iterator
 
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from kernels.quant import dequantize
+from pipeline.config.format_version import FORMAT, READABLE_FORMATS
 from pipeline.kv.cache import EpisodicCache
-from pipeline.store.format_version import FORMAT, READABLE_FORMATS
 
 _SERIAL_ELEMENTS = 32767  # a copy this small runs on the calling thread (grain: 32,768)
 
@@ -50,9 +51,6 @@ def sha256(data: bytes) -> str:
 
 class ChecksumError(CacheCorruptError):
     """Bytes that are not the object the manifest names: the wrong length or SHA-256."""
-
-
-T = TypeVar("T")
 
 
 def read_object(stream: BinaryIO, name: str = "cache", size: int | None = None) -> bytes:
@@ -83,16 +81,6 @@ def verifying(data: bytes, expected_sha256: str | None, name: str = "cache") -> 
     finally:
         hasher.join()
         check_sha256(digest[0] if digest else "", expected_sha256, name)
-
-
-def read_parsed(stream: BinaryIO, expected_sha256: str | None, name: str = "cache",
-                size: int | None = None, parse: Callable[[bytes], T] | None = None
-                ) -> tuple[bytes, T | None]:
-    """(bytes, parse(bytes)) of an object, its length and SHA-256 checked (`ChecksumError`
-    naming it otherwise); the hash runs beside the parse, not before it."""
-    data = read_object(stream, name, size)
-    with verifying(data, expected_sha256, name):
-        return data, (parse(data) if parse is not None else None)
 
 
 def check_sha256(got: str, expected: str | None, name: str = "cache") -> None:
@@ -159,7 +147,8 @@ def deserialize(data: bytes, expected_sha256: str | None, name: str = "cache",
 
 def parse(data: bytes, name: str = "cache", dtype: torch.dtype = torch.float32,
           device: str | torch.device = "cpu") -> tuple[EpisodicCache, dict]:
-    """Parse and rebuild bytes (`read_parsed` checks them beside it): no hash here."""
+    """Parse and rebuild bytes: no hash here (`deserialize` checks it first; the read path,
+    `pipeline.store.cache_read`, beside the parse, in `verifying`)."""
     header = read_header(data, name)
     try:
         tensors = st_load(data)

@@ -4,11 +4,12 @@ LMCache's idea: a replica restart, or a cache evicted from memory, reads the obj
 folder instead of going back to S3. Files are content-addressed (`<sha256>.safetensors`, the
 manifest's checksum, so no name comes from a request), written to a temporary file and renamed
 into place (a reader never sees half a file), and evicted least recently read first (a read
-touches the file's mtime) so that the folder never holds more than `max_bytes`. Every read
-re-verifies the checksum (beside the caller's parse, `cache_format.read_parsed`); a corrupt or
-truncated file is deleted and reported as a miss, never served. Eviction and renames run under
-an exclusive `flock` on the folder's lock file, so replicas sharing one folder on a host keep
-the bound together; in one process, concurrent loads of one object fetch it once.
+touches the file's mtime) so that the folder never holds more than `max_bytes`. The tier keeps
+bytes; the read path (`pipeline.store.cache_read`) verifies every read against the checksum
+(beside its parse), touches what it served and discards a corrupt or truncated file, which is
+then a miss, never served. Eviction and renames run under an exclusive `flock` on the folder's
+lock file, so replicas sharing one folder on a host keep the bound together; in one process,
+concurrent loads of one object fetch it once (`fetching`).
 """
 
 from __future__ import annotations
@@ -22,9 +23,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator, TypeVar
-
-from pipeline.store.cache_format import ChecksumError, read_parsed
+from typing import BinaryIO, Iterator
 
 log = logging.getLogger("epicache.disk_tier")
 
@@ -32,7 +31,6 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 SUFFIX = ".safetensors"
 _LOCK = ".lock"
 _STALE_TEMP_S = 600.0  # a temporary file this old belongs to a writer that died
-T = TypeVar("T")
 
 
 class DiskTier:
@@ -60,56 +58,50 @@ class DiskTier:
     def __contains__(self, sha256: str) -> bool:
         return self._path(sha256).is_file()
 
-    def get(self, sha256: str, name: str = "cache", parse: Callable[[bytes], T] | None = None
-            ) -> tuple[bytes, T | None] | None:
-        """(bytes, parse(bytes)) of the object, verified beside the parse; None if absent, or
-        corrupt (then deleted). A parse error of verified bytes is raised: the store's copy is
-        the same object."""
-        path = self._path(sha256)
+    def read(self, sha256: str) -> bytes | None:
+        """The stored file's bytes, not yet verified (the reader checks them beside its parse,
+        then calls `touch` or `discard`); None, a miss, when there is none."""
         try:
-            with path.open("rb") as f:
-                read = read_parsed(f, sha256, f"{name} (disk tier {path.name})",
-                                   os.fstat(f.fileno()).st_size, parse)
+            return self._path(sha256).read_bytes()
         except FileNotFoundError:
             self._count("misses")
             return None
-        except ChecksumError as e:
-            log.warning("%s: deleted, fetching again", e)
-            path.unlink(missing_ok=True)
-            self._count("corrupt", "misses")
-            return None
+
+    def touch(self, sha256: str) -> None:
+        """A verified read served: the file becomes the most recently read (the LRU order,
+        shared with every replica on the folder)."""
         try:
-            os.utime(path)  # the LRU order, shared with every replica on the folder
+            os.utime(self._path(sha256))
         except FileNotFoundError:  # evicted meanwhile by another replica: the bytes are read
             pass
         self._count("hits")
-        return read
 
-    def load(self, sha256: str, name: str, fetch: Callable[[], tuple[bytes, T | None]],
-             parse: Callable[[bytes], T] | None = None) -> tuple[bytes, T | None, bool]:
-        """(bytes, parsed, True) from the folder, else (*fetch(), False) after storing the
-        bytes `fetch` verified. Concurrent loads of one object in this process fetch once: the
-        others wait, then read the file."""
-        while True:
-            read = self.get(sha256, name, parse)
-            if read is not None:
-                return *read, True
+    def discard(self, sha256: str, error: Exception) -> None:
+        """A file that failed its checksum: deleted, and the read is a miss (fetched again)."""
+        log.warning("%s: deleted, fetching again", error)
+        self._path(sha256).unlink(missing_ok=True)
+        self._count("corrupt", "misses")
+
+    @contextmanager
+    def fetching(self, sha256: str) -> Iterator[bool]:
+        """Whether this thread fetches the object the tier missed: True for the first (the
+        others wait until its block ends), False for one that waited (the tier holds the object
+        now, or that fetch failed and this thread tries: read the tier again)."""
+        with self._lock:
+            pending = self._loading.get(sha256)
+            first = pending is None
+            if first:
+                pending = self._loading[sha256] = threading.Event()
+        if not first:
+            pending.wait()
+            yield False
+            return
+        try:
+            yield True
+        finally:
             with self._lock:
-                pending = self._loading.get(sha256)
-                owner = pending is None
-                if owner:
-                    pending = self._loading[sha256] = threading.Event()
-            if not owner:
-                pending.wait()
-                continue  # on disk now, or that fetch failed and this thread tries
-            try:
-                data, parsed = fetch()
-                self.put(sha256, data)
-                return data, parsed, False
-            finally:
-                with self._lock:
-                    del self._loading[sha256]
-                pending.set()
+                del self._loading[sha256]
+            pending.set()
 
     # -- writing and eviction ------------------------------------------------------------------
     def put(self, sha256: str, data: bytes) -> None:

@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 from typing import BinaryIO
 
-from pipeline.store.base import ObjectInfo, ObjectNotFound, Partial, Store, StoreError, check_key
+from pipeline.store.base import (ObjectInfo, ObjectNotFound, Partial, Store, StoreError,
+                                 StoreOptions, check_key)
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
@@ -34,8 +35,16 @@ class LocalStore(Store):
         except OSError as e:
             raise StoreError(f"cannot create store folder {self.root}: {e.strerror}") from None
 
+    @classmethod
+    def from_uri(cls, uri: str, options: StoreOptions, *, create: bool = True) -> LocalStore:
+        """A folder path or `file://` URI (the options are S3's: nothing here)."""
+        return cls(uri.removeprefix("file://"), create=create)
+
     def _path(self, key: str) -> Path:
         return self.root.joinpath(*check_key(key).split("/"))
+
+    def location(self, key: str) -> str:
+        return str(self._path(key))
 
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)

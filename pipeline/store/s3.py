@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 from typing import BinaryIO
 
-from pipeline.store.base import ObjectInfo, ObjectNotFound, Partial, Store, StoreError, check_key
+from pipeline.store.base import (ObjectInfo, ObjectNotFound, Partial, Store, StoreError,
+                                 StoreOptions, check_key)
 
 S3_ENDPOINT_ENV = "EPICACHE_S3_ENDPOINT"
 # boto3's own endpoint variables, read here too so that the store's client and the manifest
@@ -85,6 +86,17 @@ class S3Store(Store):
         if check:
             self.check()
 
+    @classmethod
+    def from_uri(cls, uri: str, options: StoreOptions, *, create: bool = True) -> S3Store:
+        """`s3://bucket/prefix`, its bucket checked now (never created: `create` does not
+        apply; an empty prefix is an empty store)."""
+        bucket, prefix = parse_s3_uri(uri)
+        return cls(bucket, prefix, endpoint_url=options.endpoint, region=options.region)
+
+    @property
+    def options(self) -> StoreOptions:
+        return StoreOptions(endpoint=self.endpoint_url, region=self.region)
+
     # -- pickling: everything but the session and client (credentials, sockets) ---------------
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k not in ("_client", "_session")}
@@ -134,7 +146,10 @@ class S3Store(Store):
                 raise self._error(e, "open") from None
         return self._client
 
-    def delta_storage_options(self, what: str) -> dict[str, str]:
+    def location(self, key: str) -> str:
+        return f"{self.uri}/{check_key(key)}"
+
+    def storage_options(self, what: str) -> dict[str, str]:
         """delta-rs storage options for this store's bucket, from boto3's chain now (never
         stored): the same credentials, region and endpoint as the store's own client. `what`
         names the reader in the error when there are no credentials."""

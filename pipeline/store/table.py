@@ -7,7 +7,7 @@ or `s3://bucket/prefix/index/episodes`) and holds the manifests' scalar columns 
 `TABLE_SCHEMA`). A batch replaces the earlier rows of its conversations in one Delta commit (an
 overwrite with a predicate on their ids), so a rebuilt conversation never shows twice.
 
-On S3 the table's credentials come from the store (`S3Store.storage_options`): resolved from
+On S3 the table's credentials come from the store (`Store.storage_options`): resolved from
 boto3's chain each time the table is opened, handed to delta-rs in memory only, never in a log
 line or an error. Commits are put-if-absent (`AWS_CONDITIONAL_PUT=etag`), so a second writer can
 never overwrite a commit. Keeping it equal to the manifests is `pipeline.store.table_sync`;
@@ -26,9 +26,7 @@ import pyarrow.dataset as pads
 
 from pipeline.corpus.schema import check_safe_id
 from pipeline.store.base import Store, StoreError
-from pipeline.store.local import LocalStore
 from pipeline.store.manifest import MANIFEST_SCHEMA, STATE_SCHEMA, ManifestRecord
-from pipeline.store.s3 import S3Store
 
 log = logging.getLogger(__name__)
 TABLE_KEY = "index/episodes"
@@ -95,21 +93,24 @@ class ManifestTable:
     """The Delta table of one store's episodes; every call reopens the latest version."""
 
     def __init__(self, store: Store):
+        """A store that no outside engine can read (`Store.location` None: in memory) has no
+        table: it never `exists`, and reading or writing it is a `TableError`."""
         self.store = store
-        if isinstance(store, LocalStore):
-            self.uri = str(store.root / "index" / "episodes")
-        elif isinstance(store, S3Store):
-            self.uri = f"{store.uri}/{TABLE_KEY}"
-        else:
-            raise TableError(f"store {store.uri} has no manifest table (local or S3 only)")
+        self.located = store.location(TABLE_KEY)
+        self.uri = self.located or f"{store.uri}/{TABLE_KEY}"
 
     # -- where and how -------------------------------------------------------------------------
+    def _where(self) -> str:
+        """The table's path or URL for delta-rs; `TableError` for a store that has none."""
+        if self.located is None:
+            raise TableError(f"store {self.store.uri} has no manifest table (a folder or S3 "
+                             "only)")
+        return self.located
+
     def _options(self) -> dict[str, str] | None:
-        """delta-rs storage options of an S3 store (credentials read now, never kept)."""
-        if not isinstance(self.store, S3Store):
-            return None
+        """delta-rs storage options of the store (credentials read now, never kept)."""
         try:
-            return self.store.delta_storage_options(f"the manifest table {self.uri}")
+            return self.store.storage_options(f"the manifest table {self.uri}")
         except StoreError as e:
             raise TableError(str(e)) from None
 
@@ -132,7 +133,9 @@ class ManifestTable:
     def exists(self) -> bool:
         from deltalake import DeltaTable
 
-        return self._call("open", DeltaTable.is_deltatable, self.uri,
+        if self.located is None:
+            return False
+        return self._call("open", DeltaTable.is_deltatable, self.located,
                           storage_options=self._options())
 
     def delta(self):
@@ -140,14 +143,14 @@ class ManifestTable:
         from deltalake import DeltaTable
         from deltalake.exceptions import TableNotFoundError
 
-        options = self._options()
+        where, options = self._where(), self._options()
         try:
-            return DeltaTable(self.uri, storage_options=options)
+            return DeltaTable(where, storage_options=options)
         except TableNotFoundError:
             raise TableError(f"no manifest table at {self.uri}: `python -m jobs.manifests "
                              "--rebuild` makes one from the manifests") from None
         except Exception:  # any other failure: one line, as every call gives it
-            return self._call("open", DeltaTable, self.uri, storage_options=options)
+            return self._call("open", DeltaTable, where, storage_options=options)
 
     def dataset(self, conversation_ids: Sequence[str] | None = None) -> pads.Dataset:
         """A pyarrow dataset of the table (DuckDB scans it as a view); with ids, only the files
@@ -163,7 +166,7 @@ class ManifestTable:
         from deltalake import WriterProperties, write_deltalake
 
         props = WriterProperties(compression="ZSTD", max_row_group_size=_ROW_GROUP)
-        self._call(what, write_deltalake, self.uri, data, writer_properties=props,
+        self._call(what, write_deltalake, self._where(), data, writer_properties=props,
                    configuration=_TABLE_CONFIG, storage_options=self._options(), **kwargs)
 
     def replace(self, conversation_ids: Sequence[str],

@@ -150,7 +150,8 @@ class IndexWriter:
     Opening it makes the table equal to the manifests first: a store without one (built before
     the table existed) gets it rebuilt, and pending markers of an interrupted build are
     repaired. A table that cannot be written never fails the build: it is logged, the markers
-    stay, and the next build or `jobs.manifests --compact` repairs them."""
+    stay, and the next build or `jobs.manifests --compact` repairs them. A store that can hold
+    no table (in memory) gets neither table nor markers."""
 
     def __init__(self, store: Store, flush_rows: int = 10_000, flush_seconds: float = 60.0):
         self.store, self.flush_rows, self.flush_seconds = store, flush_rows, flush_seconds
@@ -162,6 +163,9 @@ class IndexWriter:
         self.healthy = True
 
     def open(self) -> None:
+        if self.table.located is None:
+            self.healthy = False
+            return
         try:
             if not self.table.exists():
                 done = rebuild(self.store, self.table)
@@ -181,7 +185,8 @@ class IndexWriter:
 
     def begin(self, conversation_id: str) -> None:
         """Before the manifest commit: a marker saying the table may lag this conversation."""
-        self.store.put(pending_key(conversation_id), b"")
+        if self.table.located is not None:
+            self.store.put(pending_key(conversation_id), b"")
 
     def add(self, conversation_id: str, records: list[ManifestRecord]) -> None:
         """After the manifest commit: buffer its rows (scalar columns only)."""

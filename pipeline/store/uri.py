@@ -1,27 +1,34 @@
-"""A store from a URI: a local folder (path or file://) or `s3://bucket/prefix`."""
+"""A store from a URI: its scheme names the backend (a path without one is a local folder).
+
+Adding a backend is one module with a `Store` subclass (its `from_uri` reads the URI) and one
+line in `BACKENDS`.
+"""
 
 from __future__ import annotations
 
-from pipeline.store.base import Store, StoreError
+from pipeline.store.base import Store, StoreError, StoreOptions
 from pipeline.store.local import LocalStore
-from pipeline.store.s3 import S3Store, parse_s3_uri
+from pipeline.store.memory import MemoryStore
+from pipeline.store.s3 import S3Store
+
+BACKENDS: dict[str, type[Store]] = {
+    "file": LocalStore,
+    "s3": S3Store,
+    "memory": MemoryStore,
+}
 
 
-def open_store(uri: str, *, endpoint_url: str | None = None, region: str | None = None,
-               create: bool = True) -> Store:
-    """A store from a URI: a local folder (path or file://) or `s3://bucket/prefix`.
-
-    For S3, the endpoint is `endpoint_url`, else as `pipeline.store.s3.s3_endpoint` resolves
-    it (the environment, or AWS). Opening checks the bucket: a
-    missing bucket is a `StoreError` (buckets are never created; an empty prefix is an empty
-    store). A local folder is created unless `create=False`, which read-only commands pass so
-    that a store that does not exist is a `StoreError` naming it.
+def open_store(uri: str, options: StoreOptions | None = None, *, create: bool = True) -> Store:
+    """The store `uri` names: a local folder (path or file://), `s3://bucket/prefix` or
+    `memory://name`. `options` is how to reach it beyond the URI (S3: the endpoint, else as
+    `pipeline.store.s3.s3_endpoint` resolves it, and the region). Opening S3 checks
+    the bucket: a missing bucket is a `StoreError` (buckets are never created; an empty prefix
+    is an empty store). A folder or a memory store is created unless `create=False`, which
+    read-only commands pass so that a store that does not exist is a `StoreError` naming it.
     """
-    if uri.startswith("s3://"):
-        bucket, prefix = parse_s3_uri(uri)
-        return S3Store(bucket, prefix, region=region, endpoint_url=endpoint_url)
-    if uri.startswith("file://"):
-        return LocalStore(uri.removeprefix("file://"), create=create)
-    if "://" in uri:
-        raise StoreError(f"unsupported store URI {uri!r}: use a local folder or s3://bucket/prefix")
-    return LocalStore(uri, create=create)
+    scheme, sep, _ = uri.partition("://")
+    backend = BACKENDS.get(scheme if sep else "file")
+    if backend is None:
+        known = ", ".join(f"{s}://" for s in BACKENDS)
+        raise StoreError(f"unsupported store URI {uri!r}: use a local folder or one of {known}")
+    return backend.from_uri(uri, options or StoreOptions(), create=create)

@@ -12,8 +12,8 @@ from transformers import DynamicCache
 from jobs import demo
 from pipeline.answer.answerer import Answerer
 from pipeline.answer.decode import generate_from_cache
-from pipeline.builder.config import BuildConfig, DriverOptions
 from pipeline.builder.driver import run_build
+from pipeline.config import BuildConfig, DriverOptions
 from pipeline.corpus.reader import read_corpus, write_jsonl
 from pipeline.corpus.render import render_conversation
 from pipeline.corpus.synthetic import make_corpus
@@ -22,7 +22,7 @@ from pipeline.episodes import EpisodeConfig
 from pipeline.kv import models, prompts
 from pipeline.kv.budgets import CalibrationConfig
 from pipeline.kv.prefill import PrefillConfig, block_prefill
-from pipeline.kv.scorers import EpiCacheScorer
+from pipeline.kv.methods.epicache import EpiCache
 from pipeline.store import cache_format
 from pipeline.store.manifest import read_manifest
 from pipeline.store.uri import open_store
@@ -155,7 +155,7 @@ def test_budget_covering_everything_equals_the_full_cache(selection):
     ids = prompts.context_ids(lm.tokenizer, render_conversation(conv).text)
     patch = prompts.patch_ids(lm.tokenizer, "Bob said, \"I love hiking in the mountains.\"")
     n_layers = lm.config.num_hidden_layers
-    cache, stats = block_prefill(lm.model, ids, EpiCacheScorer(patch=patch), [4096] * n_layers,
+    cache, stats = block_prefill(lm.model, ids, EpiCache(patch=patch), [4096] * n_layers,
                                  PrefillConfig(block=128, selection=selection))
     full = DynamicCache()
     with torch.inference_mode():

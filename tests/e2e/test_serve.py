@@ -107,7 +107,7 @@ def test_a_dead_decoder_replica_is_a_503_and_no_answer_in_time_a_504():
 # ---------------------------------------------------------------------------------------------
 
 def _config():
-    from pipeline.builder.config import BuildConfig
+    from pipeline.config import BuildConfig
     from pipeline.episodes import EpisodeConfig
     from pipeline.kv.budgets import CalibrationConfig
     from pipeline.kv.prefill import PrefillConfig
@@ -137,7 +137,7 @@ def _corrupt_copy(store, source_id: str, new_id: str) -> list[str]:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, ray_local):
     """Two synthetic conversations (~1,600 tokens, 2 episodes, budget 128) and a corrupted one."""
-    from pipeline.builder.config import DriverOptions
+    from pipeline.config import DriverOptions
     from pipeline.builder.driver import run_build
     from pipeline.corpus.synthetic import make_corpus
 
@@ -512,7 +512,7 @@ def test_a_conversation_grown_while_it_is_answered_is_served_at_its_new_version(
     with SmolLM2): every answer succeeds, each from one version, and once the new manifest is
     committed the server reads the new objects and answers as the library does from them."""
     from pipeline.builder.conversation import build_conversation
-    from pipeline.configs import GrowthConfig
+    from pipeline.config import GrowthConfig
     from pipeline.corpus.schema import Turn
     from pipeline.store.manifest import read_manifest, write_manifest
 

@@ -25,9 +25,9 @@ import pytest
 import yaml
 
 from jobs import build
-from pipeline.builder.config import DriverOptions, ModelFingerprints
 from pipeline.builder.driver import run_build
 from pipeline.builder.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES, write_synthetic_corpus
+from pipeline.config import DriverOptions, ModelFingerprints
 from pipeline.corpus.reader import write_jsonl
 from pipeline.corpus.synthetic import make_corpus
 from pipeline.kv import models

@@ -20,10 +20,10 @@ import ray
 
 from jobs import build
 from pipeline.builder import driver as build_driver
-from pipeline.builder.config import DriverOptions
 from pipeline.builder.driver import run_build
 from pipeline.builder.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES, S3Requests, synthetic_lines
 from pipeline.builder.sources import corpus_objects
+from pipeline.config import DriverOptions
 from pipeline.corpus.reader import CorpusObject, CorpusStream, ReadStats
 from pipeline.corpus.schema import CorpusError
 from pipeline.store.local import LocalStore

@@ -21,10 +21,9 @@ from dataclasses import replace
 import pytest
 
 from jobs import gc, manifests
-from pipeline.builder.config import DriverOptions
 from pipeline.builder.driver import run_build
 from pipeline.builder.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES, write_synthetic_corpus
-from pipeline.configs import GrowthConfig
+from pipeline.config import DriverOptions, GrowthConfig
 from pipeline.episodes import EpisodeConfig
 from pipeline.store import table as manifest_table
 from pipeline.store.base import manifest_key

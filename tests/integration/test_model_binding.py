@@ -16,8 +16,8 @@ from jobs import answer as answer_job
 from jobs import build
 from pipeline.answer.answerer import Answerer
 from pipeline.answer.lookup import ModelMismatchError, NeedsRebuildError
-from pipeline.builder.config import DriverOptions
 from pipeline.builder.driver import run_build
+from pipeline.config import DriverOptions
 from pipeline.corpus.reader import write_jsonl
 from pipeline.corpus.synthetic import make_corpus
 from pipeline.kv import models
@@ -56,10 +56,11 @@ def _ask(store) -> str:
 
 def _decoder_answer(store, model: str) -> dict:
     from pipeline.serve.decoder import Decoder
+    from pipeline.serve.settings import ServeSettings
 
     gc.freeze, real = (lambda: None), gc.freeze  # a replica's process, not pytest's
     try:
-        decoder = Decoder.func_or_class(str(store), None, model, 10**8)
+        decoder = Decoder.func_or_class(ServeSettings(store=str(store), cache_bytes=10**8), model)
     finally:
         gc.freeze = real
     ref = read_manifest(LocalStore(store), CID)[0].ref

@@ -1,4 +1,4 @@
-"""Bad stores, on both backends: read-only commands refuse a store that does not exist (and
+"""Bad stores, on every backend: read-only commands refuse a store that does not exist (and
 never create it), every command names a corrupt manifest in one line, and `jobs.gc` finds
 each kind of fault a store can have (with `--verify`, also objects whose bytes changed).
 
@@ -26,7 +26,7 @@ from tests.support.stores import (
     CORRUPT,
     plant_corrupt_manifest,
     put_conversation,
-    store,  # noqa: F401  (a folder, or a prefix in SeaweedFS)
+    store,  # noqa: F401  (a folder, a prefix in SeaweedFS, memory)
 )
 
 COMMANDS = {  # every read-only command, with the arguments it needs besides --store

@@ -1,4 +1,4 @@
-"""Stores for the tests: either backend as a fixture, a conversation committed as a build
+"""Stores for the tests: every backend as a fixture, a conversation committed as a build
 commits it (tiny synthetic caches, then the manifest), and manifests broken on purpose."""
 
 from __future__ import annotations
@@ -69,10 +69,16 @@ def plant_corrupt_manifest(store, how: str = "not parquet", cid: str = "bad") ->
     return key
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", "s3", "memory"])
 def store(request, tmp_path):
-    """An empty store: a folder, or a fresh prefix in the SeaweedFS bucket."""
+    """An empty store of each backend: a folder, a fresh prefix in the SeaweedFS bucket, or a
+    fresh in-memory store (dropped afterwards)."""
     if request.param == "local":
-        return LocalStore(tmp_path / "store")
-    s3 = request.getfixturevalue("s3_env")
-    return open_store(s3.uri(f"contract/{uuid.uuid4().hex[:12]}"))
+        yield LocalStore(tmp_path / "store")
+    elif request.param == "s3":
+        s3 = request.getfixturevalue("s3_env")
+        yield open_store(s3.uri(f"contract/{uuid.uuid4().hex[:12]}"))
+    else:
+        memory = open_store(f"memory://contract-{uuid.uuid4().hex[:12]}")
+        yield memory
+        memory.drop()

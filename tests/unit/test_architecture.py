@@ -18,7 +18,7 @@ PACKAGES = ("kernels", "pipeline", "jobs", "tests")
 # The layers, lowest first: a module imports only from its own layer's package and from lower
 # ones. Packages of one rank do not import each other.
 LAYERS = [
-    ("kernels", 0), ("pipeline.config_fields", 0), ("pipeline.configs", 0),
+    ("kernels", 0), ("pipeline.config", 0),
     ("pipeline.ray_runtime", 0),
     ("pipeline.corpus", 1), ("pipeline.routers", 1),
     ("pipeline.kv", 2), ("pipeline.episodes", 2),

@@ -1,4 +1,4 @@
-"""Episode clustering (windows, K-Means, medoids, patched prompts, adopted turns), with a small
+"""Episode clustering (windows, K-Means, medoids, patched prompts), with a small
 deterministic bag-of-words encoder standing in for the sentence encoder (routing is in
 test_routers.py)."""
 
@@ -15,8 +15,7 @@ import pytest
 from pipeline.corpus.render import render_turn
 from pipeline.corpus.schema import Conversation, Turn
 from pipeline.corpus.synthetic import make_conversation
-from pipeline.episodes import (EpisodeConfig, build_episodes, focus_turn_ids, member_turn_ids,
-                               segment, window_texts)
+from pipeline.episodes import (EpisodeConfig, build_episodes, segment, window_texts)
 
 DIM = 32
 
@@ -137,26 +136,3 @@ def test_identical_windows_give_one_episode():
     result = build_episodes(conv, BagOfWordsEncoder(), EpisodeConfig(window=2, episodes=4))
     assert len(result.episodes) == 1 and result.note
     assert result.episodes[0].windows == tuple(range(6))
-
-
-def test_an_off_topic_turn_is_adopted_by_the_episode_of_its_nearest_window():
-    """A dog turn inside a cat window: the dog episode adopts it (it keeps the turn first and
-    the window router sends dog questions there); the episodes' windows do not change."""
-    texts = ["cat food whiskers", "cat purr whiskers", "cat milk whiskers",
-             "cat litter whiskers", "cat nap whiskers", "dog bark leash",
-             "dog leash walk", "dog bark park", "dog walk leash",
-             "dog walk park", "dog leash bark", "dog park bark"]
-    turns = tuple(Turn(f"D1:{i + 1}", "A" if i % 2 == 0 else "B", text, 1, "")
-                  for i, text in enumerate(texts))
-    conv = Conversation("pets", ("A", "B"), turns)
-    config = EpisodeConfig(window=3, episodes=2, medoids=1)
-    plain = build_episodes(conv, BagOfWordsEncoder(), config)
-    adopted = build_episodes(conv, BagOfWordsEncoder(), dataclasses.replace(config, adopt=True))
-    assert _partition(plain) == _partition(adopted) == [(0, 1), (2, 3)]
-    by_windows = {e.windows: e for e in adopted.episodes}
-    assert by_windows[(2, 3)].adopted_turn_ids == ("D1:6",)
-    assert by_windows[(0, 1)].adopted_turn_ids == ()
-    assert all(e.adopted_turn_ids == () for e in plain.episodes)
-    dogs = by_windows[(2, 3)]
-    assert focus_turn_ids(member_turn_ids(conv, dogs, 3), dogs) == \
-        member_turn_ids(conv, dogs, 3) + ("D1:6",)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pipeline.answer.lookup import route_index, route_records
-from pipeline.configs import ROUTER_NAMES, RoutingConfig
+from pipeline.config import ROUTER_NAMES, RoutingConfig
 from pipeline.routers import ROUTERS, RouteIndex, chosen, unit
 
 
@@ -27,7 +27,6 @@ def test_the_window_router_finds_the_episode_of_a_topic_its_centroid_averages_aw
     index, question = _index(), np.array([0.95, 0.05, 0.0])
     assert ROUTERS["centroid"].scores(question, index).argmax() == 1
     assert ROUTERS["window"].scores(question, index).argmax() == 0
-    assert ROUTERS["knn"].scores(question, index).argmax() == 0
 
 
 def test_an_unsure_router_reads_two_episodes_a_sure_one_reads_one():

@@ -17,7 +17,7 @@ from pipeline.answer.decode import AnswerPieces, decode_answer, generate_from_ca
 from pipeline.answer.packed import DecodeRow, packed_step
 from pipeline.kv.cache import EpisodicCache
 from pipeline.kv.prefill import PrefillConfig, block_prefill
-from pipeline.kv.scorers import EpiCacheScorer
+from pipeline.kv.methods.epicache import EpiCache
 from tests.support.tiny_models import StandIn, one_torch_thread, random_ids, tiny_model  # noqa: F401
 
 
@@ -26,7 +26,7 @@ def _caches(model, specs=((61, 12, "headwise"), (90, 20, "perhead"), (40, 9, "he
     out = []
     for i, (n, budget, selection) in enumerate(specs):
         cache, _ = block_prefill(model, random_ids(n, seed=7 + i),
-                                 EpiCacheScorer(random_ids(6, seed=8)), [budget, budget + 3, budget - 2],
+                                 EpiCache(patch=random_ids(6, seed=8)), [budget, budget + 3, budget - 2],
                                  PrefillConfig(block=8, selection=selection))
         out.append(cache)
     heads = out[1].layers[0].valid.sum(dim=1)
@@ -286,7 +286,7 @@ def test_smollm2_batched_greedy_answers_equal_decode_answer_alone():
     for conv, budget in zip(make_corpus(3, 500, seed=5), (48, 96, 64)):
         ids = prompts.context_ids(lm.tokenizer, render_conversation(conv).text)
         n_layers = lm.config.num_hidden_layers
-        cache, _ = block_prefill(lm.model, ids, EpiCacheScorer(ids[-16:]), [budget] * n_layers,
+        cache, _ = block_prefill(lm.model, ids, EpiCache(patch=ids[-16:]), [budget] * n_layers,
                                  PrefillConfig(block=128))
         caches.append(cache)
         questions.append(conv.questions[0].question)

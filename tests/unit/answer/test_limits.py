@@ -1,4 +1,4 @@
-"""The limits on one answer (`pipeline.answer.limits`), held alike by the library's decode path,
+"""The limits on one answer (`pipeline.config.limits`), held alike by the library's decode path,
 the `Answerer` and the Serve decoder's batcher: a question is bounded in characters before any
 tokenizer sees it, then in tokens; the answer length and the temperature are in range; the
 cached history, prompt and answer fit the model's positions."""
@@ -11,10 +11,10 @@ import pytest
 
 from pipeline.answer.batcher import DecodeBatcher
 from pipeline.answer.decode import decode_answer, question_prompt
-from pipeline.answer.limits import (CHARS_PER_TOKEN, DEFAULT_LIMITS, AnswerLimits, LimitError,
+from pipeline.config.limits import (CHARS_PER_TOKEN, DEFAULT_LIMITS, AnswerLimits, LimitError,
                                     check_positions)
 from pipeline.kv.prefill import PrefillConfig, block_prefill
-from pipeline.kv.scorers import EpiCacheScorer
+from pipeline.kv.methods.epicache import EpiCache
 from tests.support.tiny_models import (CharTokenizer, StandIn, one_torch_thread,  # noqa: F401
                                        random_ids, tiny_model)
 
@@ -35,7 +35,7 @@ class CountingTokenizer(CharTokenizer):
 @pytest.fixture(scope="module")
 def lm_and_cache():
     model = tiny_model("llama")
-    cache, _ = block_prefill(model, random_ids(60, seed=3), EpiCacheScorer(random_ids(6, seed=4)),
+    cache, _ = block_prefill(model, random_ids(60, seed=3), EpiCache(patch=random_ids(6, seed=4)),
                              [20, 20, 20], PrefillConfig(block=8))
     return StandIn(model), cache
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pipeline.answer.lookup import ModelMismatchError, NeedsRebuildError, check_models
-from pipeline.builder.config import ModelFingerprints
 from pipeline.builder.conversation import ModelFilesDifferError, check_same_files
+from pipeline.config import ModelFingerprints
 from pipeline.serve.errors import classify
 from pipeline.store.manifest import CacheRef, ManifestRecord
 

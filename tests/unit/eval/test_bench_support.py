@@ -7,7 +7,7 @@ import torch
 
 from pipeline.eval.bench_support import dynamic_cache_bytes, first_layers, full_prefill
 from pipeline.kv.prefill import PrefillConfig, block_prefill
-from pipeline.kv.scorers import EpiCacheScorer
+from pipeline.kv.methods.epicache import EpiCache
 from tests.support.tiny_models import one_torch_thread, random_ids, tiny_model  # noqa: F401
 
 
@@ -18,7 +18,7 @@ def test_first_layers_gives_the_whole_models_per_layer_caches_and_peaks(family):
     and the whole model is left intact."""
     model = tiny_model(family, num_hidden_layers=4)
     ids, patch = random_ids(150), random_ids(12, seed=7)
-    run = lambda m: block_prefill(m, ids, EpiCacheScorer(patch=patch),  # noqa: E731
+    run = lambda m: block_prefill(m, ids, EpiCache(patch=patch),  # noqa: E731
                                   [20] * m.config.num_hidden_layers, PrefillConfig(block=32))
     whole, whole_stats = run(model)
     cut = first_layers(model, 2)
@@ -43,7 +43,7 @@ def test_peak_bytes_counts_the_block_and_patch_on_top_of_the_held_entries():
     per_slot = cfg.num_key_value_heads * 2 * cfg.head_dim * 4
     peaks = []
     for n in (128, 512):
-        _, stats = block_prefill(model, random_ids(n), EpiCacheScorer(patch=random_ids(p, seed=9)),
+        _, stats = block_prefill(model, random_ids(n), EpiCache(patch=random_ids(p, seed=9)),
                                  [budget] * 2, PrefillConfig(block=block, selection="perhead"))
         assert stats.peak_bytes == [(budget + block + p) * per_slot] * 2
         peaks.append(stats.peak_bytes)

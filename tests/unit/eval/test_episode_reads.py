@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.configs import RoutingConfig
-from pipeline.eval.methods import EvalConfig, parse_method
+from pipeline.config import RoutingConfig
+from pipeline.eval.methods import EvalConfig
 from pipeline.eval.report import records_parquet
 from pipeline.eval.episode_reads import READ_FIELDS, candidate_pairs, select_route
 from pipeline.eval.runner import kept_cell
@@ -27,13 +27,14 @@ def _record() -> dict:
 
 def test_each_routing_variant_selects_its_read_from_the_same_cell():
     config = EvalConfig(routing=RoutingConfig("window", 0.02))
-    centroid = select_route(_record(), "epicache+rcen+two0", config)
+    centroid = select_route(_record(), "epicache+routing.router=centroid+routing.two_below=0", config)
     assert (centroid["episode"], centroid["episodes_read"], centroid["route_hit"]) == (0, 1, False)
-    assert centroid["evidence_nll"] == 10.0 and centroid["method"] == "epicache+rcen+two0"
+    assert centroid["evidence_nll"] == 10.0 and centroid["method"] == \
+        "epicache+routing.router=centroid+routing.two_below=0"
     window = select_route(_record(), "epicache", config)  # the default: window, two when unsure
     assert (window["episode"], window["episodes_read"], window["route_hit"]) == (1, 2, True)
     assert window["evidence_nll"] == 30.0 and window["kv_bytes"] == 30.0
-    sure = select_route(_record(), "epicache+two5", config)
+    sure = select_route(_record(), "epicache+routing.two_below=0.005", config)
     assert (sure["episode"], sure["episodes_read"], sure["evidence_nll"]) == (1, 1, 11.0)
     paper = select_route(_record(), "epicache-paper", config)  # the paper's nearest centroid
     assert (paper["episode"], paper["episodes_read"]) == (0, 1)
@@ -41,33 +42,33 @@ def test_each_routing_variant_selects_its_read_from_the_same_cell():
         {"method": "snapkv", "evidence_nll": 1.0}
 
 
-def test_routing_variants_parse_and_one_method_names_one_router():
-    assert parse_method("epicache+rwin+two20+compact+span2048")[1] == \
-        {"rwin", "two20", "compact", "span2048"}
-    assert EvalConfig().route_of("epicache+rknn+two35") == ("knn", 0.035)
-    assert EvalConfig().prefill_config("epicache+compact+span512").compact_recent == 512
-    with pytest.raises(ValueError, match="more than one router"):
-        EvalConfig().route_of("epicache+rwin+rcen")
+def test_routing_overrides_parse():
+    assert EvalConfig().route_of("epicache+routing.router=window+routing.two_below=0.035") == \
+        ("window", 0.035)
+    assert EvalConfig().route_of("epicache") == ("window", 0.02)
+    with pytest.raises(ValueError, match="router must be one of"):
+        EvalConfig().route_of("epicache+routing.router=knn")
 
 
 def test_each_method_keeps_its_positions():
     """`epicache` keeps the library's default positions (compact, the last 2,048 tokens at their
-    spacing), so its cell is the one `epicache+compact+span2048` measured; `orig` keeps original
-    positions; the baselines and the paper's recipe keep original positions unless compacted;
-    where entries cannot be re-rotated the default falls back to original."""
+    spacing); `epicache-orig` original positions; the baselines and the paper's recipe keep
+    original positions unless overridden; where entries cannot be re-rotated the default falls
+    back to original."""
     config = EvalConfig()
     mode = lambda m: (config.build_config(m, 512).prefill.position_mode,  # noqa: E731
                       config.build_config(m, 512).as_dict()["prefill"].get("compact_recent"))
-    assert mode("epicache") == mode("epicache+compact+span2048") == ("compact", 2048)
+    compact = "+prefill.positions=compact+prefill.compact_recent="
+    assert mode("epicache") == mode(f"epicache{compact}2048") == ("compact", 2048)
     assert config.build_config("epicache", 512).hash == \
-        config.build_config("epicache+compact+span2048", 512).hash
-    for original in ("epicache+orig", "epicache-paper", "keydiff", "snapkv", "epicache+tri",
-                     "epicache+dapq", "full"):
+        config.build_config(f"epicache{compact}2048", 512).hash
+    for original in ("epicache-orig", "epicache-paper", "keydiff", "snapkv", "epicache-tri",
+                     "epicache-dapq", "full"):
         assert mode(original) == ("original", None), original
-    assert mode("keydiff+compact") == ("compact", None)  # all packed (0: not hashed, as before)
-    assert mode("streamingllm+span512") == ("compact", 512)
-    with pytest.raises(ValueError, match="both original and compact"):
-        config.prefill_config("epicache+orig+compact")
+    assert mode(f"keydiff{compact}0") == ("compact", None)  # all packed (0: not hashed)
+    assert mode(f"streamingllm{compact}512") == ("compact", 512)
+    with pytest.raises(ValueError, match="compact positions work with token eviction only"):
+        config.build_config(f"epicache-tri{compact}0", 512)
 
 
 def test_the_two_episode_reads_are_each_routers_best_two():

@@ -13,14 +13,20 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from jobs import evaluate as evaluate_job
 from pipeline.corpus.reader import write_jsonl
 from pipeline.corpus.synthetic import make_corpus
-from pipeline.eval.methods import METHODS, EvalConfig, parse_method
+from pipeline.config import BuildConfig
+from pipeline.eval.methods import DEFAULT_METHODS, EvalConfig, parse_method
 from pipeline.eval.metrics import (continuation_nll, evidence_probe, f1_score, normalize_answer,
                                    retention)
 from pipeline.eval.runner import Cell, collect_cells
 from pipeline.kv import models, prompts
+from pipeline.kv.methods.base import BlockContext, LayerState
+from pipeline.kv.methods.full import Full
+from pipeline.kv.methods.infinipot import InfiniPot
+from pipeline.kv.methods.keydiff import KeyDiff
+from pipeline.kv.methods.kvzip import KVzip
+from pipeline.kv.methods.snapkv import SnapKV
 from pipeline.kv.prefill import PrefillConfig, block_prefill
-from pipeline.kv.scorers import (BlockContext, FullScorer, InfiniPotScorer, KeyDiffScorer,
-                                 KVzipScorer, LayerState, SnapKVScorer, build_scorer)
+from tests.support.methods import bound_method
 
 
 def _encode(text: str) -> torch.Tensor:
@@ -29,32 +35,17 @@ def _encode(text: str) -> torch.Tensor:
 
 def test_patch_choices_of_the_baselines():
     block = BlockContext(block_ids=torch.arange(200), tokens_seen=512)
-    assert SnapKVScorer().patch_ids(block).tolist() == list(range(136, 200))
-    kvzip = build_scorer("kvzip", _encode)
-    assert kvzip.patch_ids(block).tolist() == _encode(KVzipScorer.INSTRUCTION).tolist() + list(range(200))
-    infinipot = build_scorer("infinipot", _encode)
-    assert infinipot.patch_ids(block).tolist() == _encode(InfiniPotScorer.INSTRUCTION).tolist()
-    assert build_scorer("question", _encode, "Where?").patch_ids(block).tolist() == _encode("Where?").tolist()
-    assert build_scorer("keydiff", _encode).patch_ids(block) is None
+    assert SnapKV().patch_ids(block).tolist() == list(range(136, 200))
+    kvzip = bound_method("kvzip", _encode)
+    assert kvzip.patch_ids(block).tolist() == _encode(KVzip.INSTRUCTION).tolist() + list(range(200))
+    infinipot = bound_method("infinipot", _encode)
+    assert infinipot.patch_ids(block).tolist() == _encode(InfiniPot.INSTRUCTION).tolist()
+    assert bound_method("question", _encode, "Where?").patch_ids(block).tolist() == _encode("Where?").tolist()
+    assert bound_method("keydiff", _encode).patch_ids(block) is None
     with pytest.raises(ValueError, match="unknown method"):
-        build_scorer("h2o", _encode)
+        bound_method("h2o", _encode)
     with pytest.raises(ValueError, match="needs a patch text"):
-        build_scorer("epicache", _encode)
-
-
-def test_keydiff_block_scores_are_negative_cosine_to_the_block_mean_key():
-    torch.manual_seed(0)
-    keys = torch.randn(2, 10, 8)
-    positions = torch.arange(10).expand(2, -1)
-    valid = torch.ones(2, 10, dtype=torch.bool)
-    valid[1, 9] = False  # an empty slot does not enter the anchor
-    state = LayerState(0, keys, keys, valid, positions, None, block_start=6)
-    scores = build_scorer("keydiff-block", _encode).score(state)
-    for h in range(2):
-        members = [i for i in range(6, 10) if valid[h, i]]
-        anchor = keys[h, members].mean(0)
-        expected = -torch.nn.functional.cosine_similarity(keys[h], anchor[None], dim=-1)
-        torch.testing.assert_close(scores[h], expected)
+        bound_method("epicache", _encode)
 
 
 def test_keydiff_anchors_on_the_mean_of_every_key_being_compressed():
@@ -63,11 +54,11 @@ def test_keydiff_anchors_on_the_mean_of_every_key_being_compressed():
     keys = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [5.0, 5.0]]])
     valid = torch.tensor([[True, True, True, False]])  # the padded slot is not in the anchor
     state = LayerState(0, keys, keys, valid, torch.arange(4)[None], None, block_start=2)
-    scores = KeyDiffScorer().score(state)
+    scores = KeyDiff().score(state)
     # anchor = mean of (1,0), (0,1), (1,1) = (2/3, 2/3): direction (1,1)/sqrt(2)
     expected = torch.tensor([[-1 / 2 ** 0.5, -1 / 2 ** 0.5, -1.0, -1.0]])
     torch.testing.assert_close(scores, expected)
-    assert KeyDiffScorer.name == "keydiff" and "keydiff" in METHODS
+    assert KeyDiff.name == "keydiff" and "keydiff" in DEFAULT_METHODS
 
 
 def test_random_scores_are_reproducible_per_layer_and_block_and_not_a_default_method():
@@ -77,15 +68,15 @@ def test_random_scores_are_reproducible_per_layer_and_block_and_not_a_default_me
 
     def scores(layer_idx: int, block_start: int, seed: int = 0) -> torch.Tensor:
         state = LayerState(layer_idx, keys, keys, valid, positions, None, block_start=block_start)
-        return build_scorer("random", _encode, seed=seed).score(state)
+        return bound_method("random", _encode, seed=seed).score(state)
 
     first = scores(1, 512)
     assert first.shape == (2, 10) and ((first >= 0) & (first < 1)).all()
     assert torch.equal(first, scores(1, 512))
     for other in (scores(2, 512), scores(1, 1024), scores(1, 512, seed=1)):
         assert not torch.equal(first, other)
-    assert parse_method("random") == ("random", frozenset())
-    assert "random" not in METHODS  # a diagnostic floor, run only when asked for
+    assert parse_method("random").preset.scorer == "random"
+    assert "random" not in DEFAULT_METHODS  # a diagnostic floor, run only when asked for
 
 
 def test_f1_and_normalisation_follow_locomo():
@@ -125,7 +116,7 @@ def tiny_llm_dir(tmp_path_factory):
 def test_continuation_nll_equals_a_full_forward(tiny_llm_dir):
     lm = models.load_llm(tiny_llm_dir)
     ids = prompts.encode(lm.tokenizer, "Alice said hello to Bob and Bob said hello back to Alice.")
-    cache, _ = block_prefill(lm.model, ids[:8], FullScorer(), None, PrefillConfig(block=4))
+    cache, _ = block_prefill(lm.model, ids[:8], Full(), None, PrefillConfig(block=4))
     nll = continuation_nll(lm.model, cache, ids[8:10], ids[10:])
     with torch.inference_mode():
         logits = lm.model(input_ids=ids[None]).logits[0].float()
@@ -169,6 +160,44 @@ def test_harness_end_to_end_on_a_tiny_model(tmp_path, tiny_llm_dir, ray_local):
     records = _check_outputs(tmp_path / "out", methods)
     assert {r["budget"] for r in records if r["method"] == "keydiff"} == {32, 64}
     assert all(r["kept_entries"] == r["budget"] for r in records if r["budget"])
+
+
+@pytest.mark.e2e
+def test_a_cell_measures_the_caches_the_product_build_makes(tiny_llm_dir, monkeypatch):
+    """The evaluation builds through `pipeline.builder` (one build per episode, each stored in
+    an in-memory store dropped with the cell), and the cache it measures is the one the build
+    stored: written to the store, read back, it has the same entries."""
+    from pipeline.builder import episode as build_stage
+    from pipeline.eval import cell as cell_module
+    from pipeline.eval.cell import evaluate_cell, prepare
+    from pipeline.store import cache_format
+
+    built, stores = [], []
+
+    def spy(clustered, episode, budgets, config, store, patch_text=None):
+        done = build_stage.build_episode_cache(clustered, episode, budgets, config, store,
+                                               patch_text)
+        built.append((config, done, store.get(done.record.object_key)))
+        stores.append(store)
+        return done
+
+    monkeypatch.setattr(cell_module, "build_episode_cache", spy)
+    config = EvalConfig(BuildConfig(model=tiny_llm_dir, prefill=PrefillConfig(block=64)),
+                        questions_per_conversation=2)
+    prep = prepare(make_corpus(1, 500, seed=11)[0], config)
+    records = evaluate_cell(prep, "epicache", 32, config, None)
+    assert len(records) == len(prep.questions) and built
+    assert {done.record.episode for _, done, _ in built} == set(range(len(built)))
+    for build, done, data in built:
+        assert build == config.build_config("epicache", 32) and done.record.scorer == "epicache"
+        stored, _ = cache_format.deserialize(data, done.record.sha256, done.record.object_key)
+        assert stored.tokens_seen == done.cache.tokens_seen
+        for kept, read in zip(done.cache.layers, stored.layers):
+            for head in range(kept.valid.shape[0]):
+                assert sorted(kept.positions[head][kept.valid[head]].tolist()) == \
+                    sorted(read.positions[head][read.valid[head]].tolist())
+    with pytest.raises(Exception, match="not in this process"):
+        stores[0].list()  # dropped with the cell: nothing kept
 
 
 @pytest.mark.e2e

@@ -4,23 +4,27 @@ hand or reference computations, the token layout, and the evaluation's diagnosti
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
 
-from pipeline.builder.config import BuildConfig
+from pipeline.config import BuildConfig
 from pipeline.corpus.render import render_conversation
 from pipeline.corpus.schema import Conversation, Question, Turn
 from pipeline.eval.cell import evaluate_cell, evidence_diagnostics, prepare
-from pipeline.eval.methods import METHODS, EvalConfig, parse_method
+from pipeline.eval.methods import DEFAULT_METHODS, EvalConfig, parse_method, parse_override
 from pipeline.eval.metrics import continuation_nll, continuation_nlls
 from pipeline.kv import models, prompts
 from pipeline.kv.layout import kept_share, token_layout
-from pipeline.kv.prefill import PrefillConfig, block_prefill, select_keep
-from pipeline.kv.scorers import (FocusScorer, FullScorer, LayerState, OldestScorer, PooledScorer,
-                                 ProtectedScorer, Scorer, ScoringConfig, UtteranceScorer,
-                                 build_scorer, episodic_scorer)
+from pipeline.config import ScoringConfig
+from pipeline.kv.eviction import select_keep
+from pipeline.kv.methods.base import LayerState, Scorer
+from pipeline.kv.methods.full import Full
+from pipeline.kv.methods.oldest import Oldest
+from pipeline.kv.methods.shaping import (FocusScorer, PooledScorer, ProtectedScorer,
+                                         UtteranceScorer)
+from pipeline.kv.prefill import PrefillConfig, block_prefill
+from tests.support.methods import bound_method, episodic
 from tests.support.tiny_models import one_torch_thread, random_ids, tiny_model  # noqa: F401
 
 
@@ -59,7 +63,7 @@ def test_packed_probe_nlls_equal_one_at_a_time(family, pack_tokens):
     unchanged."""
     model = tiny_model(family)
     ids = random_ids(150, seed=3)
-    cache, _ = block_prefill(model, ids, build_scorer("snapkv", lambda t: ids[:4]), [40] * 3,
+    cache, _ = block_prefill(model, ids, bound_method("snapkv", lambda t: ids[:4]), [40] * 3,
                              PrefillConfig(block=32))
     pairs = _probe_pairs(7, 6)
     alone = [continuation_nll(model, cache, p, t) for p, t in pairs]
@@ -75,7 +79,7 @@ def test_packed_probe_nlls_equal_one_at_a_time_with_smollm2():
     text = "\n".join(f'Nadia said, "My cousin number {i} keeps {i * 3} goats near the lake."'
                      for i in range(30))
     ids = prompts.context_ids(lm.tokenizer, text)
-    cache, _ = block_prefill(lm.model, ids, build_scorer("snapkv", lambda t: ids[:4]),
+    cache, _ = block_prefill(lm.model, ids, bound_method("snapkv", lambda t: ids[:4]),
                              [128] * lm.config.num_hidden_layers, PrefillConfig(block=128))
     encode = lambda s: prompts.encode(lm.tokenizer, s)  # noqa: E731
     pairs = [(encode('\nNadia said, "My cousin number 7'), encode(" keeps 21 goats near the lake.")),
@@ -89,10 +93,10 @@ def test_packed_probe_nlls_equal_one_at_a_time_with_smollm2():
 
 def test_oldest_keeps_the_first_tokens():
     positions = torch.tensor([[5, 1, 9, 3]])
-    scores = OldestScorer().score(_state(positions))
+    scores = Oldest().score(_state(positions))
     keep = select_keep(scores, torch.ones(1, 4, dtype=torch.bool), 2, "perhead")
     assert keep.tolist() == [[False, True, False, True]]
-    assert "oldest" not in METHODS and parse_method("oldest")[0] == "oldest"
+    assert "oldest" not in DEFAULT_METHODS and parse_method("oldest").preset.scorer == "oldest"
 
 
 def test_pooling_takes_the_max_of_the_neighbours_and_ignores_invalid_slots():
@@ -131,46 +135,6 @@ def test_focus_weights_the_episode_turns_and_protection_keeps_sink_and_recent():
         pytest.approx([0.3, 0.2, 0.1])
 
 
-def test_a_shared_share_of_the_budget_holds_the_best_other_turns_first():
-    scores = torch.tensor([[0.4, 0.3, 0.2, 0.1, 0.05, 0.01], [0.0, 0.5, 0.2, 0.1, 0.3, 0.01]])
-    member = torch.tensor([False, False, True, True, False, False])
-    positions = torch.arange(6).expand(2, 6)
-    state = dataclasses.replace(_state(positions), budget=4)
-    focus = FocusScorer(Fixed(scores), member, weight=10.0)
-    assert select_keep(focus.score(state), state.valid, 2, "perhead")[0].tolist() == \
-        [False, False, True, True, False, False]  # focus alone: the episode's two turns
-    shared = FocusScorer(Fixed(scores), member, weight=10.0, shared=0.5).score(state)
-    # half of a budget of 4: each head's two best other entries first, then the episode's
-    assert torch.isinf(shared[0, [0, 1]]).all() and torch.isinf(shared[1, [1, 4]]).all()
-    assert torch.isinf(shared).sum() == 4
-    keep = select_keep(shared, state.valid, 3, "perhead")
-    assert keep.tolist() == [[True, True, True, False, False, False],
-                             [False, True, True, False, True, False]]
-    unbudgeted = FocusScorer(Fixed(scores), member, weight=10.0, shared=0.5).score(
-        _state(positions))  # tri-state budgets bytes: no share of entries to hold
-    assert not torch.isinf(unbudgeted).any()
-    with pytest.raises(ValueError, match="shared"):
-        ScoringConfig(shared=1.0)
-
-
-def test_block_prefill_gives_the_shared_share_its_layer_budget():
-    """Through the prefill loop: with focus alone the episode's turns crowd the others out;
-    `shared` holds half of every layer's budget for the others, in every head."""
-    model, ids = tiny_model("llama"), random_ids(192)
-    member = torch.arange(192) < 96  # the episode: the first half of the history
-    patch = ids[:8]
-
-    def others_kept(shared: float) -> list[int]:
-        scorer = episodic_scorer(patch, ScoringConfig(utterance=False, shared=shared),
-                                 member=member)
-        cache, _ = block_prefill(model, ids, scorer, [24] * 3, PrefillConfig(
-            block=32, selection="perhead", positions="original"))
-        return [int((layer.valid & (layer.positions >= 96)).sum(1).min())
-                for layer in cache.layers]
-
-    assert max(others_kept(0.0)) < 12 and min(others_kept(0.5)) >= 12
-
-
 def test_head_floor_guarantees_each_head_its_top_entries():
     scores = torch.tensor([[9.0, 8.0, 7.0, 6.0], [0.1, 0.3, 0.2, 0.0]])
     valid = torch.ones(2, 4, dtype=torch.bool)
@@ -183,11 +147,9 @@ def test_head_floor_guarantees_each_head_its_top_entries():
 def test_episodic_scorer_composes_the_configured_shapers():
     patch = torch.arange(10)
     line_ids, member = torch.zeros(5, dtype=torch.long), torch.ones(5, dtype=torch.bool)
-    plain = episodic_scorer(patch, ScoringConfig.paper())
-    assert plain.name == "epicache" and plain.patch_options() == {"reduce": "max",
-                                                                 "include_patch": True}
-    shaped = episodic_scorer(patch, ScoringConfig(pool=3, utterance=True, focus=1.0, sink=4,
-                                                  reduce="mean", include_patch=False,
+    plain = episodic(patch, ScoringConfig.paper())
+    assert plain.name == "epicache"
+    shaped = episodic(patch, ScoringConfig(pool=3, utterance=True, focus=1.0, sink=4,
                                                   patch_tokens=6), line_ids, member)
     layers = []
     s = shaped
@@ -196,25 +158,32 @@ def test_episodic_scorer_composes_the_configured_shapers():
         s = s.inner
     assert layers == ["ProtectedScorer", "FocusScorer", "UtteranceScorer", "PooledScorer"]
     assert shaped.patch_ids(None).tolist() == list(range(6))
-    assert shaped.patch_options() == {"reduce": "mean", "include_patch": False}
     with pytest.raises(ValueError, match="line ids"):
-        episodic_scorer(patch, ScoringConfig(utterance=True))
+        episodic(patch, ScoringConfig(utterance=True))
 
 
-def test_method_variants_change_one_knob_of_the_recipe():
+def test_a_method_is_a_preset_with_field_overrides():
     config = EvalConfig()
-    paper = config.recipe("epicache-paper")
+    paper = config.build_config("epicache-paper", 512)
     assert paper.scoring == ScoringConfig.paper() and paper.alpha == 1.0
-    changed = config.recipe(
-        "epicache-paper+alpha0+pastonly+pool7+utt+focus50+med2+ep8+floor10+shared25")
-    assert (changed.alpha, changed.scoring.include_patch, changed.scoring.pool,
-            changed.scoring.utterance, changed.scoring.focus,
-            changed.scoring.shared) == (0.0, False, 7, True, 0.5, 0.25)
-    assert (changed.episodes.medoids, changed.episodes.episodes, changed.head_floor) == (2, 8, 0.1)
-    assert config.recipe("epicache").scoring == config.build.scoring
-    assert not config.needs_profile("epicache-paper+alpha0") and config.needs_profile("epicache-paper")
-    with pytest.raises(ValueError, match="unknown method"):
-        parse_method("epicache+pool")
+    assert config.route_of("epicache-paper") == ("centroid", 0.0)
+    changed = config.build_config("epicache-paper+alpha=0+scoring.pool=7+scoring.utterance=true"
+                                  "+scoring.focus=0.5+episodes.medoids=2+episodes.episodes=8"
+                                  "+prefill.head_floor=0.1+scoring.patch_tokens=none", 512)
+    assert (changed.alpha, changed.scoring.pool, changed.scoring.utterance,
+            changed.scoring.focus, changed.scoring.patch_tokens) == (0.0, 7, True, 0.5, None)
+    assert (changed.episodes.medoids, changed.episodes.episodes, changed.prefill.head_floor) == \
+        (2, 8, 0.1)
+    assert config.build_config("epicache", 512).scoring == config.build.scoring
+    assert not config.needs_profile("epicache-paper+alpha=0")
+    assert config.needs_profile("epicache-paper")
+    overridden = EvalConfig(overrides=(parse_override("scoring.focus=2"),))
+    assert overridden.build_config("epicache-paper", 512).scoring.focus == 2.0
+    for bad, reason in (("epicache+pool", "PATH=VALUE"), ("epicache+scoring.nope=1", "no configuration"),
+                        ("epicache+scoring.pool=x", "scoring.pool"), ("h2o", "unknown method"),
+                        ("epicache+budget=4", "not an override")):
+        with pytest.raises(ValueError, match=reason):
+            parse_method(bad)
 
 
 # --------------------------------------------------------------------------- layout, diagnostics
@@ -257,7 +226,7 @@ def test_route_hit_and_evidence_kept_on_known_evidence():
     conv = _conversation()
     layout = token_layout(lm.tokenizer, conv)
     ids = prompts.context_ids(lm.tokenizer, render_conversation(conv).text)
-    cache, _ = block_prefill(lm.model, ids, FullScorer(), None, PrefillConfig(block=512))
+    cache, _ = block_prefill(lm.model, ids, Full(), None, PrefillConfig(block=512))
     s1, e1 = layout.span_of("D1:1")
     s4, e4 = layout.span_of("D2:4")
     half = s4 + (e4 - s4) // 2

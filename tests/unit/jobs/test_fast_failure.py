@@ -11,9 +11,8 @@ import sys
 
 import pytest
 
-from pipeline.configs import ALLOCATOR_NAMES, SCORER_NAMES
+from pipeline.config import ALLOCATOR_NAMES
 from pipeline.kv.budgets import ALLOCATORS
-from pipeline.kv.scorers import SCORERS
 from tests.support.paths import REPO
 
 HEAVY = ("torch", "transformers", "ray")
@@ -78,5 +77,6 @@ def test_a_heavy_import_is_seen():
 
 
 def test_the_names_offered_without_torch_are_the_registries_names():
-    """The command line offers scorers and allocators by the names in `pipeline.configs`."""
-    assert (SCORER_NAMES, ALLOCATOR_NAMES) == (tuple(SCORERS), tuple(ALLOCATORS))
+    """The command line offers allocators by the names in `pipeline.config` (methods by their
+    registry, `pipeline.kv.methods.REGISTRY`, which names them without importing them)."""
+    assert ALLOCATOR_NAMES == tuple(ALLOCATORS)

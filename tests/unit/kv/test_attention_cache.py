@@ -10,8 +10,12 @@ from transformers import DynamicCache
 from pipeline.answer.decode import generate_from_cache
 from pipeline.eval.metrics import continuation_nll
 from pipeline.kv.cache import EpisodicCache
-from pipeline.kv.prefill import PrefillConfig, block_prefill, select_keep
-from pipeline.kv.scorers import EpiCacheScorer, FullScorer, StreamingLLMScorer
+from pipeline.kv.eviction import select_keep
+from pipeline.kv.prefill import PrefillConfig, block_prefill
+from pipeline.kv.methods.epicache import EpiCache
+from pipeline.kv.methods.full import Full
+from pipeline.kv.methods.shaping import ShapedScorer
+from pipeline.kv.methods.streamingllm import StreamingLLM
 from tests.support.tiny_models import (  # noqa: F401
     FAMILIES,
     StandIn,
@@ -124,7 +128,7 @@ def test_sliding_window_model_matches_stock():
     # the window matters: attending to everything gives other logits past the window
     assert (reference[0, 24:] - unwindowed[0, 24:]).abs().max() > 100 * ATOL
     torch.testing.assert_close(reference[0, :24], unwindowed[0, :24], atol=ATOL, rtol=0)
-    cache, _ = block_prefill(model, ids, FullScorer(), None, PrefillConfig(block=16))
+    cache, _ = block_prefill(model, ids, Full(), None, PrefillConfig(block=16))
     assert cache.tokens_seen == 64
     got = blockwise_logits(model, ids, 16, EpisodicCache(model.config.num_hidden_layers))
     torch.testing.assert_close(got, reference, atol=ATOL, rtol=0)
@@ -154,7 +158,7 @@ def test_block_prefill_without_eviction_equals_full_prefill(models, budgets, sco
     ids = random_ids(n, seed=3)
     n_layers = model.config.num_hidden_layers
     budget_list = {None: None, "seq": [n] * n_layers, "over": [n + 40] * n_layers}[budgets]
-    scorer = EpiCacheScorer(random_ids(9, seed=5)) if scorer_kind == "epicache" else FullScorer()
+    scorer = EpiCache(patch=random_ids(9, seed=5)) if scorer_kind == "epicache" else Full()
     cache, stats = block_prefill(model, ids, scorer, budget_list, PrefillConfig(block=block))
     assert cache.tokens_seen == n and stats.tokens == n and stats.blocks == 4
     assert stats.patch_tokens == (9 * 4 if scorer_kind == "epicache" else 0)
@@ -186,7 +190,7 @@ def test_budget_is_held_and_patch_is_never_stored(family, selection):
     twin = stock_twin(model)
     budget, block, n = 12, 8, 61
     ids = random_ids(n, seed=7)
-    scorer = EpiCacheScorer(random_ids(6, seed=8))
+    scorer = EpiCache(patch=random_ids(6, seed=8))
     cache, stats = block_prefill(model, ids, scorer, [budget] * 3,
                                  PrefillConfig(block=block, selection=selection))
     assert cache.tokens_seen == n == stats.tokens
@@ -215,15 +219,15 @@ def test_budget_is_held_and_patch_is_never_stored(family, selection):
                                    atol=ATOL, rtol=0)
 
 
-class RecordingScorer(EpiCacheScorer):
+class RecordingScorer(ShapedScorer):
     """EpiCache scoring that remembers, per layer, the last state and scores it saw."""
 
     def __init__(self, patch):
-        super().__init__(patch)
+        super().__init__(EpiCache(patch=patch))
         self.seen = {}
 
     def score(self, layer):
-        scores = super().score(layer)
+        scores = self.inner.score(layer)
         self.seen[layer.layer_idx] = (layer.positions.clone(), layer.valid.clone(), scores.clone())
         return scores
 
@@ -260,7 +264,7 @@ def test_headwise_selection_can_be_uneven_across_heads():
     """Head-wise (AdaKV) selection keeps budget x Hkv entries per layer, not budget per head:
     on a random model some layer ends with heads of different lengths."""
     model = tiny_model("llama")
-    cache, _ = block_prefill(model, random_ids(61, seed=7), EpiCacheScorer(random_ids(6, seed=8)),
+    cache, _ = block_prefill(model, random_ids(61, seed=7), EpiCache(patch=random_ids(6, seed=8)),
                              [12] * 3, PrefillConfig(block=8, selection="headwise"))
     assert any(len(set(l.valid.sum(dim=1).tolist())) > 1 for l in cache.layers)
 
@@ -271,7 +275,7 @@ def test_per_layer_budgets_and_generation():
     model = tiny_model("qwen2")
     budgets = [8, 16, 24]
     ids = random_ids(90, seed=9)
-    cache, stats = block_prefill(model, ids, EpiCacheScorer(random_ids(5, seed=10)), budgets,
+    cache, stats = block_prefill(model, ids, EpiCache(patch=random_ids(5, seed=10)), budgets,
                                  PrefillConfig(block=10, selection="perhead"))
     assert cache.entries_per_layer() == [8.0, 16.0, 24.0]
     assert [l.valid.shape[1] for l in cache.layers] == budgets
@@ -286,7 +290,7 @@ def test_per_layer_budgets_and_generation():
 def test_block_prefill_rejects_wrong_number_of_budgets():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="layer budgets"):
-        block_prefill(model, random_ids(10), FullScorer(), [8, 8])
+        block_prefill(model, random_ids(10), Full(), [8, 8])
 
 
 @pytest.mark.parametrize("selection", ["headwise", "perhead"])
@@ -294,7 +298,7 @@ def test_streamingllm_keeps_sink_and_most_recent(selection):
     """StreamingLLM keeps the positions < sink and the most recent ones, in every head."""
     model = tiny_model("mistral")
     sink, budget, n = 4, 12, 60
-    cache, _ = block_prefill(model, random_ids(n, seed=12), StreamingLLMScorer(sink=sink),
+    cache, _ = block_prefill(model, random_ids(n, seed=12), StreamingLLM(sink=sink),
                              [budget] * 3, PrefillConfig(block=8, selection=selection))
     expected = list(range(sink)) + list(range(n - (budget - sink), n))
     for layer in cache.layers:
@@ -324,7 +328,7 @@ def test_evicted_cache_equals_masked_full_attention(family):
     eager = stock_twin(model, "eager")
     n, block, sink, budget, n_new = 50, 8, 4, 12, 5
     ids, question = random_ids(n, seed=13), random_ids(4, seed=14)
-    cache, _ = block_prefill(model, ids, StreamingLLMScorer(sink=sink), [budget] * 3,
+    cache, _ = block_prefill(model, ids, StreamingLLM(sink=sink), [budget] * 3,
                              PrefillConfig(block=block, selection="perhead"))
     generated = generate_from_cache(StandIn(model), cache, question, max_new_tokens=n_new)
 
@@ -401,7 +405,7 @@ def test_two_joined_caches_hold_each_kept_token_once_and_a_cache_joined_with_its
     as one; a token both kept is held once (the first cache's entry)."""
     model = tiny_model("llama")
     ids = random_ids(200, seed=21)
-    a, b = (block_prefill(model, ids, EpiCacheScorer(random_ids(8, seed=s)), [24] * 3,
+    a, b = (block_prefill(model, ids, EpiCache(patch=random_ids(8, seed=s)), [24] * 3,
                           PrefillConfig(block=32))[0] for s in (22, 23))
     joined = EpisodicCache.joined([a, b])
     assert joined.next_position == joined.tokens_seen == 200

@@ -9,16 +9,18 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.builder.config import BuildConfig
+from pipeline.config import BuildConfig
 from pipeline.eval.cell import cache_footprint
-from pipeline.eval.methods import EvalConfig, allocator_of, parse_method
+from pipeline.eval.methods import EvalConfig, parse_method
 from pipeline.kv.attention import attention_column_sums
 from pipeline.kv.budgets import (ALLOCATORS, VarianceAllocator, allocate_from_weights,
                                  attention_variance, variance_weights)
 from pipeline.kv.cache import EpisodicCache
 from pipeline.kv.merging import MergeConfig, Merger
-from pipeline.kv.prefill import PrefillConfig, block_prefill, patch_positions
-from pipeline.kv.scorers import EpiCacheScorer
+from pipeline.kv.eviction import Compression
+from pipeline.kv.positions import DecodePositions
+from pipeline.kv.prefill import PrefillConfig, block_prefill
+from pipeline.kv.methods.epicache import EpiCache
 from pipeline.kv.tristate import TriStateConfig
 from tests.support.tiny_models import one_torch_thread, random_ids, stock_twin, tiny_model  # noqa: F401
 
@@ -29,7 +31,7 @@ def llama():
 
 
 def scorer(n: int = 10):
-    return EpiCacheScorer(patch=random_ids(n, seed=7))
+    return EpiCache(patch=random_ids(n, seed=7))
 
 
 # --------------------------------------------------------------------------------------------
@@ -37,8 +39,10 @@ def scorer(n: int = 10):
 # --------------------------------------------------------------------------------------------
 
 def test_patch_positions():
-    assert patch_positions(100, 4, 3, 1000, False).tolist() == [100, 101, 102, 103, 104, 105, 106]
-    assert patch_positions(100, 4, 3, 1000, True).tolist() == [100, 101, 102, 103, 1000, 1001, 1002]
+    consecutive = Compression().patch_positions(100, 4, 3, 1000)
+    assert consecutive.tolist() == [100, 101, 102, 103, 104, 105, 106]
+    dapq = DecodePositions(Compression()).patch_positions(100, 4, 3, 1000)
+    assert dapq.tolist() == [100, 101, 102, 103, 1000, 1001, 1002]
 
 
 @pytest.mark.parametrize("dapq", [False, True])
@@ -200,26 +204,29 @@ def test_variance_allocation():
 # Configuration and evaluation variants
 # --------------------------------------------------------------------------------------------
 
-def test_variants_are_configuration_knobs():
+def test_presets_and_overrides_are_configuration_knobs():
     config = EvalConfig(BuildConfig(model="tiny"))
+    merge = "+prefill.merge.enabled=true"
     hashes = {m: config.build_config(m, 64).hash for m in
-              ("epicache", "epicache-tri", "epicache-dapq", "epicache-merge", "epicache-d2o",
-               "epicache+tri+dapq+merge", "epicache+fp8", "keydiff")}
+              ("epicache", "epicache-tri", "epicache-dapq", f"epicache{merge}", "epicache-d2o",
+               f"epicache-tri+prefill.decode_positions=true{merge}",
+               "epicache-tri+prefill.tristate.fp8=true", "keydiff")}
     assert len(set(hashes.values())) == len(hashes)
     assert config.build_config("epicache-tri", 64).prefill.tristate.enabled
     assert config.build_config("epicache-dapq", 64).prefill.decode_positions
-    assert config.build_config("epicache-merge", 64).prefill.merge.enabled
+    assert config.build_config(f"epicache{merge}", 64).prefill.merge.enabled
     assert config.build_config("epicache-d2o", 64).allocator == "variance"
-    assert allocator_of("keydiff") is None and allocator_of("keydiff-d2o") == "variance"
-    assert parse_method("epicache+tri+dapq") == ("epicache", frozenset({"tri", "dapq"}))
-    assert config.build_config("epicache+tri+oq25", 64).prefill.tristate.original_scale == 0.25
+    assert config.allocator_of("keydiff") is None
+    assert config.allocator_of("keydiff+allocator=variance") == "variance"
+    scaled = "epicache-tri+prefill.tristate.original_scale=0.25"
+    assert config.build_config(scaled, 64).prefill.tristate.original_scale == 0.25
     assert config.build_config("epicache-tri", 64).prefill.tristate.original_scale == 1.0
-    for bad in ("epicache-x", "full-tri", "nope", "epicache+oqx"):
+    for bad in ("epicache-x", "full-tri", "nope", "epicache-tri+prefill.tristate.original_scale=x"):
         with pytest.raises(ValueError):
             parse_method(bad)
-    # old defaults: the plain configuration is what it was (only the hash's format field moved)
-    assert EvalConfig().prefill_config("epicache") == PrefillConfig()
-    config = BuildConfig(prefill=config.build_config("epicache+tri+merge", 64).prefill,
+    # the default: the plain configuration is the library's
+    assert EvalConfig().build_config("epicache", 64).prefill == PrefillConfig()
+    config = BuildConfig(prefill=config.build_config(f"epicache-tri{merge}", 64).prefill,
                          allocator="variance")
     assert BuildConfig.from_json(config.to_json()) == config
 

@@ -11,7 +11,8 @@ from pipeline.answer.decode import generate_from_cache
 from pipeline.eval.metrics import continuation_nll
 from pipeline.kv.positions import ContextTooLongError, KeyRotation, check_fits
 from pipeline.kv.prefill import PrefillConfig, block_prefill
-from pipeline.kv.scorers import EpiCacheScorer, StreamingLLMScorer
+from pipeline.kv.methods.epicache import EpiCache
+from pipeline.kv.methods.streamingllm import StreamingLLM
 from pipeline.kv.tristate import TriStateConfig
 from pipeline.store import cache_format
 from tests.support.tiny_models import StandIn, one_torch_thread, random_ids, tiny_model  # noqa: F401
@@ -45,7 +46,7 @@ def test_compacting_a_recent_window_is_invisible(family):
     uncompacted build, while the positions stay within the window."""
     model = tiny_model(family)
     ids, question = random_ids(300, seed=3), random_ids(5, seed=4)
-    built = {mode: block_prefill(model, ids, StreamingLLMScorer(sink=0), [24] * 3,
+    built = {mode: block_prefill(model, ids, StreamingLLM(sink=0), [24] * 3,
                                  PrefillConfig(block=16, positions=mode, compact_recent=0))[0]
              for mode in ("original", "compact")}
     original, compact = built["original"], built["compact"]
@@ -69,7 +70,7 @@ def test_compact_prefill_reads_past_the_model_positions_and_round_trips():
     limit = model.config.max_position_embeddings
     ids = random_ids(3 * limit, seed=5)
     budget, block = 32, 64
-    cache, stats = block_prefill(model, ids, EpiCacheScorer(random_ids(12, seed=6)), [budget] * 3,
+    cache, stats = block_prefill(model, ids, EpiCache(patch=random_ids(12, seed=6)), [budget] * 3,
                                  PrefillConfig(block=block, positions="compact", compact_recent=0))
     assert cache.tokens_seen == stats.tokens == 3 * limit
     held = max(layer.valid.shape[1] for layer in cache.layers)
@@ -92,7 +93,7 @@ def test_compact_prefill_reads_past_the_model_positions_and_round_trips():
 
 def test_original_positions_are_stored_as_original():
     model = tiny_model("qwen2")
-    cache, _ = block_prefill(model, random_ids(100, seed=8), StreamingLLMScorer(sink=4), [16] * 3,
+    cache, _ = block_prefill(model, random_ids(100, seed=8), StreamingLLM(sink=4), [16] * 3,
                              PrefillConfig(block=16, positions="original"))
     header = cache_format.read_header(cache_format.serialize(cache, {}, torch.float32))
     assert header["positions"] == "original" and header["next_position"] == 100
@@ -123,7 +124,7 @@ def test_a_build_refuses_a_long_conversation_unless_cut_or_compact():
     (compact positions), refused with original positions (also where the default falls back to
     them: tri-state), and cut at a session boundary with --max-context-tokens."""
     from pipeline.builder.cluster import fit_context
-    from pipeline.builder.config import BuildConfig
+    from pipeline.config import BuildConfig
     from pipeline.corpus.synthetic import make_conversation
 
     conv = make_conversation("long", target_tokens=9500, seed=0)
@@ -142,7 +143,7 @@ def test_compacting_all_but_the_recent_tokens_keeps_their_spacing():
     distances a full-history read would (`next_position` = packed older + N)."""
     model = tiny_model("llama")
     ids, recent = random_ids(400, seed=11), 96
-    cache, _ = block_prefill(model, ids, EpiCacheScorer(random_ids(12, seed=12)), [40] * 3,
+    cache, _ = block_prefill(model, ids, EpiCache(patch=random_ids(12, seed=12)), [40] * 3,
                              PrefillConfig(block=64, positions="compact", compact_recent=recent))
     cut = cache.tokens_seen - recent
     base = max(int((layer.valid & (layer.positions < cut)).sum(dim=1).max()) for layer in cache.layers)
@@ -167,7 +168,7 @@ def test_the_default_positions_keep_a_short_history_at_its_spacing():
     model = tiny_model("qwen2")
     ids = random_ids(300, seed=13)
     default, original, packed = (
-        block_prefill(model, ids, EpiCacheScorer(random_ids(8, seed=14)), [24] * 3,
+        block_prefill(model, ids, EpiCache(patch=random_ids(8, seed=14)), [24] * 3,
                       PrefillConfig(block=32, **kw))[0]
         for kw in ({}, {"positions": "original"}, {"positions": "compact", "compact_recent": 0}))
     assert default.next_position == original.next_position == 300 > packed.next_position

@@ -15,7 +15,8 @@ from kernels.quant_reference import dequantize_reference, quantize_int8_referenc
 from pipeline.answer.decode import generate_from_cache
 from pipeline.kv.attention import patch_attention_moments
 from pipeline.kv.prefill import PrefillConfig, block_prefill, entry_bytes
-from pipeline.kv.scorers import EpiCacheScorer, FullScorer
+from pipeline.kv.methods.epicache import EpiCache
+from pipeline.kv.methods.full import Full
 from pipeline.kv.tristate import (EntryBytes, TriStateConfig, heavy_hitter_scores, oq_ratios,
                                   oq_score, plan_tristate)
 from pipeline.store import cache_format
@@ -38,7 +39,7 @@ def tri(**kw) -> PrefillConfig:
 
 
 def scorer():
-    return EpiCacheScorer(patch=random_ids(12, seed=7))
+    return EpiCache(patch=random_ids(12, seed=7))
 
 
 def kv_tensor_bytes(data: bytes) -> int:
@@ -195,7 +196,7 @@ def test_oq_score_and_ratio_match_a_reference():
 
 @torch.inference_mode()
 def test_quantized_entries_are_not_requantized(llama):
-    cache, _ = block_prefill(llama, random_ids(60), FullScorer(), None, PrefillConfig(block=30))
+    cache, _ = block_prefill(llama, random_ids(60), Full(), None, PrefillConfig(block=30))
     layer = cache.layers[0]
     first = torch.zeros_like(layer.valid)
     first[:, :10] = True

@@ -9,8 +9,8 @@ import logging
 import pytest
 
 import jobs.serve
-from pipeline.answer.limits import LimitError
 from pipeline.answer.lookup import ConversationNotFound, ModelMismatchError
+from pipeline.config.limits import LimitError
 from pipeline.corpus.schema import UnsafeIdError
 from pipeline.serve.errors import classify
 from pipeline.serve.ingress import public_name

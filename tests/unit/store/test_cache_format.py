@@ -1,10 +1,8 @@
 """Cache objects on disk (safetensors round trip, checksums, corruption), the local store
-(atomic writes, safe keys), manifests, and the build configuration hash."""
+(atomic writes, safe keys) and manifests. The build configuration's hash: tests/unit/config."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 from pathlib import Path
 
@@ -14,14 +12,9 @@ import pytest
 import torch
 
 from pipeline.answer.decode import generate_from_cache
-from pipeline.builder.config import BuildConfig
 from pipeline.corpus.schema import UnsafeIdError
-from pipeline.episodes import EpisodeConfig
-from pipeline.kv.budgets import CalibrationConfig
-from pipeline.kv.merging import MergeConfig
 from pipeline.kv.prefill import PrefillConfig, block_prefill
-from pipeline.kv.scorers import EpiCacheScorer, ScoringConfig
-from pipeline.kv.tristate import TriStateConfig
+from pipeline.kv.methods.epicache import EpiCache
 from pipeline.store.base import StoreError, cache_key, check_key, manifest_key
 from pipeline.store.cache_format import (FORMAT, CacheCorruptError, deserialize, read_header,
                                          serialize, sha256)
@@ -38,7 +31,7 @@ NAME = "caches/conv-1/abcd/episode-0.safetensors"
 def built():
     """(model, cache) after a head-wise budgeted block prefill: heads of unequal lengths."""
     model = tiny_model("llama")
-    cache, _ = block_prefill(model, random_ids(70, seed=1), EpiCacheScorer(random_ids(5, seed=2)),
+    cache, _ = block_prefill(model, random_ids(70, seed=1), EpiCache(patch=random_ids(5, seed=2)),
                              [10, 14, 18], PrefillConfig(block=8, selection="headwise"))
     assert any(len(set(l.valid.sum(1).tolist())) > 1 for l in cache.layers)  # ragged heads
     return model, cache
@@ -263,141 +256,3 @@ def test_manifest_round_trip(tmp_path):
     columns = pq.read_schema(pa.BufferReader(store.get("manifests/conv-1.parquet"))).names
     assert set(MANIFEST_SCHEMA.names) <= set(columns)
     assert list_conversations(store) == ["conv-1"]
-
-
-# --------------------------------------------------------------------------------------------
-# BuildConfig
-# --------------------------------------------------------------------------------------------
-
-def _changed(value):
-    """A different value of the same kind."""
-    if dataclasses.is_dataclass(value):
-        return None  # handled field by field
-    if isinstance(value, bool):
-        return not value
-    if isinstance(value, int):
-        return value + 1
-    if isinstance(value, float):
-        return value + 0.5
-    if isinstance(value, str):
-        return {"float16": "bfloat16", "headwise": "perhead", "max": "mean",
-                "original": "compact", "auto": "original"}.get(value, value + "-x")
-    if value is None:
-        return 7
-    raise TypeError(value)
-
-
-def _variants(config):
-    """(path, config with that one field changed) for every field, nested ones included."""
-    out = []
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if dataclasses.is_dataclass(value):
-            for path, inner in _variants(value):
-                out.append((f"{f.name}.{path}", dataclasses.replace(config, **{f.name: inner})))
-        else:
-            out.append((f.name, dataclasses.replace(config, **{f.name: _changed(value)})))
-    return out
-
-
-def test_build_config_hash_is_stable():
-    a, b = BuildConfig(), BuildConfig(episodes=EpisodeConfig(), prefill=PrefillConfig(),
-                                      calibration=CalibrationConfig())
-    assert a.hash == b.hash
-    assert len(a.hash) == 16 and int(a.hash, 16) >= 0
-    assert BuildConfig.from_json(a.to_json()).hash == a.hash
-
-
-# Every field given explicitly, so a change of a default value does not move this hash, but a
-# change of what is hashed does: a field added, removed or renamed, FORMAT, the JSON encoding.
-PINNED_CONFIG = BuildConfig(
-    model="SmolLM2-135M-Instruct", encoder="all-MiniLM-L6-v2", scorer="epicache", budget=512,
-    alpha=1.5, allocator="sensitivity", variance_temperature=1.0, store_dtype="float16",
-    max_context_tokens=16000,
-    episodes=EpisodeConfig(window=4, episodes=3, medoids=2, seed=7, n_init=10),
-    scoring=ScoringConfig(reduce="max", include_patch=True, pool=0, utterance=True, focus=10.0,
-                          sink=4, recent=32, patch_tokens=256),
-    prefill=PrefillConfig(block=256, selection="headwise", head_floor=0.1, decode_positions=False,
-                          positions="original",
-                          tristate=TriStateConfig(enabled=True, fp8=False, window=32, gamma=263.81,
-                                                  tau_entropy=7.774, tau_variance=5.407,
-                                                  tau_kurtosis=5.528, original_scale=1.0,
-                                                  slack=0.75, heavy_hitter=True),
-                          merge=MergeConfig(enabled=False, beta=0.7, min_threshold=-1.0)),
-    calibration=CalibrationConfig(tokens=2048, sink=64, window=512, seed=0))
-# CHANGE ON PURPOSE ONLY. Every stored manifest carries its configuration's hash, and a build
-# rebuilds every conversation whose hash differs: a new literal here means every existing store
-# is rebuilt. When the configuration's format changes on purpose (a field added to BuildConfig
-# or to one of its parts, cache_format.FORMAT bumped), set the new field in PINNED_CONFIG above and
-# put the new hash here, and say so in the change.
-PINNED_HASH = "3930c653d0aa42f3"  # prefill.positions added (compact positions)
-
-
-def test_build_config_hash_of_a_fixed_configuration_is_pinned():
-    """The hash of a fixed configuration is a literal: a change that would silently invalidate
-    every stored manifest fails here instead."""
-    assert PINNED_CONFIG.hash == PINNED_HASH, (
-        f"the configuration hash changed ({PINNED_CONFIG.hash}); every stored manifest would be "
-        f"rebuilt. If that is intended, update PINNED_HASH. Hashed JSON: {PINNED_CONFIG.to_json()}")
-
-
-def test_build_config_hash_changes_with_every_field():
-    """Changing any one field, at any depth, changes the hash; all variants differ."""
-    base = BuildConfig()
-    variants = _variants(base)
-    paths = [p for p, _ in variants]
-    assert {"model", "budget", "alpha", "store_dtype", "episodes.window", "episodes.seed",
-            "scoring.focus", "scoring.utterance", "prefill.head_floor",
-            "prefill.block", "prefill.selection", "prefill.positions", "calibration.sink",
-            "scoring.shared", "episodes.adopt"} <= set(paths)
-    hashes = [v.hash for _, v in variants]
-    assert base.hash not in hashes
-    assert len(set(hashes)) == len(hashes)
-    assert BuildConfig(budget=None).hash != base.hash
-
-
-@pytest.mark.parametrize("config", [
-    BuildConfig(),
-    BuildConfig(budget=None, alpha=0.0, store_dtype="float32", scorer="streamingllm"),
-    BuildConfig(model="/models/x", budget=256, alpha=2.5, episodes=EpisodeConfig(window=6, episodes=3),
-                prefill=PrefillConfig(block=128, selection="perhead"),
-                calibration=CalibrationConfig(tokens=2048, sink=64, window=512, seed=3)),
-    BuildConfig(scoring=ScoringConfig(shared=0.25), episodes=EpisodeConfig(adopt=True)),
-])
-def test_build_config_json_round_trip(config):
-    back = BuildConfig.from_json(config.to_json())
-    assert back == config and back.hash == config.hash
-
-
-def test_auto_positions_hash_as_what_they_resolve_to():
-    """`auto` (the default) is compact positions, or original where the entries cannot be
-    re-rotated, with the reason for the manifest; either way it shares the hash of the mode it
-    resolves to, and `compact_recent` is not hashed under original positions."""
-    tri = TriStateConfig(enabled=True)
-    compact = PrefillConfig(positions="compact", compact_recent=2048)
-    assert PrefillConfig().position_mode == "compact" and PrefillConfig().positions_note is None
-    assert BuildConfig().hash == BuildConfig(prefill=compact).hash
-    for auto, original in [(PrefillConfig(tristate=tri),
-                            PrefillConfig(tristate=tri, positions="original", compact_recent=0)),
-                           (PrefillConfig(decode_positions=True),
-                            PrefillConfig(decode_positions=True, positions="original"))]:
-        assert auto.position_mode == "original"
-        assert "original positions" in auto.positions_note and original.positions_note is None
-        assert BuildConfig(prefill=auto).hash == BuildConfig(prefill=original).hash
-    with pytest.raises(ValueError, match="tri-state"):
-        PrefillConfig(tristate=tri, positions="compact")
-    # a configuration written before positions existed (or before compact_recent) reads back
-    # as what those builds were: original positions, every compacted entry packed
-    old = json.loads(BuildConfig(prefill=compact).to_json())
-    del old["prefill"]["positions"], old["prefill"]["compact_recent"]
-    back = BuildConfig.from_json(json.dumps(old)).prefill
-    assert (back.positions, back.compact_recent) == ("original", 0)
-
-
-def test_build_config_validates():
-    with pytest.raises(ValueError):
-        BuildConfig(budget=0)
-    with pytest.raises(ValueError):
-        BuildConfig(alpha=-1.0)
-    with pytest.raises(ValueError):
-        BuildConfig(store_dtype="int4")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import io
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,10 +16,11 @@ import torch
 from pipeline.answer.fetch import fetch_cache
 from pipeline.kv import models
 from pipeline.kv.prefill import PrefillConfig, block_prefill
-from pipeline.kv.scorers import EpiCacheScorer
+from pipeline.kv.methods.epicache import EpiCache
 from pipeline.store.base import cache_key
-from pipeline.store.cache_format import (CacheCorruptError, ChecksumError, read_parsed, serialize,
-                                         sha256)
+from pipeline.store import cache_format
+from pipeline.store.cache_format import CacheCorruptError, ChecksumError, serialize, sha256
+from pipeline.store.cache_read import read_bytes, read_cache
 from pipeline.store.disk_tier import DiskTier
 from pipeline.store.local import LocalStore
 from pipeline.store.manifest import CacheRef
@@ -30,14 +30,17 @@ MODEL = "tiny-llama"
 
 
 class CountingStore(LocalStore):
-    """A local store that counts the objects read from it (`open` and `get`)."""
+    """A local store that counts the objects read from it (`open` and `get`), each read taking
+    `delay` seconds."""
 
-    def __init__(self, root):
+    def __init__(self, root, delay: float = 0.0):
         super().__init__(root)
         self.reads: list[str] = []
+        self.delay = delay
 
     def open(self, key):
         self.reads.append(key)
+        time.sleep(self.delay)
         return super().open(key)
 
     def get(self, key):
@@ -51,7 +54,7 @@ def objects():
     model = tiny_model("llama")
     out = []
     for seed in range(3):
-        cache, _ = block_prefill(model, random_ids(60, seed=seed), EpiCacheScorer(random_ids(5)),
+        cache, _ = block_prefill(model, random_ids(60, seed=seed), EpiCache(patch=random_ids(5)),
                                  [10, 12, 14], PrefillConfig(block=8, selection="headwise"))
         out.append(serialize(cache, {"conversation_id": "conv-1", "episode": seed}))
     return model, out
@@ -79,29 +82,40 @@ def _same(a, b) -> bool:
 # Streaming checksum
 # ---------------------------------------------------------------------------------------------
 
-def test_read_checks_length_and_checksum_beside_the_parse(objects):
+def test_read_checks_length_and_checksum_beside_the_parse(tmp_path, objects, monkeypatch):
+    """The store hands over a cache only from bytes of the manifest's length and SHA-256; the
+    hash runs beside the parse, and whatever the parse made of bad bytes is dropped."""
     data = objects[1][0]
-    parsed = []
+    store = LocalStore(tmp_path)
+    [ref] = _rows(store, [data])
+    parsed, parse = [], cache_format.parse
+    monkeypatch.setattr(cache_format, "parse", lambda *a, **k: parsed.append(1) or parse(*a, **k))
     for size in (len(data), None):  # the recorded size, and none
-        assert read_parsed(io.BytesIO(data), sha256(data), "obj", size) == (data, None)
-        got, n = read_parsed(io.BytesIO(data), sha256(data), "obj", size, len)
-        assert got == data and n == len(data)
+        read = read_cache(store, dataclasses.replace(ref, object_bytes=size))
+        assert read.data == data and read.cache.tokens_seen == 60 and not read.from_disk
+    assert read_bytes(store, ref)[:2] == (data, None) and len(parsed) == 2  # no parse
     flipped = bytearray(data)
     flipped[-50] ^= 0xFF
-    with pytest.raises(ChecksumError, match="cache object caches/x.safetensors failed its "
+    store.put(ref.object_key, bytes(flipped))
+    with pytest.raises(ChecksumError, match=f"cache object {ref.object_key} failed its "
                                             "checksum"):  # the parse ran, and is dropped
-        read_parsed(io.BytesIO(bytes(flipped)), sha256(data), "caches/x.safetensors", len(data),
-                    parsed.append)
-    assert len(parsed) == 1
+        read_cache(store, ref)
+    assert len(parsed) == 3
+    with pytest.raises(ChecksumError, match="failed its checksum"):
+        read_bytes(store, ref)
+    garbage = b"not a cache at all"
+    store.put(ref.object_key, garbage)
+    bad = dataclasses.replace(ref, object_bytes=len(garbage))
     with pytest.raises(ChecksumError, match="failed its checksum"):  # over the parse's own error
-        read_parsed(io.BytesIO(bytes(flipped)), sha256(data), "obj", len(data), lambda d: 1 / 0)
-    with pytest.raises(ZeroDivisionError):  # good bytes: the parse's error is the caller's
-        read_parsed(io.BytesIO(data), sha256(data), "obj", len(data), lambda d: 1 / 0)
-    with pytest.raises(ChecksumError, match="obj is truncated"):
-        read_parsed(io.BytesIO(data[:-10]), sha256(data), "obj", len(data), parsed.append)
-    with pytest.raises(ChecksumError, match="longer than its recorded"):
-        read_parsed(io.BytesIO(data + b"x"), sha256(data), "obj", len(data), parsed.append)
-    assert len(parsed) == 1  # a wrong length is found before any parse
+        read_cache(store, bad)
+    with pytest.raises(CacheCorruptError, match="not a readable episodic cache") as e:
+        read_cache(store, dataclasses.replace(bad, sha256=sha256(garbage)))
+    assert not isinstance(e.value, ChecksumError)  # good bytes: the parse's error is the caller's
+    for stored, error in ((data[:-10], "is truncated"), (data + b"x", "longer than its recorded")):
+        store.put(ref.object_key, stored)
+        with pytest.raises(ChecksumError, match=error):
+            read_cache(store, ref)
+    assert len(parsed) == 5  # a wrong length is found before any parse
 
 
 def test_fetch_of_a_corrupt_store_object_raises_naming_it(tmp_path, objects):
@@ -129,7 +143,7 @@ def test_disk_tier_is_bounded_and_evicts_least_recently_read(tmp_path, objects):
     time.sleep(0.01)
     disk.put(b, data[1])
     time.sleep(0.01)
-    assert disk.get(a) == (data[0], None)  # a is now the most recently read
+    disk.touch(a)  # a is now the most recently read
     time.sleep(0.01)
     disk.put(c, data[2])
     assert a in disk and c in disk and b not in disk
@@ -152,13 +166,13 @@ def test_corrupt_disk_file_is_deleted_and_fetched_again_never_served(tmp_path, o
     raw = bytearray(path.read_bytes())
     if damage == "flip":
         raw[-100] ^= 0xFF
-        path.write_bytes(bytes(raw))
-    else:
-        path.write_bytes(bytes(raw[: len(raw) // 2]))
-    assert disk.get(rows[0].sha256, "obj") is None and not path.exists()
-    path.write_bytes(bytes(raw) if damage == "flip" else bytes(raw[: len(raw) // 2]))
+    damaged = bytes(raw) if damage == "flip" else bytes(raw[: len(raw) // 2])
+    path.write_bytes(damaged)
+    assert read_bytes(store, rows[0], disk).from_disk is False  # deleted, fetched again
+    assert len(store.reads) == 2 and path.read_bytes() == data[0]
+    path.write_bytes(damaged)
     again = fetch_cache(store, rows[0], disk=disk)  # detected, deleted, fetched from the store
-    assert len(store.reads) == 2 and _same(again, reference)
+    assert len(store.reads) == 3 and _same(again, reference)
     assert disk.stats()["corrupt"] == 2 and path.read_bytes() == data[0]
 
 
@@ -176,18 +190,13 @@ def test_restart_reads_nothing_from_the_store(tmp_path, objects):
 
 
 def test_concurrent_loads_of_one_object_fetch_once(tmp_path, objects):
-    data = objects[1][0]
-    disk, calls = DiskTier(tmp_path, 10**9), []
-
-    def fetch():
-        calls.append(1)
-        time.sleep(0.2)
-        return data, len(data)
-
+    store = CountingStore(tmp_path / "store", delay=0.2)
+    [ref] = _rows(store, objects[1][:1])
+    disk = DiskTier(tmp_path / "disk", 10**9)
     with ThreadPoolExecutor(6) as pool:
-        results = list(pool.map(lambda _: disk.load(sha256(data), "obj", fetch, len), range(6)))
-    assert len(calls) == 1 and all((d, n) == (data, len(data)) for d, n, _ in results)
-    assert sum(not from_disk for _, _, from_disk in results) == 1
+        results = list(pool.map(lambda _: read_bytes(store, ref, disk), range(6)))
+    assert len(store.reads) == 1 and all(r.data == objects[1][0] for r in results)
+    assert sum(not r.from_disk for r in results) == 1
 
 
 def test_two_tiers_sharing_a_folder_keep_one_bound(tmp_path, objects):
@@ -212,11 +221,14 @@ def test_two_tiers_sharing_a_folder_keep_one_bound(tmp_path, objects):
 def _decoder(tmp_path, model, monkeypatch, store, cache_bytes=10**9, disk=True):
     """A decoder replica (disk tier under `tmp_path`) reading `store` (a CountingStore)."""
     from pipeline.serve.decoder import Decoder
+    from pipeline.serve.settings import ServeSettings
 
     monkeypatch.setattr(models, "load_llm", lambda name, device=None, dtype=None: StandIn(model))
     monkeypatch.setattr(gc, "freeze", lambda: None)  # a replica's process, not pytest's
-    decoder = Decoder.func_or_class(str(tmp_path / "store"), None, MODEL, cache_bytes, None,
-                                    str(tmp_path / "disk") if disk else None, 10**9, 1)
+    settings = ServeSettings(store=str(tmp_path / "store"), cache_bytes=cache_bytes,
+                             disk_cache=str(tmp_path / "disk") if disk else None,
+                             disk_cache_bytes=10**9, prefetch_workers=1)
+    decoder = Decoder.func_or_class(settings, MODEL)
     decoder.store = store
     return decoder
 

@@ -118,5 +118,5 @@ def test_cut_or_flipped_caches_are_a_cache_corrupt_error(cut, bits):
             pass
         if data != CACHE:
             with pytest.raises(CacheCorruptError):
-                cache_format.read_parsed(io.BytesIO(data), digest, "c/0", size=len(CACHE),
-                                         parse=cache_format.parse)
+                with cache_format.verifying(data, digest, "c/0"):  # as the read path parses
+                    cache_format.parse(data, "c/0")

@@ -8,11 +8,12 @@
     CalibrationConfig  the layer profile's calibration (pipeline.kv.budgets)
     GrowthConfig       when a grown conversation is appended to, or re-clustered and rebuilt
                        (pipeline.builder.growth)
+    RoutingConfig      how a question picks its episode (pipeline.routers; not hashed)
 
-with the default models and the names of the scorers and layer allocators. They live apart
-from the code that runs them (as transformers keeps a model's configuration apart from its
+with the default models and the names of the scorers, layer allocators and routers. They live
+apart from the code that runs them (as transformers keeps a model's configuration apart from its
 modelling code) so that a command parses its options and checks its input before torch,
-transformers or Ray load: `pipeline.builder.config.BuildConfig` nests them, and the command line
+transformers or Ray load: `pipeline.config.build.BuildConfig` nests them, and the command line
 (`pipeline.cli.options`) reads their fields.
 """
 
@@ -29,7 +30,7 @@ DEFAULT_ENCODER = "all-MiniLM-L6-v2"
 SCORER_NAMES = ("epicache", "streamingllm", "snapkv", "infinipot", "kvzip", "keydiff",
                 "keydiff-block", "oldest", "random", "question", "full")
 ALLOCATOR_NAMES = ("sensitivity", "variance")
-ROUTER_NAMES = ("centroid", "window", "knn", "expand", "expandwin")  # pipeline.routers.ROUTERS
+ROUTER_NAMES = ("centroid", "window")  # pipeline.routers.ROUTERS
 
 PositionMode = Literal["auto", "original", "compact"]
 POSITION_MODES: tuple[str, ...] = ("auto", "original", "compact")
@@ -42,10 +43,6 @@ class EpisodeConfig:
     medoids: int = 4  # windows per patched prompt
     seed: int = 0
     n_init: int = 10
-    # each episode also focuses on the other episodes' turns whose nearest window (their own
-    # aside) is one of its windows: a turn off its window's topic sits where the window router
-    # sends questions about it
-    adopt: bool = False
 
     def __post_init__(self):
         for name in ("window", "episodes", "medoids", "n_init"):
@@ -60,38 +57,28 @@ class EpisodeConfig:
 class ScoringConfig:
     """How an episode's patch attention becomes the scores its eviction ranks by (hashed into
     the build configuration). `paper()` is EpiCache as the paper describes it: max attention
-    over the patch queries, token by token, the whole medoid patch. The default keeps the
-    episode's own turns first (`focus`), whole (`utterance`), ranked by the attention of the
-    patch's first 256 tokens: measured in docs/quality.md."""
-    reduce: str = "max"  # over the patch queries and the query heads of a KV group: max | mean
-    include_patch: bool = True  # the patch's own keys share the softmax with the cached keys
+    over the patch queries (and the query heads of a KV group), the patch's own keys in the
+    softmax, token by token, the whole medoid patch. The default keeps the episode's own turns
+    first (`focus`), whole (`utterance`), ranked by the attention of the patch's first 256
+    tokens: measured in docs/quality.md."""
     pool: int = 0  # max-pool the scores over this many neighbouring entries (SnapKV); 0: off
     utterance: bool = True  # score whole lines (turns): keep or evict utterances whole
     focus: float = 10.0  # weight the episode's own turns' scores by (1 + focus)
     sink: int = 0  # always keep the first `sink` tokens
     recent: int = 0  # always keep the `recent` most recent tokens
     patch_tokens: int | None = 256  # cap on the patched prompt's length (its first tokens)
-    # share of each layer's budget held, before focus, for the other episodes' turns this
-    # episode's patch attends to most: where a question routed here by mistake may find its
-    # evidence (0: off)
-    shared: float = 0.0
 
     def __post_init__(self):
-        if self.reduce not in ("max", "mean"):
-            raise ValueError(f"reduce must be 'max' or 'mean', got {self.reduce!r}")
         if self.pool < 0 or self.pool % 2 == 0 and self.pool:
             raise ValueError(f"pool must be 0 or an odd width, got {self.pool}")
         if min(self.focus, self.sink, self.recent) < 0:
             raise ValueError("focus, sink and recent must be non-negative")
         if self.patch_tokens is not None and self.patch_tokens < 1:
             raise ValueError(f"patch_tokens must be positive, got {self.patch_tokens}")
-        if not 0 <= self.shared < 1:
-            raise ValueError(f"shared must be in [0, 1), got {self.shared}")
 
     @classmethod
     def paper(cls) -> "ScoringConfig":
-        return cls(reduce="max", include_patch=True, pool=0, utterance=False, focus=0.0,
-                   sink=0, recent=0, patch_tokens=None)
+        return cls(pool=0, utterance=False, focus=0.0, sink=0, recent=0, patch_tokens=None)
 
 
 @dataclass(frozen=True)

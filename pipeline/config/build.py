@@ -1,30 +1,22 @@
-"""The build configuration: one frozen object per stage, hashed into every manifest.
+"""The build configuration: one frozen object per stage, hashed into every manifest; the model
+files' fingerprints it is bound to; and how a build runs on Ray (not hashed).
 
 Two builds with the same hash produce the same caches, so a re-run skips conversations whose
-manifest carries the current hash and rebuilds those that do not.
+manifest carries the current hash and rebuilds those that do not. What the hash covers, and how
+earlier builds' configurations read back, is `pipeline.config.hashing`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
-from pipeline.configs import (DEFAULT_ENCODER, DEFAULT_LLM, CalibrationConfig, EpisodeConfig,
-                              GrowthConfig, MergeConfig, PrefillConfig, ScoringConfig,
-                              TriStateConfig)
-from pipeline.store.format_version import FORMAT
+from pipeline.config import hashing
+from pipeline.config.stages import (DEFAULT_ENCODER, DEFAULT_LLM, CalibrationConfig, EpisodeConfig,
+                                    GrowthConfig, PrefillConfig, ScoringConfig)
 
 STORE_DTYPES = ("float16", "bfloat16", "float32")
-
-
-# (section, field, the value builds before the field had): hashed only when it differs
-ADDED_LATER = (("prefill", "compact_recent", 0), ("scoring", "shared", 0.0),
-               ("episodes", "adopt", False))
-# what a configuration written before a prefill field existed had (the defaults changed since):
-# original positions, and each later field's earlier value
-PREFILL_BEFORE = {"positions": "original"} | {name: earlier for section, name, earlier
-                                             in ADDED_LATER if section == "prefill"}
 
 
 @dataclass(frozen=True)
@@ -56,43 +48,21 @@ class BuildConfig:
             raise ValueError(f"store_dtype must be one of {STORE_DTYPES}, got {self.store_dtype!r}")
 
     def as_dict(self) -> dict:
-        """The configuration as hashed, by what decides the caches: positions as resolved (so
-        "auto" and the mode it resolves to share a hash), and `compact_recent` left out where
-        the caches keep original positions."""
-        d = self._fields()
-        d["prefill"]["positions"] = self.prefill.position_mode
-        if self.prefill.position_mode == "original":  # no effect on such caches
-            d["prefill"].pop("compact_recent", None)
-        return d
-
-    def _fields(self) -> dict:
-        """Every field as set, less the fields added after stores were built where they hold
-        the value every earlier build had, so those stores keep their hash."""
-        d = asdict(self) | {"format": FORMAT}
-        for section, name, earlier in ADDED_LATER:
-            if d[section][name] == earlier:
-                del d[section][name]
-        return d
+        """The configuration as hashed (`hashing.hashed_fields`)."""
+        return hashing.hashed_fields(self)
 
     def to_json(self) -> str:
         """Every field as set: `from_json` gives this configuration back."""
-        return json.dumps(self._fields(), sort_keys=True)
+        return json.dumps(hashing.stored_fields(self), sort_keys=True)
 
     @property
     def hash(self) -> str:
-        return hashlib.sha256(json.dumps(self.as_dict(), sort_keys=True).encode()).hexdigest()[:16]
+        return hashing.config_hash(self)
 
     @classmethod
     def from_json(cls, text: str) -> "BuildConfig":
-        d = json.loads(text)
-        d.pop("format", None)
-        prefill = PREFILL_BEFORE | d.pop("prefill")
-        prefill = PrefillConfig(tristate=TriStateConfig(**prefill.pop("tristate", {})),
-                                merge=MergeConfig(**prefill.pop("merge", {})), **prefill)
-        # a configuration written before `scoring` existed scored as the paper does
-        scoring = ScoringConfig(**d.pop("scoring")) if "scoring" in d else ScoringConfig.paper()
-        return cls(episodes=EpisodeConfig(**d.pop("episodes")), prefill=prefill, scoring=scoring,
-                   calibration=CalibrationConfig(**d.pop("calibration")), **d)
+        """A configuration `to_json` wrote, this build's or an earlier one's."""
+        return cls(**hashing.stage_fields(json.loads(text)))
 
 
 @dataclass(frozen=True)

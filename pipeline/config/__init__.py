@@ -1,0 +1,31 @@
+"""The configurations, in one place and without torch: a command parses its options and checks
+its input with these before torch, transformers or Ray load. Lowest in the layers: nothing here
+imports another part of the pipeline.
+
+    stages.py          each stage's frozen dataclass (episodes, scoring, tri-state, merging,
+                       prefill, calibration, routing, growth), the default models, the names
+                       of the scorers, layer allocators and routers
+    build.py           BuildConfig (the stages nested, hashed into every manifest),
+                       ModelFingerprints (the model files a build is bound to), DriverOptions
+    hashing.py         what the build hash covers, and how earlier builds' configurations read
+                       back (the compatibility rules: ADDED_LATER, PREFILL_BEFORE)
+    format_version.py  the cache object format's version (hashed; the store writes it)
+    fields.py          fields by dotted path: type, value, a changed copy, text cast to a value
+    limits.py          AnswerLimits: the bounds on one question and answer, wherever it is asked
+
+The server's settings (`pipeline.serve.settings.ServeSettings`) stay with the server: they
+resolve the S3 endpoint through the store, which sits above this package.
+"""
+
+from pipeline.config.build import STORE_DTYPES, BuildConfig, DriverOptions, ModelFingerprints
+from pipeline.config.limits import AnswerLimits, LimitError
+from pipeline.config.stages import (ALLOCATOR_NAMES, DEFAULT_ENCODER, DEFAULT_LLM, POSITION_MODES,
+                                    ROUTER_NAMES, SCORER_NAMES, CalibrationConfig, EpisodeConfig,
+                                    GrowthConfig, MergeConfig, PositionMode, PrefillConfig,
+                                    RoutingConfig, ScoringConfig, Selection, TriStateConfig)
+
+__all__ = ["ALLOCATOR_NAMES", "DEFAULT_ENCODER", "DEFAULT_LLM", "POSITION_MODES", "ROUTER_NAMES",
+           "SCORER_NAMES", "STORE_DTYPES", "AnswerLimits", "BuildConfig", "CalibrationConfig",
+           "DriverOptions", "EpisodeConfig", "GrowthConfig", "LimitError", "MergeConfig",
+           "ModelFingerprints", "PositionMode", "PrefillConfig", "RoutingConfig",
+           "ScoringConfig", "Selection", "TriStateConfig"]

@@ -1,0 +1,79 @@
+"""What a build configuration's hash covers, and how configurations written by earlier builds
+read back: the compatibility rules kept in one place, apart from the fields themselves.
+
+Stores rely on the hash (a manifest carrying the current hash is not rebuilt), so a field added
+after stores were built is hashed only where it differs from what every earlier build had
+(`ADDED_LATER`), a configuration written before a field existed reads back with the value
+those builds ran with (`PREFILL_BEFORE`, and the paper's scoring where `scoring` is missing),
+and a knob retired since keeps hashing as every kept build had it (`RETIRED`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict
+from typing import Any
+
+from pipeline.config.format_version import FORMAT
+from pipeline.config.stages import (CalibrationConfig, EpisodeConfig, MergeConfig, PrefillConfig,
+                                    ScoringConfig, TriStateConfig)
+
+# (section, field, the value builds before the field had): hashed only when it differs
+ADDED_LATER = (("prefill", "compact_recent", 0),)
+# (section, field, the value every build that `jobs.build` could make had, hashed or not): knobs
+# measured and retired (docs/changelog.md). A hashed one is hashed with that value, so stores
+# keep their hash; a stored configuration holding another value no longer reads back.
+RETIRED = (("scoring", "reduce", "max", True), ("scoring", "include_patch", True, True),
+           ("scoring", "shared", 0.0, False), ("episodes", "adopt", False, False))
+# what a configuration written before a prefill field existed had (the defaults changed since):
+# original positions, and each later field's earlier value
+PREFILL_BEFORE = {"positions": "original"} | {name: earlier for section, name, earlier
+                                             in ADDED_LATER if section == "prefill"}
+
+
+def stored_fields(config: Any) -> dict:
+    """Every field of a `BuildConfig` as set, with the cache format, less the fields added after
+    stores were built where they hold the value every earlier build had."""
+    d = asdict(config) | {"format": FORMAT}
+    for section, name, earlier in ADDED_LATER:
+        if d[section][name] == earlier:
+            del d[section][name]
+    return d
+
+
+def hashed_fields(config: Any) -> dict:
+    """The fields as hashed, by what decides the caches: positions as resolved (so "auto" and
+    the mode it resolves to share a hash), and `compact_recent` left out where the caches keep
+    original positions."""
+    d = stored_fields(config)
+    for section, name, value, hashed in RETIRED:
+        if hashed:
+            d[section][name] = value
+    d["prefill"]["positions"] = config.prefill.position_mode
+    if config.prefill.position_mode == "original":  # no effect on such caches
+        d["prefill"].pop("compact_recent", None)
+    return d
+
+
+def config_hash(config: Any) -> str:
+    return hashlib.sha256(json.dumps(hashed_fields(config), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def stage_fields(d: dict) -> dict:
+    """The keyword arguments of a `BuildConfig` from its JSON dict (`stored_fields`, or one an
+    earlier build wrote): each stage's object made, the fields it lacks as earlier builds had."""
+    d = {key: dict(value) if isinstance(value, dict) else value for key, value in d.items()}
+    d.pop("format", None)
+    for section, name, value, _ in RETIRED:
+        stored = d.get(section, {}).pop(name, value)
+        if stored != value:
+            raise ValueError(f"the configuration sets {section}.{name}={stored!r}, a knob retired "
+                             "since (docs/changelog.md): rebuild with the current build")
+    prefill = PREFILL_BEFORE | d.pop("prefill")
+    prefill = PrefillConfig(tristate=TriStateConfig(**prefill.pop("tristate", {})),
+                            merge=MergeConfig(**prefill.pop("merge", {})), **prefill)
+    # a configuration written before `scoring` existed scored as the paper does
+    scoring = ScoringConfig(**d.pop("scoring")) if "scoring" in d else ScoringConfig.paper()
+    return d | {"episodes": EpisodeConfig(**d.pop("episodes")), "prefill": prefill,
+                "scoring": scoring, "calibration": CalibrationConfig(**d.pop("calibration"))}

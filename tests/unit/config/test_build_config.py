@@ -1,0 +1,190 @@
+"""The build configuration (`pipeline.config`): its hash stable across releases (stored manifests
+carry it), changed by every field, its JSON read back, and the package light enough for a
+command to parse its options before torch loads."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pipeline.config import (BuildConfig, CalibrationConfig, EpisodeConfig, MergeConfig,
+                             PrefillConfig, ScoringConfig, TriStateConfig)
+from pipeline.config.hashing import ADDED_LATER
+from tests.support.paths import REPO
+
+
+def _changed(value):
+    """A different value of the same kind."""
+    if dataclasses.is_dataclass(value):
+        return None  # handled field by field
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1
+    if isinstance(value, float):
+        return value + 0.5
+    if isinstance(value, str):
+        return {"float16": "bfloat16", "headwise": "perhead", "max": "mean",
+                "original": "compact", "auto": "original"}.get(value, value + "-x")
+    if value is None:
+        return 7
+    raise TypeError(value)
+
+
+def _variants(config):
+    """(path, config with that one field changed) for every field, nested ones included."""
+    out = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            for path, inner in _variants(value):
+                out.append((f"{f.name}.{path}", dataclasses.replace(config, **{f.name: inner})))
+        else:
+            out.append((f.name, dataclasses.replace(config, **{f.name: _changed(value)})))
+    return out
+
+
+def test_build_config_hash_is_stable():
+    a, b = BuildConfig(), BuildConfig(episodes=EpisodeConfig(), prefill=PrefillConfig(),
+                                      calibration=CalibrationConfig())
+    assert a.hash == b.hash
+    assert len(a.hash) == 16 and int(a.hash, 16) >= 0
+    assert BuildConfig.from_json(a.to_json()).hash == a.hash
+
+
+# Every field given explicitly, so a change of a default value does not move this hash, but a
+# change of what is hashed does: a field added, removed or renamed, FORMAT, the JSON encoding.
+PINNED_CONFIG = BuildConfig(
+    model="SmolLM2-135M-Instruct", encoder="all-MiniLM-L6-v2", scorer="epicache", budget=512,
+    alpha=1.5, allocator="sensitivity", variance_temperature=1.0, store_dtype="float16",
+    max_context_tokens=16000,
+    episodes=EpisodeConfig(window=4, episodes=3, medoids=2, seed=7, n_init=10),
+    scoring=ScoringConfig(pool=0, utterance=True, focus=10.0,
+                          sink=4, recent=32, patch_tokens=256),
+    prefill=PrefillConfig(block=256, selection="headwise", head_floor=0.1, decode_positions=False,
+                          positions="original",
+                          tristate=TriStateConfig(enabled=True, fp8=False, window=32, gamma=263.81,
+                                                  tau_entropy=7.774, tau_variance=5.407,
+                                                  tau_kurtosis=5.528, original_scale=1.0,
+                                                  slack=0.75, heavy_hitter=True),
+                          merge=MergeConfig(enabled=False, beta=0.7, min_threshold=-1.0)),
+    calibration=CalibrationConfig(tokens=2048, sink=64, window=512, seed=0))
+# CHANGE ON PURPOSE ONLY. Every stored manifest carries its configuration's hash, and a build
+# rebuilds every conversation whose hash differs: a new literal here means every existing store
+# is rebuilt. When the configuration's format changes on purpose (a field added to BuildConfig
+# or to one of its parts, cache_format.FORMAT bumped), set the new field in PINNED_CONFIG above and
+# put the new hash here, and say so in the change.
+PINNED_HASH = "3930c653d0aa42f3"  # prefill.positions added (compact positions)
+
+
+def test_build_config_hash_of_a_fixed_configuration_is_pinned():
+    """The hash of a fixed configuration is a literal: a change that would silently invalidate
+    every stored manifest fails here instead."""
+    assert PINNED_CONFIG.hash == PINNED_HASH, (
+        f"the configuration hash changed ({PINNED_CONFIG.hash}); every stored manifest would be "
+        f"rebuilt. If that is intended, update PINNED_HASH. Hashed JSON: {PINNED_CONFIG.to_json()}")
+
+
+def test_build_config_hash_changes_with_every_field():
+    """Changing any one field, at any depth, changes the hash; all variants differ."""
+    base = BuildConfig()
+    variants = _variants(base)
+    paths = [p for p, _ in variants]
+    assert {"model", "budget", "alpha", "store_dtype", "episodes.window", "episodes.seed",
+            "scoring.focus", "scoring.utterance", "prefill.head_floor",
+            "prefill.block", "prefill.selection", "prefill.positions", "calibration.sink"
+            } <= set(paths)
+    hashes = [v.hash for _, v in variants]
+    assert base.hash not in hashes
+    assert len(set(hashes)) == len(hashes)
+    assert BuildConfig(budget=None).hash != base.hash
+
+
+@pytest.mark.parametrize("config", [
+    BuildConfig(),
+    BuildConfig(budget=None, alpha=0.0, store_dtype="float32", scorer="streamingllm"),
+    BuildConfig(model="/models/x", budget=256, alpha=2.5, episodes=EpisodeConfig(window=6, episodes=3),
+                prefill=PrefillConfig(block=128, selection="perhead"),
+                calibration=CalibrationConfig(tokens=2048, sink=64, window=512, seed=3)),
+    BuildConfig(scoring=ScoringConfig.paper(), episodes=EpisodeConfig(medoids=2)),
+])
+def test_build_config_json_round_trip(config):
+    back = BuildConfig.from_json(config.to_json())
+    assert back == config and back.hash == config.hash
+
+
+def test_a_retired_knob_reads_back_at_its_one_value_and_refuses_another():
+    """Configurations written before `scoring.reduce`, `scoring.include_patch`, `scoring.shared`
+    and `episodes.adopt` were retired read back (with the same hash) where they hold the value
+    every build had; another value is a clear error, not a silent other build."""
+    written = json.loads(BuildConfig().to_json())
+    written["scoring"] |= {"reduce": "max", "include_patch": True, "shared": 0.0}
+    written["episodes"]["adopt"] = False
+    back = BuildConfig.from_json(json.dumps(written))
+    assert back == BuildConfig() and back.hash == BuildConfig().hash
+    for section, name, other in (("scoring", "shared", 0.25), ("scoring", "reduce", "mean"),
+                                 ("episodes", "adopt", True)):
+        changed = json.loads(BuildConfig().to_json())
+        changed[section][name] = other
+        with pytest.raises(ValueError, match=f"{section}.{name}=.*retired"):
+            BuildConfig.from_json(json.dumps(changed))
+
+
+def test_auto_positions_hash_as_what_they_resolve_to():
+    """`auto` (the default) is compact positions, or original where the entries cannot be
+    re-rotated, with the reason for the manifest; either way it shares the hash of the mode it
+    resolves to, and `compact_recent` is not hashed under original positions."""
+    tri = TriStateConfig(enabled=True)
+    compact = PrefillConfig(positions="compact", compact_recent=2048)
+    assert PrefillConfig().position_mode == "compact" and PrefillConfig().positions_note is None
+    assert BuildConfig().hash == BuildConfig(prefill=compact).hash
+    for auto, original in [(PrefillConfig(tristate=tri),
+                            PrefillConfig(tristate=tri, positions="original", compact_recent=0)),
+                           (PrefillConfig(decode_positions=True),
+                            PrefillConfig(decode_positions=True, positions="original"))]:
+        assert auto.position_mode == "original"
+        assert "original positions" in auto.positions_note and original.positions_note is None
+        assert BuildConfig(prefill=auto).hash == BuildConfig(prefill=original).hash
+    with pytest.raises(ValueError, match="tri-state"):
+        PrefillConfig(tristate=tri, positions="compact")
+    # a configuration written before positions existed (or before compact_recent) reads back
+    # as what those builds were: original positions, every compacted entry packed
+    old = json.loads(BuildConfig(prefill=compact).to_json())
+    del old["prefill"]["positions"], old["prefill"]["compact_recent"]
+    back = BuildConfig.from_json(json.dumps(old)).prefill
+    assert (back.positions, back.compact_recent) == ("original", 0)
+
+
+def test_build_config_validates():
+    with pytest.raises(ValueError):
+        BuildConfig(budget=0)
+    with pytest.raises(ValueError):
+        BuildConfig(alpha=-1.0)
+    with pytest.raises(ValueError):
+        BuildConfig(store_dtype="int4")
+
+
+def test_a_configuration_from_before_later_fields_reads_back_as_those_builds_ran():
+    """A configuration written before `scoring` or a later field existed reads back with the
+    paper's scoring and each later field's earlier value, and hashes as it did then."""
+    old = json.loads(BuildConfig().to_json())
+    del old["scoring"], old["prefill"]["positions"]
+    for section, name, _ in ADDED_LATER:
+        old.get(section, {}).pop(name, None)
+    back = BuildConfig.from_json(json.dumps(old))
+    assert back.scoring == ScoringConfig.paper() and back.prefill.positions == "original"
+    for section, name, earlier in ADDED_LATER:
+        assert getattr(getattr(back, section), name) == earlier
+        assert name not in json.loads(back.to_json())[section]  # not hashed at its earlier value
+
+
+def test_the_package_loads_without_torch():
+    """Commands parse their options with these before torch, transformers or Ray load."""
+    code = ("import sys, pipeline.config, pipeline.config.fields; "
+            "print(sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert done.stdout.strip() == "[]", done.stderr
