@@ -46,8 +46,8 @@ from pipeline.eval.cell import history_ids, measure_all
 from pipeline.eval.methods import EvalConfig
 from pipeline.eval.metrics import ADVERSARIAL_CATEGORY, retention
 from pipeline.kv import models, prompts
-from pipeline.kv.prefill import block_prefill
 from pipeline.kv.methods.full import Full
+from pipeline.kv.prefill import block_prefill
 from pipeline.store.local import LocalStore
 from pipeline.store.manifest import read_manifest
 

@@ -28,8 +28,8 @@ from pipeline.cli.tables import print_table
 from pipeline.config import BuildConfig
 from pipeline.eval.bench_support import bench_text, dynamic_cache_bytes, first_layers, full_prefill
 from pipeline.kv import models, prompts
-from pipeline.kv.prefill import PrefillConfig, block_prefill
 from pipeline.kv.methods.epicache import EpiCache
+from pipeline.kv.prefill import PrefillConfig, block_prefill
 
 
 def measure(model: torch.nn.Module, ids: torch.Tensor, patch: torch.Tensor, budget: int,

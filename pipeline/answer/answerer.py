@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 from pipeline.answer.decode import decode_answer
 from pipeline.answer.fetch import fetch_cache, resident_read
-from pipeline.answer.lru import CacheLRU
 from pipeline.answer.lookup import check_models, embed_question, load_manifest, route_records
+from pipeline.answer.lru import CacheLRU
 from pipeline.config import RoutingConfig
 from pipeline.config.limits import DEFAULT_LIMITS, AnswerLimits
 from pipeline.kv import models

@@ -13,8 +13,8 @@ from pipeline.corpus.render import cut_at_session, render_conversation
 from pipeline.corpus.schema import Conversation
 from pipeline.episodes import EpisodeConfig, EpisodeSet, build_episodes, member_turn_ids
 from pipeline.kv import models, prompts
-from pipeline.kv.positions import check_fits
 from pipeline.kv.methods.epicache import EpiCache
+from pipeline.kv.positions import check_fits
 from pipeline.store.manifest import ManifestRecord
 
 

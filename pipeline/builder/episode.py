@@ -14,12 +14,11 @@ from pipeline.builder.cluster import ClusterResult, is_episodic
 from pipeline.config import BuildConfig, ModelFingerprints
 from pipeline.corpus.render import render_conversation
 from pipeline.corpus.schema import Conversation
-from pipeline.kv import models, prompts
+from pipeline.kv import methods, models, prompts
 from pipeline.kv.cache import EpisodicCache
 from pipeline.kv.layout import token_layout
-from pipeline.kv.prefill import PrefillStats, block_prefill
-from pipeline.kv import methods
 from pipeline.kv.methods.base import Method, MethodInputs, Scorer
+from pipeline.kv.prefill import PrefillStats, block_prefill
 from pipeline.store import cache_format
 from pipeline.store.base import Store, cache_key
 from pipeline.store.manifest import ManifestRecord

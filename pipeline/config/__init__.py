@@ -4,11 +4,11 @@ imports another part of the pipeline.
 
     stages.py          each stage's frozen dataclass (episodes, scoring, tri-state, merging,
                        prefill, calibration, routing, growth), the default models, the names
-                       of the scorers, layer allocators and routers
+                       of the layer allocators and routers
     build.py           BuildConfig (the stages nested, hashed into every manifest),
                        ModelFingerprints (the model files a build is bound to), DriverOptions
     hashing.py         what the build hash covers, and how earlier builds' configurations read
-                       back (the compatibility rules: ADDED_LATER, PREFILL_BEFORE)
+                       back (the compatibility rules: ADDED_LATER, PREFILL_BEFORE, RETIRED)
     format_version.py  the cache object format's version (hashed; the store writes it)
     fields.py          fields by dotted path: type, value, a changed copy, text cast to a value
     limits.py          AnswerLimits: the bounds on one question and answer, wherever it is asked
@@ -19,13 +19,26 @@ resolve the S3 endpoint through the store, which sits above this package.
 
 from pipeline.config.build import STORE_DTYPES, BuildConfig, DriverOptions, ModelFingerprints
 from pipeline.config.limits import AnswerLimits, LimitError
-from pipeline.config.stages import (ALLOCATOR_NAMES, DEFAULT_ENCODER, DEFAULT_LLM, POSITION_MODES,
-                                    ROUTER_NAMES, SCORER_NAMES, CalibrationConfig, EpisodeConfig,
-                                    GrowthConfig, MergeConfig, PositionMode, PrefillConfig,
-                                    RoutingConfig, ScoringConfig, Selection, TriStateConfig)
+from pipeline.config.stages import (
+                                    ALLOCATOR_NAMES,
+                                    DEFAULT_ENCODER,
+                                    DEFAULT_LLM,
+                                    POSITION_MODES,
+                                    ROUTER_NAMES,
+                                    CalibrationConfig,
+                                    EpisodeConfig,
+                                    GrowthConfig,
+                                    MergeConfig,
+                                    PositionMode,
+                                    PrefillConfig,
+                                    RoutingConfig,
+                                    ScoringConfig,
+                                    Selection,
+                                    TriStateConfig,
+)
 
 __all__ = ["ALLOCATOR_NAMES", "DEFAULT_ENCODER", "DEFAULT_LLM", "POSITION_MODES", "ROUTER_NAMES",
-           "SCORER_NAMES", "STORE_DTYPES", "AnswerLimits", "BuildConfig", "CalibrationConfig",
+           "STORE_DTYPES", "AnswerLimits", "BuildConfig", "CalibrationConfig",
            "DriverOptions", "EpisodeConfig", "GrowthConfig", "LimitError", "MergeConfig",
            "ModelFingerprints", "PositionMode", "PrefillConfig", "RoutingConfig",
            "ScoringConfig", "Selection", "TriStateConfig"]

@@ -13,8 +13,15 @@ import json
 from dataclasses import dataclass, field
 
 from pipeline.config import hashing
-from pipeline.config.stages import (DEFAULT_ENCODER, DEFAULT_LLM, CalibrationConfig, EpisodeConfig,
-                                    GrowthConfig, PrefillConfig, ScoringConfig)
+from pipeline.config.stages import (
+    DEFAULT_ENCODER,
+    DEFAULT_LLM,
+    CalibrationConfig,
+    EpisodeConfig,
+    GrowthConfig,
+    PrefillConfig,
+    ScoringConfig,
+)
 
 STORE_DTYPES = ("float16", "bfloat16", "float32")
 
@@ -23,7 +30,7 @@ STORE_DTYPES = ("float16", "bfloat16", "float32")
 class BuildConfig:
     model: str = DEFAULT_LLM
     encoder: str = DEFAULT_ENCODER
-    scorer: str = "epicache"  # a name in pipeline.kv.scorers.SCORERS
+    scorer: str = "epicache"  # a method's name in pipeline.kv.methods.REGISTRY
     budget: int | None = 1024  # mean entries per layer and KV head; None = full cache
     # Sharpness of the sensitivity-aware layer allocation; 0 = uniform budgets, the default:
     # with SmolLM2 uniform budgets beat the allocation (docs/quality.md). The paper used ~1-2.

@@ -1,7 +1,7 @@
 """The configurations of the method's stages: plain frozen dataclasses, no torch.
 
     EpisodeConfig      stage 1: windows of turns clustered into episodes (pipeline.episodes)
-    ScoringConfig      how an episode's patch attention scores entries (pipeline.kv.scorers)
+    ScoringConfig      how an episode's patch attention scores entries (pipeline.kv.methods.epicache)
     TriStateConfig     ARKV's Original / Quantized / Evicted eviction (pipeline.kv.tristate)
     MergeConfig        D2O's merging of evicted entries (pipeline.kv.merging)
     PrefillConfig      stage 2: block prefill under a budget (pipeline.kv.prefill)
@@ -25,10 +25,9 @@ from typing import Literal
 DEFAULT_LLM = "SmolLM2-135M-Instruct"
 DEFAULT_ENCODER = "all-MiniLM-L6-v2"
 
-# The registries' names (`pipeline.kv.scorers.SCORERS`, `pipeline.kv.budgets.ALLOCATORS`), for
-# the command line's choices; registering a class whose name is not listed here is an error.
-SCORER_NAMES = ("epicache", "streamingllm", "snapkv", "infinipot", "kvzip", "keydiff",
-                "keydiff-block", "oldest", "random", "question", "full")
+# The layer allocators' names (`pipeline.kv.budgets.ALLOCATORS`, a test keeps them equal) and the
+# routers' (`pipeline.routers.ROUTERS`), for the command line's choices before torch loads. The
+# methods are named by their own registry, which imports none of them: `pipeline.kv.methods`.
 ALLOCATOR_NAMES = ("sensitivity", "variance")
 ROUTER_NAMES = ("centroid", "window")  # pipeline.routers.ROUTERS
 

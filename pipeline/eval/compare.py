@@ -26,8 +26,8 @@ from pipeline.eval.methods import EvalConfig
 from pipeline.eval.metrics import f1_score, retention
 from pipeline.kv import models
 from pipeline.kv.cache import EpisodicCache
-from pipeline.kv.prefill import block_prefill
 from pipeline.kv.methods.full import Full
+from pipeline.kv.prefill import block_prefill
 from pipeline.store import cache_format
 
 CACHES = ("episodic", "full")  # the two caches every question is answered from

@@ -10,7 +10,9 @@ applies an override to every method.
 
 A preset says which method scores (`pipeline.kv.methods`) and what it changes in the build it
 starts from (the evaluation's `BuildConfig`, from the command's build options). The baselines
-keep original positions, as their papers evaluate them; `epicache` is the default build.
+keep original positions, as their papers evaluate them; `epicache` is the default build. A
+registered method with no preset of its own runs as the baselines do, so a new method is
+evaluated by its name as soon as it is registered.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any, Union
 
 from pipeline.config import BuildConfig, RoutingConfig, ScoringConfig
 from pipeline.config.fields import field_hint, get_path, parser_of, replace_path
+from pipeline.kv.methods import REGISTRY
 
 ORIGINAL = (("prefill.positions", "original"), ("prefill.compact_recent", 0))
 UNIFORM = (("alpha", 0.0),)  # layer budgets: the same in every layer
@@ -68,7 +71,6 @@ PRESETS: dict[str, Preset] = {
     "kvzip": Preset("kvzip", "a repeat instruction and the block as the patch",
                     ORIGINAL + UNIFORM),
     "keydiff": Preset("keydiff", "keys unlike the mean key", ORIGINAL + UNIFORM),
-    "knorm": Preset("knorm", "keys of low L2 norm", ORIGINAL + UNIFORM),
     "question": Preset("question", "an upper bound: the question as the patch, one build per "
                        "question", ORIGINAL, True),
     "random": Preset("random", "a floor: seeded random scores", ORIGINAL + UNIFORM),
@@ -131,18 +133,25 @@ def _is_optional(cls: type, path: str) -> bool:
 def parse_method(name: str) -> Method:
     """`<preset>[+<path>=<value>]...` as a `Method`; ValueError naming the presets if unknown."""
     preset, *overrides = name.strip().split("+")
-    if preset not in PRESETS and preset != NO_HISTORY:
+    if preset == NO_HISTORY:
+        if overrides:
+            raise ValueError(f"{NO_HISTORY!r} takes no overrides")
+        return Method(name, PRESETS["full"], ())
+    if preset in PRESETS:
+        base = PRESETS[preset]
+    elif preset in REGISTRY:  # a registered method without a preset runs as the baselines do
+        base = Preset(preset, "a registered method", ORIGINAL + UNIFORM)
+    else:
         raise ValueError(f"unknown method {name!r} ({describe_methods()})")
-    if preset == NO_HISTORY and overrides:
-        raise ValueError(f"{NO_HISTORY!r} takes no overrides")
-    base = PRESETS.get(preset, PRESETS["full"])
     return Method(name, base, tuple(parse_override(o) for o in overrides))
 
 
 def describe_methods() -> str:
     """The presets and the override syntax, as `--methods` and its errors name them."""
-    return (f"presets: {', '.join(PRESETS)}; each may take overrides "
-            "+<path>=<value> (a field of the build configuration, or routing.<field>)")
+    others = sorted(set(REGISTRY) - {p.scorer for p in PRESETS.values()})
+    return (f"presets: {', '.join(PRESETS)}; any other registered method ({', '.join(others)}) "
+            "as the baselines; each may take overrides +<path>=<value> (a field of the build "
+            "configuration, or routing.<field>)")
 
 
 @dataclass(frozen=True)

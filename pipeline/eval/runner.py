@@ -23,9 +23,9 @@ from tqdm import tqdm
 from pipeline.builder.profile import allocator, layer_profile
 from pipeline.corpus.schema import Conversation
 from pipeline.eval.cell import Prepared, evaluate_cell, prepare
+from pipeline.eval.episode_reads import select_route
 from pipeline.eval.methods import NO_HISTORY, EvalConfig, parse_method
 from pipeline.eval.report import records_parquet
-from pipeline.eval.episode_reads import select_route
 from pipeline.store.local import LocalStore
 from pipeline.store.uri import open_store
 

@@ -25,8 +25,8 @@ from pipeline.corpus.render import render_conversation, render_header
 from pipeline.eval.cell import prepare, probe_pairs
 from pipeline.eval.metrics import continuation_nlls
 from pipeline.kv import prompts
-from pipeline.kv.layout import kept_share, token_layout
 from pipeline.kv.eviction import TokenEviction
+from pipeline.kv.layout import kept_share, token_layout
 from pipeline.kv.methods.full import Full
 from pipeline.kv.prefill import PrefillConfig, block_prefill, layer_state
 from pipeline.routers import ROUTERS, ranked

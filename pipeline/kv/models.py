@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from pipeline.config import DEFAULT_ENCODER, DEFAULT_LLM
-from pipeline.kv.errors import ModelNotFoundError
 from pipeline.kv.attention import EPISODIC_ATTENTION, register_episodic_attention
+from pipeline.kv.errors import ModelNotFoundError
 from pipeline.kv.fingerprint import FingerprintError, folder_fingerprint
 
 log = logging.getLogger(__name__)

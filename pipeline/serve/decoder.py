@@ -23,9 +23,9 @@ from transformers import AsyncTextIteratorStreamer
 from pipeline.answer.batcher import DecodeBatcher
 from pipeline.answer.decode import AnswerPieces
 from pipeline.answer.fetch import resident_read
+from pipeline.answer.lookup import check_models
 from pipeline.answer.lru import CacheLRU
 from pipeline.answer.malloc_tuning import retain_freed_memory
-from pipeline.answer.lookup import check_models
 from pipeline.kv import models
 from pipeline.serve.errors import classify
 from pipeline.serve.settings import ServeSettings

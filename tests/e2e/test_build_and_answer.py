@@ -17,12 +17,12 @@ from pipeline.config import BuildConfig, DriverOptions
 from pipeline.corpus.reader import read_corpus, write_jsonl
 from pipeline.corpus.render import render_conversation
 from pipeline.corpus.synthetic import make_corpus
-from pipeline.eval import compare
 from pipeline.episodes import EpisodeConfig
+from pipeline.eval import compare
 from pipeline.kv import models, prompts
 from pipeline.kv.budgets import CalibrationConfig
-from pipeline.kv.prefill import PrefillConfig, block_prefill
 from pipeline.kv.methods.epicache import EpiCache
+from pipeline.kv.prefill import PrefillConfig, block_prefill
 from pipeline.store import cache_format
 from pipeline.store.manifest import read_manifest
 from pipeline.store.uri import open_store

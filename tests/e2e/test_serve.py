@@ -137,8 +137,8 @@ def _corrupt_copy(store, source_id: str, new_id: str) -> list[str]:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, ray_local):
     """Two synthetic conversations (~1,600 tokens, 2 episodes, budget 128) and a corrupted one."""
-    from pipeline.config import DriverOptions
     from pipeline.builder.driver import run_build
+    from pipeline.config import DriverOptions
     from pipeline.corpus.synthetic import make_corpus
 
     root = tmp_path_factory.mktemp("serve")

@@ -9,8 +9,8 @@ import torch
 
 from pipeline.config import ScoringConfig
 from pipeline.kv import methods
-from pipeline.kv.methods.epicache import EpiCache
 from pipeline.kv.methods.base import MethodInputs, Scorer
+from pipeline.kv.methods.epicache import EpiCache
 
 
 def bound_method(name: str, encode: Callable[[str], torch.Tensor], patch_text: str | None = None,

@@ -15,7 +15,7 @@ import pytest
 from pipeline.corpus.render import render_turn
 from pipeline.corpus.schema import Conversation, Turn
 from pipeline.corpus.synthetic import make_conversation
-from pipeline.episodes import (EpisodeConfig, build_episodes, segment, window_texts)
+from pipeline.episodes import EpisodeConfig, build_episodes, segment, window_texts
 
 DIM = 32
 

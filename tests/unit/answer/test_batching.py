@@ -16,8 +16,8 @@ from pipeline.answer.batcher import DecodeBatcher
 from pipeline.answer.decode import AnswerPieces, decode_answer, generate_from_cache
 from pipeline.answer.packed import DecodeRow, packed_step
 from pipeline.kv.cache import EpisodicCache
-from pipeline.kv.prefill import PrefillConfig, block_prefill
 from pipeline.kv.methods.epicache import EpiCache
+from pipeline.kv.prefill import PrefillConfig, block_prefill
 from tests.support.tiny_models import StandIn, one_torch_thread, random_ids, tiny_model  # noqa: F401
 
 

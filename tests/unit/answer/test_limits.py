@@ -11,12 +11,22 @@ import pytest
 
 from pipeline.answer.batcher import DecodeBatcher
 from pipeline.answer.decode import decode_answer, question_prompt
-from pipeline.config.limits import (CHARS_PER_TOKEN, DEFAULT_LIMITS, AnswerLimits, LimitError,
-                                    check_positions)
-from pipeline.kv.prefill import PrefillConfig, block_prefill
+from pipeline.config.limits import (
+    CHARS_PER_TOKEN,
+    DEFAULT_LIMITS,
+    AnswerLimits,
+    LimitError,
+    check_positions,
+)
 from pipeline.kv.methods.epicache import EpiCache
-from tests.support.tiny_models import (CharTokenizer, StandIn, one_torch_thread,  # noqa: F401
-                                       random_ids, tiny_model)
+from pipeline.kv.prefill import PrefillConfig, block_prefill
+from tests.support.tiny_models import (  # noqa: F401
+    CharTokenizer,
+    StandIn,
+    one_torch_thread,
+    random_ids,
+    tiny_model,
+)
 
 HUGE = "a" * 100_000
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from pipeline.config import RoutingConfig
+from pipeline.eval.episode_reads import READ_FIELDS, candidate_pairs, select_route
 from pipeline.eval.methods import EvalConfig
 from pipeline.eval.report import records_parquet
-from pipeline.eval.episode_reads import READ_FIELDS, candidate_pairs, select_route
 from pipeline.eval.runner import kept_cell
 from pipeline.store.local import LocalStore
 

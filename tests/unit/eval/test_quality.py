@@ -4,25 +4,22 @@ hand or reference computations, the token layout, and the evaluation's diagnosti
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
-from pipeline.config import BuildConfig
+from pipeline.config import BuildConfig, ScoringConfig
 from pipeline.corpus.render import render_conversation
 from pipeline.corpus.schema import Conversation, Question, Turn
 from pipeline.eval.cell import evaluate_cell, evidence_diagnostics, prepare
 from pipeline.eval.methods import DEFAULT_METHODS, EvalConfig, parse_method, parse_override
 from pipeline.eval.metrics import continuation_nll, continuation_nlls
 from pipeline.kv import models, prompts
-from pipeline.kv.layout import kept_share, token_layout
-from pipeline.config import ScoringConfig
 from pipeline.kv.eviction import select_keep
+from pipeline.kv.layout import kept_share, token_layout
 from pipeline.kv.methods.base import LayerState, Scorer
 from pipeline.kv.methods.full import Full
 from pipeline.kv.methods.oldest import Oldest
-from pipeline.kv.methods.shaping import (FocusScorer, PooledScorer, ProtectedScorer,
-                                         UtteranceScorer)
+from pipeline.kv.methods.shaping import FocusScorer, PooledScorer, ProtectedScorer, UtteranceScorer
 from pipeline.kv.prefill import PrefillConfig, block_prefill
 from tests.support.methods import bound_method, episodic
 from tests.support.tiny_models import one_torch_thread, random_ids, tiny_model  # noqa: F401

@@ -11,11 +11,11 @@ from pipeline.answer.decode import generate_from_cache
 from pipeline.eval.metrics import continuation_nll
 from pipeline.kv.cache import EpisodicCache
 from pipeline.kv.eviction import select_keep
-from pipeline.kv.prefill import PrefillConfig, block_prefill
 from pipeline.kv.methods.epicache import EpiCache
 from pipeline.kv.methods.full import Full
 from pipeline.kv.methods.shaping import ShapedScorer
 from pipeline.kv.methods.streamingllm import StreamingLLM
+from pipeline.kv.prefill import PrefillConfig, block_prefill
 from tests.support.tiny_models import (  # noqa: F401
     FAMILIES,
     StandIn,

@@ -13,14 +13,19 @@ from pipeline.config import BuildConfig
 from pipeline.eval.cell import cache_footprint
 from pipeline.eval.methods import EvalConfig, parse_method
 from pipeline.kv.attention import attention_column_sums
-from pipeline.kv.budgets import (ALLOCATORS, VarianceAllocator, allocate_from_weights,
-                                 attention_variance, variance_weights)
+from pipeline.kv.budgets import (
+    ALLOCATORS,
+    VarianceAllocator,
+    allocate_from_weights,
+    attention_variance,
+    variance_weights,
+)
 from pipeline.kv.cache import EpisodicCache
-from pipeline.kv.merging import MergeConfig, Merger
 from pipeline.kv.eviction import Compression
+from pipeline.kv.merging import MergeConfig, Merger
+from pipeline.kv.methods.epicache import EpiCache
 from pipeline.kv.positions import DecodePositions
 from pipeline.kv.prefill import PrefillConfig, block_prefill
-from pipeline.kv.methods.epicache import EpiCache
 from pipeline.kv.tristate import TriStateConfig
 from tests.support.tiny_models import one_torch_thread, random_ids, stock_twin, tiny_model  # noqa: F401
 

@@ -9,10 +9,10 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pipeline.answer.decode import generate_from_cache
 from pipeline.eval.metrics import continuation_nll
-from pipeline.kv.positions import ContextTooLongError, KeyRotation, check_fits
-from pipeline.kv.prefill import PrefillConfig, block_prefill
 from pipeline.kv.methods.epicache import EpiCache
 from pipeline.kv.methods.streamingllm import StreamingLLM
+from pipeline.kv.positions import ContextTooLongError, KeyRotation, check_fits
+from pipeline.kv.prefill import PrefillConfig, block_prefill
 from pipeline.kv.tristate import TriStateConfig
 from pipeline.store import cache_format
 from tests.support.tiny_models import StandIn, one_torch_thread, random_ids, tiny_model  # noqa: F401

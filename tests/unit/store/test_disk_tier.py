@@ -15,10 +15,10 @@ import torch
 
 from pipeline.answer.fetch import fetch_cache
 from pipeline.kv import models
-from pipeline.kv.prefill import PrefillConfig, block_prefill
 from pipeline.kv.methods.epicache import EpiCache
-from pipeline.store.base import cache_key
+from pipeline.kv.prefill import PrefillConfig, block_prefill
 from pipeline.store import cache_format
+from pipeline.store.base import cache_key
 from pipeline.store.cache_format import CacheCorruptError, ChecksumError, serialize, sha256
 from pipeline.store.cache_read import read_bytes, read_cache
 from pipeline.store.disk_tier import DiskTier
