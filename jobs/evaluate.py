@@ -29,30 +29,15 @@ from pathlib import Path
 from typing import IO
 
 from pipeline.cli.numbers import positive_int
-from pipeline.cli.options import (
-    SHARED_BUILD_OPTIONS,
-    add_corpus_options,
-    add_options,
-    eval_build_config_from_args,
-    limits_from_args,
-)
+from pipeline.cli.options import (SHARED_BUILD_OPTIONS, add_corpus_options, add_options,
+                                  eval_build_config_from_args, limits_from_args)
 from pipeline.cli.parser import make_parser
 from pipeline.config import BuildConfig
-from pipeline.corpus.reader import (
-    SKIP_REPORT,
-    ReadStats,
-    check_corpus,
-    iter_corpus,
-    select_conversations,
-)
+from pipeline.corpus.reader import (SKIP_REPORT, ReadStats, check_corpus, iter_corpus,
+                                    select_conversations)
 from pipeline.corpus.schema import Conversation, CorpusError
-from pipeline.eval.methods import (
-    DEFAULT_METHODS,
-    EvalConfig,
-    describe_methods,
-    parse_method,
-    parse_override,
-)
+from pipeline.eval.methods import (DEFAULT_METHODS, EvalConfig, describe_methods, parse_method,
+                                   parse_override)
 from pipeline.eval.report import write_report
 
 

@@ -38,13 +38,8 @@ from pipeline.answer.fetch import fetch_cache
 from pipeline.answer.malloc_tuning import retain_freed_memory
 from pipeline.builder.conversation import build_conversation, files_of, is_built
 from pipeline.cli.bench import bench_parser, start_bench
-from pipeline.cli.options import (
-    BUILD_OPTIONS,
-    add_model_options,
-    add_options,
-    apply_options,
-    options_named,
-)
+from pipeline.cli.options import (BUILD_OPTIONS, add_model_options, add_options, apply_options,
+                                  options_named)
 from pipeline.cli.tables import print_table
 from pipeline.config import BuildConfig
 from pipeline.corpus.synthetic import make_conversation

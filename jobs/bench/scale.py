@@ -45,21 +45,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.builder.driver import run_build
-from pipeline.builder.rehearsal import (
-    SYNTHETIC_CONFIG,
-    SYNTHETIC_STAGES,
-    S3Requests,
-    put_synthetic_corpus,
-    write_synthetic_corpus,
-)
+from pipeline.builder.rehearsal import (SYNTHETIC_CONFIG, SYNTHETIC_STAGES, S3Requests,
+                                        put_synthetic_corpus, write_synthetic_corpus)
 from pipeline.builder.sources import corpus_objects
 from pipeline.cli.bench import bench_parser, start_bench
-from pipeline.cli.options import (
-    DRIVER_OPTIONS,
-    add_options,
-    driver_options_from_args,
-    options_named,
-)
+from pipeline.cli.options import (DRIVER_OPTIONS, add_options, driver_options_from_args,
+                                  options_named)
 from pipeline.config import DriverOptions
 from pipeline.corpus.reader import CorpusStream
 from pipeline.ray_runtime import init_ray

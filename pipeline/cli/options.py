@@ -16,15 +16,8 @@ from types import SimpleNamespace
 from typing import Any, Callable, Sequence, TypeVar
 
 from pipeline.cli.numbers import count, finite, non_negative, positive_int
-from pipeline.config import (
-    ALLOCATOR_NAMES,
-    STORE_DTYPES,
-    BuildConfig,
-    DriverOptions,
-    MergeConfig,
-    ScoringConfig,
-    TriStateConfig,
-)
+from pipeline.config import (ALLOCATOR_NAMES, STORE_DTYPES, BuildConfig, DriverOptions, MergeConfig,
+                             ScoringConfig, TriStateConfig)
 from pipeline.config.fields import choices_of, get_path, parser_of, replace_path
 from pipeline.corpus.records import CorpusLimits
 from pipeline.kv import methods

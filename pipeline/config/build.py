@@ -13,15 +13,8 @@ import json
 from dataclasses import dataclass, field
 
 from pipeline.config import hashing
-from pipeline.config.stages import (
-    DEFAULT_ENCODER,
-    DEFAULT_LLM,
-    CalibrationConfig,
-    EpisodeConfig,
-    GrowthConfig,
-    PrefillConfig,
-    ScoringConfig,
-)
+from pipeline.config.stages import (DEFAULT_ENCODER, DEFAULT_LLM, CalibrationConfig, EpisodeConfig,
+                                    GrowthConfig, PrefillConfig, ScoringConfig)
 
 STORE_DTYPES = ("float16", "bfloat16", "float32")
 

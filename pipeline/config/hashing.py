@@ -16,14 +16,8 @@ from dataclasses import asdict
 from typing import Any
 
 from pipeline.config.format_version import FORMAT
-from pipeline.config.stages import (
-    CalibrationConfig,
-    EpisodeConfig,
-    MergeConfig,
-    PrefillConfig,
-    ScoringConfig,
-    TriStateConfig,
-)
+from pipeline.config.stages import (CalibrationConfig, EpisodeConfig, MergeConfig, PrefillConfig,
+                                    ScoringConfig, TriStateConfig)
 
 # (section, field, the value builds before the field had): hashed only when it differs
 ADDED_LATER = (("prefill", "compact_recent", 0),)

@@ -11,14 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from pipeline.corpus.schema import (
-    Conversation,
-    CorpusError,
-    Question,
-    Turn,
-    UnsafeIdError,
-    check_safe_id,
-)
+from pipeline.corpus.schema import (Conversation, CorpusError, Question, Turn, UnsafeIdError,
+                                    check_safe_id)
 
 
 @dataclass(frozen=True)

@@ -26,13 +26,8 @@ from pipeline.corpus.render import cut_at_session, render_conversation, render_h
 from pipeline.corpus.schema import Conversation, Question
 from pipeline.eval.episode_reads import episodic_reads, route_scores, select_route
 from pipeline.eval.methods import NO_HISTORY, EvalConfig, parse_method
-from pipeline.eval.metrics import (
-    ADVERSARIAL_CATEGORY,
-    continuation_nlls,
-    evidence_probe,
-    f1_score,
-    question_text,
-)
+from pipeline.eval.metrics import (ADVERSARIAL_CATEGORY, continuation_nlls, evidence_probe,
+                                   f1_score, question_text)
 from pipeline.eval.summary import nan_mean
 from pipeline.kv import models, prompts
 from pipeline.kv.cache import EpisodicCache

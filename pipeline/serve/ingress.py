@@ -17,13 +17,8 @@ from fastapi import FastAPI, Request
 from ray import serve
 from ray.exceptions import RayActorError
 
-from pipeline.answer.lookup import (
-    check_models,
-    embed_question,
-    load_manifest,
-    route_index,
-    route_records,
-)
+from pipeline.answer.lookup import (check_models, embed_question, load_manifest, route_index,
+                                    route_records)
 from pipeline.config import RoutingConfig
 from pipeline.config.limits import LimitError
 from pipeline.corpus.schema import check_safe_id

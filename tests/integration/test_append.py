@@ -23,15 +23,8 @@ from pipeline.builder.driver import run_build
 from pipeline.builder.episode import build_episode
 from pipeline.builder.growth import AppendPlan, Recluster
 from pipeline.builder.profile import layer_budgets
-from pipeline.config import (
-    BuildConfig,
-    DriverOptions,
-    EpisodeConfig,
-    GrowthConfig,
-    MergeConfig,
-    PrefillConfig,
-    TriStateConfig,
-)
+from pipeline.config import (BuildConfig, DriverOptions, EpisodeConfig, GrowthConfig, MergeConfig,
+                             PrefillConfig, TriStateConfig)
 from pipeline.corpus.reader import write_jsonl
 from pipeline.corpus.render import render_conversation
 from pipeline.corpus.schema import Conversation

@@ -29,12 +29,8 @@ from pipeline.corpus.synthetic import make_corpus
 from pipeline.store import cache_format
 from pipeline.store.base import ObjectNotFound, StoreError, cache_key
 from pipeline.store.local import LocalStore
-from pipeline.store.manifest import (
-    ManifestRecord,
-    list_conversations,
-    read_manifest,
-    write_manifest,
-)
+from pipeline.store.manifest import (ManifestRecord, list_conversations, read_manifest,
+                                     write_manifest)
 from pipeline.store.s3 import S3Store
 from pipeline.store.uri import open_store
 from tests.support.paths import REPO

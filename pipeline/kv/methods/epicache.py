@@ -16,16 +16,8 @@ from typing import ClassVar
 import torch
 
 from pipeline.config import ScoringConfig
-from pipeline.kv.methods.base import (
-    BlockContext,
-    LayerState,
-    Method,
-    MethodInputs,
-    Scorer,
-    bound,
-    patch_attention,
-    require_patch,
-)
+from pipeline.kv.methods.base import (BlockContext, LayerState, Method, MethodInputs, Scorer, bound,
+                                      patch_attention, require_patch)
 from pipeline.kv.methods.shaping import FocusScorer, PooledScorer, ProtectedScorer, UtteranceScorer
 
 

@@ -8,15 +8,8 @@ from typing import ClassVar
 
 import torch
 
-from pipeline.kv.methods.base import (
-    BlockContext,
-    LayerState,
-    Method,
-    MethodInputs,
-    bound,
-    patch_attention,
-    require_patch,
-)
+from pipeline.kv.methods.base import (BlockContext, LayerState, Method, MethodInputs, bound,
+                                      patch_attention, require_patch)
 
 
 @dataclass(frozen=True)

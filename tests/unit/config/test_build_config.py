@@ -11,15 +11,8 @@ import sys
 
 import pytest
 
-from pipeline.config import (
-    BuildConfig,
-    CalibrationConfig,
-    EpisodeConfig,
-    MergeConfig,
-    PrefillConfig,
-    ScoringConfig,
-    TriStateConfig,
-)
+from pipeline.config import (BuildConfig, CalibrationConfig, EpisodeConfig, MergeConfig,
+                             PrefillConfig, ScoringConfig, TriStateConfig)
 from pipeline.config.hashing import ADDED_LATER
 from tests.support.paths import REPO
 

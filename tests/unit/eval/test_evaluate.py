@@ -15,13 +15,8 @@ from pipeline.config import BuildConfig
 from pipeline.corpus.reader import write_jsonl
 from pipeline.corpus.synthetic import make_corpus
 from pipeline.eval.methods import DEFAULT_METHODS, EvalConfig, parse_method
-from pipeline.eval.metrics import (
-    continuation_nll,
-    evidence_probe,
-    f1_score,
-    normalize_answer,
-    retention,
-)
+from pipeline.eval.metrics import (continuation_nll, evidence_probe, f1_score, normalize_answer,
+                                   retention)
 from pipeline.eval.runner import Cell, collect_cells
 from pipeline.kv import models, prompts
 from pipeline.kv.methods.base import BlockContext, LayerState

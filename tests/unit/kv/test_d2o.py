@@ -13,13 +13,8 @@ from pipeline.config import BuildConfig
 from pipeline.eval.cell import cache_footprint
 from pipeline.eval.methods import EvalConfig, parse_method
 from pipeline.kv.attention import attention_column_sums
-from pipeline.kv.budgets import (
-    ALLOCATORS,
-    VarianceAllocator,
-    allocate_from_weights,
-    attention_variance,
-    variance_weights,
-)
+from pipeline.kv.budgets import (ALLOCATORS, VarianceAllocator, allocate_from_weights,
+                                 attention_variance, variance_weights)
 from pipeline.kv.cache import EpisodicCache
 from pipeline.kv.eviction import Compression
 from pipeline.kv.merging import MergeConfig, Merger

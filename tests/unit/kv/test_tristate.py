@@ -17,14 +17,8 @@ from pipeline.kv.attention import patch_attention_moments
 from pipeline.kv.methods.epicache import EpiCache
 from pipeline.kv.methods.full import Full
 from pipeline.kv.prefill import PrefillConfig, block_prefill, entry_bytes
-from pipeline.kv.tristate import (
-    EntryBytes,
-    TriStateConfig,
-    heavy_hitter_scores,
-    oq_ratios,
-    oq_score,
-    plan_tristate,
-)
+from pipeline.kv.tristate import (EntryBytes, TriStateConfig, heavy_hitter_scores, oq_ratios,
+                                  oq_score, plan_tristate)
 from pipeline.store import cache_format
 from tests.support.tiny_models import StandIn, one_torch_thread, random_ids, tiny_model  # noqa: F401
 

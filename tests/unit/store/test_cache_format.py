@@ -16,22 +16,11 @@ from pipeline.corpus.schema import UnsafeIdError
 from pipeline.kv.methods.epicache import EpiCache
 from pipeline.kv.prefill import PrefillConfig, block_prefill
 from pipeline.store.base import StoreError, cache_key, check_key, manifest_key
-from pipeline.store.cache_format import (
-    FORMAT,
-    CacheCorruptError,
-    deserialize,
-    read_header,
-    serialize,
-    sha256,
-)
+from pipeline.store.cache_format import (FORMAT, CacheCorruptError, deserialize, read_header,
+                                         serialize, sha256)
 from pipeline.store.local import LocalStore
-from pipeline.store.manifest import (
-    MANIFEST_SCHEMA,
-    ManifestRecord,
-    list_conversations,
-    read_manifest,
-    write_manifest,
-)
+from pipeline.store.manifest import (MANIFEST_SCHEMA, ManifestRecord, list_conversations,
+                                     read_manifest, write_manifest)
 from pipeline.store.uri import open_store
 from tests.support.tiny_models import StandIn, one_torch_thread, random_ids, tiny_model  # noqa: F401
 
