@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                             questions_per_conversation=a.questions_per_conversation,
                             max_new_tokens=a.max_new_tokens, generate=a.f1)
         for m in methods:  # every configuration made once, so a bad value fails here
-            config.build_config(m, budgets[0]), config.route_of(m)
+            config.build_config(m, budgets[0])
+            config.route_of(m)
         convs, read = read_corpus(a, out)
     except (CorpusError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -38,6 +38,13 @@ def field_hint(cls: type, path: str) -> Any:
     return field_hint(hint, rest) if rest else hint
 
 
+def is_optional(cls: type, path: str) -> bool:
+    """Whether the field at `path` admits None (`X | None`)."""
+    head, _, name = path.rpartition(".")
+    hint = _hint(field_hint(cls, head) if head else cls, name)
+    return _optional_inner(hint) is not hint
+
+
 def field_of(cls: type, path: str) -> dataclasses.Field:
     head, _, rest = path.partition(".")
     if rest:

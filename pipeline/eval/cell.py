@@ -20,7 +20,7 @@ import torch
 
 from pipeline.answer.decode import generate_from_cache
 from pipeline.builder.cluster import cluster_conversation
-from pipeline.builder.episode import build_episode_cache
+from pipeline.builder.episode import build_episode_cache, store_dtype
 from pipeline.config import BuildConfig
 from pipeline.corpus.render import cut_at_session, render_conversation, render_header
 from pipeline.corpus.schema import Conversation, Question
@@ -36,8 +36,6 @@ from pipeline.kv.methods.full import Full
 from pipeline.kv.prefill import PrefillStats, block_prefill, entry_bytes
 from pipeline.kv.tristate import EntryBytes
 from pipeline.store.memory import MemoryStore
-
-ORIGINAL_ELEMENT_SIZE = 2  # Original entries counted as stored by default (float16)
 
 
 @dataclass(frozen=True)
@@ -136,7 +134,8 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
     conv, questions = prep.conversation, list(prep.questions)
     start = time.perf_counter()
     build = config.build_config(method, budget)
-    sizes = entry_bytes(lm.model, ORIGINAL_ELEMENT_SIZE)
+    element_size = store_dtype(build)[1]  # Original entries counted as the build stores them
+    sizes = entry_bytes(lm.model, element_size)
     layout = token_layout(lm.tokenizer, conv)
     merged: dict[int, int] = {}  # id(cache) -> entries merged (D2O) by its build
     seconds = []
@@ -156,7 +155,7 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
     if method == NO_HISTORY:  # the reference: the same prompt without the turns
         cache = built(*block_prefill(lm.model, history_ids(lm.tokenizer, conv, turns=False),
                                      Full(), None, build.prefill,
-                                     original_element_size=ORIGINAL_ELEMENT_SIZE))
+                                     original_element_size=element_size))
         measured = measure(cache, list(range(len(questions))))
     else:
         measured = _built_and_measured(conv, questions, method, build,

@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import types
-import typing
-from dataclasses import asdict, dataclass, field
-from typing import Any, Union
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 from pipeline.config import BuildConfig, RoutingConfig, ScoringConfig
-from pipeline.config.fields import field_hint, get_path, parser_of, replace_path
+from pipeline.config.fields import field_hint, is_optional, parser_of, replace_path
 from pipeline.kv.methods import REGISTRY
 
 ORIGINAL = (("prefill.positions", "original"), ("prefill.compact_recent", 0))
@@ -83,9 +81,8 @@ NO_HISTORY = "none"  # the other reference: the same prompt with no turns (not a
 
 
 @dataclass(frozen=True)
-class Method:
+class MethodSpec:
     """A method as spelled: its preset and its own overrides (field path, value)."""
-    name: str
     preset: Preset
     overrides: tuple[tuple[str, Any], ...]
 
@@ -104,8 +101,8 @@ def parse_override(text: str) -> tuple[str, Any]:
     if path in ("scorer", "budget", "model", "encoder"):
         raise ValueError(f"{path!r} is not an override: name a preset, and --budgets, "
                          "--model, --encoder")
-    cls, rest = (RoutingConfig, path[len("routing."):]) if path.startswith("routing.") else \
-        (BuildConfig, path)
+    routing = routing_field(path)
+    cls, rest = (BuildConfig, path) if routing is None else (RoutingConfig, routing)
     try:
         hint = field_hint(cls, rest)
         parse = parser_of(cls, rest)
@@ -113,8 +110,7 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ValueError(f"no configuration field {path!r}") from None
     if dataclasses.is_dataclass(hint):
         raise ValueError(f"{path!r} is a section: override one of its fields ({path}.<field>)")
-    optional = _is_optional(cls, rest)
-    if optional and value.strip().lower() == "none":
+    if is_optional(cls, rest) and value.strip().lower() == "none":
         return path, None
     try:
         return path, parse(value.strip())
@@ -122,28 +118,26 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ValueError(f"{path}={value!r}: {e} ({getattr(hint, '__name__', hint)})") from None
 
 
-def _is_optional(cls: type, path: str) -> bool:
-    head, _, rest = path.rpartition(".")
-    owner = field_hint(cls, head) if head else cls
-    hint = typing.get_type_hints(owner)[rest]
-    return typing.get_origin(hint) in (Union, types.UnionType) and type(None) in typing.get_args(hint)
+def routing_field(path: str) -> str | None:
+    """The `RoutingConfig` field an override path names (`routing.<field>`), else None."""
+    return path.removeprefix("routing.") if path.startswith("routing.") else None
 
 
 @functools.cache
-def parse_method(name: str) -> Method:
-    """`<preset>[+<path>=<value>]...` as a `Method`; ValueError naming the presets if unknown."""
+def parse_method(name: str) -> MethodSpec:
+    """`<preset>[+<path>=<value>]...` as a `MethodSpec`; ValueError naming the presets if unknown."""
     preset, *overrides = name.strip().split("+")
     if preset == NO_HISTORY:
         if overrides:
             raise ValueError(f"{NO_HISTORY!r} takes no overrides")
-        return Method(name, PRESETS["full"], ())
+        return MethodSpec(PRESETS["full"], ())
     if preset in PRESETS:
         base = PRESETS[preset]
     elif preset in REGISTRY:  # a registered method without a preset runs as the baselines do
         base = Preset(preset, "a registered method", ORIGINAL + UNIFORM)
     else:
         raise ValueError(f"unknown method {name!r} ({describe_methods()})")
-    return Method(name, base, tuple(parse_override(o) for o in overrides))
+    return MethodSpec(base, tuple(parse_override(o) for o in overrides))
 
 
 def describe_methods() -> str:
@@ -188,11 +182,10 @@ class EvalConfig:
 
     def build_config(self, method: str, budget: int | None) -> BuildConfig:
         """The build configuration of a cell (it decides the caches and the layer budgets)."""
-        m = parse_method(method)
-        config = replace_path(replace_path(self.build, "scorer", m.preset.scorer), "budget",
-                              None if m.preset.scorer == "full" else budget)
+        scorer = parse_method(method).preset.scorer
+        config = replace(self.build, scorer=scorer, budget=None if scorer == "full" else budget)
         for path, value in self.changes(method):
-            if not path.startswith("routing."):
+            if routing_field(path) is None:
                 config = replace_path(config, path, value)
         return config
 
@@ -201,8 +194,8 @@ class EvalConfig:
         its best two episodes."""
         routing = self.routing
         for path, value in self.changes(method):
-            if path.startswith("routing."):
-                routing = replace_path(routing, path[len("routing."):], value)
+            if routing_field(path) is not None:
+                routing = replace_path(routing, routing_field(path), value)
         return routing.router, routing.two_below
 
     def allocator_of(self, method: str) -> str | None:
@@ -217,10 +210,6 @@ class EvalConfig:
         allocator = self.allocator_of(method)
         return allocator == "variance" or (
             allocator == "sensitivity" and self.build_config(method, 1).alpha > 0)
-
-    def field(self, method: str, path: str) -> Any:
-        """One field of a method's build configuration."""
-        return get_path(self.build_config(method, None), path)
 
     def as_dict(self) -> dict:
         return asdict(self)

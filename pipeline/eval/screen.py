@@ -40,16 +40,14 @@ def recall_nlls(lm, conv, questions, cache, config) -> list[float]:
 
 
 @torch.inference_mode()
-def patch_states(lm, cache, scorer, budgets: list[int]):
-    """Every layer's state with the patch's attention to the whole cache (cache unchanged),
-    and the layer's budget (what a `shared` share is held of)."""
+def patch_states(lm, cache, scorer):
+    """Every layer's state with the patch's attention to the whole cache (cache unchanged)."""
     patch = scorer.patch_ids(None)
     seen = cache.next_position
     with cache.scratch(), cache.patched(patch.shape[0]):
         lm.model.base_model(input_ids=patch[None], past_key_values=cache, use_cache=True,
                             position_ids=torch.arange(seen, seen + patch.shape[0])[None])
-    states = [layer_state(i, layer, 0, budget)
-              for i, (layer, budget) in enumerate(zip(cache.layers, budgets))]
+    states = [layer_state(i, layer, 0) for i, layer in enumerate(cache.layers)]
     for layer in cache.layers:
         layer.last_request = None
     return states
@@ -86,7 +84,7 @@ def screen_conversation(lm, encoder, conv, methods, budgets, config, profile) ->
                 scorer = episode_scorer(lm.tokenizer, conv, ep.patch_text,
                                         members, build)
                 cache = copy.deepcopy(full)
-                states = patch_states(lm, full, scorer, layer_budgets)
+                states = patch_states(lm, full, scorer)
                 TokenEviction(layer_budgets, build.prefill.selection,
                               build.prefill.head_floor).step(cache.layers, states, scorer, True)
                 nlls = recall_nlls(lm, conv, [questions[i] for i in readers], cache, config)

@@ -39,10 +39,6 @@ class Compression:
         """Whether patch forwards must return the patch attention's moments (ARKV)."""
         return False
 
-    def entry_budget(self, layer_idx: int) -> int | None:
-        """Entries per KV head a layer is cut to, shown to the scorer (None: not by entries)."""
-        return None
-
     def patch_positions(self, first: int, n_block: int, n_patch: int, total: int) -> torch.Tensor:
         """Positions of a block starting at `first` and its patch: consecutive. `total` is where
         decoding will start (the whole input)."""
@@ -79,9 +75,6 @@ class Wrapper(Compression):
     @property
     def collects_moments(self) -> bool:
         return self.inner.collects_moments
-
-    def entry_budget(self, layer_idx: int) -> int | None:
-        return self.inner.entry_budget(layer_idx)
 
     def patch_positions(self, first: int, n_block: int, n_patch: int, total: int) -> torch.Tensor:
         return self.inner.patch_positions(first, n_block, n_patch, total)
@@ -128,9 +121,6 @@ class TokenEviction(Compression):
 
     def __init__(self, budgets: list[int], selection: Selection, head_floor: float = 0.0):
         self.budgets, self.selection, self.head_floor = budgets, selection, head_floor
-
-    def entry_budget(self, layer_idx: int) -> int | None:
-        return self.budgets[layer_idx]
 
     def over_budget(self, layer, budget: int) -> bool:
         counts = layer.valid.sum(dim=1)

@@ -51,8 +51,7 @@ class PrefillStats:
     byte_budgets: list[int] = field(default_factory=list)  # tri-state: bytes per layer
 
 
-def layer_state(idx: int, layer: EpisodicLayer, block_start: int,
-                budget: int | None = None) -> LayerState:
+def layer_state(idx: int, layer: EpisodicLayer, block_start: int) -> LayerState:
     request = layer.last_request
     return LayerState(layer_idx=idx, keys=layer.keys[0], values=layer.values[0],
                       valid=layer.valid, positions=layer.positions,
@@ -60,8 +59,7 @@ def layer_state(idx: int, layer: EpisodicLayer, block_start: int,
                       block_start=block_start,
                       patch_sum=request.patch_sum if request is not None else None,
                       patch_sumsq=request.patch_sumsq if request is not None else None,
-                      patch_count=request.patch_count if request is not None else 0,
-                      budget=budget)
+                      patch_count=request.patch_count if request is not None else 0)
 
 
 def entry_bytes(model: torch.nn.Module, original_element_size: int | None = None) -> EntryBytes:
@@ -113,8 +111,7 @@ def block_prefill(model: torch.nn.Module, input_ids: torch.Tensor, scorer: Score
         with cache.patched(patch.shape[0]):
             decoder(input_ids=tokens[None], position_ids=positions[None], past_key_values=cache,
                     use_cache=True)
-        states = [layer_state(idx, layer, seen, compression.entry_budget(idx))
-                  for idx, layer in enumerate(cache.layers)]
+        states = [layer_state(idx, layer, seen) for idx, layer in enumerate(cache.layers)]
         compression.step(cache.layers, states, scorer, final=begin + config.block >= n_new)
         compression.after_step(cache)
         for layer in cache.layers:

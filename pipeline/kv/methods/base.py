@@ -13,7 +13,7 @@ knows no method by name.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
 import torch
@@ -42,7 +42,6 @@ class LayerState:
     patch_sum: torch.Tensor | None = None
     patch_sumsq: torch.Tensor | None = None
     patch_count: int = 0
-    budget: int | None = None  # entries per KV head the layer is cut to (None: not by entries)
 
 
 @dataclass(frozen=True)
@@ -58,7 +57,7 @@ class MethodInputs:
 
 def bound(**kwargs: Any) -> Any:
     """A field that `bind` fills from the build's inputs: not a parameter (left out of equality,
-    repr and `Method.parameters`)."""
+    hash and repr)."""
     return field(default=None, compare=False, repr=False, metadata={"bound": True}, **kwargs)
 
 
@@ -83,9 +82,6 @@ class Method(Scorer):
         """This method ready for one build (by default it needs nothing from it)."""
         return self
 
-    def parameters(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if not f.metadata.get("bound")}
-
 
 def patch_attention(layer: LayerState) -> torch.Tensor:
     """The attention the patch's queries pay to each cached entry: an attention method's score."""
@@ -99,3 +95,17 @@ def require_patch(method: Method, inputs: MethodInputs) -> torch.Tensor:
     if not inputs.patch_text:
         raise ValueError(f"method {method.name!r} needs a patch text")
     return inputs.encode(inputs.patch_text)
+
+
+@dataclass(frozen=True)
+class PatchMethod(Method):
+    """Keeps what a fixed patched prompt attends to (EpiCache's medoid patch, InfiniPot's
+    instruction, the question itself): `bind` encodes the patch, the loop runs it after every
+    block, and the score is its attention."""
+    patch: torch.Tensor | None = bound()  # [P] token ids
+
+    def patch_ids(self, block: BlockContext) -> torch.Tensor | None:
+        return self.patch
+
+    def score(self, layer: LayerState) -> torch.Tensor:
+        return patch_attention(layer)

@@ -13,17 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-import torch
-
 from pipeline.config import ScoringConfig
-from pipeline.kv.methods.base import (BlockContext, LayerState, Method, MethodInputs, Scorer, bound,
-                                      patch_attention, require_patch)
+from pipeline.kv.methods.base import MethodInputs, PatchMethod, Scorer, require_patch
 from pipeline.kv.methods.shaping import FocusScorer, PooledScorer, ProtectedScorer, UtteranceScorer
 
 
 @dataclass(frozen=True)
-class EpiCache(ScoringConfig, Method):
-    patch: torch.Tensor | None = bound()  # [P] the medoid patch's token ids
+class EpiCache(ScoringConfig, PatchMethod):
     name: ClassVar[str] = "epicache"
 
     def bind(self, inputs: MethodInputs) -> Scorer:
@@ -46,9 +42,3 @@ class EpiCache(ScoringConfig, Method):
         if self.sink or self.recent:
             scorer = ProtectedScorer(scorer, self.sink, self.recent)
         return scorer
-
-    def patch_ids(self, block: BlockContext) -> torch.Tensor | None:
-        return self.patch
-
-    def score(self, layer: LayerState) -> torch.Tensor:
-        return patch_attention(layer)

@@ -5,24 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-import torch
-
-from pipeline.kv.methods.base import (BlockContext, LayerState, Method, MethodInputs, bound,
-                                      patch_attention)
+from pipeline.kv.methods.base import MethodInputs, PatchMethod
 
 
 @dataclass(frozen=True)
-class InfiniPot(Method):
+class InfiniPot(PatchMethod):
     INSTRUCTION: ClassVar[str] = \
         "Summarize the previous context highlighting the most important parts."
-    patch: torch.Tensor | None = bound()
     name: ClassVar[str] = "infinipot"
 
     def bind(self, inputs: MethodInputs) -> InfiniPot:
         return replace(self, patch=inputs.encode(self.INSTRUCTION))
-
-    def patch_ids(self, block: BlockContext) -> torch.Tensor | None:
-        return self.patch
-
-    def score(self, layer: LayerState) -> torch.Tensor:
-        return patch_attention(layer)
