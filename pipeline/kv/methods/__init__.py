@@ -1,7 +1,8 @@
 """The compression methods, one module each, and their registry.
 
-    base.py           Method (a frozen dataclass of parameters + one scoring function), the
-                      inputs a build binds it to, and what the prefill loop shows it
+    base.py           Method (a frozen dataclass of parameters + one scoring function),
+                      PatchMethod (scored by a bound patch's attention), the inputs a build
+                      binds a method to, and what the prefill loop shows it
     shaping.py        wrappers that reshape any scorer's scores (pooling, whole utterances,
                       focus on the episode's turns, protected sink and recent tokens)
     epicache.py       EpiCache: the episode's medoid patch attention, shaped
