@@ -7,7 +7,9 @@ full cache, split into embed, route, load and decode.
 A synthetic conversation of about `--tokens` tokens is built twice into a local store with the
 real pipeline (`pipeline.builder.build_conversation`): as EpiCache episodes under `--budget`,
 and as one full cache. Then each planted question is answered by `pipeline.answer.Answerer`
-from both stores, alternately: once *cold* (a fresh answerer fetches the cache from the store
+from both stores, and from the episodic store with the question-time top-up
+(`pipeline.answer.topup`: its nearest turns the episode lacks prefilled before the question;
+`--topup-turns`, `--topup-max-tokens`), alternately: once *cold* (a fresh answerer fetches the cache from the store
 and verifies its checksum; the models are already loaded) and once more *warm* (the same
 question again: its episode's cache is resident, as for a follow-up turn). Reported: the median of
 each stage per turn, the share of embed + route + load in the turn, and decode time per
@@ -41,7 +43,8 @@ from pipeline.cli.bench import bench_parser, start_bench
 from pipeline.cli.options import (BUILD_OPTIONS, add_model_options, add_options, apply_options,
                                   options_named)
 from pipeline.cli.tables import print_table
-from pipeline.config import BuildConfig
+from pipeline.cli.numbers import positive_int
+from pipeline.config import BuildConfig, TopUpConfig
 from pipeline.corpus.synthetic import make_conversation
 from pipeline.kv import models
 from pipeline.store import cache_format
@@ -115,11 +118,15 @@ def turn(answerer: Answerer, conversation_id: str, question: str, max_new_tokens
     result = answerer.answer(conversation_id, question, max_new_tokens)
     lm = models.load_llm(answerer.manifest(conversation_id)[0].model_id)
     generated = len(lm.tokenizer(result.answer, add_special_tokens=False)["input_ids"]) + 1
-    return result.timings_ms | {"tokens": min(generated, max_new_tokens), "hit": result.cache_hit}
+    timings = dict(result.timings_ms)
+    timings["load"] += timings.pop("topup", 0.0)  # the index's fetch and the turns' choice
+    return timings | {"tokens": min(generated, max_new_tokens), "hit": result.cache_hit,
+                      "topup_tokens": result.topup.get("tokens", 0)}
 
 
 def summarise(name: str, turns: list[dict], entries: float) -> dict:
-    row = {"cache": name, "entries": entries}
+    row = {"cache": name, "entries": entries,
+           "topup_tokens": statistics.mean(t["topup_tokens"] for t in turns)}
     for stage in STAGES:
         row[stage] = statistics.median(t[stage] for t in turns)
     row["turn"] = statistics.median(sum(t[s] for s in STAGES) for t in turns)
@@ -140,6 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(p, DECODE_BUILD_OPTIONS, BuildConfig())
     p.add_argument("--questions", type=int, default=8, help="planted questions answered (turns)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="answer length at most (tokens)")
+    p.add_argument("--topup-turns", type=positive_int, default=TopUpConfig.turns,
+                   help="the top-up's nearest turns searched")
+    p.add_argument("--topup-max-tokens", type=positive_int, default=TopUpConfig.max_tokens,
+                   help="the top-up's tokens at most")
     p.add_argument("--store", default=None, help="a local folder to build into (default: a temp dir)")
     p.add_argument("--return-freed-memory", action="store_true",
                    help="leave malloc's thresholds as they are (freed memory goes back to the "
@@ -172,10 +183,16 @@ def main(argv: list[str] | None = None) -> int:
     gc.freeze()  # as the Serve deployments do: no collector pass over the models inside a turn
     if not a.return_freed_memory:
         retain_freed_memory()  # as the Serve decoder does: caches load into reused memory
-    turns = {(name, cold): [] for name in stores for cold in (True, False)}
-    for question in questions:  # the two caches alternate, turn by turn
-        for name, store in stores.items():
-            answerer = Answerer(store, device=device)  # no cache yet; the models stay loaded
+    topup = TopUpConfig(enabled=True, turns=a.topup_turns, max_tokens=a.topup_max_tokens)
+    answering = {"episodic": (stores["episodic"], TopUpConfig(enabled=False)),
+                 "episodic+topup": (stores["episodic"], topup),
+                 "full": (stores["full"], TopUpConfig(enabled=False))}
+    entries["episodic+topup"] = entries["episodic"]
+    turns = {(name, cold): [] for name in answering for cold in (True, False)}
+    for question in questions:  # the caches alternate, turn by turn
+        for name, (store, topup_config) in answering.items():
+            # no cache yet; the models stay loaded
+            answerer = Answerer(store, device=device, topup=topup_config)
             for cold in (True, False):  # the same question again: its episode is resident
                 turns[name, cold].append(turn(answerer, conv.conversation_id, question,
                                               a.max_new_tokens))
@@ -186,13 +203,16 @@ def main(argv: list[str] | None = None) -> int:
           "medians per turn (ms):")
     print_table(rows, [("cache", "cache", "s"), ("entries", "entries/layer", ".0f"),
                        ("embed", "embed", ".1f"), ("route", "route", ".2f"), ("load", "load", ".1f"),
-                       ("hits", "resident", ".0%"),
+                       ("hits", "resident", ".0%"), ("topup_tokens", "top-up tokens", ".0f"),
                        ("decode", "decode", ".0f"), ("turn", "turn", ".0f"),
                        ("overhead", "embed+route+load share", ".1%"),
                        ("ms_per_token", "decode ms/token", ".1f")])
     by = {r["cache"]: r for r in rows}
     print(f"\ndecode ms/token, full / episodic (warm): "
           f"{by['full (warm)']['ms_per_token'] / by['episodic (warm)']['ms_per_token']:.2f}x")
+    for when in ("warm", "cold"):
+        print(f"turn, episodic+topup / episodic ({when}): "
+              f"{by[f'episodic+topup ({when})']['turn'] / by[f'episodic ({when})']['turn']:.2f}x")
     records = read_manifest(stores["episodic"], conv.conversation_id)
     dtype = models.load_llm(records[0].model_id).model.dtype
     loads = cold_loads(root / "episodic", records, dtype)

@@ -14,7 +14,8 @@ from pipeline.answer.decode import decode_answer
 from pipeline.answer.fetch import fetch_cache, resident_read
 from pipeline.answer.lookup import check_models, embed_question, load_manifest, route_records
 from pipeline.answer.lru import CacheLRU
-from pipeline.config import RoutingConfig
+from pipeline.answer.topup import TopUps
+from pipeline.config import RoutingConfig, TopUpConfig
 from pipeline.config.limits import DEFAULT_LIMITS, AnswerLimits
 from pipeline.kv import models
 from pipeline.kv.cache import EpisodicCache
@@ -33,6 +34,8 @@ class AnswerResult:
     cache_hit: bool
     timings_ms: dict[str, float] = field(default_factory=dict)
     episodes: list[int] = field(default_factory=list)  # read (two when the router was unsure)
+    # the question-time top-up (`TopUp.as_dict`): the turns prefilled after the cache, or why none
+    topup: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -45,9 +48,11 @@ class Answerer:
 
     def __init__(self, store: Store, model: str | None = None, encoder: str | None = None,
                  device: str = "cpu", resident_bytes: int = 0, disk: DiskTier | None = None,
-                 limits: AnswerLimits = DEFAULT_LIMITS, routing: RoutingConfig = RoutingConfig()):
+                 limits: AnswerLimits = DEFAULT_LIMITS, routing: RoutingConfig = RoutingConfig(),
+                 topup: TopUpConfig = TopUpConfig()):
         self.store, self.device, self.disk, self.limits = store, device, disk, limits
         self.routing = routing
+        self.topups = TopUps(store, topup)
         self.model_name, self.encoder_name = model, encoder
         self._manifests: dict[str, list[ManifestRecord]] = {}
         self.caches = CacheLRU(resident_bytes)
@@ -99,8 +104,12 @@ class Answerer:
         cache, hit = self.load_caches(read)
         timings["load"] = (time.perf_counter() - t) * 1000
         t = time.perf_counter()
-        decoded = decode_answer(lm, cache, question, max_new_tokens, temperature, self.limits)
+        topup = self.topups.for_question(records, read, q_emb, lm.count_tokens)
+        timings["topup"] = (time.perf_counter() - t) * 1000
+        t = time.perf_counter()
+        decoded = decode_answer(lm, cache, question, max_new_tokens, temperature, self.limits,
+                                topup.text)
         timings["decode"] = (time.perf_counter() - t) * 1000
         return AnswerResult(conversation_id, question, decoded.text, read[0].episode,
                             similarity, hit, {k: round(v, 2) for k, v in timings.items()},
-                            [r.episode for r in read])
+                            [r.episode for r in read], topup.as_dict())

@@ -20,13 +20,15 @@ from pipeline.kv.cache import EpisodicCache
 
 
 def question_prompt(lm: models.LoadedModel, cache: EpisodicCache, question: str,
-                    max_new_tokens: int, limits: AnswerLimits = DEFAULT_LIMITS) -> torch.Tensor:
-    """[Q] prompt ids asking `question` after `cache`, or a `LimitError`: the question's
-    characters are bounded before the tokenizer sees them, then its tokens, then the cache,
-    prompt and answer must fit the model's positions."""
+                    max_new_tokens: int, limits: AnswerLimits = DEFAULT_LIMITS,
+                    topup: str = "") -> torch.Tensor:
+    """[Q] prompt ids asking `question` after `cache` (and the question's top-up text,
+    `pipeline.answer.topup`), or a `LimitError`: the question's characters are bounded before
+    the tokenizer sees them, then its tokens, then the cache, prompt and answer must fit the
+    model's positions."""
     limits.check_question(question)
     limits.check_question_tokens(len(prompts.encode(lm.tokenizer, question)))
-    ids = prompts.question_ids(lm.tokenizer, question)
+    ids = prompts.question_ids(lm.tokenizer, question, topup)
     check_positions(cache.next_position, len(ids), max_new_tokens,
                     getattr(lm.model.config, "max_position_embeddings", None))
     return ids
@@ -70,11 +72,12 @@ def finish_reason(lm: models.LoadedModel, ids: torch.Tensor, max_new_tokens: int
 
 def decode_answer(lm: models.LoadedModel, cache: EpisodicCache, question: str,
                   max_new_tokens: int = 32, temperature: float = 0.0,
-                  limits: AnswerLimits = DEFAULT_LIMITS) -> Decoded:
-    """The answer text to `question` from `cache` (the cache is left as it was); a request
-    over `limits` is a `LimitError` before anything is decoded."""
+                  limits: AnswerLimits = DEFAULT_LIMITS, topup: str = "") -> Decoded:
+    """The answer text to `question` from `cache` (the cache is left as it was) and the
+    question's top-up text; a request over `limits` is a `LimitError` before anything is
+    decoded."""
     max_new_tokens, temperature = limits.check_sampling(max_new_tokens, temperature)
-    prompt = question_prompt(lm, cache, question, max_new_tokens, limits)
+    prompt = question_prompt(lm, cache, question, max_new_tokens, limits, topup)
     ids = generate_from_cache(lm, cache, prompt, max_new_tokens, temperature)
     text = lm.tokenizer.decode(ids, skip_special_tokens=True).strip()
     return Decoded(text, int(len(ids)), finish_reason(lm, ids, max_new_tokens))
@@ -103,7 +106,7 @@ class AnswerPieces:
 def stream_answer(lm: models.LoadedModel, cache: EpisodicCache, question: str,
                   max_new_tokens: int = 32, temperature: float = 0.0,
                   lock: threading.Lock | None = None, info: dict | None = None,
-                  limits: AnswerLimits = DEFAULT_LIMITS) -> Iterator[str]:
+                  limits: AnswerLimits = DEFAULT_LIMITS, topup: str = "") -> Iterator[str]:
     """Yield the answer in pieces as it is generated; the pieces join to `decode_answer`'s text.
 
     A request over `limits` is a `LimitError` before anything is generated. Generation runs in
@@ -114,7 +117,7 @@ def stream_answer(lm: models.LoadedModel, cache: EpisodicCache, question: str,
     from transformers import TextIteratorStreamer
 
     max_new_tokens, temperature = limits.check_sampling(max_new_tokens, temperature)
-    prompt = question_prompt(lm, cache, question, max_new_tokens, limits)
+    prompt = question_prompt(lm, cache, question, max_new_tokens, limits, topup)
     streamer = TextIteratorStreamer(lm.tokenizer, skip_prompt=True, skip_special_tokens=True)
     outcome: dict = {}
 

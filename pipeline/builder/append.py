@@ -19,6 +19,7 @@ from pipeline.builder.episode import (
     build_episode,
     cache_fields,
     episode_scorer,
+    index_fields,
     store_cache,
     store_dtype,
 )
@@ -50,7 +51,7 @@ def append_episode(plan: AppendPlan, episode: int, budgets: list[int] | None,
                    config: BuildConfig, store: Store) -> ManifestRecord:
     """The episode's stored cache with the new turns block-prefilled into it, stored as a new
     object, and its manifest record (the stored one, brought up to date)."""
-    before = plan.previous[episode]
+    before = dataclasses.replace(plan.previous[episode], **index_fields(plan.turn_index))
     if plan.new_tokens == 0:  # the record grew past the cut: the caches hold all they can
         return before
     lm = models.load_llm(config.model)

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, replace
 
 from pipeline.builder.growth import AppendPlan, Recluster, plan_append
+from pipeline.builder.turns import write_turn_index
 from pipeline.config import BuildConfig, GrowthConfig
 from pipeline.corpus.render import cut_at_session, render_conversation
 from pipeline.corpus.schema import Conversation
@@ -15,7 +16,9 @@ from pipeline.episodes import EpisodeConfig, EpisodeSet, build_episodes, member_
 from pipeline.kv import models, prompts
 from pipeline.kv.methods.epicache import EpiCache
 from pipeline.kv.positions import check_fits
+from pipeline.store.base import Store
 from pipeline.store.manifest import ManifestRecord
+from pipeline.store.turn_index import StoredIndex
 
 
 def is_episodic(config: BuildConfig) -> bool:
@@ -31,6 +34,7 @@ class ClusterResult:
     members: tuple[tuple[str, ...], ...] = ()  # per episode, the turns of its windows
     clustered_at: str = ""  # ISO time
     reclustered: Recluster | None = None  # why a grown conversation was not appended to
+    turn_index: StoredIndex | None = None  # the conversation's, stored (`plan_conversation`)
 
     @property
     def n_episodes(self) -> int:
@@ -71,15 +75,24 @@ def cluster_conversation(conv: Conversation, config: BuildConfig,
 
 def plan_conversation(conv: Conversation, config: BuildConfig,
                       previous: list[ManifestRecord] | None = None,
-                      growth: GrowthConfig = GrowthConfig()) -> ClusterResult | AppendPlan:
+                      growth: GrowthConfig = GrowthConfig(),
+                      store: Store | None = None) -> ClusterResult | AppendPlan:
     """Stage 1: the clustering of `conv`, or, given the stored version of a conversation that
     grew (`previous`), the plan of appending its new turns when the growth rule allows it (the
-    clustering says why it did not, `reclustered`)."""
-    if not previous:
-        return cluster_conversation(conv, config)
+    clustering says why it did not, `reclustered`). Given the `store`, the conversation's turn
+    index is written there too (extended from `previous`'s when it grew) and named in the
+    result."""
     start = time.perf_counter()
-    fitted = fit_context(conv, config)
-    plan = plan_append(fitted, previous, config, growth, is_episodic(config))
-    if isinstance(plan, AppendPlan):
-        return replace(plan, seconds=time.perf_counter() - start)
-    return replace(cluster_conversation(fitted, config, fit=False), reclustered=plan)
+    if not previous:
+        planned = cluster_conversation(conv, config)
+    else:
+        fitted = fit_context(conv, config)
+        plan = plan_append(fitted, previous, config, growth, is_episodic(config))
+        planned = replace(plan, seconds=time.perf_counter() - start) \
+            if isinstance(plan, AppendPlan) else \
+            replace(cluster_conversation(fitted, config, fit=False), reclustered=plan)
+    if store is None:
+        return planned
+    index = write_turn_index(planned.conversation, models.load_encoder(config.encoder),
+                             config.encoder, planned.encoder_fingerprint, store, previous)
+    return replace(planned, turn_index=index, seconds=time.perf_counter() - start)

@@ -118,6 +118,8 @@ def commit_manifest(store: Store, conversation_id: str, records: list[ManifestRe
         check_same_files(records, files)
     for record in records:
         check_stored(store, record.object_key, record.object_bytes)
+    for index in {r.turn_index for r in records} - {None}:
+        check_stored(store, index.key, index.size)
     write_manifest(store, conversation_id, records)
 
 
@@ -128,7 +130,8 @@ def build_conversation(conv: Conversation, config: BuildConfig, store: Store,
     lm = models.load_llm(config.model)
     files = ModelFingerprints(lm.fingerprint, models.encoder_fingerprint(config.encoder))
     reason, previous = stored_version(store, conv.conversation_id, config, files, conv)
-    planned = plan_conversation(conv, config, previous if reason == "grown" else None, growth)
+    planned = plan_conversation(conv, config, previous if reason == "grown" else None, growth,
+                                store)
     budgets = layer_budgets(store, config, lm.config.num_hidden_layers)
     records = [prefill_episode(planned, e, budgets, config, store)
                for e in range(planned.n_episodes)]

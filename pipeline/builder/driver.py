@@ -190,7 +190,8 @@ class _Driver:
                 if reason != "grown":
                     log.info("rebuilding %s: %s", cid, reason)
             count_ref, clustered_ref = self.cluster_fn.remote(
-                conv, self.config_ref, previous if reason == "grown" else None, self.growth_ref)
+                conv, self.config_ref, previous if reason == "grown" else None, self.growth_ref,
+                self.store)
             self.convs[cid] = _Conversation(clustered=clustered_ref, outstanding=1, source=conv,
                                             rebuilt=reason)
             self.submit(count_ref, "cluster", cid)

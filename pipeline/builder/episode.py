@@ -22,6 +22,7 @@ from pipeline.kv.prefill import PrefillStats, block_prefill
 from pipeline.store import cache_format
 from pipeline.store.base import Store, cache_key
 from pipeline.store.manifest import ManifestRecord
+from pipeline.store.turn_index import StoredIndex
 
 
 def build_method(config: BuildConfig) -> Method:
@@ -89,6 +90,11 @@ def cache_fields(stored: StoredCache, cache: EpisodicCache, stats: PrefillStats,
         built_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
 
 
+def index_fields(stored: StoredIndex | None) -> dict:
+    """The manifest fields naming the conversation's turn index (none: not written)."""
+    return {} if stored is None else stored.fields()
+
+
 @dataclass(frozen=True)
 class BuiltEpisode:
     """An episode's build: its manifest record, and the cache it stored with its prefill's
@@ -127,7 +133,7 @@ def build_episode_cache(clustered: ClusterResult, episode: int, budgets: list[in
         config_json=config.to_json(), cluster_seconds=clustered.seconds,
         cache_turns=len(conv.turns), member_turn_ids=list(members),
         clustered_turns=len(conv.turns), clustered_at=clustered.clustered_at, appends=0,
-        **cache_fields(stored, cache, stats, config))
+        **index_fields(clustered.turn_index), **cache_fields(stored, cache, stats, config))
     return BuiltEpisode(record, cache, stats)
 
 

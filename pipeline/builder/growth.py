@@ -26,6 +26,7 @@ from pipeline.corpus.schema import Conversation
 from pipeline.episodes import embed_windows, segment, unit
 from pipeline.kv import models, prompts
 from pipeline.store.manifest import ManifestRecord
+from pipeline.store.turn_index import StoredIndex
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class AppendPlan:
     # per episode, the unit embeddings of the new windows it was given (the window routers)
     new_window_embeddings: tuple[tuple[tuple[float, ...], ...], ...] = ()
     encoder_fingerprint: str = ""
+    turn_index: StoredIndex | None = None  # the grown conversation's, stored
 
     @property
     def n_episodes(self) -> int:

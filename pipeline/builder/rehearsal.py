@@ -144,9 +144,9 @@ def synthetic_episode(clustered: ClusterResult | AppendPlan, episode: int,
 
 @ray.remote
 def synthetic_cluster_task(conv: Conversation, config: BuildConfig,
-                           previous: list[ManifestRecord] | None, growth: GrowthConfig
-                           ) -> tuple[Planned, ClusterResult | AppendPlan]:
-    planned = synthetic_plan(conv, config, previous, growth)
+                           previous: list[ManifestRecord] | None, growth: GrowthConfig,
+                           store: Store) -> tuple[Planned, ClusterResult | AppendPlan]:
+    planned = synthetic_plan(conv, config, previous, growth)  # no turn index: no encoder
     return Planned.of(planned), planned
 
 

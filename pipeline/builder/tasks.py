@@ -61,12 +61,13 @@ class Planned:
 
 @ray.remote
 def cluster_task(conv: Conversation, config: BuildConfig,
-                 previous: list[ManifestRecord] | None, growth: GrowthConfig
+                 previous: list[ManifestRecord] | None, growth: GrowthConfig, store: Store
                  ) -> tuple[Planned, ClusterResult | AppendPlan]:
-    """(what the driver needs, the clustering or the append's plan); called with
-    num_returns=2 so the driver fetches the first only and the episode tasks get the second
-    by reference. `previous`: the stored version of a conversation that grew."""
-    planned = plan_conversation(conv, config, previous, growth)
+    """(what the driver needs, the clustering or the append's plan, the conversation's turn
+    index stored); called with num_returns=2 so the driver fetches the first only and the
+    episode tasks get the second by reference. `previous`: the stored version of a
+    conversation that grew."""
+    planned = plan_conversation(conv, config, previous, growth, store)
     return Planned.of(planned), planned
 
 

@@ -3,7 +3,7 @@ its input with these before torch, transformers or Ray load. Lowest in the layer
 imports another part of the pipeline.
 
     stages.py          each stage's frozen dataclass (episodes, scoring, tri-state, merging,
-                       prefill, calibration, routing, growth), the default models, the names
+                       prefill, calibration, routing, top-up, growth), the default models, the names
                        of the layer allocators and routers
     build.py           BuildConfig (the stages nested, hashed into every manifest),
                        ModelFingerprints (the model files a build is bound to), DriverOptions
@@ -22,10 +22,11 @@ from pipeline.config.limits import AnswerLimits, LimitError
 from pipeline.config.stages import (ALLOCATOR_NAMES, DEFAULT_ENCODER, DEFAULT_LLM, POSITION_MODES,
                                     ROUTER_NAMES, CalibrationConfig, EpisodeConfig, GrowthConfig,
                                     MergeConfig, PositionMode, PrefillConfig, RoutingConfig,
-                                    ScoringConfig, Selection, TriStateConfig)
+                                    ScoringConfig, Selection, TopUpConfig,
+                                    TriStateConfig)
 
 __all__ = ["ALLOCATOR_NAMES", "DEFAULT_ENCODER", "DEFAULT_LLM", "POSITION_MODES", "ROUTER_NAMES",
            "STORE_DTYPES", "AnswerLimits", "BuildConfig", "CalibrationConfig",
            "DriverOptions", "EpisodeConfig", "GrowthConfig", "LimitError", "MergeConfig",
            "ModelFingerprints", "PositionMode", "PrefillConfig", "RoutingConfig",
-           "ScoringConfig", "Selection", "TriStateConfig"]
+           "ScoringConfig", "Selection", "TopUpConfig", "TriStateConfig"]

@@ -194,6 +194,26 @@ class RoutingConfig:
 
 
 @dataclass(frozen=True)
+class TopUpConfig:
+    """The question-time top-up (`pipeline.answer.topup`): after routing, the question's
+    nearest turns in the whole conversation (its turn index, stored beside the manifest) that
+    the episodes read do not hold are prefilled after the cache, before the question. It
+    answers what the routed episode lacks (a misrouted question's evidence) from outside the
+    episode's budget. Not in the build's hash: every build stores the turn index; this
+    decides what a question reads. Defaults measured on LoCoMo 26, 30 and 41
+    (docs/quality.md)."""
+    enabled: bool = False
+    turns: int = 4  # the question's nearest turns searched; those the read episodes hold are skipped
+    max_tokens: int = 256  # the top-up's tokens at most (turns past it are left out)
+
+    def __post_init__(self):
+        if self.turns < 1:
+            raise ValueError(f"turns must be >= 1, got {self.turns}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass(frozen=True)
 class GrowthConfig:
     """When a conversation that gained turns since its build is appended to (the new turns
     block-prefilled into each episode's stored cache) and when it is re-clustered and rebuilt.

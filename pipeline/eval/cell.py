@@ -19,13 +19,15 @@ import numpy as np
 import torch
 
 from pipeline.answer.decode import generate_from_cache
-from pipeline.builder.cluster import cluster_conversation
+from pipeline.answer.topup import TopUp, held_turns, select_topup
+from pipeline.builder.cluster import ClusterResult, cluster_conversation
 from pipeline.builder.episode import build_episode_cache, store_dtype
-from pipeline.config import BuildConfig
+from pipeline.builder.turns import index_turns
+from pipeline.config import BuildConfig, TopUpConfig
 from pipeline.corpus.render import cut_at_session, render_conversation, render_header
 from pipeline.corpus.schema import Conversation, Question
 from pipeline.eval.episode_reads import episodic_reads, route_scores, select_route
-from pipeline.eval.methods import NO_HISTORY, EvalConfig, parse_method
+from pipeline.eval.methods import NO_HISTORY, EvalConfig, parse_method, topup_prefix
 from pipeline.eval.metrics import (ADVERSARIAL_CATEGORY, continuation_nlls, evidence_probe,
                                    f1_score, question_text)
 from pipeline.eval.summary import nan_mean
@@ -67,40 +69,46 @@ def history_ids(tokenizer, conv: Conversation, turns: bool = True) -> torch.Tens
 
 
 def probe_pairs(lm: models.LoadedModel, conv: Conversation, q: Question,
-                config: EvalConfig) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+                config: EvalConfig, topup: str = ""
+                ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
     """(prefix, target) pairs of a question: one evidence-recall probe per evidence turn with
-    text, then the question and its gold answer (if any). Returns the pairs and how many of
-    them are evidence probes."""
+    text, then the question and its gold answer (if any), each prefix after the question's
+    top-up text (`topup`: what the question reads after the cache). Returns the pairs and how
+    many of them are evidence probes."""
     turns = {t.turn_id: t for t in conv.turns}
     pairs = []
     for turn_id in q.evidence:
         prefix, rest = evidence_probe(turns[turn_id], config.recall_words)
         target = prompts.encode(lm.tokenizer, rest)[:config.recall_tokens]
         if target.numel():
-            pairs.append((prompts.encode(lm.tokenizer, prefix), target))
+            pairs.append((prompts.encode(lm.tokenizer, topup + prefix), target))
     n_recall = len(pairs)
     answer = prompts.encode(lm.tokenizer, q.answer)
     if answer.numel():
-        pairs.append((prompts.question_ids(lm.tokenizer, question_text(q)), answer))
+        pairs.append((prompts.question_ids(lm.tokenizer, question_text(q), topup), answer))
     return pairs, n_recall
 
 
 def measure_all(lm: models.LoadedModel, conv: Conversation, questions: list[Question],
-                cache: EpisodicCache, config: EvalConfig) -> list[dict]:
+                cache: EpisodicCache, config: EvalConfig,
+                topups: list[TopUp] | None = None) -> list[dict]:
     """Per question: evidence-recall NLL (mean over the evidence turns) and answer NLL, every
-    probe of every question in packed forwards over `cache`; with `config.generate`, also the
-    generated answer and its F1."""
-    probes = [probe_pairs(lm, conv, q, config) for q in questions]
+    probe of every question in packed forwards over `cache` (after the question's top-up,
+    given `topups`); with `config.generate`, also the generated answer and its F1."""
+    topups = topups or [TopUp()] * len(questions)
+    probes = [probe_pairs(lm, conv, q, config, t.text) for q, t in zip(questions, topups)]
     nlls = iter(continuation_nlls(lm.model, cache, [p for pairs, _ in probes for p in pairs]))
     records = []
-    for q, (pairs, n_recall) in zip(questions, probes):
+    for q, t, (pairs, n_recall) in zip(questions, topups, probes):
         values = [next(nlls) for _ in pairs]
         recall, answer = values[:n_recall], values[n_recall:]
         record = {"evidence_nll": float(np.mean(recall)) if recall else float("nan"),
-                  "answer_nll": answer[0] if answer else float("nan")}
+                  "answer_nll": answer[0] if answer else float("nan"),
+                  "topup_tokens": t.tokens,
+                  "topup_recall": len(set(q.evidence) & set(t.turn_ids)) / max(len(q.evidence), 1)}
         if config.generate:
-            ids = generate_from_cache(lm, cache, prompts.question_ids(lm.tokenizer, question_text(q)),
-                                      config.max_new_tokens)
+            ids = generate_from_cache(lm, cache, prompts.question_ids(
+                lm.tokenizer, question_text(q), t.text), config.max_new_tokens)
             record["prediction"] = lm.tokenizer.decode(ids, skip_special_tokens=True).strip()
             record["f1"] = f1_score(record["prediction"], q.answer)
         records.append(record)
@@ -119,9 +127,12 @@ def evidence_diagnostics(conv: Conversation, q: Question, layout: TokenLayout,
 
 
 def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalConfig,
-                  layer_budgets: list[int] | None) -> list[dict]:
+                  layer_budgets: list[int] | None,
+                  topups: tuple[TopUpConfig, ...] = ()) -> list[dict]:
     """Per-question records of one (conversation, method, budget) cell. `method` may also be
     "none": the no-history reference. `layer_budgets` None means `budget` in every layer.
+    An episodic cell also measures every read with each of `topups` (its variants' question-time
+    top-ups: fields prefixed `topup_prefix(...)`).
 
     The caches are built as `jobs.build` builds them (`pipeline.builder`: the conversation
     fitted and clustered, each episode block-prefilled and stored, here in an in-memory store
@@ -145,12 +156,13 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
         seconds.append(stats.seconds)
         return cache
 
-    def measure(cache: EpisodicCache, indices: list[int]) -> list[dict]:
+    def measure(cache: EpisodicCache, indices: list[int],
+                topups: list[TopUp] | None = None) -> list[dict]:
         chosen = [questions[i] for i in indices]
         footprint = cache_footprint(cache, sizes, merged.get(id(cache), 0))  # joined: 0
         return [{"kept_entries": float(np.mean(cache.entries_per_layer())),
                  **evidence_diagnostics(conv, q, layout, cache), **footprint, **record}
-                for q, record in zip(chosen, measure_all(lm, conv, chosen, cache, config))]
+                for q, record in zip(chosen, measure_all(lm, conv, chosen, cache, config, topups))]
 
     if method == NO_HISTORY:  # the reference: the same prompt without the turns
         cache = built(*block_prefill(lm.model, history_ids(lm.tokenizer, conv, turns=False),
@@ -160,7 +172,7 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
     else:
         measured = _built_and_measured(conv, questions, method, build,
                                        None if build.budget is None else layer_budgets,
-                                       config, built, measure)
+                                       config, built, measure, topups)
     elapsed = time.perf_counter() - start
     return [{"conversation_id": conv.conversation_id, "method": method,
              "budget": budget if build.budget is not None and method != NO_HISTORY else None,
@@ -173,7 +185,8 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
 
 def _built_and_measured(conv: Conversation, questions: list[Question], method: str,
                         build: BuildConfig, budgets: list[int] | None, config: EvalConfig,
-                        built: Callable, measure: Callable) -> list[dict]:
+                        built: Callable, measure: Callable,
+                        topups: tuple[TopUpConfig, ...] = ()) -> list[dict]:
     """Build a method's caches through the product's build into an in-memory store, and
     measure each question on the cache(s) it reads."""
     store = MemoryStore(f"eval-{uuid.uuid4().hex}")
@@ -189,15 +202,42 @@ def _built_and_measured(conv: Conversation, questions: list[Question], method: s
             caches = [cache_of(ep.index) for ep in clustered.episodes.episodes]
             encoder = models.load_encoder(config.encoder)
             scores = route_scores(encoder, clustered.episodes, questions)
+            measures = {"": lambda cache, idx, read: measure(cache, idx)}
+            measures |= topup_measures(clustered, questions, encoder, config, topups, measure)
             # route hits are judged on the episode's windows, whatever its cache focused on
             return [select_route(r, method, config) for r in episodic_reads(
-                questions, list(clustered.members), caches, scores, measure)]
+                questions, list(clustered.members), caches, scores, measures)]
         if build.scorer == "question":  # an upper bound: one build per question
             return [measure(cache_of(0, question_text(q)), [i])[0]
                     for i, q in enumerate(questions)]
         return measure(cache_of(0), list(range(len(questions))))
     finally:
         store.drop()
+
+
+def topup_measures(clustered: ClusterResult, questions: list[Question], encoder,
+                   config: EvalConfig, topups: tuple[TopUpConfig, ...],
+                   measure: Callable) -> dict[str, Callable]:
+    """A read's measure with each question-time top-up, by field prefix: the question's top-up
+    chosen from the conversation's turn index (as `jobs.build` stores it) given the turns of
+    the episodes read, as the answer path chooses it (`pipeline.answer.topup`)."""
+    if not topups:
+        return {}
+    tokenizer = models.load_tokenizer(config.model)
+    index = index_turns(clustered.conversation, encoder, config.encoder,
+                        clustered.encoder_fingerprint)
+    embeddings = encoder.encode([q.question for q in questions], normalize_embeddings=True,
+                                show_progress_bar=False)
+    count = lambda text: len(prompts.encode(tokenizer, text))  # noqa: E731
+
+    def measure_with(topup: TopUpConfig) -> Callable:
+        def run(cache: EpisodicCache, indices: list[int], read: tuple[int, ...]) -> list[dict]:
+            held = held_turns(clustered.members[k] for k in read)
+            chosen = [select_topup(index, embeddings[i], held, topup, count) for i in indices]
+            return measure(cache, indices, chosen)
+        return run
+
+    return {topup_prefix(t): measure_with(t) for t in topups}
 
 
 def cache_footprint(cache: EpisodicCache, sizes: EntryBytes, merged: int = 0) -> dict:

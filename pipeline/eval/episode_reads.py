@@ -16,13 +16,13 @@ import numpy as np
 
 from pipeline.corpus.schema import Question
 from pipeline.episodes import EpisodeSet
-from pipeline.eval.methods import EvalConfig
+from pipeline.eval.methods import EvalConfig, topup_prefix
 from pipeline.kv.cache import EpisodicCache
 from pipeline.routers import ROUTERS, chosen, ranked
 
 # The fields a read decides; `select_route` fills them from the chosen read's lists.
 READ_FIELDS = ("evidence_nll", "answer_nll", "evidence_kept", "kv_bytes", "bytes_tokens",
-               "kept_entries")
+               "kept_entries", "topup_tokens", "topup_recall")
 
 
 def route_scores(encoder, episodes: EpisodeSet,
@@ -46,30 +46,40 @@ def candidate_pairs(scores: dict[str, np.ndarray]) -> dict[tuple[int, int], list
     return {pair: sorted(questions) for pair, questions in sorted(pairs.items())}
 
 
-Measure = Callable[[EpisodicCache, list[int]], list[dict]]
+# (cache, question indices, the episodes it holds) -> the measured fields of those questions
+Measure = Callable[[EpisodicCache, list[int], tuple[int, ...]], list[dict]]
 
 
 def episodic_reads(questions: list[Question], members: list[tuple[str, ...]],
                    caches: list[EpisodicCache], scores: dict[str, np.ndarray],
-                   measure: Measure) -> list[dict]:
+                   measures: dict[str, Measure]) -> list[dict]:
     """Per question, the lists a router selects from: each episode's read (`episode_*`), each
     candidate pair's (`pair_*`), whether each episode holds the evidence, every router's
-    scores. `members` are each episode's turns; `measure(cache, question indices)` gives the
-    measured fields of those questions over that cache (`READ_FIELDS` and any others)."""
-    per_episode = [measure(cache, list(range(len(questions)))) for cache in caches]
+    scores. `members` are each episode's turns; each of `measures` (by field prefix: "" plain,
+    `topup_prefix(...)` with a top-up) gives the measured fields of questions over a read
+    (`READ_FIELDS` and any others)."""
     pairs = candidate_pairs(scores)
-    per_pair = {pair: dict(zip(idx, measure(EpisodicCache.joined([caches[pair[0]], caches[pair[1]]]),
-                                            idx))) for pair, idx in pairs.items()}
-    records = []
+    everyone = list(range(len(questions)))
+    records: list[dict] = [{} for _ in questions]
+    for prefix, measure in measures.items():
+        per_episode = [measure(cache, everyone, (k,)) for k, cache in enumerate(caches)]
+        per_pair = {pair: dict(zip(idx, measure(
+            EpisodicCache.joined([caches[pair[0]], caches[pair[1]]]), idx, pair)))
+            for pair, idx in pairs.items()}
+        for i, q in enumerate(questions):
+            mine = [(pair, measured[i]) for pair, measured in per_pair.items() if i in measured]
+            record = records[i]
+            if not record:
+                record |= per_episode[0][i]
+            record |= {f"{prefix}episode_{f}": [float(per_episode[k][i][f])
+                                                 for k in range(len(caches))] for f in READ_FIELDS}
+            record |= {f"{prefix}pair_{f}": [float(m[f]) for _, m in mine] for f in READ_FIELDS}
     for i, q in enumerate(questions):
-        mine = [(pair, measured[i]) for pair, measured in per_pair.items() if i in measured]
-        record = {f"episode_{f}": [float(per_episode[k][i][f]) for k in range(len(caches))]
-                  for f in READ_FIELDS}
-        record |= {f"pair_{f}": [float(m[f]) for _, m in mine] for f in READ_FIELDS}
-        record |= {"pair_a": [p[0] for p, _ in mine], "pair_b": [p[1] for p, _ in mine],
-                   "episode_hit": [not set(q.evidence).isdisjoint(m) for m in members]}
-        record |= {f"scores_{name}": [float(x) for x in table[i]] for name, table in scores.items()}
-        records.append(per_episode[0][i] | record)
+        pairs_of = [p for p, idx in pairs.items() if i in idx]
+        records[i] |= {"pair_a": [p[0] for p in pairs_of], "pair_b": [p[1] for p in pairs_of],
+                       "episode_hit": [not set(q.evidence).isdisjoint(m) for m in members]}
+        records[i] |= {f"scores_{name}": [float(x) for x in table[i]]
+                       for name, table in scores.items()}
     return records
 
 
@@ -79,14 +89,15 @@ def select_route(record: dict, method: str, config: EvalConfig) -> dict:
     if "scores_centroid" not in record:
         return record
     router, two_below = config.route_of(method)
+    prefix = topup_prefix(config.topup_of(method))
     scores = np.asarray(record[f"scores_{router}"])
     read = chosen(scores, two_below)
     if len(read) == 1:
-        values = {f: record[f"episode_{f}"][read[0]] for f in READ_FIELDS}
+        values = {f: record[f"{prefix}episode_{f}"][read[0]] for f in READ_FIELDS}
     else:
         pair = tuple(sorted(read))
         j = list(zip(record["pair_a"], record["pair_b"])).index(pair)
-        values = {f: record[f"pair_{f}"][j] for f in READ_FIELDS}
+        values = {f: record[f"{prefix}pair_{f}"][j] for f in READ_FIELDS}
     return record | values | {
         "method": method, "episode": read[0], "episodes_read": len(read),
         "route_similarity": float(scores[read[0]]),

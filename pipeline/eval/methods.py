@@ -4,7 +4,8 @@ A method is a preset's name, optionally followed by overrides of its configurati
 path, as the build's options name them: `epicache`, `epicache-paper`,
 `epicache+scoring.focus=0.5+routing.two_below=0`. A path is a field of the build configuration
 (`pipeline.config.BuildConfig`: `alpha`, `scoring.pool`, `prefill.tristate.fp8`,
-`episodes.episodes`, ...) or of the routing (`routing.router`, `routing.two_below`); its text is
+`episodes.episodes`, ...), of the routing (`routing.router`, `routing.two_below`) or of the
+question-time top-up (`topup.enabled`, `topup.turns`, `topup.max_tokens`); its text is
 cast by the field's type (`none` for an optional field's None). `jobs.evaluate --set PATH=VALUE`
 applies an override to every method.
 
@@ -19,10 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from pipeline.config import BuildConfig, RoutingConfig, ScoringConfig
+from pipeline.config import BuildConfig, RoutingConfig, ScoringConfig, TopUpConfig
 from pipeline.config.fields import field_hint, is_optional, parser_of, replace_path
 from pipeline.kv.methods import REGISTRY
 
@@ -59,6 +61,9 @@ PRESETS: dict[str, Preset] = {
                            (("prefill.tristate.enabled", True),), True),
     "epicache-dapq": Preset("epicache", "DapQ: the patch queries at the decode positions",
                             (("prefill.decode_positions", True),), True),
+    "epicache-topup": Preset("epicache", "the default build, each question topped up with its "
+                             "nearest turns the episodes read lack (pipeline.answer.topup)",
+                             (("topup.enabled", True),), True),
     "epicache-d2o": Preset("epicache", "D2O: evicted entries merged into kept ones, layer "
                            "budgets by attention variance",
                            (("prefill.merge.enabled", True), ("allocator", "variance"))),
@@ -101,8 +106,8 @@ def parse_override(text: str) -> tuple[str, Any]:
     if path in ("scorer", "budget", "model", "encoder"):
         raise ValueError(f"{path!r} is not an override: name a preset, and --budgets, "
                          "--model, --encoder")
-    routing = routing_field(path)
-    cls, rest = (BuildConfig, path) if routing is None else (RoutingConfig, routing)
+    section = question_time(path)
+    cls, rest = (BuildConfig, path) if section is None else (QUESTION_TIME[section[0]], section[1])
     try:
         hint = field_hint(cls, rest)
         parse = parser_of(cls, rest)
@@ -118,9 +123,22 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ValueError(f"{path}={value!r}: {e} ({getattr(hint, '__name__', hint)})") from None
 
 
+# The question-time sections: they decide what a question reads, not what a cache holds, so the
+# variants of one method that differ only in these share its cell (its caches).
+QUESTION_TIME = {"routing": RoutingConfig, "topup": TopUpConfig}
+
+
+def question_time(path: str) -> tuple[str, str] | None:
+    """(section, field) when an override path names a question-time field (`routing.<field>`,
+    `topup.<field>`), else None."""
+    section, _, rest = path.partition(".")
+    return (section, rest) if section in QUESTION_TIME and rest else None
+
+
 def routing_field(path: str) -> str | None:
     """The `RoutingConfig` field an override path names (`routing.<field>`), else None."""
-    return path.removeprefix("routing.") if path.startswith("routing.") else None
+    section = question_time(path)
+    return section[1] if section is not None and section[0] == "routing" else None
 
 
 @functools.cache
@@ -145,7 +163,7 @@ def describe_methods() -> str:
     others = sorted(set(REGISTRY) - {p.scorer for p in PRESETS.values()})
     return (f"presets: {', '.join(PRESETS)}; any other registered method ({', '.join(others)}) "
             "as the baselines; each may take overrides +<path>=<value> (a field of the build "
-            "configuration, or routing.<field>)")
+            "configuration, or routing.<field> / topup.<field>)")
 
 
 @dataclass(frozen=True)
@@ -156,6 +174,7 @@ class EvalConfig:
     how the questions are measured."""
     build: BuildConfig = field(default_factory=BuildConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    topup: TopUpConfig = field(default_factory=TopUpConfig)
     overrides: tuple[tuple[str, Any], ...] = ()
     questions_per_conversation: int | None = None
     generate: bool = False  # generate answers for F1 (slow; at the floor for a 135M model)
@@ -185,7 +204,7 @@ class EvalConfig:
         scorer = parse_method(method).preset.scorer
         config = replace(self.build, scorer=scorer, budget=None if scorer == "full" else budget)
         for path, value in self.changes(method):
-            if routing_field(path) is None:
+            if question_time(path) is None:
                 config = replace_path(config, path, value)
         return config
 
@@ -197,6 +216,15 @@ class EvalConfig:
             if routing_field(path) is not None:
                 routing = replace_path(routing, routing_field(path), value)
         return routing.router, routing.two_below
+
+    def topup_of(self, method: str) -> TopUpConfig | None:
+        """The question-time top-up an episodic method reads (None: none)."""
+        topup = self.topup
+        for path, value in self.changes(method):
+            section = question_time(path)
+            if section is not None and section[0] == "topup":
+                topup = replace_path(topup, section[1], value)
+        return topup if topup.enabled and parse_method(method).episodic else None
 
     def allocator_of(self, method: str) -> str | None:
         """The layer-budget allocator a method uses (None: uniform budgets)."""
@@ -213,3 +241,12 @@ class EvalConfig:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def topup_prefix(topup: TopUpConfig | None) -> str:
+    """The prefix of a cell record's fields measured with `topup` ("" for none): the variants
+    of one method that differ in their top-up share its cell, each its own fields."""
+    if topup is None:
+        return ""
+    digest = hashlib.sha256(repr(topup).encode()).hexdigest()[:8]
+    return f"topup{digest}_"

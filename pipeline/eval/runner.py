@@ -21,10 +21,11 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from pipeline.builder.profile import allocator, layer_profile
+from pipeline.config import TopUpConfig
 from pipeline.corpus.schema import Conversation
 from pipeline.eval.cell import Prepared, evaluate_cell, prepare
 from pipeline.eval.episode_reads import select_route
-from pipeline.eval.methods import NO_HISTORY, EvalConfig, parse_method
+from pipeline.eval.methods import NO_HISTORY, EvalConfig, parse_method, topup_prefix
 from pipeline.eval.report import records_parquet
 from pipeline.store.local import LocalStore
 from pipeline.store.uri import open_store
@@ -80,6 +81,13 @@ class Cell:
     methods: list[str]  # the first computes the cell
     prep: object = None  # a Prepared, or its Ray reference
     layer_budgets: list[int] | None = None
+    topups: tuple[TopUpConfig, ...] = ()  # its methods' question-time top-ups, each measured
+
+    def add(self, method: str, config: EvalConfig) -> None:
+        self.methods.append(method)
+        topup = config.topup_of(method)
+        if topup is not None and topup not in self.topups:
+            self.topups += (topup,)
 
     @property
     def method(self) -> str:
@@ -123,7 +131,8 @@ def compute_in_process(cells: list[Cell], kept: LocalStore,
     records, failed = [], []
     for cell in tqdm(cells, unit="cell", desc="evaluate"):
         try:
-            cell_records = evaluate_cell(cell.prep, cell.method, cell.budget, config, cell.layer_budgets)
+            cell_records = evaluate_cell(cell.prep, cell.method, cell.budget, config,
+                                         cell.layer_budgets, cell.topups)
         except Exception as e:  # noqa: BLE001 - a failed cell is reported; the others run
             failed.append(cell_failure(cell, e))
             continue
@@ -132,15 +141,19 @@ def compute_in_process(cells: list[Cell], kept: LocalStore,
     return records, failed
 
 
-def kept_cell(kept: LocalStore, key: str) -> list[dict] | None:
-    """A finished cell's records, or None: not kept, or an episodic cell kept before every
-    episode was measured for every question (it holds one router's reads only)."""
+def kept_cell(kept: LocalStore, key: str, topups: tuple[TopUpConfig, ...] = ()
+              ) -> list[dict] | None:
+    """A finished cell's records, or None: not kept, an episodic cell kept before every
+    episode was measured for every question (it holds one router's reads only), or one kept
+    without a top-up its methods read (`topups`)."""
     if not kept.exists(key):
         return None
     cell_records = pq.read_table(io.BytesIO(kept.get(key))).to_pylist()
     stale = any(r.get("episode") is not None and r.get("route_hit") is not None
                 and "scores_centroid" not in r for r in cell_records)
-    return None if stale else cell_records
+    missing = any(f"{topup_prefix(t)}episode_evidence_nll" not in r
+                  for t in topups for r in cell_records)
+    return None if stale or missing else cell_records
 
 
 @dataclass
@@ -187,20 +200,23 @@ def run_cells(convs: list[Conversation], methods: list[str], budgets: list[int],
         for method, budget in cells:  # uniform layer budgets unless the method allocates
             allocated = layer_budgets.get((method, budget))
             key = cell_key(conv, digest, method, budget, config, allocated)
-            kept_records = None if key in todo else kept_cell(kept, key)
+            topup = config.topup_of(method) if method != NO_HISTORY else None
+            kept_records = None if key in todo else \
+                kept_cell(kept, key, () if topup is None else (topup,))
             if key in todo:
-                todo[key].methods.append(method)
+                todo[key].add(method, config)
             elif kept_records is not None:
                 records.extend(records_of(kept_records, [method], config))
                 reused += 1
             else:
-                todo[key] = Cell(conv.conversation_id, budget, key, [method], prep, allocated)
+                todo[key] = Cell(conv.conversation_id, budget, key, [], prep, allocated)
+                todo[key].add(method, config)
     if reused:
         print(f"reusing {reused} finished cells from {out}/cells", file=sys.stderr)
     if in_process:
         cell_records, failed = compute_in_process(list(todo.values()), kept, config)
     else:
-        pending = {ray_tasks().cell.remote(c.prep, c.method, c.budget, config, c.layer_budgets): c
-                   for c in todo.values()}
+        pending = {ray_tasks().cell.remote(c.prep, c.method, c.budget, config, c.layer_budgets,
+                                           c.topups): c for c in todo.values()}
         cell_records, failed = collect_cells(pending, kept, config)
     return Outcome(records + cell_records, failed, reused, preps if in_process else ray_tasks().get(preps))

@@ -55,7 +55,8 @@ def question_prefix_ids(tokenizer) -> torch.Tensor:
     return encode(tokenizer, f"\n\n{QA_INSTRUCTION}\n\nQuestion:")
 
 
-def question_ids(tokenizer, question: str) -> torch.Tensor:
-    """[Q] token ids appended after the cached history to ask `question`."""
+def question_ids(tokenizer, question: str, topup: str = "") -> torch.Tensor:
+    """[Q] token ids appended after the cached history to ask `question`; a question-time
+    top-up's text (`pipeline.answer.topup`: more turns of the conversation) comes first."""
     fmt = prompt_format(tokenizer)
-    return encode(tokenizer, f"\n\n{QA_INSTRUCTION}\n\nQuestion: {question}{fmt.suffix}")
+    return encode(tokenizer, f"{topup}\n\n{QA_INSTRUCTION}\n\nQuestion: {question}{fmt.suffix}")

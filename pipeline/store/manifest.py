@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.store.base import ObjectNotFound, Store, StoreError, check_key, manifest_key
+from pipeline.store.turn_index import StoredIndex
 
 
 def column(arrow: pa.DataType, *, state: bool = False, **kw: Any) -> Any:
@@ -89,6 +90,12 @@ class ManifestRecord:
     clustered_turns: int | None = column(pa.int32(), default=None)
     clustered_at: str | None = column(pa.string(), default=None)
     appends: int | None = column(pa.int32(), default=None)
+    # The conversation's turn index (pipeline.store.turn_index), the same on every row: what
+    # the question-time top-up searches. None in manifests written before it: their questions
+    # are answered from their episodes alone.
+    turn_index_key: str | None = column(pa.string(), default=None)
+    turn_index_sha256: str | None = column(pa.string(), default=None)
+    turn_index_bytes: int | None = column(pa.int64(), default=None)
     config_json: str = column(pa.string())
     cluster_seconds: float = column(pa.float64())
     build_seconds: float = column(pa.float64())
@@ -108,6 +115,13 @@ class ManifestRecord:
     # tri-state only (else None): bytes per layer, and ARKV's OQ ratio per layer at the last step
     layer_byte_budgets: list[int] | None = column(pa.list_(pa.int64()), state=True, default=None)
     oq_ratios: list[float] | None = column(pa.list_(pa.float32()), state=True, default=None)
+
+    @property
+    def turn_index(self) -> "StoredIndex | None":
+        """The conversation's turn index object, None when the build wrote none."""
+        if self.turn_index_key is None or self.turn_index_sha256 is None:
+            return None
+        return StoredIndex(self.turn_index_key, self.turn_index_sha256, self.turn_index_bytes)
 
     @property
     def ref(self) -> CacheRef:
@@ -136,7 +150,8 @@ STATE_SCHEMA = _schema(state=True)  # written once some episode carries them (ev
 # columns later).
 _LATER_COLUMNS = ("window_embeddings", "positions_note", "node_id", "model_fingerprint",
                   "encoder_fingerprint", "source_turns", "source_digest", "cache_turns",
-                  "member_turn_ids", "clustered_turns", "clustered_at", "appends")
+                  "member_turn_ids", "clustered_turns", "clustered_at", "appends",
+                  "turn_index_key", "turn_index_sha256", "turn_index_bytes")
 REQUIRED_COLUMNS = tuple(name for name in MANIFEST_SCHEMA.names if name not in _LATER_COLUMNS)
 
 
@@ -202,6 +217,12 @@ def parse_manifest(data: bytes, key: str, store_uri: str) -> list[ManifestRecord
         except StoreError:
             raise bad(f"episode {r['episode']} names no valid object_key "
                       f"({r['object_key']!r})") from None
+        if r.get("turn_index_key") is not None:
+            try:
+                check_key(r["turn_index_key"])
+            except StoreError:
+                raise bad(f"episode {r['episode']} names no valid turn_index_key "
+                          f"({r['turn_index_key']!r})") from None
     return [ManifestRecord.from_row(r) for r in rows]
 
 

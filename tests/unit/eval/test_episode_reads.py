@@ -88,3 +88,24 @@ def test_an_episodic_cell_kept_before_every_route_was_measured_is_computed_again
     assert kept_cell(kept, "cells/missing.parquet") is None
     assert kept_cell(kept, "cells/snapkv.parquet") == baseline
     assert kept_cell(kept, "cells/new.parquet")[0]["scores_centroid"] == [0.9, 0.5, 0.4]
+
+
+def test_a_top_up_variant_selects_its_own_fields_from_the_same_cell():
+    """`epicache-topup` and `epicache` share one cell: the top-up's reads are fields of their
+    own, selected by the same route."""
+    from pipeline.eval.methods import topup_prefix
+
+    config = EvalConfig(routing=RoutingConfig("window", 0.02))
+    topup = config.topup_of("epicache-topup")
+    assert topup is not None and topup.enabled and config.topup_of("epicache") is None
+    assert config.topup_of("snapkv+topup.enabled=true") is None  # episodic methods only
+    assert config.topup_of("epicache-topup+topup.max_tokens=128").max_tokens == 128
+    prefix = topup_prefix(topup)
+    record = _record() | {f"{prefix}episode_{f}": [1.0, 2.0, 3.0] for f in READ_FIELDS} \
+        | {f"{prefix}pair_{f}": [4.0, 5.0] for f in READ_FIELDS}
+    plain, topped = (select_route(record, m, config) for m in ("epicache", "epicache-topup"))
+    assert (plain["episode"], plain["episodes_read"]) == (topped["episode"], topped["episodes_read"])
+    assert plain["evidence_nll"] == 30.0 and topped["evidence_nll"] == 5.0
+    assert topup_prefix(topup) != topup_prefix(config.topup_of("epicache-topup+topup.turns=8"))
+    with pytest.raises(ValueError, match="no configuration field"):
+        EvalConfig().topup_of("epicache+topup.bogus=1")

@@ -1,0 +1,146 @@
+"""The question-time top-up: the evidence a routed episode lacks, prefilled before the question.
+
+An episode's cache holds its own turns well and the others' hardly at all, so a question routed
+to the wrong episode is answered nearly without its evidence (docs/quality.md). Once the
+question is known, its nearest turns in the whole conversation are found in the turn index
+(`pipeline.store.turn_index`; turn-level keys, as LongMemEval found them best); those the
+episodes read do not hold are rendered as the conversation renders them and prefilled after the
+cache, before the question, a few hundred tokens at most (`TopUpConfig`). A question routed
+right usually finds its nearest turns in its own episode and gets no top-up.
+
+A turn index that is missing or corrupt is not an error: the question is answered from its
+episode alone and the answer says so (`TopUp.note`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import numpy as np
+
+from pipeline.config import TopUpConfig
+from pipeline.store.base import Store
+from pipeline.store.manifest import ManifestRecord
+from pipeline.store.turn_index import (IndexedTurn, TurnIndex, TurnIndexUnavailable,
+                                       read_turn_index)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TopUp:
+    """What a question reads after the cache: `text` ("" when nothing), the turns in it, its
+    tokens, and `status`: "used", "none" (the episodes read hold the nearest turns),
+    "off" (not configured) or "unavailable" (no usable turn index; `note` says why)."""
+    text: str = ""
+    turn_ids: tuple[str, ...] = ()
+    tokens: int = 0
+    status: str = "off"
+    note: str = ""
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"turn_ids": list(self.turn_ids)}
+
+    @classmethod
+    def unavailable(cls, note: str) -> "TopUp":
+        return cls(status="unavailable", note=note)
+
+
+def render_topup(turns: list[IndexedTurn]) -> str:
+    """The turns as the conversation renders them (a date line per session), after a blank
+    line, in conversation order."""
+    lines: list[str] = []
+    session = None
+    for t in turns:
+        if t.session != session:
+            session = t.session
+            lines += ["", t.date_line]
+        lines.append(t.line)
+    return "\n".join(["", *lines]) if lines else ""
+
+
+def select_topup(index: TurnIndex, question_embedding: np.ndarray, held: set[str],
+                 config: TopUpConfig, count_tokens: Callable[[str], int]) -> TopUp:
+    """The question's top-up: of its `config.turns` nearest turns, those not in `held` (the
+    turns of the episodes read), best first while the text stays within `config.max_tokens`."""
+    if not config.enabled:
+        return TopUp()
+    if not index.turns:
+        return TopUp(status="none")
+    scores = index.scores(question_embedding)
+    nearest = np.argsort(-scores, kind="stable")[:config.turns]
+    chosen: list[int] = []
+    tokens = 0
+    for i in nearest:
+        if index.turns[i].turn_id in held:
+            continue
+        text = render_topup([index.turns[j] for j in sorted(chosen + [int(i)])])
+        n = count_tokens(text)
+        if n <= config.max_tokens:
+            chosen.append(int(i))
+            tokens = n
+    if not chosen:
+        return TopUp(status="none")
+    turns = [index.turns[j] for j in sorted(chosen)]
+    return TopUp(render_topup(turns), tuple(t.turn_id for t in turns), tokens, "used")
+
+
+def held_turns(member_lists) -> set[str]:
+    """The turns the episodes read hold (their windows' turns; none known: an empty set)."""
+    return {t for members in member_lists for t in (members or ())}
+
+
+REBUILD = "rebuild it to top up its questions: python -m jobs.build --force (same corpus and store)"
+
+
+class TopUps:
+    """Questions' top-ups over their conversations' turn indexes, each index fetched once
+    (verified) and kept, the last `keep` conversations'. An index that cannot be used gives
+    `TopUp.unavailable` saying why, logged, and is tried again at the next question."""
+
+    def __init__(self, store: Store, config: TopUpConfig = TopUpConfig(), keep: int = 256):
+        self.store, self.config, self.keep = store, config, keep
+        self._indexes: OrderedDict[tuple[str, str], TurnIndex] = OrderedDict()
+        self._lock = threading.Lock()
+        self.fetched_bytes = 0
+        self.unavailable = 0
+
+    def index(self, record: ManifestRecord) -> TurnIndex:
+        """The conversation's turn index (`TurnIndexUnavailable` if it has none usable)."""
+        stored = record.turn_index
+        if stored is None:
+            raise TurnIndexUnavailable(f"conversation {record.conversation_id!r} was built "
+                                       f"before turn indexes: {REBUILD}")
+        key = (stored.key, stored.sha256)
+        with self._lock:
+            if key in self._indexes:
+                self._indexes.move_to_end(key)
+                return self._indexes[key]
+        index = read_turn_index(self.store, stored, record.conversation_id,
+                                record.encoder_fingerprint)
+        with self._lock:
+            self.fetched_bytes += stored.size or 0
+            self._indexes[key] = index
+            while len(self._indexes) > self.keep:
+                self._indexes.popitem(last=False)
+        return index
+
+    def for_question(self, records: list[ManifestRecord], read: list[ManifestRecord],
+                     question_embedding: np.ndarray, count_tokens: Callable[[str], int]) -> TopUp:
+        """The top-up of a question routed to `read` (records of one conversation)."""
+        if not self.config.enabled:
+            return TopUp()
+        try:
+            index = self.index(records[0])
+        except TurnIndexUnavailable as e:
+            with self._lock:
+                self.unavailable += 1
+            log.warning("answering from the episode alone: %s", e)
+            return TopUp.unavailable(str(e) if records[0].turn_index is None else
+                                     f"{e}; {REBUILD}")
+        return select_topup(index, question_embedding,
+                            held_turns(r.member_turn_ids for r in read), self.config, count_tokens)

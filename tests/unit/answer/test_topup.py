@@ -1,0 +1,111 @@
+"""The question-time top-up (pipeline.answer.topup): which turns a question reads after its
+cache, how they are rendered, and what happens when the conversation's turn index is unusable."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from pipeline.answer.topup import TopUp, TopUps, held_turns, render_topup, select_topup
+from pipeline.config import TopUpConfig
+from pipeline.store.manifest import ManifestRecord
+from pipeline.store.memory import MemoryStore
+from pipeline.store.turn_index import IndexedTurn, TurnIndex, store_turn_index
+
+ON = TopUpConfig(enabled=True, turns=3, max_tokens=1000)
+
+
+def _index(n: int = 6, dim: int = 4) -> TurnIndex:
+    """Turn i's embedding is unit vector i % dim; sessions of two turns."""
+    turns = tuple(IndexedTurn(f"D{i // 2 + 1}:{i % 2 + 1}", i // 2 + 1, f"DATE: day {i // 2 + 1}",
+                              f'A said, "turn {i}"') for i in range(n))
+    return TurnIndex("conv", "enc", "fp", turns, np.eye(dim, dtype=np.float16)[np.arange(n) % dim])
+
+
+def words(text: str) -> int:
+    return len(text.split())
+
+
+def test_the_nearest_turns_the_episodes_lack_are_read_in_conversation_order():
+    index = _index()
+    question = np.array([0.1, 0.9, 0.0, 0.5], np.float32)  # nearest: turn 1 and 5 (dim 1), then 3
+    topup = select_topup(index, question, held=set(), config=ON, count_tokens=words)
+    assert topup.status == "used" and topup.turn_ids == ("D1:2", "D2:2", "D3:2")
+    assert topup.text == render_topup([index.turns[i] for i in (1, 3, 5)])
+    assert topup.text.startswith("\n\nDATE: day 1\nA said, \"turn 1\"\n\nDATE: day 2")
+    held = select_topup(index, question, held={"D1:2", "D3:2"}, config=ON, count_tokens=words)
+    assert held.turn_ids == ("D2:2",)  # of the 3 nearest, the one the episodes do not hold
+
+
+def test_a_question_whose_nearest_turns_are_all_held_reads_no_top_up():
+    index = _index()
+    question = np.array([0, 1, 0, 0], np.float32)
+    topup = select_topup(index, question, held={"D1:2", "D3:2", "D1:1"},
+                         config=dataclasses.replace(ON, turns=2), count_tokens=words)
+    assert topup == TopUp(status="none")
+
+
+def test_the_top_up_stays_within_its_tokens():
+    index = _index()
+    question = np.array([0.1, 0.9, 0.0, 0.5], np.float32)
+    one_turn = words(render_topup([index.turns[1]]))
+    topup = select_topup(index, question, set(), dataclasses.replace(ON, max_tokens=one_turn),
+                         count_tokens=words)
+    assert topup.turn_ids == ("D1:2",) and topup.tokens == one_turn <= one_turn
+
+
+def test_off_reads_nothing():
+    assert select_topup(_index(), np.ones(4, np.float32), set(), TopUpConfig(enabled=False),
+                        words) == TopUp()
+
+
+def test_config_is_checked():
+    with pytest.raises(ValueError, match="turns"):
+        TopUpConfig(turns=0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        TopUpConfig(max_tokens=0)
+
+
+def _records(store, index: TurnIndex | None) -> list[ManifestRecord]:
+    fields = {} if index is None else store_turn_index(index, store).fields()
+    base = {f.name: None for f in dataclasses.fields(ManifestRecord)}
+    return [ManifestRecord(**base | {"conversation_id": "conv", "episode": e,
+                                     "member_turn_ids": [f"D{e + 1}:1", f"D{e + 1}:2"],
+                                     "encoder_fingerprint": "fp", **fields}) for e in range(3)]
+
+
+def test_top_ups_fetch_the_index_once_and_answer_from_the_episode_alone_without_it(caplog):
+    store = MemoryStore("topup-test")
+    try:
+        records = _records(store, _index())
+        topups = TopUps(store, ON)
+        question = np.array([0.1, 0.9, 0.0, 0.5], np.float32)
+        first = topups.for_question(records, records[:1], question, words)
+        assert first.turn_ids == ("D2:2", "D3:2")  # episode 0 holds D1:*
+        fetched = topups.fetched_bytes
+        assert fetched == records[0].turn_index_bytes
+        topups.for_question(records, records[1:2], question, words)
+        assert topups.fetched_bytes == fetched  # kept, not fetched again
+
+        corrupt = TopUps(store, ON)
+        data = bytearray(store.get(records[0].turn_index_key))
+        data[-1] ^= 0xFF
+        store.put(records[0].turn_index_key, bytes(data))
+        got = corrupt.for_question(records, records[:1], question, words)
+        assert got.status == "unavailable" and "checksum" in got.note and "jobs.build" in got.note
+        store.delete(records[0].turn_index_key)
+        got = TopUps(store, ON).for_question(records, records[:1], question, words)
+        assert got.status == "unavailable" and "missing" in got.note
+        assert "answering from the episode alone" in caplog.text
+
+        old = _records(store, None)  # built before turn indexes
+        got = TopUps(store, ON).for_question(old, old[:1], question, words)
+        assert got.status == "unavailable" and "before turn indexes" in got.note
+    finally:
+        store.drop()
+
+
+def test_held_turns_of_records_without_members_is_empty():
+    assert held_turns([None, ("a",), ["b"]]) == {"a", "b"}
