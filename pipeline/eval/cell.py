@@ -10,10 +10,11 @@ retention is derived from them when the records are gathered (`pipeline.eval.sum
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -69,49 +70,78 @@ def history_ids(tokenizer, conv: Conversation, turns: bool = True) -> torch.Tens
 
 
 def probe_pairs(lm: models.LoadedModel, conv: Conversation, q: Question,
-                config: EvalConfig, topup: str = ""
-                ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+                config: EvalConfig) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
     """(prefix, target) pairs of a question: one evidence-recall probe per evidence turn with
-    text, then the question and its gold answer (if any), each prefix after the question's
-    top-up text (`topup`: what the question reads after the cache). Returns the pairs and how
-    many of them are evidence probes."""
+    text, then the question and its gold answer (if any). Returns the pairs and how many of
+    them are evidence probes."""
     turns = {t.turn_id: t for t in conv.turns}
     pairs = []
     for turn_id in q.evidence:
         prefix, rest = evidence_probe(turns[turn_id], config.recall_words)
         target = prompts.encode(lm.tokenizer, rest)[:config.recall_tokens]
         if target.numel():
-            pairs.append((prompts.encode(lm.tokenizer, topup + prefix), target))
+            pairs.append((prompts.encode(lm.tokenizer, prefix), target))
     n_recall = len(pairs)
     answer = prompts.encode(lm.tokenizer, q.answer)
     if answer.numel():
-        pairs.append((prompts.question_ids(lm.tokenizer, question_text(q), topup), answer))
+        pairs.append((prompts.question_ids(lm.tokenizer, question_text(q)), answer))
     return pairs, n_recall
+
+
+@contextlib.contextmanager
+@torch.inference_mode()
+def topped_up(lm: models.LoadedModel, cache: EpisodicCache, text: str) -> Iterator[EpisodicCache]:
+    """`cache` with a question's top-up text prefilled after it (as the answer path's prompt
+    holds it: `prompts.topup_ids`), dropped on exit."""
+    ids = prompts.topup_ids(lm.tokenizer, text)
+    with cache.scratch():
+        if ids.numel():
+            positions = torch.arange(cache.next_position, cache.next_position + ids.numel())
+            device = next(lm.model.parameters()).device
+            lm.model(input_ids=ids[None].to(device), past_key_values=cache, use_cache=True,
+                     position_ids=positions[None].to(device))
+        yield cache
 
 
 def measure_all(lm: models.LoadedModel, conv: Conversation, questions: list[Question],
                 cache: EpisodicCache, config: EvalConfig,
                 topups: list[TopUp] | None = None) -> list[dict]:
     """Per question: evidence-recall NLL (mean over the evidence turns) and answer NLL, every
-    probe of every question in packed forwards over `cache` (after the question's top-up,
-    given `topups`); with `config.generate`, also the generated answer and its F1."""
+    probe of the questions without a top-up in packed forwards over `cache`, a question with
+    one (`topups`) over the cache with its top-up prefilled (`topped_up`); with
+    `config.generate`, also the generated answer and its F1."""
     topups = topups or [TopUp()] * len(questions)
-    probes = [probe_pairs(lm, conv, q, config, t.text) for q, t in zip(questions, topups)]
+    records: list[dict] = [{} for _ in questions]
+    groups = [([i for i, t in enumerate(topups) if not t.text], "")]
+    groups += [([i], t.text) for i, t in enumerate(topups) if t.text]
+    for indices, text in groups:
+        if not indices:
+            continue
+        with topped_up(lm, cache, text) as read:
+            measured = _measured(lm, conv, [questions[i] for i in indices], read, config)
+        for i, record in zip(indices, measured):
+            q, t = questions[i], topups[i]
+            records[i] = record | {"topup_tokens": t.tokens, "topup_recall": len(
+                set(q.evidence) & set(t.turn_ids)) / max(len(q.evidence), 1)}
+            if config.generate:
+                ids = generate_from_cache(lm, cache, prompts.question_ids(
+                    lm.tokenizer, question_text(q), t.text), config.max_new_tokens)
+                records[i]["prediction"] = lm.tokenizer.decode(ids, skip_special_tokens=True).strip()
+                records[i]["f1"] = f1_score(records[i]["prediction"], q.answer)
+    return records
+
+
+def _measured(lm: models.LoadedModel, conv: Conversation, questions: list[Question],
+              cache: EpisodicCache, config: EvalConfig) -> list[dict]:
+    """The probes' NLLs of each question, packed over `cache`."""
+    probes = [probe_pairs(lm, conv, q, config) for q in questions]
     nlls = iter(continuation_nlls(lm.model, cache, [p for pairs, _ in probes for p in pairs]))
     records = []
-    for q, t, (pairs, n_recall) in zip(questions, topups, probes):
+    for pairs, n_recall in probes:
         values = [next(nlls) for _ in pairs]
         recall, answer = values[:n_recall], values[n_recall:]
-        record = {"evidence_nll": float(np.mean(recall)) if recall else float("nan"),
-                  "answer_nll": answer[0] if answer else float("nan"),
-                  "topup_tokens": t.tokens,
-                  "topup_recall": len(set(q.evidence) & set(t.turn_ids)) / max(len(q.evidence), 1)}
-        if config.generate:
-            ids = generate_from_cache(lm, cache, prompts.question_ids(
-                lm.tokenizer, question_text(q), t.text), config.max_new_tokens)
-            record["prediction"] = lm.tokenizer.decode(ids, skip_special_tokens=True).strip()
-            record["f1"] = f1_score(record["prediction"], q.answer)
-        records.append(record)
+        records.append({"evidence_nll": float(np.mean(recall)) if recall else float("nan"),
+                        "answer_nll": answer[0] if answer else float("nan")})
     return records
 
 
@@ -202,8 +232,16 @@ def _built_and_measured(conv: Conversation, questions: list[Question], method: s
             caches = [cache_of(ep.index) for ep in clustered.episodes.episodes]
             encoder = models.load_encoder(config.encoder)
             scores = route_scores(encoder, clustered.episodes, questions)
-            measures = {"": lambda cache, idx, read: measure(cache, idx)}
-            measures |= topup_measures(clustered, questions, encoder, config, topups, measure)
+            plain: dict[tuple[tuple[int, ...], int], dict] = {}  # (read, question) -> record
+
+            def measure_plain(cache: EpisodicCache, idx: list[int], read: tuple[int, ...]):
+                measured = measure(cache, idx)
+                plain.update({(read, i): r for i, r in zip(idx, measured)})
+                return measured
+
+            measures = {"": measure_plain}
+            measures |= topup_measures(clustered, questions, encoder, config, topups, measure,
+                                       plain)
             # route hits are judged on the episode's windows, whatever its cache focused on
             return [select_route(r, method, config) for r in episodic_reads(
                 questions, list(clustered.members), caches, scores, measures)]
@@ -216,11 +254,12 @@ def _built_and_measured(conv: Conversation, questions: list[Question], method: s
 
 
 def topup_measures(clustered: ClusterResult, questions: list[Question], encoder,
-                   config: EvalConfig, topups: tuple[TopUpConfig, ...],
-                   measure: Callable) -> dict[str, Callable]:
+                   config: EvalConfig, topups: tuple[TopUpConfig, ...], measure: Callable,
+                   plain: dict[tuple[tuple[int, ...], int], dict]) -> dict[str, Callable]:
     """A read's measure with each question-time top-up, by field prefix: the question's top-up
     chosen from the conversation's turn index (as `jobs.build` stores it) given the turns of
-    the episodes read, as the answer path chooses it (`pipeline.answer.topup`)."""
+    the episodes read, as the answer path chooses it (`pipeline.answer.topup`). A question
+    that gets none reads what it read without (`plain`, measured first)."""
     if not topups:
         return {}
     tokenizer = models.load_tokenizer(config.model)
@@ -233,8 +272,10 @@ def topup_measures(clustered: ClusterResult, questions: list[Question], encoder,
     def measure_with(topup: TopUpConfig) -> Callable:
         def run(cache: EpisodicCache, indices: list[int], read: tuple[int, ...]) -> list[dict]:
             held = held_turns(clustered.members[k] for k in read)
-            chosen = [select_topup(index, embeddings[i], held, topup, count) for i in indices]
-            return measure(cache, indices, chosen)
+            chosen = {i: select_topup(index, embeddings[i], held, topup, count) for i in indices}
+            topped = [i for i in indices if chosen[i].text]
+            measured = dict(zip(topped, measure(cache, topped, [chosen[i] for i in topped])))
+            return [measured[i] if i in measured else plain[read, i] for i in indices]
         return run
 
     return {topup_prefix(t): measure_with(t) for t in topups}

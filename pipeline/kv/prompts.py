@@ -55,8 +55,16 @@ def question_prefix_ids(tokenizer) -> torch.Tensor:
     return encode(tokenizer, f"\n\n{QA_INSTRUCTION}\n\nQuestion:")
 
 
+def topup_ids(tokenizer, topup: str) -> torch.Tensor:
+    """[T] token ids of a question-time top-up's text (`pipeline.answer.topup`: more turns of
+    the conversation), read after the cached history and before the question; tokenised on
+    their own, so the evaluation may prefill them apart from the question's ids."""
+    return encode(tokenizer, topup)
+
+
 def question_ids(tokenizer, question: str, topup: str = "") -> torch.Tensor:
-    """[Q] token ids appended after the cached history to ask `question`; a question-time
-    top-up's text (`pipeline.answer.topup`: more turns of the conversation) comes first."""
+    """[Q] token ids appended after the cached history to ask `question`, after the
+    question's top-up (`topup_ids`) when it has one."""
     fmt = prompt_format(tokenizer)
-    return encode(tokenizer, f"{topup}\n\n{QA_INSTRUCTION}\n\nQuestion: {question}{fmt.suffix}")
+    asked = encode(tokenizer, f"\n\n{QA_INSTRUCTION}\n\nQuestion: {question}{fmt.suffix}")
+    return torch.cat([topup_ids(tokenizer, topup), asked]) if topup else asked

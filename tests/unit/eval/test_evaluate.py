@@ -16,7 +16,7 @@ from pipeline.corpus.reader import write_jsonl
 from pipeline.corpus.synthetic import make_corpus
 from pipeline.eval.methods import DEFAULT_METHODS, EvalConfig, parse_method
 from pipeline.eval.metrics import (continuation_nll, evidence_probe, f1_score, normalize_answer,
-                                   retention)
+                                   question_text, retention)
 from pipeline.eval.runner import Cell, collect_cells
 from pipeline.kv import models, prompts
 from pipeline.kv.methods.base import BlockContext, LayerState
@@ -123,6 +123,32 @@ def test_continuation_nll_equals_a_full_forward(tiny_llm_dir):
     expected = -torch.log_softmax(logits[9:-1], -1).gather(1, ids[10:, None]).mean()
     assert nll == pytest.approx(float(expected), rel=1e-4)
     assert cache.tokens_seen == 8  # the probe left the cache as it was
+
+
+@pytest.mark.e2e
+def test_a_top_up_is_read_as_the_answer_path_reads_it(tiny_llm_dir):
+    """The evaluation prefills a question's top-up after the cache, then its probes: the same
+    NLLs as one forward over the top-up's ids followed by each probe's, as the answer path's
+    prompt (`prompts.question_ids(..., topup)`) holds them; the cache is left as it was."""
+    from pipeline.answer.topup import TopUp
+    from pipeline.eval.cell import measure_all, probe_pairs
+
+    lm = models.load_llm(tiny_llm_dir)
+    conv = make_corpus(1, 300, seed=5)[0]
+    q = next(q for q in conv.questions if q.evidence)
+    config = EvalConfig(BuildConfig(model=tiny_llm_dir))
+    ids = prompts.encode(lm.tokenizer, "Alice said hello to Bob and Bob said hello back.")
+    cache, _ = block_prefill(lm.model, ids, Full(), None, PrefillConfig(block=4))
+    text = '\n\nDATE: today\nCONVERSATION:\nBob said, "I adopted a cat named Miso."'
+    topup = TopUp(text, ("D9:9",), len(prompts.topup_ids(lm.tokenizer, text)), "used")
+    [got] = measure_all(lm, conv, [q], cache, config, [topup])
+    pairs, n_recall = probe_pairs(lm, conv, q, config)
+    head = prompts.topup_ids(lm.tokenizer, text)
+    want = [continuation_nll(lm.model, cache, torch.cat([head, p]), t) for p, t in pairs]
+    assert got["evidence_nll"] == pytest.approx(sum(want[:n_recall]) / n_recall, rel=1e-4)
+    assert got["answer_nll"] == pytest.approx(want[n_recall], rel=1e-4)
+    assert torch.equal(prompts.question_ids(lm.tokenizer, question_text(q), text)[:len(head)], head)
+    assert got["topup_tokens"] == len(head) and cache.tokens_seen == len(ids)
 
 
 def _run_evaluate(corpus, out, model, methods, budgets):
