@@ -1,11 +1,13 @@
 """Answer questions about a built conversation from its episodic caches.
 
     python -m jobs.answer --store DIR|s3://bucket/prefix --conversation ID --question Q
-        [--question Q2 ...] [--json]
+        [--question Q2 ...] [--topup | --no-topup] [--json]
 
 Each question is routed to the nearest episode; consecutive questions routed to the same
-episode reuse the resident cache. Questions and sampling parameters are held to the limits the
-server holds them to (`pipeline.config.limits`; docs/serving.md, "Limits").
+episode reuse the resident cache. With `--topup`, the question's nearest turns that the episodes
+read do not hold are read after the cache (docs/serving.md#top-up). Questions and sampling
+parameters are held to the limits the server holds them to (`pipeline.config.limits`;
+docs/serving.md, "Limits").
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import sys
 
 from pipeline.answer.malloc_tuning import retain_freed_memory
 from pipeline.cli.numbers import non_negative
+from pipeline.cli.options import add_topup_options, topup_config_from_args
 from pipeline.cli.parser import add_store_options, make_parser, store_options
 from pipeline.config import RoutingConfig
 from pipeline.config.limits import CHARS_PER_TOKEN, DEFAULT_LIMITS, AnswerLimits
@@ -45,8 +48,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--two-below", type=non_negative, default=RoutingConfig.two_below,
                    help="read the best two episodes together when their route scores differ by "
                         "less than this (0: one episode always)")
+    add_topup_options(p)
     p.add_argument("--json", action="store_true", help="one JSON object per question")
     return p
+
+
+def topup_line(topup: dict) -> str:
+    """What the human-readable output says of a question's top-up ("" when none was read)."""
+    if topup.get("status") == "used":
+        return f"   (topped up: turns {', '.join(topup['turn_ids'])}, {topup['tokens']} tokens)"
+    if topup.get("status") == "unavailable":
+        return f"   (no top-up: {topup['note']})"
+    return ""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -79,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     retain_freed_memory()  # as the Serve decoder does: caches load into reused memory
     try:
         answerer = Answerer(open_store(a.store, store_options(a), create=False),
-                            limits=a.limits, routing=RoutingConfig(a.route_by, a.two_below))
+                            limits=a.limits, routing=RoutingConfig(a.route_by, a.two_below),
+                            topup=topup_config_from_args(a))
         for q in a.question:
             r = answerer.answer(a.conversation, q, a.max_new_tokens, a.temperature)
             if a.json:
@@ -88,10 +102,12 @@ def main(argv: list[str] | None = None) -> int:
                 t = r.timings_ms
                 read = "episodes " + " and ".join(map(str, r.episodes)) if len(r.episodes) > 1 \
                     else f"episode {r.episode}"
-                print(f"Q: {q}\nA: {r.answer}\n   ({read}, similarity {r.similarity:.3f}, "
-                      f"{'resident' if r.cache_hit else 'fetched'}; embed {t['embed']:.0f} ms, "
-                      f"route {t['route']:.1f} ms, load {t['load']:.0f} ms, decode {t['decode']:.0f} ms)",
-                      flush=True)
+                how = (f"   ({read}, similarity {r.similarity:.3f}, "
+                       f"{'resident' if r.cache_hit else 'fetched'}; embed {t['embed']:.0f} ms, "
+                       f"route {t['route']:.1f} ms, load {t['load']:.0f} ms, "
+                       f"decode {t['decode']:.0f} ms)")
+                lines = [f"Q: {q}", f"A: {r.answer}", how, topup_line(r.topup)]
+                print("\n".join(line for line in lines if line), flush=True)
     except (ConversationNotFound, UnsafeIdError, ModelMismatchError, CacheCorruptError,
             StoreError, ModelNotFoundError, ValueError) as e:  # ValueError: LimitError too
         print(f"error: {e}", file=sys.stderr)

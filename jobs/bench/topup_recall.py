@@ -110,14 +110,17 @@ def kv_recall(queries: list[torch.Tensor], cache: EpisodicCache, lacking: torch.
 
 def build_parser() -> argparse.ArgumentParser:
     p = bench_parser("topup_recall", __doc__, conversations="26,30,41")
-    p.add_argument("--max-context-tokens", type=positive_int, default=7600)
-    p.add_argument("--questions-per-conversation", type=positive_int, default=40)
+    p.add_argument("--max-context-tokens", type=positive_int, default=7600,
+                   help="each conversation cut at a session boundary to this many tokens")
+    p.add_argument("--questions-per-conversation", type=positive_int, default=40,
+                   help="the first questions with evidence inside the cut")
     p.add_argument("--tokens", type=positive_int, default=TopUpConfig.max_tokens,
                    help="each candidate's tokens (per layer and KV head for the pages)")
     p.add_argument("--turns", type=positive_int, default=TopUpConfig.turns,
                    help="the text top-up's nearest turns searched")
     p.add_argument("--page", type=positive_int, default=16, help="tokens per KV page")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch threads (default: torch's)")
     return p
 
 

@@ -126,16 +126,18 @@ class DecodeBatcher:
 
     # -- the callers' side --------------------------------------------------------------------
     def submit(self, cache: EpisodicCache, question: str, max_new_tokens: int,
-               temperature: float = 0.0, streamer=None) -> DecodeJob:
-        """Queue a request; its `future` gets the `Decoded` answer (or the error). A request
-        over the limits is a `LimitError` here, before it is queued: the question is bounded
-        and tokenised on the caller's thread. The first request over a cache computes the
-        instruction's entries for it here too (a forward of its 37 tokens), so that the batch
-        never waits on it."""
+               temperature: float = 0.0, streamer=None, topup: str = "") -> DecodeJob:
+        """Queue a request (`topup`: the question's top-up text, `pipeline.answer.topup`); its
+        `future` gets the `Decoded` answer (or the error). A request over the limits is a
+        `LimitError` here, before it is queued: the question is bounded and tokenised on the
+        caller's thread. The first request over a cache computes the instruction's entries for
+        it here too (a forward of its 37 tokens), so that the batch never waits on it. A
+        prompt with a top-up does not open with the instruction: it is prefilled whole."""
         max_new_tokens, temperature = self.limits.check_sampling(max_new_tokens, temperature)
-        prompt = question_prompt(self.lm, cache, question, max_new_tokens, self.limits)
+        prompt = question_prompt(self.lm, cache, question, max_new_tokens, self.limits, topup)
+        prefix = self._prefix(cache) if self._opens_with_prefix(prompt) else None
         job = DecodeJob(cache, question, max_new_tokens, temperature, streamer,
-                        next_ids=prompt, prefix=self._prefix(cache))
+                        next_ids=prompt, prefix=prefix)
         with self._wake:
             if self._closed:
                 raise RuntimeError("the decode batcher is closed")

@@ -17,8 +17,9 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from pipeline.cli.numbers import count, finite, non_negative, positive_int
 from pipeline.config import (ALLOCATOR_NAMES, STORE_DTYPES, BuildConfig, DriverOptions, MergeConfig,
-                             ScoringConfig, TriStateConfig)
-from pipeline.config.fields import choices_of, get_path, parser_of, replace_path
+                             ScoringConfig, TopUpConfig, TriStateConfig)
+from pipeline.config.fields import (choices_of, field_hint, field_of, get_path, parser_of,
+                                    replace_path)
 from pipeline.corpus.records import CorpusLimits
 from pipeline.kv import methods
 from pipeline.serve.settings import ServeSettings
@@ -31,7 +32,8 @@ _VALUED = object()  # FieldOption.const when the option takes a value
 class FieldOption:
     """A command-line option bound to the field at `path` of a configuration.
 
-    A valued option takes the field's type, choices (a `Literal`) and default. A flag
+    A valued option takes the field's type, choices (a `Literal`) and default; over a bool
+    field it is a pair, `--x` / `--no-x` (so a True default can be turned off). A flag
     (`const` given) sets `const` there when present, or `const(current value)` when `const` is
     callable. `zero_is_none`: the option's 0 stands for the field's None ("no cap"). `type`
     parses the text in place of the field's type, to refuse values the field's own checks let
@@ -61,6 +63,10 @@ class FieldOption:
             return
         cls = cls or type(base)
         default = get_path(base, self.path)
+        if self.type is None and field_hint(cls, self.path) is bool:  # --x / --no-x
+            p.add_argument(self.flag, action=argparse.BooleanOptionalAction, default=default,
+                           help=f"{self.help} (default: {'on' if default else 'off'})")
+            return
         if self.zero_is_none and default is None:
             default = 0
         choices = self.choices or choices_of(cls, self.path)
@@ -296,6 +302,27 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
 
 def settings_from_args(a: argparse.Namespace) -> ServeSettings:
     return ServeSettings(**{o.path: getattr(a, o.dest) for o in SERVE_OPTIONS})
+
+
+def _serve_help(name: str) -> str:
+    return field_of(ServeSettings, name).metadata["help"]
+
+
+# `jobs.answer`'s top-up: the options `jobs.serve` has, said once (ServeSettings' help)
+TOPUP_OPTIONS = (
+    FieldOption("--topup", "enabled", _serve_help("topup")),
+    FieldOption("--topup-turns", "turns", _serve_help("topup_turns"), type=positive_int),
+    FieldOption("--topup-max-tokens", "max_tokens", _serve_help("topup_max_tokens"),
+                type=positive_int),
+)
+
+
+def add_topup_options(p: argparse.ArgumentParser) -> None:
+    add_options(p, TOPUP_OPTIONS, TopUpConfig())
+
+
+def topup_config_from_args(a: argparse.Namespace) -> TopUpConfig:
+    return apply_options(TopUpConfig(), TOPUP_OPTIONS, a)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from pipeline.builder.turns import index_turns
 from pipeline.config import BuildConfig, TopUpConfig
 from pipeline.corpus.render import cut_at_session, render_conversation, render_header
 from pipeline.corpus.schema import Conversation, Question
-from pipeline.eval.episode_reads import episodic_reads, route_scores, select_route
+from pipeline.eval.episode_reads import Route, episodic_reads, route_scores, select_route
 from pipeline.eval.methods import NO_HISTORY, EvalConfig, parse_method, topup_prefix
 from pipeline.eval.metrics import (ADVERSARIAL_CATEGORY, continuation_nlls, evidence_probe,
                                    f1_score, question_text)
@@ -158,11 +158,11 @@ def evidence_diagnostics(conv: Conversation, q: Question, layout: TokenLayout,
 
 def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalConfig,
                   layer_budgets: list[int] | None,
-                  topups: tuple[TopUpConfig, ...] = ()) -> list[dict]:
+                  topups: tuple[tuple[TopUpConfig, Route], ...] = ()) -> list[dict]:
     """Per-question records of one (conversation, method, budget) cell. `method` may also be
     "none": the no-history reference. `layer_budgets` None means `budget` in every layer.
-    An episodic cell also measures every read with each of `topups` (its variants' question-time
-    top-ups: fields prefixed `topup_prefix(...)`).
+    An episodic cell also measures each of `topups` (its variants' question-time top-ups, each
+    on the reads its routing picks: fields prefixed `topup_prefix(...)`).
 
     The caches are built as `jobs.build` builds them (`pipeline.builder`: the conversation
     fitted and clustered, each episode block-prefilled and stored, here in an in-memory store
@@ -216,7 +216,7 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
 def _built_and_measured(conv: Conversation, questions: list[Question], method: str,
                         build: BuildConfig, budgets: list[int] | None, config: EvalConfig,
                         built: Callable, measure: Callable,
-                        topups: tuple[TopUpConfig, ...] = ()) -> list[dict]:
+                        topups: tuple[tuple[TopUpConfig, Route], ...] = ()) -> list[dict]:
     """Build a method's caches through the product's build into an in-memory store, and
     measure each question on the cache(s) it reads."""
     store = MemoryStore(f"eval-{uuid.uuid4().hex}")
@@ -239,7 +239,7 @@ def _built_and_measured(conv: Conversation, questions: list[Question], method: s
                 plain.update({(read, i): r for i, r in zip(idx, measured)})
                 return measured
 
-            measures = {"": measure_plain}
+            measures = {"": (measure_plain, None)}
             measures |= topup_measures(clustered, questions, encoder, config, topups, measure,
                                        plain)
             # route hits are judged on the episode's windows, whatever its cache focused on
@@ -254,8 +254,9 @@ def _built_and_measured(conv: Conversation, questions: list[Question], method: s
 
 
 def topup_measures(clustered: ClusterResult, questions: list[Question], encoder,
-                   config: EvalConfig, topups: tuple[TopUpConfig, ...], measure: Callable,
-                   plain: dict[tuple[tuple[int, ...], int], dict]) -> dict[str, Callable]:
+                   config: EvalConfig, topups: tuple[tuple[TopUpConfig, Route], ...],
+                   measure: Callable, plain: dict[tuple[tuple[int, ...], int], dict]
+                   ) -> dict[str, tuple[Callable, Route]]:
     """A read's measure with each question-time top-up, by field prefix: the question's top-up
     chosen from the conversation's turn index (as `jobs.build` stores it) given the turns of
     the episodes read, as the answer path chooses it (`pipeline.answer.topup`). A question
@@ -278,7 +279,7 @@ def topup_measures(clustered: ClusterResult, questions: list[Question], encoder,
             return [measured[i] if i in measured else plain[read, i] for i in indices]
         return run
 
-    return {topup_prefix(t): measure_with(t) for t in topups}
+    return {topup_prefix(t, route): (measure_with(t), route) for t, route in topups}
 
 
 def cache_footprint(cache: EpisodicCache, sizes: EntryBytes, merged: int = 0) -> dict:

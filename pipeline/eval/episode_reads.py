@@ -48,39 +48,50 @@ def candidate_pairs(scores: dict[str, np.ndarray]) -> dict[tuple[int, int], list
 
 # (cache, question indices, the episodes it holds) -> the measured fields of those questions
 Measure = Callable[[EpisodicCache, list[int], tuple[int, ...]], list[dict]]
+Route = tuple[str, float]  # (router, two_below): `RoutingConfig`'s fields
 
 
 def episodic_reads(questions: list[Question], members: list[tuple[str, ...]],
                    caches: list[EpisodicCache], scores: dict[str, np.ndarray],
-                   measures: dict[str, Measure]) -> list[dict]:
+                   measures: dict[str, tuple[Measure, Route | None]]) -> list[dict]:
     """Per question, the lists a router selects from: each episode's read (`episode_*`), each
     candidate pair's (`pair_*`), whether each episode holds the evidence, every router's
     scores. `members` are each episode's turns; each of `measures` (by field prefix: "" plain,
     `topup_prefix(...)` with a top-up) gives the measured fields of questions over a read
-    (`READ_FIELDS` and any others)."""
+    (`READ_FIELDS` and any others): every read of every question when its route is None (the
+    plain one, measured first), else only the read that route picks (NaN for the others)."""
     pairs = candidate_pairs(scores)
     everyone = list(range(len(questions)))
+    pairs_of = [[p for p, idx in pairs.items() if i in idx] for i in everyone]
     records: list[dict] = [{} for _ in questions]
-    for prefix, measure in measures.items():
-        per_episode = [measure(cache, everyone, (k,)) for k, cache in enumerate(caches)]
-        per_pair = {pair: dict(zip(idx, measure(
-            EpisodicCache.joined([caches[pair[0]], caches[pair[1]]]), idx, pair)))
-            for pair, idx in pairs.items()}
-        for i, q in enumerate(questions):
-            mine = [(pair, measured[i]) for pair, measured in per_pair.items() if i in measured]
-            record = records[i]
-            if not record:
-                record |= per_episode[0][i]
-            record |= {f"{prefix}episode_{f}": [float(per_episode[k][i][f])
-                                                 for k in range(len(caches))] for f in READ_FIELDS}
-            record |= {f"{prefix}pair_{f}": [float(m[f]) for _, m in mine] for f in READ_FIELDS}
+    for prefix, (measure, route) in measures.items():
+        wanted = None if route is None else [
+            tuple(sorted(chosen(scores[route[0]][i], route[1]))) for i in everyone]
+
+        def measured(read: tuple[int, ...], candidates: list[int], cache) -> dict[int, dict]:
+            idx = [i for i in candidates if wanted is None or wanted[i] == read]
+            return dict(zip(idx, measure(cache(), idx, read))) if idx else {}
+
+        per_episode = [measured((k,), everyone, lambda k=k: caches[k]) for k in range(len(caches))]
+        per_pair = {pair: measured(pair, idx, lambda pair=pair: EpisodicCache.joined(
+            [caches[pair[0]], caches[pair[1]]])) for pair, idx in pairs.items()}
+        for i in everyone:
+            if not records[i]:
+                records[i] |= per_episode[0][i]
+            records[i] |= {f"{prefix}episode_{f}": [_field(per_episode[k], i, f)
+                                                    for k in range(len(caches))] for f in READ_FIELDS}
+            records[i] |= {f"{prefix}pair_{f}": [_field(per_pair[p], i, f) for p in pairs_of[i]]
+                           for f in READ_FIELDS}
     for i, q in enumerate(questions):
-        pairs_of = [p for p, idx in pairs.items() if i in idx]
-        records[i] |= {"pair_a": [p[0] for p in pairs_of], "pair_b": [p[1] for p in pairs_of],
+        records[i] |= {"pair_a": [p[0] for p in pairs_of[i]], "pair_b": [p[1] for p in pairs_of[i]],
                        "episode_hit": [not set(q.evidence).isdisjoint(m) for m in members]}
         records[i] |= {f"scores_{name}": [float(x) for x in table[i]]
                        for name, table in scores.items()}
     return records
+
+
+def _field(measured: dict[int, dict], question: int, name: str) -> float:
+    return float(measured[question][name]) if question in measured else float("nan")
 
 
 def select_route(record: dict, method: str, config: EvalConfig) -> dict:
@@ -89,7 +100,7 @@ def select_route(record: dict, method: str, config: EvalConfig) -> dict:
     if "scores_centroid" not in record:
         return record
     router, two_below = config.route_of(method)
-    prefix = topup_prefix(config.topup_of(method))
+    prefix = topup_prefix(config.topup_of(method), (router, two_below))
     scores = np.asarray(record[f"scores_{router}"])
     read = chosen(scores, two_below)
     if len(read) == 1:

@@ -243,10 +243,11 @@ class EvalConfig:
         return asdict(self)
 
 
-def topup_prefix(topup: TopUpConfig | None) -> str:
-    """The prefix of a cell record's fields measured with `topup` ("" for none): the variants
-    of one method that differ in their top-up share its cell, each its own fields."""
+def topup_prefix(topup: TopUpConfig | None, route: tuple[str, float]) -> str:
+    """The prefix of a cell record's fields measured with `topup` on the reads `route` (router,
+    two_below) picks ("" for none): the variants of one method that differ in their top-up or
+    routing share its cell, each top-up its own fields."""
     if topup is None:
         return ""
-    digest = hashlib.sha256(repr(topup).encode()).hexdigest()[:8]
+    digest = hashlib.sha256(repr((topup, tuple(route))).encode()).hexdigest()[:8]
     return f"topup{digest}_"

@@ -27,7 +27,7 @@ def markdown_table(rows: list[dict]) -> str:
     cats = sorted({k for r in rows for k in r if k.startswith("f1_cat")})
     head = ["method", "budget", "questions", "retention", "retention (of means)", "evidence NLL",
             "answer NLL", "F1", "kept", "bytes (tokens)", "quantized", "evidence kept",
-            "route hit"] + \
+            "route hit", "top-up tokens", "top-up recall"] + \
         [f"F1 {c.removeprefix('f1_')}" for c in cats]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -36,7 +36,8 @@ def markdown_table(rows: list[dict]) -> str:
                  _fmt(r["evidence_nll"]), _fmt(r["answer_nll"]), _fmt(r["f1"]),
                  _fmt(r.get("kept_entries")), _fmt(r.get("bytes_tokens")),
                  _fmt(r.get("quantized_share"), True), _fmt(r.get("evidence_kept"), True),
-                 _fmt(r.get("route_hit"), True)]
+                 _fmt(r.get("route_hit"), True), _fmt(r.get("topup_tokens")),
+                 _fmt(r.get("topup_recall"), True)]
         cells += [_fmt(r.get(c)) for c in cats]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -24,7 +24,7 @@ from pipeline.builder.profile import allocator, layer_profile
 from pipeline.config import TopUpConfig
 from pipeline.corpus.schema import Conversation
 from pipeline.eval.cell import Prepared, evaluate_cell, prepare
-from pipeline.eval.episode_reads import select_route
+from pipeline.eval.episode_reads import Route, select_route
 from pipeline.eval.methods import NO_HISTORY, EvalConfig, parse_method, topup_prefix
 from pipeline.eval.report import records_parquet
 from pipeline.store.local import LocalStore
@@ -81,13 +81,21 @@ class Cell:
     methods: list[str]  # the first computes the cell
     prep: object = None  # a Prepared, or its Ray reference
     layer_budgets: list[int] | None = None
-    topups: tuple[TopUpConfig, ...] = ()  # its methods' question-time top-ups, each measured
+    # its methods' question-time top-ups, each measured on the reads its routing picks
+    topups: tuple[tuple[TopUpConfig, Route], ...] = ()
 
     def add(self, method: str, config: EvalConfig) -> None:
         self.methods.append(method)
-        topup = config.topup_of(method)
-        if topup is not None and topup not in self.topups:
-            self.topups += (topup,)
+        read = topup_read(method, config)
+        if read is not None and read not in self.topups:
+            self.topups += (read,)
+
+
+def topup_read(method: str, config: EvalConfig) -> tuple[TopUpConfig, Route] | None:
+    """A method's top-up and the routing that picks the reads it tops up (None: no top-up)."""
+    if method == NO_HISTORY or config.topup_of(method) is None:
+        return None
+    return config.topup_of(method), config.route_of(method)
 
     @property
     def method(self) -> str:
@@ -141,7 +149,7 @@ def compute_in_process(cells: list[Cell], kept: LocalStore,
     return records, failed
 
 
-def kept_cell(kept: LocalStore, key: str, topups: tuple[TopUpConfig, ...] = ()
+def kept_cell(kept: LocalStore, key: str, topups: tuple[tuple[TopUpConfig, Route], ...] = ()
               ) -> list[dict] | None:
     """A finished cell's records, or None: not kept, an episodic cell kept before every
     episode was measured for every question (it holds one router's reads only), or one kept
@@ -151,8 +159,8 @@ def kept_cell(kept: LocalStore, key: str, topups: tuple[TopUpConfig, ...] = ()
     cell_records = pq.read_table(io.BytesIO(kept.get(key))).to_pylist()
     stale = any(r.get("episode") is not None and r.get("route_hit") is not None
                 and "scores_centroid" not in r for r in cell_records)
-    missing = any(f"{topup_prefix(t)}episode_evidence_nll" not in r
-                  for t in topups for r in cell_records)
+    missing = any(f"{topup_prefix(t, route)}episode_evidence_nll" not in r
+                  for t, route in topups for r in cell_records)
     return None if stale or missing else cell_records
 
 
@@ -200,9 +208,9 @@ def run_cells(convs: list[Conversation], methods: list[str], budgets: list[int],
         for method, budget in cells:  # uniform layer budgets unless the method allocates
             allocated = layer_budgets.get((method, budget))
             key = cell_key(conv, digest, method, budget, config, allocated)
-            topup = config.topup_of(method) if method != NO_HISTORY else None
+            read = topup_read(method, config)
             kept_records = None if key in todo else \
-                kept_cell(kept, key, () if topup is None else (topup,))
+                kept_cell(kept, key, () if read is None else (read,))
             if key in todo:
                 todo[key].add(method, config)
             elif kept_records is not None:

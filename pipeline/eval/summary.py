@@ -81,7 +81,9 @@ def summarise(records: list[dict]) -> list[dict]:
                "quantized_share": nan_mean(r.get("quantized_share") for r in g),
                "merged_entries": nan_mean(r.get("merged_entries") for r in g),
                "evidence_kept": nan_mean(r.get("evidence_kept") for r in g),
-               "route_hit": nan_mean(float(r["route_hit"]) for r in g if r.get("route_hit") is not None)}
+               "route_hit": nan_mean(float(r["route_hit"]) for r in g if r.get("route_hit") is not None),
+               "topup_tokens": nan_mean(r.get("topup_tokens") for r in g),
+               "topup_recall": nan_mean(r.get("topup_recall") for r in g)}
         summary["retention_of_means"] = ((ref["none"] - summary["evidence_nll"]) / gap
                                          if gap > 0 else float("nan"))
         for cat in sorted({r["category"] for r in g if r["category"] is not None}):

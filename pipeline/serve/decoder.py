@@ -104,13 +104,14 @@ class Decoder:
         return cache, hit, (time.perf_counter() - t) * 1000
 
     async def answer(self, ref: CacheRef | tuple[CacheRef, ...], question: str, max_new_tokens: int,
-                     temperature: float) -> dict:
+                     temperature: float, topup: str = "") -> dict:
         """{"answer", "tokens", "finish_reason", "cache_hit", "fetch_ms", "decode_ms",
-        "queue_ms"} or {"error": {"status", "message"}}."""
+        "queue_ms"} or {"error": {"status", "message"}}; `topup`: the question's top-up text
+        (the router's, `pipeline.answer.topup`), read after the cache."""
         try:
             cache, hit, fetch_ms = await asyncio.to_thread(self._cache, ref)
             job = await asyncio.to_thread(self.batcher.submit, cache, question, max_new_tokens,
-                                          temperature)
+                                          temperature, None, topup)
         except Exception as e:
             return _decoder_error(e)
         try:
@@ -125,16 +126,17 @@ class Decoder:
                 "queue_ms": round(job.queue_ms, 3)}
 
     async def stream(self, ref: CacheRef | tuple[CacheRef, ...], question: str, max_new_tokens: int,
-                     temperature: float) -> AsyncIterator[dict]:
+                     temperature: float, topup: str = "") -> AsyncIterator[dict]:
         """First {"cache_hit", "fetch_ms"} (or {"error": ...}: a bad cache or a request over
         the limits is an HTTP status, not a stream), then {"text": piece}s, then
-        {"done": {"tokens", "finish_reason", "decode_ms", "queue_ms"}} (or {"error": ...})."""
+        {"done": {"tokens", "finish_reason", "decode_ms", "queue_ms"}} (or {"error": ...});
+        `topup` as for `answer`."""
         streamer = AsyncTextIteratorStreamer(self.lm.tokenizer, skip_prompt=True,
                                              skip_special_tokens=True)
         try:
             cache, hit, fetch_ms = await asyncio.to_thread(self._cache, ref)
             job = await asyncio.to_thread(self.batcher.submit, cache, question, max_new_tokens,
-                                          temperature, streamer)
+                                          temperature, streamer, topup)
         except Exception as e:
             yield _decoder_error(e)
             return

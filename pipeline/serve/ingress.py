@@ -1,7 +1,9 @@
 """The router deployment: the HTTP ingress (the FastAPI app and its endpoints), the encoder and,
 per conversation, the manifest's route index (centroids and window embeddings: read on first use,
-re-read when the manifest object changes). It embeds the question, picks the episode (or the two
-it reads together when unsure), and asks the decoder (a `DeploymentHandle`) for the answer."""
+re-read when the manifest object changes) and, with the top-up on, its turn index (read once).
+It embeds the question, picks the episode (or the two it reads together when unsure), finds the
+question's top-up (`pipeline.answer.topup`), and asks the decoder (a `DeploymentHandle`) for the
+answer."""
 
 import asyncio
 import gc
@@ -19,6 +21,7 @@ from ray.exceptions import RayActorError
 
 from pipeline.answer.lookup import (check_models, embed_question, load_manifest, route_index,
                                     route_records)
+from pipeline.answer.topup import REBUILD, TopUp, TopUps
 from pipeline.config import RoutingConfig
 from pipeline.config.limits import LimitError
 from pipeline.corpus.schema import check_safe_id
@@ -44,6 +47,20 @@ def public_name(model: str) -> str:
 def refs_of(rows: list[ManifestRecord]) -> tuple[CacheRef, ...]:
     """What the decoder reads for a question: its episode's cache, or two joined."""
     return tuple(r.ref for r in rows)
+
+
+UNUSABLE_INDEX = ("this conversation's turn index is missing, corrupt or unreadable (the server "
+                  f"log names the object and why): answered from the episode alone; {REBUILD}")
+
+
+def public_topup(topup: TopUp, records: list[ManifestRecord]) -> dict:
+    """A question's top-up as a client sees it: its turns, tokens, status and note, not its text
+    (the turn ids name it; the answer stays small). The library's note on an index it could not
+    use names the object, so the client gets a fixed one (the server log has the library's)."""
+    fields = {k: v for k, v in topup.as_dict().items() if k != "text"}
+    if topup.status == "unavailable" and records[0].turn_index is not None:
+        fields["note"] = UNUSABLE_INDEX
+    return fields
 
 
 app = FastAPI(title="EpiCache decode endpoint", docs_url=None, redoc_url=None)
@@ -75,6 +92,12 @@ class Router:
         self.encoder = models.load_encoder(encoder, "cpu")
         self.encoder_fingerprint = models.encoder_fingerprint(encoder)  # of the files loaded
         self.encoder_lock = threading.Lock()  # a tokenizer is not safe across threads
+        # the top-up: turn indexes read once per conversation, its text counted in the model's
+        # tokens (the tokenizer alone: the model is the decoder's)
+        self.topups = TopUps(self.store, self.settings.topup_config)
+        self.tokenizer = models.load_tokenizer(model) if self.settings.topup else None
+        self.tokenizer_lock = threading.Lock()
+        self.topup_counts = {"used": 0, "none": 0, "unavailable": 0}
         self._conversations: dict[str, _Conversation] = {}
         self._background: set[asyncio.Task] = set()
         gc.freeze()  # the encoder's objects leave the collector: no 100+ ms pauses in an embed
@@ -121,11 +144,15 @@ class Router:
         with self.encoder_lock:
             return embed_question(self.encoder, question)
 
+    def _count_tokens(self, text: str) -> int:
+        with self.tokenizer_lock:
+            return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
     def _checked(self, question: str, max_new_tokens: int | None, temperature: float | None,
                  names: tuple[str, str]) -> tuple[str, int, float]:
-        """The question (its characters: the router has no tokenizer; the decoder counts its
-        tokens), max_new_tokens and temperature, held to the limits `jobs.answer` holds them
-        to (422 naming the field); a field not given takes its default."""
+        """The question (its characters: the decoder counts its tokens), max_new_tokens and
+        temperature, held to the limits `jobs.answer` holds them to (422 naming the field); a
+        field not given takes its default."""
         max_new_tokens = (self.settings.default_max_new_tokens if max_new_tokens is None
                           else max_new_tokens)
         try:
@@ -138,9 +165,10 @@ class Router:
         return question, max_new, temp
 
     async def _route(self, conversation_id: str,
-                     question: str) -> tuple[list[ManifestRecord], float, dict]:
+                     question: str) -> tuple[list[ManifestRecord], float, dict, TopUp]:
         """(the manifest records read: one, or two when the router is unsure; the best score;
-        timings) for a question; manifest lookup counts as route."""
+        timings; the question's top-up) for a question; the manifest lookup and the top-up
+        count as route."""
         t0 = time.perf_counter()
         conv = await asyncio.to_thread(self._load_conversation, conversation_id)
         t1 = time.perf_counter()
@@ -151,7 +179,15 @@ class Router:
         if not conv.prefetched:  # first touch: a follow-up often routes to another episode
             conv.prefetched = True
             self._prefetch([r.ref for r in conv.records if r not in rows])
-        return rows, similarity, {"embed": (t2 - t1) * 1000, "route": (t1 - t0 + t3 - t2) * 1000}
+        t4 = time.perf_counter()
+        # blocking: a conversation's first question reads its turn index; never raises
+        topup = await asyncio.to_thread(self.topups.for_question, conv.records, rows, emb,
+                                        self._count_tokens)
+        t5 = time.perf_counter()
+        if topup.status in self.topup_counts:
+            self.topup_counts[topup.status] += 1
+        timings = {"embed": (t2 - t1) * 1000, "route": (t1 - t0 + t3 - t2 + t5 - t4) * 1000}
+        return rows, similarity, timings, topup
 
     def _prefetch(self, refs: list[CacheRef]) -> None:
         """Ask the decoder to load `refs` in the background; no request waits on it, and a
@@ -175,7 +211,7 @@ class Router:
             raise ApiError(result["error"]["status"], result["error"]["message"])
 
     async def _ask_decoder(self, rows: list[ManifestRecord], question: str, max_new: int,
-                           temperature: float) -> dict:
+                           temperature: float, topup: TopUp) -> dict:
         """The decoder's whole answer, asked again once if the replica died meanwhile (an
         answer has no side effect; Serve sends the retry to a live or replacement replica); a
         second death (503) or no answer within `decoder_timeout_s` in all (504) is an error,
@@ -183,7 +219,7 @@ class Router:
         deadline = time.monotonic() + self.settings.decoder_timeout_s
         for attempt in (1, 2):
             response = self.decoder.answer.remote(refs_of(rows), question, max_new,
-                                                  temperature)
+                                                  temperature, topup.text)
             try:
                 result = await asyncio.wait_for(response, max(0.0, deadline - time.monotonic()))
                 break
@@ -213,6 +249,8 @@ class Router:
         return {"status": "ok", "model": public_name(self.model_name),
                 "encoder": public_name(self.encoder_name),
                 "conversations_loaded": len(self._conversations),
+                "topup": {"enabled": self.settings.topup, **self.topup_counts,
+                          "index_bytes_fetched": self.topups.fetched_bytes},
                 "decoder": stats | {"model": public_name(stats["model"])}}
 
     @app.get("/v1/conversations/{conversation_id}")
@@ -246,16 +284,16 @@ class Router:
         question, max_new, temperature = self._checked(
             body.question, body.max_new_tokens, body.temperature, ("max_new_tokens", "temperature"))
         try:
-            rows, similarity, timings = await self._route(conversation_id, question)
+            rows, similarity, timings, topup = await self._route(conversation_id, question)
         except ApiError:
             raise
         except Exception as e:
             raise ApiError(*classify(e)) from None
-        result = await self._ask_decoder(rows, question, max_new, temperature)
+        result = await self._ask_decoder(rows, question, max_new, temperature, topup)
         timings |= {"fetch": result["fetch_ms"], "decode": result["decode_ms"]}
         return {"conversation_id": conversation_id, "answer": result["answer"],
                 "episode": rows[0].episode, "episodes": [r.episode for r in rows],
-                "similarity": round(similarity, 6),
+                "similarity": round(similarity, 6), "topup": public_topup(topup, rows),
                 "cache_hit": result["cache_hit"], "tokens": result["tokens"],
                 "finish_reason": result["finish_reason"],
                 "decoder_queue_ms": result["queue_ms"],
@@ -277,21 +315,22 @@ class Router:
             body.max_completion_tokens if body.max_completion_tokens is not None
             else body.max_tokens, body.temperature, ("max_tokens", "temperature"))
         try:
-            rows, similarity, timings = await self._route(body.conversation_id, question)
+            rows, similarity, timings, topup = await self._route(body.conversation_id, question)
         except ApiError:
             raise
         except Exception as e:
             raise ApiError(*classify(e)) from None
         meta = {"conversation_id": body.conversation_id, "episode": rows[0].episode,
-                "episodes": [r.episode for r in rows], "similarity": round(similarity, 6)}
+                "episodes": [r.episode for r in rows], "similarity": round(similarity, 6),
+                "topup": public_topup(topup, rows)}
         base = openai_chat.completion_base(public_name(self.model_name))
         if not body.stream:
-            result = await self._ask_decoder(rows, question, max_new, temperature)
+            result = await self._ask_decoder(rows, question, max_new, temperature, topup)
             timings |= {"fetch": result["fetch_ms"], "decode": result["decode_ms"]}
             return openai_chat.completion(base, question, result, meta, timings)
 
         gen = self.decoder.options(stream=True).stream.remote(
-            refs_of(rows), question, max_new, temperature)
+            refs_of(rows), question, max_new, temperature, topup.text)
         try:  # the fetch: a bad cache (or a dead replica) is an HTTP error, not a stream
             first = await asyncio.wait_for(gen.__anext__(), self.settings.decoder_timeout_s)
         except Exception as e:

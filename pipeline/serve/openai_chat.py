@@ -1,6 +1,6 @@
 """The OpenAI chat wire format: the question in a chat request, the completion object, and the
 server-sent event chunks of a streamed answer (each object with an `epicache` extra: episode,
-similarity, cache hit, timings)."""
+similarity, top-up, cache hit, timings)."""
 
 import asyncio
 import json

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.config import RoutingConfig
+from pipeline.config import RoutingConfig, TopUpConfig
 from pipeline.config.fields import parser_of
 from pipeline.config.limits import CHARS_PER_TOKEN, DEFAULT_LIMITS, AnswerLimits
 from pipeline.store.base import StoreOptions
@@ -56,6 +56,15 @@ class ServeSettings:
     two_below: float = setting(
         RoutingConfig.two_below, "read the best two episodes together when their route scores "
                                  "differ by less than this (0: one episode always)")
+    topup: bool = setting(
+        TopUpConfig.enabled, "top up each question: after routing, prefill the question's nearest "
+                             "turns of the whole conversation that the episodes read do not hold "
+                             "(its turn index) after the cache (docs/serving.md#top-up)")
+    topup_turns: int = setting(
+        TopUpConfig.turns, "top-up: the question's nearest turns searched (those the episodes "
+                           "read hold are skipped)")
+    topup_max_tokens: int = setting(
+        TopUpConfig.max_tokens, "top-up: its text's tokens at most (turns past it are left out)")
     router_replicas: int = setting(1, "router (HTTP ingress) replicas")
     router_cpus: float = setting(0.5, "Ray CPUs per router replica")
     decoder_replicas: int = setting(1, "decoder replicas (fixed; see --decoder-autoscale)")
@@ -115,7 +124,8 @@ class ServeSettings:
                 raise ValueError(f"decoder autoscale needs 0 <= min <= max, max >= 1; got {lo}:{hi}")
         for name in ("router_replicas", "decoder_replicas", "max_question_tokens",
                      "max_new_tokens_limit", "default_max_new_tokens", "decoder_max_ongoing",
-                     "max_batch", "max_batch_tokens", "max_body_bytes"):
+                     "max_batch", "max_batch_tokens", "max_body_bytes", "topup_turns",
+                     "topup_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.default_max_new_tokens > self.max_new_tokens_limit:
@@ -139,6 +149,11 @@ class ServeSettings:
         """The limits on one answer, as `jobs.answer` and the library's `Answerer` hold them."""
         return AnswerLimits(max_question_tokens=self.max_question_tokens,
                             max_new_tokens=self.max_new_tokens_limit)
+
+    @property
+    def topup_config(self) -> TopUpConfig:
+        """The question-time top-up the router computes (`pipeline.answer.topup`)."""
+        return TopUpConfig(self.topup, self.topup_turns, self.topup_max_tokens)
 
     @classmethod
     def from_strings(cls, args: dict[str, str], **defaults: Any) -> "ServeSettings":

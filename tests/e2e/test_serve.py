@@ -5,7 +5,9 @@ with the real SmolLM2 and MiniLM on the session's Ray; an app over it runs in th
 Ray (local store, bearer token), and `python -m jobs.serve` runs as a subprocess over a copy of
 the store in SeaweedFS S3 (its own local Ray, credentials from its environment only). Both are
 asked through the answer endpoint and the OpenAI chat endpoint (streamed, read by the official
-`openai` client), and checked against the library's `Answerer`.
+`openai` client), and checked against the library's `Answerer` and `jobs.answer`. The local app
+tops its questions up (`--topup`: the question's nearest turns its episode lacks, read after
+the cache); the S3 one does not.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import requests
 
 from pipeline.answer.answerer import Answerer
 from pipeline.answer.lru import CacheLRU
+from pipeline.config import TopUpConfig
 from pipeline.corpus.reader import read_corpus, write_jsonl
 from pipeline.store.local import LocalStore
 from pipeline.store.uri import open_store
@@ -186,7 +189,8 @@ def _listens_on_loopback_only(port: int) -> bool:
 @pytest.fixture(scope="module")
 def local_app(built, ray_local):
     """The app over the local store in this session's Ray, on a free loopback port, with a
-    bearer token and manifests checked on every request (ttl 0); shut down afterwards."""
+    bearer token, manifests checked on every request (ttl 0) and the top-up on; shut down
+    afterwards."""
     from ray import serve
 
     from pipeline.serve.app import APP_NAME, build_app, resolve_models
@@ -194,7 +198,8 @@ def local_app(built, ray_local):
 
     _, store_dir, _, _ = built
     settings = ServeSettings(store=str(store_dir), auth_token=TOKEN, router_cpus=0,
-                             decoder_cpus=0, manifest_ttl_s=0, cache_bytes=256 * 2**20)
+                             decoder_cpus=0, manifest_ttl_s=0, cache_bytes=256 * 2**20,
+                             topup=True)
     model, encoder = resolve_models(LocalStore(store_dir), None, None)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -208,6 +213,7 @@ def local_app(built, ray_local):
 
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+TOPUP = TopUpConfig(enabled=True)  # the local app's
 
 
 def _answer(url: str, cid: str, question: str, headers: dict = AUTH, **extra) -> requests.Response:
@@ -298,6 +304,117 @@ def test_answer_endpoint_routes_like_the_library(local_app, built):
         lib = answerer.answer(cid, question, max_new_tokens=MAX_NEW)
         assert body["episode"] == lib.episode and body["episodes"] == lib.episodes
         assert body["similarity"] == pytest.approx(lib.similarity, abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def topped_up(built) -> tuple[str, str, object]:
+    """A question the library tops up (its nearest turns not all in its episode): its
+    conversation, the question, and the library's answer to it."""
+    _, store_dir, conversations, _ = built
+    answerer = Answerer(LocalStore(store_dir), topup=TOPUP)
+    for cid, question in _questions(conversations, 6):
+        lib = answerer.answer(cid, question, max_new_tokens=MAX_NEW)
+        if lib.topup["status"] == "used":
+            return cid, question, lib
+    raise AssertionError("no question of the test corpus was topped up")
+
+
+def _sse_chunks(r: requests.Response) -> list[dict]:
+    assert r.status_code == 200, r.text
+    return [json.loads(line.removeprefix("data: ")) for line in r.iter_lines(decode_unicode=True)
+            if line and line != "data: [DONE]"]
+
+
+@e2e
+def test_a_topped_up_answer_is_that_of_jobs_answer_on_every_endpoint(local_app, built,
+                                                                      topped_up):
+    """A question whose nearest turns its episode lacks: the server reads the same turns and
+    gives the same answer as `python -m jobs.answer --topup`, and says so on both endpoints
+    (the turns, not their text); /healthz counts it."""
+    url, _ = local_app
+    store_dir = built[1]
+    cid, question, lib = topped_up
+    proc = subprocess.run(
+        [sys.executable, "-m", "jobs.answer", "--store", str(store_dir), "--conversation", cid,
+         "--question", question, "--max-new-tokens", str(MAX_NEW), "--topup", "--json"],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    cli = json.loads(proc.stdout.splitlines()[-1])
+    assert cli["topup"] == lib.topup and cli["answer"] == lib.answer
+    assert cli["topup"]["text"] and cli["topup"]["tokens"] <= TOPUP.max_tokens
+
+    before = requests.get(f"{url}/healthz", headers=AUTH, timeout=60).json()["topup"]
+    body = _answer(url, cid, question).json()
+    after = requests.get(f"{url}/healthz", headers=AUTH, timeout=60).json()["topup"]
+    shown = {k: v for k, v in cli["topup"].items() if k != "text"}
+    assert body["topup"] == shown
+    assert (body["episode"], body["episodes"], body["answer"]) == \
+        (cli["episode"], cli["episodes"], cli["answer"])
+    assert after["enabled"] is True and after["used"] == before["used"] + 1
+    assert after["index_bytes_fetched"] > 0
+
+    chat = {"conversation_id": cid, "max_tokens": MAX_NEW,
+            "messages": [{"role": "user", "content": question}]}
+    whole = requests.post(f"{url}/v1/chat/completions", headers=AUTH, json=chat, timeout=300)
+    assert whole.status_code == 200, whole.text
+    assert whole.json()["epicache"]["topup"] == shown
+    assert whole.json()["choices"][0]["message"]["content"] == cli["answer"]
+    chunks = _sse_chunks(requests.post(f"{url}/v1/chat/completions", headers=AUTH, stream=True,
+                                       json=chat | {"stream": True}, timeout=300))
+    assert chunks[0]["epicache"]["topup"] == chunks[-1]["epicache"]["topup"] == shown
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == cli["answer"]
+
+
+def _copy_with_own_index(store, source_id: str, new_id: str) -> str:
+    """A copy of `source_id` whose manifest names its own turn index (the source's, bound to
+    the copy); returns the index object's key."""
+    from pipeline.store.manifest import read_manifest, write_manifest
+    from pipeline.store.turn_index import read_turn_index, store_turn_index
+
+    rows = read_manifest(store, source_id)
+    index = read_turn_index(store, rows[0].turn_index, source_id, rows[0].encoder_fingerprint)
+    stored = store_turn_index(dataclasses.replace(index, conversation_id=new_id), store)
+    write_manifest(store, new_id, [dataclasses.replace(r, conversation_id=new_id,
+                                                       **stored.fields()) for r in rows])
+    return stored.key
+
+
+@e2e
+def test_a_missing_or_corrupt_turn_index_answers_from_the_episode_alone(local_app, built,
+                                                                         topped_up):
+    """The turn index object deleted, or corrupted under its recorded checksum: still 200,
+    answered as with no top-up, `status` "unavailable" with a note naming the repair but not
+    the object; /healthz counts them. An intact copy is topped up as its source is."""
+    url, _ = local_app
+    store_dir = built[1]
+    store = LocalStore(store_dir)
+    source, question, lib = topped_up
+    plain = Answerer(store, topup=TopUpConfig(enabled=False)).answer(source, question, MAX_NEW)
+    keys = {cid: _copy_with_own_index(store, source, cid)
+            for cid in ("intact-0000", "noindex-0000", "badindex-0000")}
+    store.delete(keys["noindex-0000"])
+    data = bytearray(store.get(keys["badindex-0000"]))
+    data[-10] ^= 0xFF  # inside the embeddings: the header still parses
+    store.put(keys["badindex-0000"], bytes(data))
+
+    intact = _answer(url, "intact-0000", question).json()
+    assert intact["topup"]["turn_ids"] == lib.topup["turn_ids"]
+    assert intact["answer"] == lib.answer
+    before = requests.get(f"{url}/healthz", headers=AUTH, timeout=60).json()["topup"]
+    for cid in ("noindex-0000", "badindex-0000"):
+        r = _answer(url, cid, question)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["topup"]["status"] == "unavailable" and body["topup"]["turn_ids"] == []
+        note = body["topup"]["note"]
+        assert "jobs.build --force" in note and "turns/" not in note and str(store_dir) not in note
+        assert (body["episode"], body["answer"]) == (plain.episode, plain.answer)
+    after = requests.get(f"{url}/healthz", headers=AUTH, timeout=60).json()["topup"]
+    assert after["unavailable"] == before["unavailable"] + 2
+    # the library (jobs.answer) says what is wrong with the object, and answers all the same
+    local = Answerer(store, topup=TOPUP).answer("badindex-0000", question, MAX_NEW)
+    assert local.topup["status"] == "unavailable" and "failed its checksum" in local.topup["note"]
+    assert local.answer == plain.answer
 
 
 @e2e
@@ -555,8 +672,9 @@ def test_a_conversation_grown_while_it_is_answered_is_served_at_its_new_version(
     assert after["tokens"] > before["tokens"]
     assert [e["object_key"] for e in after["episodes"]] == [r.object_key for r in records]
     served = _answer(url, cid, question).json()
-    library = Answerer(store).answer(cid, question, MAX_NEW)
+    library = Answerer(store, topup=TOPUP).answer(cid, question, MAX_NEW)
     assert (served["episode"], served["answer"]) == (library.episode, library.answer)
+    assert served["topup"]["turn_ids"] == library.topup["turn_ids"]
 
 
 @e2e

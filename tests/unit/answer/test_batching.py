@@ -264,6 +264,35 @@ def test_a_failing_request_fails_alone_and_sampling_uses_its_own_generator(lm_an
         batcher.close()
 
 
+TOPUPS = ("\n\nSession 2, 3 May 2023\nAnna: We hiked up to the lake on Sunday.",
+          "\n\nSession 5, 9 June 2023\nBen: The kitten is called Miso.\nAnna: Miso, how sweet!")
+
+
+def test_requests_with_and_without_topups_batch_together_and_answer_as_alone(lm_and_caches):
+    """A question-time top-up (`pipeline.answer.topup`) comes before the instruction, so its
+    prompt is prefilled whole, beside requests that reuse the instruction's entries, over the
+    same cache too: one prefill and one batch, each answer as `decode_answer` gives it alone."""
+    lm, caches = lm_and_caches
+    asks = [(caches[1], ""), (caches[1], TOPUPS[0]), (caches[1], TOPUPS[1]), (caches[2], "")]
+    before = [_state(c) for c in caches]
+    alone = [decode_answer(lm, c, QUESTIONS[1], 16, topup=t) for c, t in asks]
+    # the top-up is read: the same question over the same cache answers otherwise
+    assert len({a.text for a in alone[:3]}) == 3
+    batcher = DecodeBatcher(lm, max_batch=8)
+    try:
+        with batcher._wake:  # all queued before the prefill thread admits any: one batch
+            jobs = [batcher.submit(c, QUESTIONS[1], 16, topup=t) for c, t in asks]
+        got = [j.future.result(timeout=60) for j in jobs]
+        stats = batcher.stats()
+    finally:
+        batcher.close()
+    assert got == alone
+    assert [j.prefix is not None for j in jobs] == [True, False, False, True]
+    assert stats["prefills"] == 1 and stats["mean_prefill_rows"] == 4.0
+    assert stats["peak_batch"] == 4 and stats["completed"] == 4 and stats["failed"] == 0
+    assert all(_same_state(b, _state(c)) for b, c in zip(before, caches))
+
+
 def _job(batcher, cache, question, n, temperature=0.0):
     """A job as `submit` makes it (its prompt tokenised), queued by the caller."""
     from pipeline.answer.batcher import DecodeJob
