@@ -3,9 +3,10 @@ or interrupted builds left in it.
 
     python -m jobs.gc --store DIR|s3://bucket/prefix [--verify] [--delete] [--min-age-seconds 3600]
 
-Manifests are the only commit point, so a cache object that no manifest names is an orphan:
-an episode of a conversation whose build failed or was interrupted, or of a configuration
-that was rebuilt since. So are temporary files of a local store and incomplete multipart
+Manifests are the only commit point, so a cache object or a conversation's turn index
+(`turns/`) that no manifest names is an orphan: an episode or index of a conversation whose
+build failed or was interrupted, of a configuration that was rebuilt since, or the version an
+append replaced. So are temporary files of a local store and incomplete multipart
 uploads in S3. Anything younger than --min-age-seconds is left alone, so running this beside a
 build does not take the objects it is about to commit. Calibration profiles are kept. gc never
 changes a committed manifest, so the manifest table (`index/`, an index of the manifests) needs
@@ -14,7 +15,8 @@ no update; `jobs.manifests --compact` removes the table's own old files.
 Every manifest is read: one that cannot be read is a fault (and its conversation's objects are
 never orphans, so --delete cannot take them), and so is an object a manifest names that is not
 in the store. --verify also reads every named object and checks its size and SHA-256 against
-the manifest. Faults are listed and make the exit code 1.
+the manifest, and parses each turn index as a reader would (its conversation and encoder files
+the manifest's: else a "corrupt index"). Faults are listed and make the exit code 1.
 
 The models the manifests were built with are listed with the fingerprints of their files, and
 conversations built before fingerprints (not served until rebuilt) are counted.
@@ -36,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = make_parser("jobs.gc", __doc__)
     add_store_options(p, region=True)
     p.add_argument("--verify", action="store_true",
-                   help="read every object a manifest names and check its size and SHA-256")
+                   help="read every object a manifest names and check its size and SHA-256 "
+                        "(and parse each turn index)")
     p.add_argument("--delete", action="store_true", help="remove the orphans and unfinished "
                    "writes listed (never a manifest or an object a manifest names)")
     p.add_argument("--min-age-seconds", type=non_negative, default=3600.0,
@@ -71,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     verb = "removed" if a.delete else "found"
     print(f"{verb} {len(g.orphans)} orphan objects ({g.bytes / 2**20:.1f} MiB) and "
           f"{len(g.partials)} unfinished writes; {g.manifests} manifests name {g.referenced} "
-          f"objects; {g.young} younger than {a.min_age_seconds:.0f}s left alone; store {store.uri}"
+          f"objects ({g.indexes} turn indexes); {g.young} younger than "
+          f"{a.min_age_seconds:.0f}s left alone; store {store.uri}"
           + ("" if a.delete or not (g.orphans or g.partials) else "; --delete removes them"))
     checked = (f"{g.verified} objects verified (size and SHA-256)" if a.verify
                else "objects not read (--verify checks their sizes and SHA-256)")

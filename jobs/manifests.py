@@ -20,6 +20,8 @@ Each episode shows the fingerprint of the model files it was built with ("model 
 warning on stderr counts the episodes without one (built before caches were bound to their
 model: not served until rebuilt). --check-models also fingerprints the models' files as they
 are here now and flags the episodes built with other files ("stale": a reader refuses them).
+"index KiB" is the size of the conversation's turn index (the same on every row; "-": built
+before turn indexes, so its questions get no top-up); --json rows carry its key.
 
 A store that does not exist is an error (never created); a manifest that cannot be read is
 named on stderr and the others are still shown (exit code 2).
@@ -46,7 +48,8 @@ from pipeline.store.table_query import connect, select, totals
 from pipeline.store.table_sync import mismatches, repair
 from pipeline.store.uri import open_store
 
-_COLUMNS = ("episode", "tokens", "build_seconds", "kv_bytes", "object_bytes", "n_windows")
+_COLUMNS = ("episode", "tokens", "build_seconds", "kv_bytes", "object_bytes", "n_windows",
+            "turn_index_key", "turn_index_bytes")
 
 
 def summarise(record: ManifestRecord) -> dict:
@@ -130,6 +133,12 @@ def _cell(value, spec: str) -> str:
 
 def _mib(value) -> float | None:
     return value / 2**20 if value is not None else None
+
+
+def _index_cell(r: dict) -> str:
+    """The conversation's turn index, in KiB ('-': none recorded)."""
+    size = r["turn_index_bytes"]
+    return _cell(size / 2**10 if size is not None else None, ">9.1f")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -221,14 +230,14 @@ def from_manifests(store: Store, filters: dict, as_json: bool, files: ModelFiles
             print(files.json(r))
         return code
     print(f"{'conversation':<16} {'ep':>2} {'tokens':>7} {'build s':>8} {'KV MiB':>7} "
-          f"{'budget':>7} {'peak':>7} {'peak-budget':>11} {'scorer':<12} {'model files':<22} "
-          "note")
+          f"{'budget':>7} {'peak':>7} {'peak-budget':>11} {'index KiB':>9} {'scorer':<12} "
+          f"{'model files':<22} note")
     for r in rows:
         print(f"{r['conversation_id']:<16} {_cell(r['episode'], '>2')} {_cell(r['tokens'], '>7')} "
               f"{_cell(r['build_seconds'], '>8.1f')} {_cell(_mib(r['kv_bytes']), '>7.2f')} "
               f"{_cell(r['mean_budget'], '>7.0f')} {_cell(r['max_peak_entries'], '>7.0f')} "
-              f"{_cell(r['max_peak_over_budget'], '>11')} {_cell(r['scorer'], '<12')} "
-              f"{r['model_files']:<22} {r['episode_note'] or ''}")
+              f"{_cell(r['max_peak_over_budget'], '>11')} {_index_cell(r)} "
+              f"{_cell(r['scorer'], '<12')} {r['model_files']:<22} {r['episode_note'] or ''}")
     return code
 
 
@@ -247,7 +256,8 @@ def from_table(store: Store, table: ManifestTable, filters: dict, as_json: bool,
     if not only_totals:
         if not as_json:
             print(f"{'conversation':<16} {'ep':>2} {'tokens':>7} {'build s':>8} {'KV MiB':>7} "
-                  f"{'obj MiB':>7} {'scorer':<12} {'config':<16} {'model files':<22} note")
+                  f"{'obj MiB':>7} {'index KiB':>9} {'scorer':<12} {'config':<16} "
+                  f"{'model files':<22} note")
         whole = not (filters["config_hashes"] or filters["models"])
         rows = select(table, TABLE_SCHEMA.names, **filters)
         for r in checked_rows(store, rows, pending, whole, faults):
@@ -303,7 +313,8 @@ def checked_rows(store: Store, batches: Iterable[pa.RecordBatch], pending: set[s
 def _table_line(r: dict) -> str:
     return (f"{r['conversation_id']:<16} {_cell(r['episode'], '>2')} {_cell(r['tokens'], '>7')} "
             f"{_cell(r['build_seconds'], '>8.1f')} {_cell(_mib(r['kv_bytes']), '>7.2f')} "
-            f"{_cell(_mib(r['object_bytes']), '>7.2f')} {_cell(r['scorer'], '<12')} "
+            f"{_cell(_mib(r['object_bytes']), '>7.2f')} {_index_cell(r)} "
+            f"{_cell(r['scorer'], '<12')} "
             f"{_cell(r['config_hash'], '<16')} {r['model_files']:<22} {r['episode_note'] or ''}")
 
 

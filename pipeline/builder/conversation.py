@@ -96,7 +96,7 @@ def check_same_files(records: list[ManifestRecord], files: ModelFingerprints) ->
                 "same model files")
 
 
-def check_stored(store: Store, key: str, size: int) -> None:
+def check_stored(store: Store, key: str, size: int, what: str = "cache object") -> None:
     """The object is in the store with the size written: one HEAD, no download. Its content
     is trusted to the write (a local store renames a complete file into place; S3 checks the
     upload's checksum), the SHA-256 the worker computed of what it wrote goes in the manifest,
@@ -104,10 +104,10 @@ def check_stored(store: Store, key: str, size: int) -> None:
     try:
         stored = store.info(key).size
     except ObjectNotFound:
-        raise cache_format.CacheCorruptError(f"cache object {key} is missing from the store") from None
+        raise cache_format.CacheCorruptError(f"{what} {key} is missing from the store") from None
     if stored != size:
-        raise cache_format.CacheCorruptError(f"cache object {key} holds {stored} bytes, "
-                                         f"{size} were written")
+        raise cache_format.CacheCorruptError(f"{what} {key} holds {stored} bytes, "
+                                             f"{size} were written")
 
 
 def commit_manifest(store: Store, conversation_id: str, records: list[ManifestRecord],
@@ -119,7 +119,7 @@ def commit_manifest(store: Store, conversation_id: str, records: list[ManifestRe
     for record in records:
         check_stored(store, record.object_key, record.object_bytes)
     for index in {r.turn_index for r in records} - {None}:
-        check_stored(store, index.key, index.size)
+        check_stored(store, index.key, index.size, "turn index")
     write_manifest(store, conversation_id, records)
 
 

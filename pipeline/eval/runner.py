@@ -90,16 +90,16 @@ class Cell:
         if read is not None and read not in self.topups:
             self.topups += (read,)
 
+    @property
+    def method(self) -> str:
+        return self.methods[0]
+
 
 def topup_read(method: str, config: EvalConfig) -> tuple[TopUpConfig, Route] | None:
     """A method's top-up and the routing that picks the reads it tops up (None: no top-up)."""
     if method == NO_HISTORY or config.topup_of(method) is None:
         return None
     return config.topup_of(method), config.route_of(method)
-
-    @property
-    def method(self) -> str:
-        return self.methods[0]
 
 
 def records_of(cell_records: list[dict], methods: list[str], config: EvalConfig) -> list[dict]:

@@ -10,6 +10,8 @@
     uri.py          BACKENDS (URI scheme -> backend) and open_store, which resolves through it
     cache_format.py one episode's cache as safetensors (never pickle), checksummed
                     (its format version: pipeline.config.format_version)
+    turn_index.py   a conversation's turn index (every turn's text and embedding, for the
+                    question-time top-up), checked as a cache object is
     manifest.py     ManifestRecord (the schema), CacheRef, the per-conversation Parquet
                     manifest (the commit point)
     table.py        the manifest table: every episode of a store in one Delta table

@@ -1,10 +1,12 @@
 """Garbage and faults of a store: what no manifest names, and what a manifest names wrongly.
 
-Manifests are the only commit point, so a cache object that no manifest names is an orphan (an
-episode of a failed or interrupted build, or of a configuration rebuilt since), and so are the
-temporary files of a local store and incomplete multipart uploads in S3. A manifest that cannot
-be read, or that names an object that is missing (or, verified, of another size or SHA-256),
-is a fault; the objects of a conversation whose manifest is unreadable are never orphans.
+Manifests are the only commit point, so a cache object or turn index that no manifest names is
+an orphan (an episode or index of a failed or interrupted build, of a configuration rebuilt
+since, or the version an append replaced), and so are the temporary files of a local store and
+incomplete multipart uploads in S3. A manifest that cannot be read, or that names an object
+that is missing (or, verified, of another size or SHA-256, or a turn index a reader would
+refuse), is a fault; the objects of a conversation whose manifest is unreadable are never
+orphans.
 """
 
 from __future__ import annotations
@@ -12,10 +14,16 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pipeline.store.base import ObjectNotFound, Partial, Store, manifest_key
 from pipeline.store.manifest import ManifestError, ManifestRecord, list_conversations, read_manifest
+from pipeline.store.turn_index import TurnIndexUnavailable, checked_turn_index
+
+# Where the objects manifests name live (a conversation's under "<prefix><id>/"): caches and
+# turn indexes. Anything else (profiles, the manifest table, reports) is never an orphan.
+OBJECT_PREFIXES = ("caches/", "turns/")
 
 
 @dataclass(frozen=True)
@@ -26,7 +34,13 @@ class Fault:
     detail: str
 
 
-FAULT_KINDS = ("corrupt manifest", "missing object", "wrong size", "checksum failure")
+# "corrupt index": a turn index of the recorded size and SHA-256 that a reader still refuses
+# (it does not parse, or it is another conversation's or encoder's)
+FAULT_KINDS = ("corrupt manifest", "missing object", "wrong size", "checksum failure",
+               "corrupt index")
+
+# How `--verify` checks a named object: (store, key, manifest key, record) -> its fault or None
+Check = Callable[[Store, str, str, ManifestRecord], Fault | None]
 
 
 @dataclass
@@ -37,6 +51,7 @@ class Garbage:
     young: int = 0  # orphans or partials too recent to touch
     manifests: int = 0  # readable manifests
     referenced: int = 0
+    indexes: int = 0  # turn indexes among the referenced objects
     faults: list[Fault] = field(default_factory=list)
     protected: int = 0  # unnamed objects kept because their conversation's manifest is corrupt
     verified: int = 0  # objects whose size and SHA-256 were checked (--verify)
@@ -53,26 +68,31 @@ class Garbage:
 
 
 def find_garbage(store: Store, min_age_seconds: float = 3600.0, verify: bool = False) -> Garbage:
-    """Every cache object no manifest names, and every unfinished write, older than the age;
-    every manifest that cannot be read and every object a manifest names that is missing (with
-    `verify`, or whose size or SHA-256 differs from what the manifest records)."""
+    """Every cache object and turn index no manifest names, and every unfinished write, older
+    than the age; every manifest that cannot be read and every object a manifest names that is
+    missing (with `verify`, or whose size or SHA-256 differs from what the manifest records, or,
+    a turn index, that a reader would refuse)."""
     g = Garbage()
-    named: dict[str, tuple[str, ManifestRecord]] = {}  # object key -> (manifest key, record)
-    corrupt: list[str] = []  # "caches/<id>/" of conversations whose manifest is unreadable
+    named: dict[str, tuple[str, ManifestRecord, Check]] = {}  # key -> (manifest, record, check)
+    corrupt: list[str] = []  # "<prefix><id>/" of conversations whose manifest is unreadable
     for cid in list_conversations(store):
         try:
             records = read_manifest(store, cid) or []
         except ManifestError as e:
             g.faults.append(Fault("corrupt manifest", e.key, e.reason))
-            corrupt.append(f"caches/{cid}/")
+            corrupt.extend(f"{prefix}{cid}/" for prefix in OBJECT_PREFIXES)
             continue
-        named.update((r.object_key, (manifest_key(cid), r)) for r in records)
+        for r in records:
+            named[r.object_key] = (manifest_key(cid), r, check_object)
+            if r.turn_index is not None:  # the same on every row
+                named[r.turn_index.key] = (manifest_key(cid), r, check_turn_index)
         g.models.update({(r.model_id, r.model_fingerprint, r.encoder_id, r.encoder_fingerprint)
                          for r in records})
         g.manifests += 1
     g.referenced = len(named)
+    g.indexes = sum(check is check_turn_index for _, _, check in named.values())
     now = time.time()
-    stored = store.list("caches/")
+    stored = [key for prefix in OBJECT_PREFIXES for key in store.list(prefix)]
     for key in stored:
         if key in named:
             continue
@@ -88,12 +108,12 @@ def find_garbage(store: Store, min_age_seconds: float = 3600.0, verify: bool = F
         else:
             g.young += 1
     present = set(stored)
-    for key, (mkey, record) in sorted(named.items()):
+    for key, (mkey, record, check) in sorted(named.items()):
         if key not in present and not store.exists(key):
             g.faults.append(Fault("missing object", key, f"named by {mkey}"))
         elif verify:
             g.verified += 1
-            fault = check_object(store, key, mkey, record)
+            fault = check(store, key, mkey, record)
             if fault is not None:
                 g.faults.append(fault)
     for partial in store.list_partial():
@@ -105,19 +125,43 @@ def find_garbage(store: Store, min_age_seconds: float = 3600.0, verify: bool = F
 
 
 def check_object(store: Store, key: str, manifest: str, record: ManifestRecord) -> Fault | None:
-    """The object's size and SHA-256 against its manifest record; None when both match."""
+    """A cache object's size and SHA-256 against its manifest record; None when both match."""
+    got = _read_checked(store, key, manifest, record.object_bytes, record.sha256)
+    return got if isinstance(got, Fault) else None
+
+
+def check_turn_index(store: Store, key: str, manifest: str,
+                     record: ManifestRecord) -> Fault | None:
+    """A turn index's size and SHA-256 against its manifest record, then the rest of what a
+    reader checks (it parses, and is the conversation's, embedded by the episodes' encoder
+    files); None when it would be served."""
+    got = _read_checked(store, key, manifest, record.turn_index_bytes, record.turn_index_sha256)
+    if isinstance(got, Fault):
+        return got
     try:
-        size = store.info(key).size
-        if record.object_bytes is None or size != record.object_bytes:
-            return Fault("wrong size", key, f"{size} bytes, {manifest} records "
-                                            f"{record.object_bytes}")
-        digest = hashlib.sha256(store.get(key)).hexdigest()  # as the manifest records it
+        checked_turn_index(got, record.turn_index, record.conversation_id,
+                           record.encoder_fingerprint)
+    except TurnIndexUnavailable as e:
+        return Fault("corrupt index", key, str(e))
+    return None
+
+
+def _read_checked(store: Store, key: str, manifest: str, size: int | None,
+                  sha256: str | None) -> bytes | Fault:
+    """The object's bytes when their size and SHA-256 are what the manifest records, else the
+    fault (the size is asked first: an object of the wrong size is not downloaded)."""
+    try:
+        stored = store.info(key).size
+        if size is None or stored != size:
+            return Fault("wrong size", key, f"{stored} bytes, {manifest} records {size}")
+        data = store.get(key)
     except ObjectNotFound:  # removed meanwhile
         return Fault("missing object", key, f"named by {manifest}")
-    if digest != record.sha256:
+    digest = hashlib.sha256(data).hexdigest()  # as the manifest records it
+    if digest != sha256:
         return Fault("checksum failure", key, f"sha256 {digest[:16]}..., {manifest} records "
-                                              f"{str(record.sha256)[:16]}...")
-    return None
+                                              f"{str(sha256)[:16]}...")
+    return data
 
 
 def remove(store: Store, garbage: Garbage) -> None:

@@ -32,13 +32,15 @@ log = logging.getLogger(__name__)
 TABLE_KEY = "index/episodes"
 PENDING_PREFIX = "index/pending/"
 
-# The manifest's scalar columns: what an index answers (which objects, their checksums and sizes,
-# tokens, who built them with which configuration, when). Left out, and read from a manifest when
-# needed: centroid and window_embeddings (384 floats a window, ~1.5 KB each: routing reads one
-# conversation's manifest anyway),
-# medoid_text and medoid_turn_ids (the patched prompt, KBs), member_turn_ids (an episode's
-# turns: what an append reads from the manifest), config_json (the same ~1 KB on every row of a
-# configuration; config_hash names it), and the per-layer lists.
+# The manifest's scalar columns: what an index answers (which objects, the turn index's included,
+# their checksums and sizes, tokens, who built them with which configuration, when). A column
+# added since a table was written reads as null from its older rows (`table_query.select`), and
+# the next write that carries it adds it (`schema_mode="merge"`). Left out, and read from a
+# manifest when needed: centroid and window_embeddings (384 floats a window, ~1.5 KB each:
+# routing reads one conversation's manifest anyway), medoid_text and medoid_turn_ids (the
+# patched prompt, KBs), member_turn_ids (an episode's turns: what an append reads from the
+# manifest), config_json (the same ~1 KB on every row of a configuration; config_hash names
+# it), and the per-layer lists.
 _LEFT_OUT = {"centroid", "window_embeddings", "medoid_text", "medoid_turn_ids", "member_turn_ids", "config_json",
              "layer_budgets",
              "entries_per_layer", "peak_entries_per_layer", "layer_byte_budgets", "oq_ratios"}

@@ -5,9 +5,10 @@ whole conversation, not only in the episode it was routed to, and prefills the o
 lacks. This object is what it searches: safetensors (never pickle) holding `embeddings`
 [turns, d] float16 (unit norm, the encoder's space), with the turns (id, session, the session's
 date line and the turn's rendered line) and what the index is bound to (conversation, encoder
-name and fingerprint) in the header. It is written in stage 1 of a build, before the manifest
-that names it, under a key of its own content (`turn_index_key`), and checked as a cache is:
-the manifest records its length and SHA-256, and a reader checks both and the header's binding.
+name and fingerprint) in the header (one JSON metadata entry, `index`). It is written in stage
+1 of a build, before the manifest that names it, under a key of its own content
+(`turn_index_key`), and checked as a cache is: the manifest records its length and SHA-256,
+and a reader checks both and the header's binding.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from pipeline.store.base import ObjectNotFound, Store, StoreError
 
 FORMAT = 1
 MAX_TURNS = 1_000_000  # a header claiming more is corrupt (limits what a reader allocates)
+# a manifest claiming a bigger index is corrupt: nothing that large is read (a 1,000-turn
+# conversation's index is about 1 MB)
+MAX_INDEX_BYTES = 1 << 30
 
 
 class TurnIndexUnavailable(RuntimeError):
@@ -81,12 +85,13 @@ def turn_index_key(conversation_id: str, encoder_fingerprint: str, sha256: str) 
 
 
 def serialize(index: TurnIndex) -> bytes:
-    header = {"format": str(FORMAT), "conversation_id": index.conversation_id,
+    """The object's bytes: the same index gives the same bytes, so the same key (the header is
+    one metadata entry: safetensors writes several in a random order)."""
+    header = {"format": FORMAT, "conversation_id": index.conversation_id,
               "encoder_id": index.encoder_id, "encoder_fingerprint": index.encoder_fingerprint,
-              "turns": json.dumps([[t.turn_id, t.session, t.date_line, t.line]
-                                   for t in index.turns], ensure_ascii=False)}
+              "turns": [[t.turn_id, t.session, t.date_line, t.line] for t in index.turns]}
     return st_save({"embeddings": np.ascontiguousarray(index.embeddings, dtype=np.float16)},
-                   metadata=header)
+                   metadata={"index": json.dumps(header, ensure_ascii=False)})
 
 
 def parse(data: bytes, name: str) -> TurnIndex:
@@ -95,9 +100,9 @@ def parse(data: bytes, name: str) -> TurnIndex:
         return TurnIndexUnavailable(f"turn index {name} is corrupt: {reason}")
 
     try:
-        header = _metadata(data)
-        rows = json.loads(header["turns"])
-        if int(header.get("format", 0)) != FORMAT:
+        header = json.loads(_metadata(data)["index"])
+        rows = header["turns"]
+        if header.get("format") != FORMAT:
             raise bad(f"format {header.get('format')!r}, this reader reads {FORMAT}")
         if not isinstance(rows, list) or len(rows) > MAX_TURNS:
             raise bad("its turn list is not a list of at most "
@@ -108,7 +113,7 @@ def parse(data: bytes, name: str) -> TurnIndex:
                          header["encoder_fingerprint"], turns, embeddings)
     except TurnIndexUnavailable:
         raise
-    except (SafetensorError, KeyError, ValueError, TypeError) as e:
+    except (SafetensorError, KeyError, ValueError, TypeError, AttributeError) as e:
         raise bad(f"{type(e).__name__}: {e}") from None
 
 
@@ -135,6 +140,9 @@ def read_turn_index(store: Store, stored: StoredIndex, conversation_id: str,
     """The conversation's turn index, checked against its manifest (length, SHA-256) and bound
     to the conversation and the encoder files whose space the question is embedded in;
     `TurnIndexUnavailable` saying why not."""
+    if stored.size is not None and not 0 < stored.size <= MAX_INDEX_BYTES:
+        raise TurnIndexUnavailable(f"turn index {stored.key}: its manifest claims {stored.size:,} "
+                                   f"bytes (at most {MAX_INDEX_BYTES:,} are read)")
     try:
         with store.open(stored.key) as f:
             data = f.read(stored.size + 1 if stored.size is not None else -1)

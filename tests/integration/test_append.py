@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
+from pipeline.builder import cluster as cluster_module
 from pipeline.builder import conversation as conversation_module
 from pipeline.builder.append import read_stored_cache
 from pipeline.builder.cluster import ClusterResult, cluster_conversation, plan_conversation
@@ -23,6 +25,7 @@ from pipeline.builder.driver import run_build
 from pipeline.builder.episode import build_episode
 from pipeline.builder.growth import AppendPlan, Recluster
 from pipeline.builder.profile import layer_budgets
+from pipeline.builder.turns import index_turns, indexed_turns
 from pipeline.config import (BuildConfig, DriverOptions, EpisodeConfig, GrowthConfig, MergeConfig,
                              PrefillConfig, TriStateConfig)
 from pipeline.corpus.reader import write_jsonl
@@ -33,6 +36,7 @@ from pipeline.kv import models, prompts
 from pipeline.store.garbage import find_garbage
 from pipeline.store.local import LocalStore
 from pipeline.store.manifest import read_manifest
+from pipeline.store.turn_index import read_turn_index
 from tests.support.model_folders import make_encoder_folder, make_llm_folder
 from tests.support.stores import store  # noqa: F401  (a folder, or a prefix in SeaweedFS)
 
@@ -161,6 +165,49 @@ def test_the_other_kinds_append_within_their_budget(folders, tmp_path, kind):
             assert max(after.entries_per_layer) <= config.budget
         if kind == "merging":
             assert after.merged_entries > before.merged_entries > 0  # counted over both
+
+
+def test_an_append_extends_the_turn_index_and_leaves_the_old_one_to_gc(folders, tmp_path,
+                                                                       monkeypatch):
+    """The grown conversation's manifest names a new index object: the old turns with the
+    embeddings they had (only the new turns are embedded), then the new ones, as a build of
+    the whole history embeds them; the old object is gc's once the new manifest is committed."""
+    config = small_config(folders)
+    first, whole = aligned_history(config)
+    store = LocalStore(tmp_path / "store")
+    built = build_conversation(first, config, store)
+    embedded: list[str] = []
+    write = cluster_module.write_turn_index
+
+    class Recording:
+        def __init__(self, encoder):
+            self.encoder = encoder
+
+        def encode(self, lines, **kwargs):
+            embedded.extend(lines)
+            return self.encoder.encode(lines, **kwargs)
+
+    monkeypatch.setattr(cluster_module, "write_turn_index",
+                        lambda conv, encoder, *a, **k: write(conv, Recording(encoder), *a, **k))
+    appended = build_conversation(whole, config, store, APPEND_ALWAYS)
+    assert [a.appends for a in appended] == [1] * len(built)
+    [old] = {r.turn_index for r in built}
+    [new] = {r.turn_index for r in appended}  # the same on every row
+    assert new.key != old.key and new.key.startswith(f"turns/{whole.conversation_id}/")
+    fingerprint = appended[0].encoder_fingerprint
+    before, after = (read_turn_index(store, i, whole.conversation_id, fingerprint)
+                     for i in (old, new))
+    n = len(first.turns)
+    assert len(whole.turns) > n
+    assert before.turns == indexed_turns(first) and after.turns == indexed_turns(whole)
+    np.testing.assert_array_equal(after.embeddings[:n], before.embeddings)
+    assert embedded == [t.line for t in after.turns[n:]]
+    fresh = index_turns(whole, models.load_encoder(config.encoder), config.encoder, fingerprint)
+    np.testing.assert_allclose(after.embeddings.astype(np.float32),
+                               fresh.embeddings.astype(np.float32), atol=2e-3)
+    orphans = {key for key, _, _ in find_garbage(store, min_age_seconds=0).orphans}
+    assert old.key in orphans and new.key not in orphans
+    assert {r.object_key for r in built} <= orphans
 
 
 def test_the_growth_rule_reclusters_when_the_episodes_no_longer_fit(folders, tmp_path):

@@ -320,6 +320,81 @@ def test_store_without_a_table_is_read_from_its_manifests(filled, capsys):
 
 
 # ---------------------------------------------------------------------------------------------
+# The turn index columns, and tables written before them
+# ---------------------------------------------------------------------------------------------
+
+INDEX_COLUMNS = ["turn_index_key", "turn_index_sha256", "turn_index_bytes"]
+
+
+def test_the_table_and_the_listing_carry_each_conversations_turn_index(tmp_path, capsys):
+    """The turn index a manifest names is in the table (key, SHA-256, bytes), in --json rows
+    and --sql, and in the listing's "index KiB" column ('-' for a conversation without one)."""
+    store = LocalStore(tmp_path / "store")
+    indexed = put_conversation(store, "conv-0", turn_index=True)
+    put_conversation(store, "conv-1")
+    assert set(INDEX_COLUMNS) <= set(manifest_table.TABLE_SCHEMA.names)
+    rebuild(store)
+    rows = assert_table_equals_manifests(store)
+    assert {(r["conversation_id"], r["turn_index_key"], r["turn_index_bytes"]) for r in rows} == \
+        {("conv-0", indexed[0].turn_index_key, indexed[0].turn_index_bytes),
+         ("conv-1", None, None)}
+    for extra in ([], ["--manifests"]):
+        assert manifests.main(["--store", store.uri, "--json", *extra]) == 0
+        shown = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert [(r["turn_index_key"], r["turn_index_bytes"]) for r in shown] == \
+            [(r["turn_index_key"], r["turn_index_bytes"]) for r in rows]
+        assert manifests.main(["--store", store.uri, *extra]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        column = lines[0].index("index KiB") + len("index KiB")  # right-aligned cells
+        cells = [line[column - 9:column].strip() for line in lines[1:5]]
+        assert cells == [f"{indexed[0].turn_index_bytes / 1024:.1f}"] * 2 + ["-"] * 2
+    assert manifests.main(["--store", store.uri, "--sql", "SELECT DISTINCT conversation_id, "
+                           "turn_index_bytes FROM episodes ORDER BY 1"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "conversation_id,turn_index_bytes", f"conv-0,{indexed[0].turn_index_bytes}", "conv-1,"]
+
+
+def test_a_table_written_before_the_turn_index_columns_reads_appends_and_rebuilds(tmp_path,
+                                                                                    capsys):
+    """A table of a store built before turn indexes: listed as before (the columns null), then
+    a conversation built since is appended and a grown one replaced, each adding the columns
+    (their older rows null); --compact keeps them, --rebuild recreates the table."""
+    store = LocalStore(tmp_path / "store")
+    for i in range(3):
+        put_conversation(store, f"conv-{i}")
+    table = ManifestTable(store)
+    old = manifest_table.table_rows(manifest_rows(store)).drop_columns(INDEX_COLUMNS)
+    table._write("create", old, mode="append")  # as a writer before the columns wrote it
+    assert not set(INDEX_COLUMNS) & set(table.dataset().schema.names)
+
+    assert manifests.main(["--store", store.uri, "--json"]) == 0
+    listed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(listed) == 6 and {r["turn_index_key"] for r in listed} == {None}
+    assert manifests.main(["--store", store.uri, "--conversation", "conv-1", "--json"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2  # the point lookup's path
+    assert manifests.main(["--store", store.uri, "--sql", "SELECT count(*) FROM episodes"]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == "6"
+
+    new = put_conversation(store, "conv-3", turn_index=True)  # built since: appended
+    table.replace(["conv-3"], [table_row(r) for r in new])
+    grown = put_conversation(store, "conv-0", turn_index=True)  # rebuilt: its rows replaced
+    table.replace(["conv-0"], [table_row(r) for r in grown])
+    rows = assert_table_equals_manifests(store)
+    assert {r["conversation_id"] for r in rows if r["turn_index_key"]} == {"conv-0", "conv-3"}
+    assert manifests.main(["--store", store.uri]) == 0  # every row matches its manifest
+    out = capsys.readouterr().out
+    assert "total: 8 episodes of 4 conversations" in out
+
+    assert manifests.main(["--store", store.uri, "--compact"]) == 0
+    assert "compacted the manifest table" in capsys.readouterr().out
+    assert_table_equals_manifests(store)
+    assert manifests.main(["--store", store.uri, "--rebuild"]) == 0
+    assert "rebuilt the manifest table from 4 manifests (8 episodes)" in capsys.readouterr().out
+    assert_table_equals_manifests(store)
+    assert set(INDEX_COLUMNS) <= set(table.dataset().schema.names)
+
+
+# ---------------------------------------------------------------------------------------------
 # On S3 (SeaweedFS)
 # ---------------------------------------------------------------------------------------------
 

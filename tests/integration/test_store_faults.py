@@ -1,6 +1,7 @@
 """Bad stores, on every backend: read-only commands refuse a store that does not exist (and
 never create it), every command names a corrupt manifest in one line, and `jobs.gc` finds
-each kind of fault a store can have (with `--verify`, also objects whose bytes changed).
+each kind of fault a store can have (with `--verify`, also objects whose bytes changed), for
+cache objects and turn indexes alike.
 
 Stores are filled with tiny caches in the real format (`jobs.bench.scale.synthetic_cache`)
 and real manifests, so no model is loaded.
@@ -8,7 +9,11 @@ and real manifests, so no model is loaded.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import os
 import pickle
+import time
 import uuid
 
 import pytest
@@ -20,13 +25,16 @@ from pipeline.serve.errors import classify
 from pipeline.store import cache_format
 from pipeline.store.base import StoreError
 from pipeline.store.local import LocalStore
-from pipeline.store.manifest import ManifestError, list_conversations, read_manifest
+from pipeline.store.manifest import ManifestError, list_conversations, read_manifest, write_manifest
+from pipeline.store.turn_index import (StoredIndex, read_turn_index, serialize,
+                                       store_turn_index, turn_index_key)
 from pipeline.store.uri import open_store
 from tests.support.stores import (
     CORRUPT,
     plant_corrupt_manifest,
     put_conversation,
     store,  # noqa: F401  (a folder, a prefix in SeaweedFS, memory)
+    tiny_turn_index,
 )
 
 COMMANDS = {  # every read-only command, with the arguments it needs besides --store
@@ -162,16 +170,17 @@ FOUND_WITHOUT_VERIFY = {"corrupt manifest": True, "missing object": True,
 
 
 def test_gc_verify_passes_a_healthy_store(store, capsys):
-    put_conversation(store, "conv-1")
+    put_conversation(store, "conv-1", turn_index=True)
     put_conversation(store, "conv-2", episodes=1)
     assert gc.main(["--store", store.uri, "--verify"]) == 0
     out = capsys.readouterr().out
-    assert "no faults" in out and "3 objects verified (size and SHA-256)" in out
+    assert "no faults" in out and "4 objects verified (size and SHA-256)" in out
+    assert "2 manifests name 4 objects (1 turn indexes)" in out
     assert gc.main(["--store", store.uri]) == 0
     assert "objects not read (--verify checks" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("fault", gc.FAULT_KINDS)
+@pytest.mark.parametrize("fault", [k for k in gc.FAULT_KINDS if k != "corrupt index"])
 def test_gc_verify_finds_each_planted_fault(fault, store, capsys):
     rows = put_conversation(store, "conv-1")
     put_conversation(store, "conv-2", episodes=1)
@@ -199,6 +208,93 @@ def test_gc_verify_finds_each_planted_fault(fault, store, capsys):
     assert list_conversations(store) == planted + ["conv-1", "conv-2"]  # gc removed no manifest
 
 
+def test_gc_keeps_named_turn_indexes_and_collects_the_others(store, capsys):
+    """A turn index no manifest names (the version an append replaced, an interrupted build's)
+    is an orphan once old enough, and --delete removes it; the named one stays readable, and
+    the index of a conversation whose manifest is corrupt is kept for its rebuild."""
+    rows = put_conversation(store, "conv-1", turn_index=True)
+    named = rows[0].turn_index
+    old = store_turn_index(tiny_turn_index("conv-1", seed=1), store)
+    assert old.key != named.key and old.key.startswith("turns/conv-1/")
+    kept = store_turn_index(tiny_turn_index("bad"), store)
+    plant_corrupt_manifest(store)
+    uri = ["--store", store.uri]
+    if isinstance(store, LocalStore):  # an unfinished write of an index is listed too
+        tmp = store.root / "turns" / "conv-1" / ".tmp-stale"
+        tmp.write_bytes(b"half an index")
+        os.utime(tmp, (time.time() - 7200, time.time() - 7200))
+
+    assert gc.main(uri) == 1  # the corrupt manifest; the fresh old index is left alone
+    out = capsys.readouterr().out
+    assert old.key not in out and "found 0 orphan objects" in out
+    assert "1 manifests name 3 objects (1 turn indexes); 1 younger than" in out
+
+    assert gc.main(uri + ["--min-age-seconds", "0", "--delete"]) == 1
+    out = capsys.readouterr().out
+    orphans = [line.split()[1] for line in out.splitlines() if line.startswith("orphan ")]
+    assert orphans == [old.key]
+    assert out.count("partial ") == isinstance(store, LocalStore)
+    assert "3 objects of conversations with a corrupt manifest kept" in out
+    assert not store.exists(old.key) and store.exists(named.key) and store.exists(kept.key)
+    assert read_turn_index(store, named, "conv-1", rows[0].encoder_fingerprint).turns == \
+        tiny_turn_index("conv-1").turns
+    assert store.list_partial() == []
+
+
+def _flip(data: bytes) -> bytes:
+    middle = len(data) // 2
+    return data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1:]
+
+
+def plant_index_fault(how: str, store, rows: list) -> str:
+    """Break the turn index `put_conversation` stored for `rows` in one way; its key."""
+    index = rows[0].turn_index
+    if how == "missing object":
+        store.delete(index.key)
+    elif how == "wrong size":
+        store.put(index.key, store.get(index.key) + b"\0")
+    elif how == "checksum failure":
+        store.put(index.key, _flip(store.get(index.key)))
+    else:  # bytes the manifest records faithfully that a reader still refuses
+        data = serialize(tiny_turn_index("conv-9")) if how == "another conversation's" \
+            else b"not a safetensors file"
+        sha = hashlib.sha256(data).hexdigest()
+        index = StoredIndex(turn_index_key("conv-1", "f" * 16, sha), sha, len(data))
+        store.put(index.key, data)
+        write_manifest(store, "conv-1", [dataclasses.replace(r, **index.fields()) for r in rows])
+    return index.key
+
+
+INDEX_FAULTS = {  # how the index is broken: the fault gc reports, and what its line says
+    "missing object": ("missing object", "named by manifests/conv-1.parquet"),
+    "wrong size": ("wrong size", "bytes, manifests/conv-1.parquet records"),
+    "checksum failure": ("checksum failure", "manifests/conv-1.parquet records"),
+    "another conversation's": ("corrupt index", "belongs to conversation 'conv-9', not 'conv-1'"),
+    "not an index": ("corrupt index", "is corrupt: "),
+}
+
+
+@pytest.mark.parametrize("how", INDEX_FAULTS)
+def test_gc_verify_checks_each_named_turn_index(how, store, capsys):
+    """--verify reads every turn index a manifest names and checks it as a reader does (size,
+    SHA-256, then its parse and binding): each way it can be broken is one fault line naming
+    its key; without --verify only a missing one is found (no object is read)."""
+    rows = put_conversation(store, "conv-1", turn_index=True)
+    put_conversation(store, "conv-2", episodes=1, turn_index=True)
+    key = plant_index_fault(how, store, rows)
+    fault, detail = INDEX_FAULTS[how]
+
+    assert gc.main(["--store", store.uri, "--verify"]) == 1
+    out = capsys.readouterr().out
+    [line] = [line for line in out.splitlines() if line.startswith(fault)]
+    assert line.startswith(f"{fault:<17} {key}: ") and detail in line
+    assert f"store has faults: 1 {fault};" in out
+
+    assert gc.main(["--store", store.uri]) == (1 if fault == "missing object" else 0)
+    assert (key in capsys.readouterr().out) == (fault == "missing object")
+    assert list_conversations(store) == ["conv-1", "conv-2"]
+
+
 def test_commit_checks_the_objects_without_downloading_them(store, monkeypatch):
     """The manifest commit trusts the worker's SHA-256 and checks each object with one HEAD
     (present, at the size written): no GET of a cache object; a missing or short object is
@@ -219,4 +315,22 @@ def test_commit_checks_the_objects_without_downloading_them(store, monkeypatch):
     store.delete(rows[1].object_key)
     with pytest.raises(cache_format.CacheCorruptError, match="is missing from the store"):
         commit_manifest(store, "conv-2", rows[1:])
+    assert "conv-2" not in list_conversations(store)
+
+
+def test_commit_refuses_a_turn_index_that_is_not_stored(store):
+    """The manifest names a turn index only once it is in the store at the size written: a
+    missing or short index fails the commit, as a cache object does."""
+    from pipeline.builder.conversation import commit_manifest
+
+    rows = put_conversation(store, "conv-1", turn_index=True)
+    key = rows[0].turn_index_key
+    store.put(key, b"short")
+    with pytest.raises(cache_format.CacheCorruptError,
+                       match=rf"turn index {key} holds 5 bytes, \d+ were written"):
+        commit_manifest(store, "conv-2", rows)
+    store.delete(key)
+    with pytest.raises(cache_format.CacheCorruptError,
+                       match=f"turn index {key} is missing from the store"):
+        commit_manifest(store, "conv-2", rows)
     assert "conv-2" not in list_conversations(store)

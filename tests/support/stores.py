@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import uuid
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -15,12 +16,27 @@ from pipeline.store import cache_format
 from pipeline.store.base import cache_key, manifest_key
 from pipeline.store.local import LocalStore
 from pipeline.store.manifest import MANIFEST_SCHEMA, ManifestRecord, write_manifest
+from pipeline.store.turn_index import IndexedTurn, TurnIndex, store_turn_index
 from pipeline.store.uri import open_store
 
 
-def put_conversation(store, cid: str, episodes: int = 2) -> list[ManifestRecord]:
-    """Committed like a build commits: the objects, then a manifest naming them with their
-    sizes and SHA-256 (columns a test does not need stay null)."""
+def tiny_turn_index(cid: str, encoder_fingerprint: str = SYNTHETIC_FILES.encoder,
+                    turns: int = 3, dim: int = 4, seed: int = 0) -> TurnIndex:
+    """A conversation's turn index of a few turns, unit-norm random embeddings."""
+    vectors = np.random.default_rng(seed).standard_normal((turns, dim))
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    return TurnIndex(cid, "synthetic", encoder_fingerprint,
+                     tuple(IndexedTurn(f"{cid}-t{i}", i // 2, f"[session {i // 2}]",
+                                       f"user: turn {i} of {cid}") for i in range(turns)),
+                     vectors.astype(np.float16))
+
+
+def put_conversation(store, cid: str, episodes: int = 2,
+                     turn_index: bool = False) -> list[ManifestRecord]:
+    """Committed like a build commits: the objects (with `turn_index`, the conversation's turn
+    index too), then a manifest naming them with their sizes and SHA-256 (columns a test does
+    not need stay null)."""
+    index = store_turn_index(tiny_turn_index(cid), store) if turn_index else None
     rows = []
     for e in range(episodes):
         data = synthetic_cache(cid, e, 8, SYNTHETIC_CONFIG)
@@ -31,7 +47,8 @@ def put_conversation(store, cid: str, episodes: int = 2) -> list[ManifestRecord]
             "sha256": cache_format.sha256(data), "centroid": [1.0, 0.0], "tokens": 8,
             "config_hash": SYNTHETIC_CONFIG.hash, "model_id": "synthetic",
             "encoder_id": "synthetic", "model_fingerprint": SYNTHETIC_FILES.model,
-            "encoder_fingerprint": SYNTHETIC_FILES.encoder, "scorer": "epicache"}))
+            "encoder_fingerprint": SYNTHETIC_FILES.encoder, "scorer": "epicache",
+            **(index.fields() if index else {})}))
     write_manifest(store, cid, rows)
     return rows
 

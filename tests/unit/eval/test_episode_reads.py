@@ -100,12 +100,15 @@ def test_a_top_up_variant_selects_its_own_fields_from_the_same_cell():
     assert topup is not None and topup.enabled and config.topup_of("epicache") is None
     assert config.topup_of("snapkv+topup.enabled=true") is None  # episodic methods only
     assert config.topup_of("epicache-topup+topup.max_tokens=128").max_tokens == 128
-    prefix = topup_prefix(topup)
-    record = _record() | {f"{prefix}episode_{f}": [1.0, 2.0, 3.0] for f in READ_FIELDS} \
-        | {f"{prefix}pair_{f}": [4.0, 5.0] for f in READ_FIELDS}
+    prefix = topup_prefix(topup, ("window", 0.02))
+    nan = float("nan")  # a top-up is measured on the read its route picks only
+    record = _record() | {f"{prefix}episode_{f}": [nan, nan, nan] for f in READ_FIELDS} \
+        | {f"{prefix}pair_{f}": [nan, 5.0] for f in READ_FIELDS}
     plain, topped = (select_route(record, m, config) for m in ("epicache", "epicache-topup"))
     assert (plain["episode"], plain["episodes_read"]) == (topped["episode"], topped["episodes_read"])
     assert plain["evidence_nll"] == 30.0 and topped["evidence_nll"] == 5.0
-    assert topup_prefix(topup) != topup_prefix(config.topup_of("epicache-topup+topup.turns=8"))
+    assert topup_prefix(topup, ("window", 0.02)) != \
+        topup_prefix(config.topup_of("epicache-topup+topup.turns=8"), ("window", 0.02))
+    assert topup_prefix(topup, ("window", 0.02)) != topup_prefix(topup, ("centroid", 0.0))
     with pytest.raises(ValueError, match="no configuration field"):
         EvalConfig().topup_of("epicache+topup.bogus=1")

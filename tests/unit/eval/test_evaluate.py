@@ -228,9 +228,9 @@ def test_a_cell_measures_the_caches_the_product_build_makes(tiny_llm_dir, monkey
 
 @pytest.mark.e2e
 def test_a_cell_measures_each_top_up_on_the_same_caches(tiny_llm_dir):
-    """An episodic cell measures every read plain and with each top-up its variants read
-    (fields of their own); a top-up's tokens come before each probe, so a read with one
-    differs from the plain read only where a question was topped up."""
+    """An episodic cell measures every read plain and each top-up its variants read on the
+    read their routing picks (fields of their own); a top-up is prefilled before the probes, so
+    a read with one differs from the plain read only where a question was topped up."""
     from pipeline.eval.cell import evaluate_cell, prepare
     from pipeline.eval.episode_reads import select_route
     from pipeline.eval.methods import topup_prefix
@@ -238,16 +238,18 @@ def test_a_cell_measures_each_top_up_on_the_same_caches(tiny_llm_dir):
     config = EvalConfig(BuildConfig(model=tiny_llm_dir, prefill=PrefillConfig(block=64)),
                         questions_per_conversation=4)
     prep = prepare(make_corpus(1, 600, seed=11)[0], config)
-    topup = config.topup_of("epicache-topup")
-    records = evaluate_cell(prep, "epicache", 32, config, None, (topup,))
-    prefix = topup_prefix(topup)
+    topup, route = config.topup_of("epicache-topup"), config.route_of("epicache-topup")
+    records = evaluate_cell(prep, "epicache", 32, config, None, ((topup, route),))
+    prefix = topup_prefix(topup, route)
     for r in records:
-        tokens = r[f"{prefix}episode_topup_tokens"]
-        assert all(0 <= t <= topup.max_tokens for t in tokens)
-        assert r["episode_topup_tokens"] == [0.0] * len(tokens)
-        for k, t in enumerate(tokens):  # no top-up: the very same probes
-            same = r[f"{prefix}episode_evidence_nll"][k] == r["episode_evidence_nll"][k]
-            assert same or t > 0
+        picked = select_route(r, "epicache-topup", config)
+        assert 0 <= picked["topup_tokens"] <= topup.max_tokens
+        fields = "episode_" if picked["episodes_read"] == 1 else "pair_"
+        measured = [i for i, x in enumerate(r[f"{prefix}{fields}evidence_nll"]) if x == x]
+        assert len(measured) == 1  # the read its route picks, alone
+        assert r[f"{fields}topup_tokens"][measured[0]] == 0  # the plain read: none
+        if picked["topup_tokens"] == 0:  # no top-up: the very same probes
+            assert picked["evidence_nll"] == r[f"{fields}evidence_nll"][measured[0]]
     topped = [select_route(r, "epicache-topup", config) for r in records]
     assert any(r["topup_tokens"] > 0 for r in topped)
 
