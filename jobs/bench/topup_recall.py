@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", type=positive_int, default=TopUpConfig.turns,
                    help="the text top-up's nearest turns searched")
     p.add_argument("--page", type=positive_int, default=16, help="tokens per KV page")
+    p.add_argument("--queries", choices=("all", "last"), default="all",
+                   help="the question prompt's queries that score the pages: all its tokens', or "
+                        "the last one's (the first answer token's, as Quest scores at decode)")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch threads (default: torch's)")
     return p
@@ -154,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
             if lacking:
                 record["text"] = float(np.mean([t in text.turn_ids for t in lacking]))
                 queries = question_queries(lm, cache, prompts.question_ids(lm.tokenizer, q.question))
+                if a.queries == "last":
+                    queries = [layer_queries[:, -1:] for layer_queries in queries]
                 not_held = ~layout.turn_mask(held)
                 record["kv"] = kv_recall(queries, cache, not_held,
                                          [layout.span_of(t) for t in lacking], a.tokens, a.page)

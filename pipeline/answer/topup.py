@@ -66,13 +66,18 @@ def render_topup(turns: list[IndexedTurn]) -> str:
 def select_topup(index: TurnIndex, question_embedding: np.ndarray, held: set[str],
                  config: TopUpConfig, count_tokens: Callable[[str], int]) -> TopUp:
     """The question's top-up: of its `config.turns` nearest turns, those not in `held` (the
-    turns of the episodes read), best first while the text stays within `config.max_tokens`."""
+    turns of the episodes read; with `config.nearer_than_held`, only those nearer the question
+    than every held turn), best first while the text stays within `config.max_tokens`."""
     if not config.enabled:
         return TopUp()
     if not index.turns:
         return TopUp(status="none")
     scores = index.scores(question_embedding)
     nearest = np.argsort(-scores, kind="stable")[:config.turns]
+    if config.nearer_than_held:
+        held_scores = [s for t, s in zip(index.turns, scores) if t.turn_id in held]
+        if held_scores:
+            nearest = [i for i in nearest if scores[i] > max(held_scores)]
     chosen: list[int] = []
     tokens = 0
     for i in nearest:

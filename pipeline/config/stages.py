@@ -205,6 +205,9 @@ class TopUpConfig:
     enabled: bool = False
     turns: int = 4  # the question's nearest turns searched; those the read episodes hold are skipped
     max_tokens: int = 256  # the top-up's tokens at most (turns past it are left out)
+    # only the turns nearer the question than every turn the episodes read hold: a question
+    # whose episode holds its nearest turn (routed right, most likely) reads no top-up
+    nearer_than_held: bool = False
 
     def __post_init__(self):
         if self.turns < 1:

@@ -5,7 +5,8 @@ path, as the build's options name them: `epicache`, `epicache-paper`,
 `epicache+scoring.focus=0.5+routing.two_below=0`. A path is a field of the build configuration
 (`pipeline.config.BuildConfig`: `alpha`, `scoring.pool`, `prefill.tristate.fp8`,
 `episodes.episodes`, ...), of the routing (`routing.router`, `routing.two_below`) or of the
-question-time top-up (`topup.enabled`, `topup.turns`, `topup.max_tokens`); its text is
+question-time top-up (`topup.enabled`, `topup.turns`, `topup.max_tokens`,
+`topup.nearer_than_held`); its text is
 cast by the field's type (`none` for an optional field's None). `jobs.evaluate --set PATH=VALUE`
 applies an override to every method.
 

@@ -65,6 +65,9 @@ class ServeSettings:
                            "read hold are skipped)")
     topup_max_tokens: int = setting(
         TopUpConfig.max_tokens, "top-up: its text's tokens at most (turns past it are left out)")
+    topup_nearer_than_held: bool = setting(
+        TopUpConfig.nearer_than_held, "top-up: only the turns nearer the question than every "
+                                      "turn the episodes read hold")
     router_replicas: int = setting(1, "router (HTTP ingress) replicas")
     router_cpus: float = setting(0.5, "Ray CPUs per router replica")
     decoder_replicas: int = setting(1, "decoder replicas (fixed; see --decoder-autoscale)")
@@ -153,7 +156,8 @@ class ServeSettings:
     @property
     def topup_config(self) -> TopUpConfig:
         """The question-time top-up the router computes (`pipeline.answer.topup`)."""
-        return TopUpConfig(self.topup, self.topup_turns, self.topup_max_tokens)
+        return TopUpConfig(self.topup, self.topup_turns, self.topup_max_tokens,
+                           self.topup_nearer_than_held)
 
     @classmethod
     def from_strings(cls, args: dict[str, str], **defaults: Any) -> "ServeSettings":

@@ -56,6 +56,15 @@ def test_the_top_up_stays_within_its_tokens():
     assert topup.turn_ids == ("D1:2",) and topup.tokens == one_turn <= one_turn
 
 
+def test_nearer_than_held_reads_only_the_turns_nearer_than_the_episodes_own():
+    index = _index()
+    question = np.array([0.1, 0.9, 0.0, 0.5], np.float32)  # turn 1, 5 (0.9), 3 (0.5), 0, 4 (0.1)
+    nearer = dataclasses.replace(ON, nearer_than_held=True)
+    assert select_topup(index, question, {"D2:2"}, nearer, words).turn_ids == ("D1:2", "D3:2")
+    assert select_topup(index, question, {"D1:2"}, nearer, words) == TopUp(status="none")
+    assert select_topup(index, question, set(), nearer, words).turn_ids == ("D1:2", "D2:2", "D3:2")
+
+
 def test_off_reads_nothing():
     assert select_topup(_index(), np.ones(4, np.float32), set(), TopUpConfig(enabled=False),
                         words) == TopUp()
