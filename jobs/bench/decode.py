@@ -173,9 +173,13 @@ def main(argv: list[str] | None = None) -> int:
         records = read_manifest(stores[name], conv.conversation_id) if done else \
             build_conversation(conv, config, stores[name])
         entries[name] = statistics.mean(e for r in records for e in r.entries_per_layer)
-        print(f"{'found' if done else 'built'} {name}: {len(records)} cache(s), "
-              f"{records[0].tokens} tokens, {sum(r.build_seconds for r in records):.0f} s of build",
-              file=sys.stderr, flush=True)
+        index = f", turn index {records[0].turn_index_bytes / 1024:.0f} KiB" \
+            if records[0].turn_index_bytes else ""
+        print(f"{'found' if done else 'built'} {name}: {len(records)} cache(s) of "
+              f"{statistics.mean(r.object_bytes for r in records) / 2**20:.1f} MiB{index}, "
+              f"{records[0].tokens} tokens, {sum(r.build_seconds for r in records):.0f} s of "
+              f"block prefill, {records[0].cluster_seconds:.1f} s of stage 1 (clustering and "
+              f"the turn index)", file=sys.stderr, flush=True)
     questions = [q.question for q in conv.questions][:a.questions]
     first = read_manifest(stores["episodic"], conv.conversation_id)[0]
     device = models.default_device()  # the GPU where there is one, as the Serve decoder does

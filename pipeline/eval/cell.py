@@ -161,14 +161,16 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
                   topups: tuple[tuple[TopUpConfig, Route], ...] = ()) -> list[dict]:
     """Per-question records of one (conversation, method, budget) cell. `method` may also be
     "none": the no-history reference. `layer_budgets` None means `budget` in every layer.
-    An episodic cell also measures each of `topups` (its variants' question-time top-ups, each
-    on the reads its routing picks: fields prefixed `topup_prefix(...)`).
+    An episodic cell also measures its method's question-time top-up and each of `topups` (its
+    variants'), each on the reads its routing picks (fields prefixed `topup_prefix(...)`).
 
     The caches are built as `jobs.build` builds them (`pipeline.builder`: the conversation
     fitted and clustered, each episode block-prefilled and stored, here in an in-memory store
     dropped with the cell), and measured as built. An episodic cell reads every episode for
     every question (`pipeline.eval.episode_reads`): its records carry each router's choice, and
     the method's own routing is selected."""
+    own = config.topup_read(method)
+    topups = tuple(dict.fromkeys(((own,) if own else ()) + tuple(topups)))
     lm = models.load_llm(config.model)
     if layer_budgets is None and budget is not None:
         layer_budgets = [budget] * lm.config.num_hidden_layers

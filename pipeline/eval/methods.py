@@ -227,6 +227,12 @@ class EvalConfig:
                 topup = replace_path(topup, section[1], value)
         return topup if topup.enabled and parse_method(method).episodic else None
 
+    def topup_read(self, method: str) -> tuple[TopUpConfig, tuple[str, float]] | None:
+        """A method's top-up and the route (router, two_below) that picks the reads it tops up
+        (None: no top-up)."""
+        topup = None if method == NO_HISTORY else self.topup_of(method)
+        return None if topup is None else (topup, self.route_of(method))
+
     def allocator_of(self, method: str) -> str | None:
         """The layer-budget allocator a method uses (None: uniform budgets)."""
         config = self.build_config(method, 1)

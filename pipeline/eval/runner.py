@@ -86,20 +86,13 @@ class Cell:
 
     def add(self, method: str, config: EvalConfig) -> None:
         self.methods.append(method)
-        read = topup_read(method, config)
+        read = config.topup_read(method)
         if read is not None and read not in self.topups:
             self.topups += (read,)
 
     @property
     def method(self) -> str:
         return self.methods[0]
-
-
-def topup_read(method: str, config: EvalConfig) -> tuple[TopUpConfig, Route] | None:
-    """A method's top-up and the routing that picks the reads it tops up (None: no top-up)."""
-    if method == NO_HISTORY or config.topup_of(method) is None:
-        return None
-    return config.topup_of(method), config.route_of(method)
 
 
 def records_of(cell_records: list[dict], methods: list[str], config: EvalConfig) -> list[dict]:
@@ -208,7 +201,7 @@ def run_cells(convs: list[Conversation], methods: list[str], budgets: list[int],
         for method, budget in cells:  # uniform layer budgets unless the method allocates
             allocated = layer_budgets.get((method, budget))
             key = cell_key(conv, digest, method, budget, config, allocated)
-            read = topup_read(method, config)
+            read = config.topup_read(method)
             kept_records = None if key in todo else \
                 kept_cell(kept, key, () if read is None else (read,))
             if key in todo:
