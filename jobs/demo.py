@@ -4,8 +4,9 @@
 
 A synthetic corpus (planted facts, each with a question whose evidence is one turn) is built by
 the real Ray build (`jobs.build`) into a local store. Then, in this process, each question is
-answered twice with the same model and prompt: from the episode it is routed to, and from the
-full cache of the whole history (no eviction). So a wrong answer that the full history gives
+answered twice with the same model and prompt: from the episode it is routed to (topped up with
+its nearest turns the episode lacks, as the answer path tops it up), and from the full cache of
+the whole history (no eviction). So a wrong answer that the full history gives
 too is the model's, not the cache's. Per question it also prints the evaluation's
 evidence-recall retention (1: the evidence is recalled as well as from the full history, 0: as
 with no history), then one summary line: retention, bytes and decode speed against the full
@@ -47,7 +48,11 @@ def print_question(r: dict) -> None:
     value = "n/a (the full history recalls no better than no history)" \
         if math.isnan(r["retention"]) else f"{r['retention']:.2f}"
     print(f"\n{r['conversation_id']}: {r['question']}  (gold: {r['gold']})")
-    print(f"  episodic (episode {r['episode']}): {r['episodic']['text']!r}")
+    topup = r["topup"]
+    read = f"episode {r['episode']}" + (f" + {topup['tokens']} tokens of turns "
+                                         f"{', '.join(topup['turn_ids'])}"
+                                         if topup["status"] == "used" else "")
+    print(f"  episodic ({read}): {r['episodic']['text']!r}")
     print(f"  {'full history:':<{len(str(r['episode'])) + 20}} {r['full']['text']!r}")
     print(f"  retention {value}   evidence-recall NLL: episodic {nll['episodic']:.2f}, "
           f"full {nll['full']:.2f}, no history {nll['none']:.2f}")
@@ -137,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.eval import compare  # the comparison's model, after the build
     answerer = compare.answerer(opened.store, a.threads)
     conversations, _ = read_corpus(corpus)
-    print(f"\nEach question answered from its episode's cache and from the full history "
+    print(f"\nEach question answered from its episode's cache (and its top-up) and from the "
+          f"full history "
           f"(same model, same prompt), greedy, {a.max_new_tokens} tokens at most:")
     records = []
     for conv in conversations:

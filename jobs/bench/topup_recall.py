@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
             record = {"lacking": len(lacking), "text_tokens": text.tokens}
             if lacking:
                 record["text"] = float(np.mean([t in text.turn_ids for t in lacking]))
-                queries = question_queries(lm, cache, prompts.question_ids(lm.tokenizer, q.question))
+                prompt = prompts.question_ids(lm.tokenizer, q.question)
+                queries = question_queries(lm, cache, prompt)
                 if a.queries == "last":
                     queries = [layer_queries[:, -1:] for layer_queries in queries]
                 not_held = ~layout.turn_mask(held)
@@ -169,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         lacking = [r for r in records if r["lacking"]]
         table.append({"routing": outcome, "questions": len(records),
                       "lacking": sum(r["lacking"] for r in records),
-                      "text": statistics.mean(r["text"] for r in lacking) if lacking else float("nan"),
-                      "kv": statistics.mean(r["kv"] for r in lacking) if lacking else float("nan"),
+                      **{c: statistics.mean(r[c] for r in lacking) if lacking else float("nan")
+                         for c in ("text", "kv")},
                       "text_tokens": statistics.mean(r["text_tokens"] for r in records)})
     print(f"\nevidence the episodes read lack, recalled by each candidate ({a.tokens} tokens; "
           f"kv: pages of {a.page}):")

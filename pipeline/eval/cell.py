@@ -126,8 +126,8 @@ def measure_all(lm: models.LoadedModel, conv: Conversation, questions: list[Ques
             if config.generate:
                 ids = generate_from_cache(lm, cache, prompts.question_ids(
                     lm.tokenizer, question_text(q), t.text), config.max_new_tokens)
-                records[i]["prediction"] = lm.tokenizer.decode(ids, skip_special_tokens=True).strip()
-                records[i]["f1"] = f1_score(records[i]["prediction"], q.answer)
+                prediction = lm.tokenizer.decode(ids, skip_special_tokens=True).strip()
+                records[i] |= {"prediction": prediction, "f1": f1_score(prediction, q.answer)}
     return records
 
 

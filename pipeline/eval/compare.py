@@ -58,17 +58,18 @@ def reference_caches(lm: models.LoadedModel, conv: Conversation,
 
 
 def timed_answer(lm: models.LoadedModel, cache: EpisodicCache, question: str,
-                 max_new_tokens: int) -> dict:
+                 max_new_tokens: int, topup: str = "") -> dict:
     start = time.perf_counter()
-    decoded = decode_answer(lm, cache, question, max_new_tokens)
+    decoded = decode_answer(lm, cache, question, max_new_tokens, topup=topup)
     return {"text": decoded.text, "tokens": decoded.tokens, "seconds": time.perf_counter() - start}
 
 
 def compare(answerer: Answerer, conv: Conversation, n_questions: int,
             max_new_tokens: int) -> list[dict]:
-    """Per question: the routed episode (or two, read joined, as the answerer routes), both
-    answers (text, tokens, decode seconds), the evidence-recall NLL from the episodic, full and
-    no-history caches, and the bytes of the episodic and full caches."""
+    """Per question: the routed episode (or two, read joined, as the answerer routes) and its
+    top-up (as the answerer tops up), both answers (text, tokens, decode seconds), the
+    evidence-recall NLL from the episodic (topped up), full and no-history caches, and the
+    bytes of the episodic and full caches."""
     manifest = answerer.manifest(conv.conversation_id)
     config = BuildConfig.from_json(manifest[0].config_json)
     lm = models.load_llm(config.model, answerer.device)
@@ -86,18 +87,23 @@ def compare(answerer: Answerer, conv: Conversation, n_questions: int,
     timed_answer(lm, none, "Hello?", 2)  # warm-up: the first generate() pays one-time costs
     records = []
     for i, q in enumerate(questions):
-        read, _ = route_records(embed_question(encoder, q.question), manifest, answerer.routing)
+        embedding = embed_question(encoder, q.question)
+        read, _ = route_records(embedding, manifest, answerer.routing)
         episodic, _ = answerer.load_caches(read)
-        nll = {"episodic": measure_all(lm, conv, [q], episodic, probe_config)[0]["evidence_nll"],
+        topup = answerer.topups.for_question(manifest, read, embedding, lm.count_tokens)
+        nll = {"episodic": measure_all(lm, conv, [q], episodic, probe_config,
+                                       [topup])[0]["evidence_nll"],
                "full": reference["full"][i], "none": reference["none"][i]}
         records.append({"conversation_id": conv.conversation_id, "question": q.question,
                         "gold": q.answer, "episode": read[0].episode,
-                        "episodes": [r.episode for r in read], "nll": nll,
+                        "episodes": [r.episode for r in read], "topup": topup.as_dict(),
+                        "nll": nll,
                         "retention": retention(nll["none"], nll["episodic"], nll["full"]),
                         "bytes": {"episodic": episodic.nbytes(getattr(torch, config.store_dtype).itemsize),
                                   "full": full_bytes},
-                        **{name: timed_answer(lm, cache, q.question, max_new_tokens)
-                           for name, cache in zip(CACHES, (episodic, full))}})
+                        **{name: timed_answer(lm, cache, q.question, max_new_tokens, text)
+                           for name, cache, text in zip(CACHES, (episodic, full),
+                                                        (topup.text, ""))}})
     return records
 
 

@@ -78,8 +78,9 @@ def episodic_reads(questions: list[Question], members: list[tuple[str, ...]],
         for i in everyone:
             if not records[i]:
                 records[i] |= per_episode[0][i]
-            records[i] |= {f"{prefix}episode_{f}": [_field(per_episode[k], i, f)
-                                                    for k in range(len(caches))] for f in READ_FIELDS}
+            records[i] |= {f"{prefix}episode_{f}": [_field(measured_k, i, f)
+                                                    for measured_k in per_episode]
+                           for f in READ_FIELDS}
             records[i] |= {f"{prefix}pair_{f}": [_field(per_pair[p], i, f) for p in pairs_of[i]]
                            for f in READ_FIELDS}
     for i, q in enumerate(questions):

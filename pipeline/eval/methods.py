@@ -45,13 +45,17 @@ class Preset:
 
 PAPER = (("scoring", ScoringConfig.paper()), ("alpha", 1.0), ("prefill.selection", "headwise"),
          ("prefill.head_floor", 0.0), ("episodes.episodes", 4), ("episodes.medoids", 4),
-         ("episodes.n_init", 10), ("routing.router", "centroid"), ("routing.two_below", 0.0)
-         ) + ORIGINAL
+         ("episodes.n_init", 10), ("routing.router", "centroid"), ("routing.two_below", 0.0),
+         ("topup.enabled", False)) + ORIGINAL
 
 PRESETS: dict[str, Preset] = {
     "full": Preset("full", "the full cache, no eviction: the reference of every retention",
                    ORIGINAL + UNIFORM),
-    "epicache": Preset("epicache", "the default build", allocated=True),
+    "epicache": Preset("epicache", "the default: the default build, each question topped up "
+                       "with its nearest turns the episodes it reads lack", allocated=True),
+    "epicache-episode": Preset("epicache", "the default build, each question answered from the "
+                               "episode(s) it is routed to alone (no top-up)",
+                               (("topup.enabled", False),), True),
     "epicache-orig": Preset("epicache", "the default at original positions (the former "
                             "default)", ORIGINAL, True),
     "epicache-paper": Preset("epicache", "the paper's recipe: max attention token by token over "
@@ -62,9 +66,6 @@ PRESETS: dict[str, Preset] = {
                            (("prefill.tristate.enabled", True),), True),
     "epicache-dapq": Preset("epicache", "DapQ: the patch queries at the decode positions",
                             (("prefill.decode_positions", True),), True),
-    "epicache-topup": Preset("epicache", "the default build, each question topped up with its "
-                             "nearest turns the episodes read lack (pipeline.answer.topup)",
-                             (("topup.enabled", True),), True),
     "epicache-d2o": Preset("epicache", "D2O: evicted entries merged into kept ones, layer "
                            "budgets by attention variance",
                            (("prefill.merge.enabled", True), ("allocator", "variance"))),

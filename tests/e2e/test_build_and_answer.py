@@ -105,7 +105,7 @@ def test_answers_route_fetch_once_and_decode(built):
     q = conv.questions[0].question
     first = answerer.answer(conv.conversation_id, q, max_new_tokens=8)
     again = answerer.answer(conv.conversation_id, q + " ", max_new_tokens=8)
-    assert first.answer and set(first.timings_ms) == {"embed", "route", "load", "decode"}
+    assert first.answer and set(first.timings_ms) == {"embed", "route", "load", "topup", "decode"}
     assert not first.cache_hit and again.cache_hit and again.episode == first.episode
 
 

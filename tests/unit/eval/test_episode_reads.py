@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.config import RoutingConfig
+from pipeline.config import RoutingConfig, TopUpConfig
 from pipeline.eval.episode_reads import READ_FIELDS, candidate_pairs, select_route
 from pipeline.eval.methods import EvalConfig
 from pipeline.eval.report import records_parquet
@@ -26,7 +26,8 @@ def _record() -> dict:
 
 
 def test_each_routing_variant_selects_its_read_from_the_same_cell():
-    config = EvalConfig(routing=RoutingConfig("window", 0.02))
+    # the episodes' own reads (no top-up: the next test has the top-up's)
+    config = EvalConfig(routing=RoutingConfig("window", 0.02), topup=TopUpConfig(enabled=False))
     centroid = select_route(_record(), "epicache+routing.router=centroid+routing.two_below=0", config)
     assert (centroid["episode"], centroid["episodes_read"], centroid["route_hit"]) == (0, 1, False)
     assert centroid["evidence_nll"] == 10.0 and centroid["method"] == \
@@ -91,24 +92,25 @@ def test_an_episodic_cell_kept_before_every_route_was_measured_is_computed_again
 
 
 def test_a_top_up_variant_selects_its_own_fields_from_the_same_cell():
-    """`epicache-topup` and `epicache` share one cell: the top-up's reads are fields of their
-    own, selected by the same route."""
+    """`epicache` (the default: topped up) and `epicache-episode` (the episode alone) share one
+    cell: the top-up's reads are fields of their own, selected by the same route."""
     from pipeline.eval.methods import topup_prefix
 
     config = EvalConfig(routing=RoutingConfig("window", 0.02))
-    topup = config.topup_of("epicache-topup")
-    assert topup is not None and topup.enabled and config.topup_of("epicache") is None
+    topup = config.topup_of("epicache")
+    assert topup is not None and topup.enabled and config.topup_of("epicache-episode") is None
+    assert config.topup_of("epicache-paper") is None  # the paper reads its episode alone
     assert config.topup_of("snapkv+topup.enabled=true") is None  # episodic methods only
-    assert config.topup_of("epicache-topup+topup.max_tokens=128").max_tokens == 128
+    assert config.topup_of("epicache+topup.max_tokens=64").max_tokens == 64
     prefix = topup_prefix(topup, ("window", 0.02))
     nan = float("nan")  # a top-up is measured on the read its route picks only
     record = _record() | {f"{prefix}episode_{f}": [nan, nan, nan] for f in READ_FIELDS} \
         | {f"{prefix}pair_{f}": [nan, 5.0] for f in READ_FIELDS}
-    plain, topped = (select_route(record, m, config) for m in ("epicache", "epicache-topup"))
+    plain, topped = (select_route(record, m, config) for m in ("epicache-episode", "epicache"))
     assert (plain["episode"], plain["episodes_read"]) == (topped["episode"], topped["episodes_read"])
     assert plain["evidence_nll"] == 30.0 and topped["evidence_nll"] == 5.0
     assert topup_prefix(topup, ("window", 0.02)) != \
-        topup_prefix(config.topup_of("epicache-topup+topup.turns=8"), ("window", 0.02))
+        topup_prefix(config.topup_of("epicache+topup.turns=8"), ("window", 0.02))
     assert topup_prefix(topup, ("window", 0.02)) != topup_prefix(topup, ("centroid", 0.0))
     with pytest.raises(ValueError, match="no configuration field"):
         EvalConfig().topup_of("epicache+topup.bogus=1")

@@ -238,11 +238,11 @@ def test_a_cell_measures_each_top_up_on_the_same_caches(tiny_llm_dir):
     config = EvalConfig(BuildConfig(model=tiny_llm_dir, prefill=PrefillConfig(block=64)),
                         questions_per_conversation=4)
     prep = prepare(make_corpus(1, 600, seed=11)[0], config)
-    topup, route = config.topup_of("epicache-topup"), config.route_of("epicache-topup")
+    topup, route = config.topup_of("epicache"), config.route_of("epicache")
     records = evaluate_cell(prep, "epicache", 32, config, None, ((topup, route),))
     prefix = topup_prefix(topup, route)
     for r in records:
-        picked = select_route(r, "epicache-topup", config)
+        picked = select_route(r, "epicache", config)
         assert 0 <= picked["topup_tokens"] <= topup.max_tokens
         fields = "episode_" if picked["episodes_read"] == 1 else "pair_"
         measured = [i for i, x in enumerate(r[f"{prefix}{fields}evidence_nll"]) if x == x]
@@ -250,7 +250,7 @@ def test_a_cell_measures_each_top_up_on_the_same_caches(tiny_llm_dir):
         assert r[f"{fields}topup_tokens"][measured[0]] == 0  # the plain read: none
         if picked["topup_tokens"] == 0:  # no top-up: the very same probes
             assert picked["evidence_nll"] == r[f"{fields}evidence_nll"][measured[0]]
-    topped = [select_route(r, "epicache-topup", config) for r in records]
+    topped = [select_route(r, "epicache", config) for r in records]
     assert any(r["topup_tokens"] > 0 for r in topped)
 
 
