@@ -235,7 +235,11 @@ def synthetic_index_rows(start: int, count: int) -> pa.Table:
         "encoder_fingerprint": const("a1b2c3d4e5f60718"),
         "cluster_seconds": pa.array(rng.random(n)), "build_seconds": pa.array(10 * rng.random(n)),
         "worker": const("10.0.0.7:4242"), "node_id": const("f" * 56),
-        "built_at": const("2026-11-25T10:00:00+00:00"), "merged_entries": const(0, pa.int64())}
+        "built_at": const("2026-11-25T10:00:00+00:00"), "merged_entries": const(0, pa.int64()),
+        "turn_index_key": pc.binary_join_element_wise(
+            "turns/", ids, "/a1b2c3d4e5f60718/index-", _hex_strings(rng, n, 16), ".safetensors",
+            ""),
+        "turn_index_sha256": _hex_strings(rng, n), "turn_index_bytes": ints(150_000, 250_000)}
     for state in ("original", "quantized", "evicted"):
         columns[f"{state}_entries"] = ints(0, 1 << 20)
         columns[f"{state}_bytes"] = ints(0, 1 << 24)

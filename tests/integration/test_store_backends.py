@@ -23,7 +23,7 @@ from pipeline.answer.answerer import Answerer
 from pipeline.answer.fetch import fetch_cache
 from pipeline.builder.driver import run_build
 from pipeline.builder.rehearsal import SYNTHETIC_CONFIG, synthetic_cache
-from pipeline.config import DriverOptions
+from pipeline.config import DriverOptions, TopUpConfig
 from pipeline.corpus.reader import read_corpus, write_jsonl
 from pipeline.corpus.synthetic import make_corpus
 from pipeline.store import cache_format
@@ -352,8 +352,13 @@ def test_answers_read_caches_back_from_both_backends(twin_builds, s3_env):
     corpus, local_dir, s3_uri, _ = twin_builds
     conv = read_corpus(corpus)[0][0]
     question = conv.questions[0].question
+    stores = (LocalStore(local_dir), open_store(s3_uri))
     answers = [Answerer(store).answer(conv.conversation_id, question, max_new_tokens=8)
-               for store in (LocalStore(local_dir), open_store(s3_uri))]
-    assert answers[0].answer and answers[0].answer == answers[1].answer
+               for store in stores]  # topped up (the default): the turn index read back too
+    assert answers[0].answer == answers[1].answer and answers[0].topup == answers[1].topup
+    assert answers[0].topup["status"] in ("used", "none")
     assert answers[0].episode == answers[1].episode
     assert not answers[0].cache_hit and not answers[1].cache_hit
+    plain = [Answerer(store, topup=TopUpConfig(enabled=False)).answer(
+        conv.conversation_id, question, max_new_tokens=8) for store in stores]
+    assert plain[0].answer and plain[0].answer == plain[1].answer
