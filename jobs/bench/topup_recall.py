@@ -38,7 +38,7 @@ from pipeline.cli.numbers import positive_int
 from pipeline.cli.tables import print_table
 from pipeline.config import BuildConfig, RoutingConfig, TopUpConfig
 from pipeline.eval.cell import history_ids, prepare
-from pipeline.eval.episode_reads import route_scores
+from pipeline.eval.episode_reads import question_embeddings, route_scores
 from pipeline.eval.methods import EvalConfig
 from pipeline.kv import models, prompts
 from pipeline.kv.cache import EpisodicCache
@@ -141,13 +141,12 @@ def main(argv: list[str] | None = None) -> int:
         prep = prepare(conv, config)
         questions = list(prep.questions)
         clustered = cluster_conversation(prep.conversation, config.build_config("epicache", 1024))
-        scores = route_scores(encoder, clustered.episodes, questions)[routing.router]
+        embeddings = question_embeddings(encoder, questions)
+        scores = route_scores(embeddings, clustered.episodes)[routing.router]
         index = index_turns(prep.conversation, encoder, config.encoder, "")
         layout = token_layout(lm.tokenizer, prep.conversation)
         cache, _ = block_prefill(lm.model, history_ids(lm.tokenizer, prep.conversation), Full(),
                                  None, full_prefill)
-        embeddings = encoder.encode([q.question for q in questions], normalize_embeddings=True,
-                                    show_progress_bar=False)
         for q, row, embedding in zip(questions, scores, embeddings):
             held = held_turns(clustered.members[k] for k in chosen(row, routing.two_below))
             lacking = [t for t in q.evidence if t not in held]

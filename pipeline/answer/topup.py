@@ -112,7 +112,6 @@ class TopUps:
         self._indexes: OrderedDict[tuple[str, str], TurnIndex] = OrderedDict()
         self._lock = threading.Lock()
         self.fetched_bytes = 0
-        self.unavailable = 0
 
     def index(self, record: ManifestRecord) -> TurnIndex:
         """The conversation's turn index (`TurnIndexUnavailable` if it has none usable)."""
@@ -142,8 +141,6 @@ class TopUps:
         try:
             index = self.index(records[0])
         except TurnIndexUnavailable as e:
-            with self._lock:
-                self.unavailable += 1
             log.warning("answering from the episode alone: %s", e)
             return TopUp.unavailable(str(e) if records[0].turn_index is None else
                                      f"{e}; {REBUILD}")

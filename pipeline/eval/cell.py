@@ -27,7 +27,8 @@ from pipeline.builder.turns import index_turns
 from pipeline.config import BuildConfig, TopUpConfig
 from pipeline.corpus.render import cut_at_session, render_conversation, render_header
 from pipeline.corpus.schema import Conversation, Question
-from pipeline.eval.episode_reads import Route, episodic_reads, route_scores, select_route
+from pipeline.eval.episode_reads import (Route, episodic_reads, question_embeddings, route_scores,
+                                         select_route)
 from pipeline.eval.methods import NO_HISTORY, EvalConfig, parse_method, topup_prefix
 from pipeline.eval.metrics import (ADVERSARIAL_CATEGORY, continuation_nlls, evidence_probe,
                                    f1_score, question_text)
@@ -233,7 +234,8 @@ def _built_and_measured(conv: Conversation, questions: list[Question], method: s
         if parse_method(method).episodic:
             caches = [cache_of(ep.index) for ep in clustered.episodes.episodes]
             encoder = models.load_encoder(config.encoder)
-            scores = route_scores(encoder, clustered.episodes, questions)
+            embeddings = question_embeddings(encoder, questions)
+            scores = route_scores(embeddings, clustered.episodes)
             plain: dict[tuple[tuple[int, ...], int], dict] = {}  # (read, question) -> record
 
             def measure_plain(cache: EpisodicCache, idx: list[int], read: tuple[int, ...]):
@@ -242,7 +244,7 @@ def _built_and_measured(conv: Conversation, questions: list[Question], method: s
                 return measured
 
             measures = {"": (measure_plain, None)}
-            measures |= topup_measures(clustered, questions, encoder, config, topups, measure,
+            measures |= topup_measures(clustered, embeddings, encoder, config, topups, measure,
                                        plain)
             # route hits are judged on the episode's windows, whatever its cache focused on
             return [select_route(r, method, config) for r in episodic_reads(
@@ -255,7 +257,7 @@ def _built_and_measured(conv: Conversation, questions: list[Question], method: s
         store.drop()
 
 
-def topup_measures(clustered: ClusterResult, questions: list[Question], encoder,
+def topup_measures(clustered: ClusterResult, embeddings: np.ndarray, encoder,
                    config: EvalConfig, topups: tuple[tuple[TopUpConfig, Route], ...],
                    measure: Callable, plain: dict[tuple[tuple[int, ...], int], dict]
                    ) -> dict[str, tuple[Callable, Route]]:
@@ -265,12 +267,9 @@ def topup_measures(clustered: ClusterResult, questions: list[Question], encoder,
     that gets none reads what it read without (`plain`, measured first)."""
     if not topups:
         return {}
-    tokenizer = models.load_tokenizer(config.model)
     index = index_turns(clustered.conversation, encoder, config.encoder,
                         clustered.encoder_fingerprint)
-    embeddings = encoder.encode([q.question for q in questions], normalize_embeddings=True,
-                                show_progress_bar=False)
-    count = lambda text: len(prompts.encode(tokenizer, text))  # noqa: E731
+    count = models.load_llm(config.model).count_tokens
 
     def measure_with(topup: TopUpConfig) -> Callable:
         def run(cache: EpisodicCache, indices: list[int], read: tuple[int, ...]) -> list[dict]:

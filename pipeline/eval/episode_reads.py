@@ -25,13 +25,16 @@ READ_FIELDS = ("evidence_nll", "answer_nll", "evidence_kept", "kv_bytes", "bytes
                "kept_entries", "topup_tokens", "topup_recall")
 
 
-def route_scores(encoder, episodes: EpisodeSet,
-                 questions: list[Question]) -> dict[str, np.ndarray]:
-    """Every router's [questions, episodes] scores."""
+def question_embeddings(encoder, questions: list[Question]) -> np.ndarray:
+    """[questions, d] unit-norm embeddings of the questions (the routers' and the top-up's)."""
+    return encoder.encode([q.question for q in questions], normalize_embeddings=True,
+                          show_progress_bar=False)
+
+
+def route_scores(embeddings: np.ndarray, episodes: EpisodeSet) -> dict[str, np.ndarray]:
+    """Every router's [questions, episodes] scores of the questions' `embeddings`."""
     index = episodes.route_index()
-    embeddings = encoder.encode([q.question for q in questions], normalize_embeddings=True,
-                                show_progress_bar=False)
-    return {name: np.stack([router.scores(e, index) for e in embeddings]) if len(questions)
+    return {name: np.stack([router.scores(e, index) for e in embeddings]) if len(embeddings)
             else np.zeros((0, index.n_episodes)) for name, router in ROUTERS.items()}
 
 
