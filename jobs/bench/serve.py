@@ -30,29 +30,17 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import numpy as np
 import requests
 
 from pipeline.cli.bench import bench_parser, start_bench
 from pipeline.corpus.reader import read_corpus
+from pipeline.serve.client import Sample, ask, fault_report, fault_rows, latency_summary
 
 STAGES = ("embed", "route", "fetch", "decode")
 GENERIC_QUESTIONS = ("What did they talk about most?", "Where did they go last weekend?",
                      "What is the name of the pet?", "What did they cook for the party?")
-
-
-@dataclass
-class Sample:
-    ok: bool
-    latency_ms: float
-    status: int
-    timings: dict = field(default_factory=dict)
-    cache_hit: bool | None = None
-    error: str = ""
-    start: float = 0.0  # time.perf_counter() when sent
-    end: float = 0.0  # when answered (or failed)
 
 
 def load_questions(corpus: str | None, conversations: list[str], limit: int,
@@ -72,23 +60,6 @@ def load_questions(corpus: str | None, conversations: list[str], limit: int,
     if not pairs:
         raise ValueError("no conversations to ask about: give --corpus or --conversation")
     return pairs
-
-
-def ask(session: requests.Session, url: str, cid: str, question: str, max_new_tokens: int,
-        headers: dict, timeout: float) -> Sample:
-    t = time.perf_counter()
-    try:
-        r = session.post(f"{url}/v1/conversations/{cid}/answer", headers=headers, timeout=timeout,
-                         json={"question": question, "max_new_tokens": max_new_tokens})
-    except requests.RequestException as e:
-        end = time.perf_counter()
-        return Sample(False, (end - t) * 1000, 0, error=type(e).__name__, start=t, end=end)
-    end = time.perf_counter()
-    latency = (end - t) * 1000
-    if r.status_code != 200:
-        return Sample(False, latency, r.status_code, error=r.text[:200], start=t, end=end)
-    body = r.json()
-    return Sample(True, latency, 200, body["timings_ms"], body.get("cache_hit"), start=t, end=end)
 
 
 def decoder_pid(url: str, headers: dict, timeout: float = 30.0) -> int:
@@ -132,15 +103,10 @@ class DecoderKiller:
 
 def kill_report(samples: list[Sample], killer: DecoderKiller, url: str, headers: dict,
                 wait_s: float = 120.0) -> dict:
-    """How the requests around the kill ended, and whether the replica was replaced."""
+    """How the requests around the kill ended (`fault_report`), and whether the replica was
+    replaced."""
     if killer.at is None:
         return {"killed": False, "error": killer.error or "the run ended before the kill"}
-    at = killer.at
-    in_flight = [s for s in samples if s.start <= at < s.end]
-    hangs = [s for s in samples if s.status == 0 and "Timeout" in s.error]
-    after = sorted((s for s in samples if s.ok and s.end > at), key=lambda s: s.end)
-    recovered = after[0].end if after else None
-    later = [s for s in samples if recovered is not None and s.start >= recovered]
     new_pid, deadline = None, time.monotonic() + wait_s
     while time.monotonic() < deadline:
         try:
@@ -148,24 +114,9 @@ def kill_report(samples: list[Sample], killer: DecoderKiller, url: str, headers:
             break
         except (RuntimeError, requests.RequestException):
             time.sleep(1)
-
-    def statuses(group: list[Sample]) -> dict:
-        out: dict[str, int] = {}
-        for s in group:
-            key = "timeout" if s.status == 0 and "Timeout" in s.error else str(s.status or s.error)
-            out[key] = out.get(key, 0) + 1
-        return dict(sorted(out.items()))
-
     return {"killed": True, "pid": killer.pid, "new_pid": new_pid,
             "replaced": new_pid is not None and new_pid != killer.pid,
-            "in_flight": len(in_flight), "in_flight_statuses": statuses(in_flight),
-            "failed_after_kill": statuses([s for s in samples if not s.ok and s.end > at]),
-            "hangs": len(hangs),
-            "recovery_s": round(recovered - at, 2) if recovered is not None else None,
-            "started_after_recovery": len(later),
-            "failed_after_recovery": sum(not s.ok for s in later),
-            "error_examples": sorted({f"{s.status} {s.error[:120]}" for s in samples
-                                      if not s.ok and s.end > at})[:3]}
+            **fault_report(samples, killer.at)}
 
 
 def run_bench(url: str, pairs: list[tuple[str, str]], n_requests: int = 200,
@@ -213,9 +164,7 @@ def run_bench(url: str, pairs: list[tuple[str, str]], n_requests: int = 200,
         "errors": len(samples) - len(ok),
         "error_examples": sorted({f"{s.status} {s.error}" for s in samples if not s.ok})[:3],
         "wall_s": round(wall, 2), "requests_per_s": round(len(samples) / wall, 3),
-        "latency_ms": {"p50": round(float(np.percentile(lat, 50)), 1),
-                       "p95": round(float(np.percentile(lat, 95)), 1),
-                       "mean": round(float(lat.mean()), 1)},
+        "latency_ms": latency_summary(samples),
         "stages_ms": {k: {"mean": round(float(v.mean()), 2),
                           "p50": round(float(np.percentile(v, 50)), 2),
                           "p95": round(float(np.percentile(v, 95)), 2)} for k, v in stage.items()},
@@ -253,17 +202,7 @@ def format_table(r: dict) -> str:
 def format_kill(k: dict) -> str:
     if not k["killed"]:
         return f"decoder kill: not done ({k['error']})"
-    rows = [("killed decoder pid", str(k["pid"])),
-            ("requests in flight at the kill", str(k["in_flight"])),
-            ("... how they ended", ", ".join(f"{n} x {s}" for s, n in
-                                             k["in_flight_statuses"].items()) or "-"),
-            ("failed after the kill (all)", ", ".join(f"{n} x {s}" for s, n in
-                                                      k["failed_after_kill"].items()) or "none"),
-            ("hangs (client timeouts)", str(k["hangs"])),
-            ("first success after the kill", "-" if k["recovery_s"] is None
-             else f"{k['recovery_s']:.1f} s later"),
-            ("started after that / failed", f"{k['started_after_recovery']} / "
-                                            f"{k['failed_after_recovery']}"),
+    rows = [("killed decoder pid", str(k["pid"])), *fault_rows(k),
             ("replacement replica pid", f"{k['new_pid']} "
                                         f"({'replaced' if k['replaced'] else 'NOT replaced'})")]
     width = max(len(a) for a, _ in rows)

@@ -33,6 +33,7 @@ from pipeline.answer.packed import DecodeRow, Prefix, packed_step
 from pipeline.config.limits import DEFAULT_LIMITS, AnswerLimits
 from pipeline.kv import models, prompts
 from pipeline.kv.cache import EpisodicCache
+from pipeline.telemetry import DecoderMetrics
 
 log = logging.getLogger("epicache.serve")
 
@@ -95,12 +96,14 @@ class DecodeBatcher:
     """Decodes the requests submitted to it in batches: a prefill thread and a decode thread."""
 
     def __init__(self, lm: models.LoadedModel, max_batch: int = 8,
-                 max_batch_tokens: int = 32768, limits: AnswerLimits = DEFAULT_LIMITS) -> None:
+                 max_batch_tokens: int = 32768, limits: AnswerLimits = DEFAULT_LIMITS,
+                 metrics: DecoderMetrics | None = None) -> None:
         if max_batch < 1 or max_batch_tokens < 1:
             raise ValueError(f"max_batch and max_batch_tokens must be >= 1, got {max_batch} and "
                              f"{max_batch_tokens}")
         self.lm, self.max_batch, self.max_batch_tokens = lm, max_batch, max_batch_tokens
         self.limits = limits
+        self.metrics = metrics  # a decoder replica's (batch sizes, queue depth); None: not exported
         gen = lm.model.generation_config
         eos = gen.eos_token_id
         self._eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
@@ -142,6 +145,7 @@ class DecodeBatcher:
             if self._closed:
                 raise RuntimeError("the decode batcher is closed")
             self._queue.append(job)
+            self._report_depth()
             self._wake.notify_all()
         return job
 
@@ -191,6 +195,7 @@ class DecodeBatcher:
             with self._wake:
                 self._prefilling = []  # only this thread admits: they were all `joining`
                 self._ready += [j for j in live if not self._settled(j)]
+                self._report_depth()
                 self._wake.notify_all()
 
     def _decode_loop(self) -> None:
@@ -210,10 +215,16 @@ class DecodeBatcher:
                 self._step(batch, self.decodes)
             with self._wake:
                 self._active = [j for j in self._active if not self._settled(j)]
+                self._report_depth()
                 self._wake.notify_all()  # room for the prefill thread, if a request left
 
     def _admitted(self) -> list[DecodeJob]:
         return [*self._prefilling, *self._ready, *self._active]
+
+    def _report_depth(self) -> None:
+        """(Under `_wake`.) The requests queued or in flight, to the replica's gauge."""
+        if self.metrics is not None:
+            self.metrics.queue_depth(len(self._queue) + len(self._admitted()))
 
     def _admit(self) -> list[DecodeJob]:
         """Queued jobs that fit (first come, first served), moved to the prefill thread."""
@@ -304,6 +315,8 @@ class DecodeBatcher:
                 self._step([job], counts)
             return
         counts.add(len(jobs), time.perf_counter() - start)
+        if self.metrics is not None and counts is self.decodes:
+            self.metrics.batch_step(len(jobs))
         for job, row_logits in zip(jobs, logits):
             try:
                 self._emit(job, self._choose(job, row_logits))

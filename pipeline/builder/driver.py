@@ -39,6 +39,7 @@ from pipeline.store.base import Store
 from pipeline.store.manifest import ManifestRecord, list_conversations
 from pipeline.store.table_sync import IndexWriter
 from pipeline.store.uri import open_store
+from pipeline.telemetry import build_metrics
 
 log = logging.getLogger("jobs.build")  # its lines carry the name of the command users run
 
@@ -89,6 +90,7 @@ class _Driver:
                           "max_retries": options.max_retries}
         self.index = index  # the manifest table: told before and after each commit
         self.summary = Summary()
+        self.metrics = build_metrics()  # the summary's counts, exported through Ray as they come
         self.in_flight: dict[ray.ObjectRef, tuple[str, str, int]] = {}  # ref -> (kind, id, ep)
         self.pending: deque[tuple[str, int]] = deque()  # episodes waiting for a slot
         self.convs: dict[str, _Conversation] = {}
@@ -185,6 +187,7 @@ class _Driver:
                 reason, previous = stored_version(self.store, cid, self.config, self.files, conv)
                 if reason is None:
                     self.summary.skipped += 1
+                    self.metrics.conversation("skipped")
                     self.bar.update(1)
                     continue
                 if reason != "grown":
@@ -229,7 +232,9 @@ class _Driver:
             conv.records.append(record)
             s = self.summary
             s.episodes += 1
-            s.tokens += conv.new_tokens if conv.appended else record.tokens
+            prefilled = conv.new_tokens if conv.appended else record.tokens
+            s.tokens += prefilled
+            self.metrics.episode(prefilled)
             if not (conv.appended and conv.new_tokens == 0):  # else the stored object is kept
                 s.bytes += record.object_bytes
             log.debug("built %s episode %d on node %s by %s: %d tokens in %.1fs", cid, e,
@@ -285,6 +290,8 @@ class _Driver:
             else:
                 if self.index is not None:
                     self.index.add(cid, conv.records)
+        self.metrics.conversation("failed" if conv.error is not None else
+                                  "appended" if conv.appended else "built")
         if conv.error is not None:
             self.summary.failed[cid] = conv.error
             log.error("conversation %s failed: %s", cid, conv.error)

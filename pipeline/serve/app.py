@@ -7,8 +7,11 @@ model libraries) as their runtime environment, as every Ray worker the jobs star
 
 from __future__ import annotations
 
+from ray.serve.config import RequestRouterConfig
+
 from pipeline.kv.models import DEFAULT_ENCODER, DEFAULT_LLM
 from pipeline.ray_runtime import WORKER_ENV
+from pipeline.serve.affinity import ConversationAffinityRouter
 from pipeline.serve.decoder import Decoder
 from pipeline.serve.ingress import Router
 from pipeline.serve.settings import ServeSettings
@@ -32,12 +35,17 @@ def resolve_models(store: Store, model: str | None, encoder: str | None) -> tupl
 
 
 def build_app(settings: ServeSettings, model: str, encoder: str):
-    """The Serve application: a router ingress bound to a decoder deployment."""
+    """The Serve application: a router ingress bound to a decoder deployment (routed by
+    conversation, `pipeline.serve.affinity`, unless `settings.affinity` is off)."""
     decoder_options: dict = {
         "ray_actor_options": {"num_cpus": settings.decoder_cpus,
                               "num_gpus": settings.decoder_gpus,
                               "runtime_env": {"env_vars": WORKER_ENV}},
         "max_ongoing_requests": settings.decoder_max_ongoing}
+    if settings.affinity:
+        decoder_options["request_router_config"] = RequestRouterConfig(
+            request_router_class=ConversationAffinityRouter,
+            request_router_kwargs={"max_imbalance": settings.affinity_max_imbalance})
     if settings.decoder_autoscale is not None:
         lo, hi = settings.decoder_autoscale
         decoder_options["autoscaling_config"] = {

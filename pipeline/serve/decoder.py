@@ -18,6 +18,7 @@ from typing import AsyncIterator
 
 import torch
 from ray import serve
+from ray.serve.exceptions import RayServeException
 from transformers import AsyncTextIteratorStreamer
 
 from pipeline.answer.batcher import DecodeBatcher
@@ -33,6 +34,7 @@ from pipeline.store.cache_read import Verified, read_bytes, read_cache
 from pipeline.store.disk_tier import DiskTier
 from pipeline.store.manifest import CacheRef
 from pipeline.store.uri import open_store
+from pipeline.telemetry import decoder_metrics
 
 log = logging.getLogger("epicache.serve")
 
@@ -42,6 +44,14 @@ def _decoder_error(e: BaseException) -> dict:
     if status == 500:
         log.exception("decoder error")
     return {"error": {"status": status, "message": message}}
+
+
+def _replica_id() -> str:
+    """This replica's Serve id ("local" outside a replica: the class built directly)."""
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except RayServeException:
+        return "local"
 
 
 @serve.deployment(name="EpiCacheDecoder")
@@ -64,10 +74,13 @@ class Decoder:
         self.prefetcher = ThreadPoolExecutor(workers, thread_name_prefix="prefetch") \
             if workers > 0 else None
         self._figures_lock = threading.Lock()
+        self.metrics = decoder_metrics()  # pipeline.telemetry: exported through Ray
         self.batcher = DecodeBatcher(self.lm, settings.max_batch, settings.max_batch_tokens,
-                                     settings.limits)
+                                     settings.limits, metrics=self.metrics)
         gc.freeze()  # the model's objects leave the collector: no 100+ ms pauses in a turn
         retain_freed_memory()  # a cold load reuses freed memory instead of faulting pages in
+        # which replica answered: the fleet's affinity is seen (and tested) in the answers
+        self.replica = _replica_id()
         self.figures = {"fetched_bytes": 0, "store_reads": 0, "disk_reads": 0,
                         "prefetch_requested": 0, "prefetch_skipped": 0, "prefetch_fetched": 0,
                         "prefetch_resident": 0, "prefetch_failed": 0}
@@ -77,17 +90,18 @@ class Decoder:
             for name, n in increments.items():
                 self.figures[name] += n
 
-    def _counted(self, read: Verified) -> Verified:
+    def _counted(self, read: Verified, reason: str = "request") -> Verified:
         """A verified read (the store's `cache_read`: the disk tier, else the store, then kept
-        in the tier), counted."""
+        in the tier), counted; `reason`: request or prefetch."""
         self._count(**({"disk_reads": 1} if read.from_disk else
                        {"store_reads": 1, "fetched_bytes": len(read.data)}))
+        self.metrics.object_read(read.from_disk, len(read.data), reason, self.disk is not None)
         return read
 
-    def _load(self, ref: CacheRef):
+    def _load(self, ref: CacheRef, reason: str = "request"):
         """The episode's cache, verified against the manifest beside its parse."""
         return self._counted(read_cache(self.store, ref, self.disk, self.lm.model.dtype,
-                                        self.device)).cache
+                                        self.device), reason).cache
 
     def _check(self, ref: CacheRef) -> None:
         """`ModelMismatchError` (409) unless the episode was built with this model's files."""
@@ -101,11 +115,13 @@ class Decoder:
             self._check(ref)
         t = time.perf_counter()
         cache, hit = resident_read(self.caches, refs, self._load)
-        return cache, hit, (time.perf_counter() - t) * 1000
+        ms = (time.perf_counter() - t) * 1000
+        self.metrics.cache_read(hit, ms, self.caches.bytes)
+        return cache, hit, ms
 
     async def answer(self, ref: CacheRef | tuple[CacheRef, ...], question: str, max_new_tokens: int,
                      temperature: float, topup: str = "") -> dict:
-        """{"answer", "tokens", "finish_reason", "cache_hit", "fetch_ms", "decode_ms",
+        """{"answer", "tokens", "finish_reason", "cache_hit", "replica", "fetch_ms", "decode_ms",
         "queue_ms"} or {"error": {"status", "message"}}; `topup`: the question's top-up text
         (the router's, `pipeline.answer.topup`), read after the cache."""
         try:
@@ -120,10 +136,11 @@ class Decoder:
             return _decoder_error(e)
         finally:
             job.cancel()  # no-op once done; a request the router cancelled leaves the batch
+        self.metrics.decoded(job.decode_ms, decoded.tokens)
         return {"answer": decoded.text, "tokens": decoded.tokens,
                 "finish_reason": decoded.finish_reason, "cache_hit": hit,
-                "fetch_ms": round(fetch_ms, 3), "decode_ms": round(job.decode_ms, 3),
-                "queue_ms": round(job.queue_ms, 3)}
+                "replica": self.replica, "fetch_ms": round(fetch_ms, 3),
+                "decode_ms": round(job.decode_ms, 3), "queue_ms": round(job.queue_ms, 3)}
 
     async def stream(self, ref: CacheRef | tuple[CacheRef, ...], question: str, max_new_tokens: int,
                      temperature: float, topup: str = "") -> AsyncIterator[dict]:
@@ -140,7 +157,7 @@ class Decoder:
         except Exception as e:
             yield _decoder_error(e)
             return
-        yield {"cache_hit": hit, "fetch_ms": round(fetch_ms, 3)}
+        yield {"cache_hit": hit, "replica": self.replica, "fetch_ms": round(fetch_ms, 3)}
         pieces = AnswerPieces()
         try:
             async for text in streamer:  # ends when the job ends, answered or failed
@@ -153,6 +170,7 @@ class Decoder:
             return
         finally:
             job.cancel()  # no-op once done; a client that went away leaves the batch
+        self.metrics.decoded(job.decode_ms, decoded.tokens)
         yield {"done": {"tokens": decoded.tokens, "finish_reason": decoded.finish_reason,
                         "decode_ms": round(job.decode_ms, 3), "queue_ms": round(job.queue_ms, 3)}}
 
@@ -180,11 +198,12 @@ class Decoder:
             if key in self.caches:
                 self._count(prefetch_skipped=1)
             elif self.caches.bytes < self.caches.max_bytes:  # room in memory: load and offer
-                cache = self._load(ref)
+                cache = self._load(ref, "prefetch")
                 self._count(prefetch_fetched=1,
                             prefetch_resident=int(self.caches.offer(key, cache)))
+                self.metrics.resident(self.caches.bytes)
             elif self.disk is not None and ref.sha256 not in self.disk:  # to disk only
-                self._counted(read_bytes(self.store, ref, self.disk))
+                self._counted(read_bytes(self.store, ref, self.disk), "prefetch")
                 self._count(prefetch_fetched=1)
             else:
                 self._count(prefetch_skipped=1)
@@ -200,6 +219,6 @@ class Decoder:
         with self._figures_lock:
             figures = dict(self.figures)
         return {"model": self.model_name, "model_fingerprint": self.lm.fingerprint,
-                "device": self.device, "pid": os.getpid(), **figures,
+                "device": self.device, "pid": os.getpid(), "replica": self.replica, **figures,
                 **self.caches.stats(), "disk": self.disk.stats() if self.disk else None,
                 "batch": self.batcher.stats()}

@@ -33,6 +33,7 @@ from pipeline.serve.settings import ServeSettings
 from pipeline.store.base import ObjectNotFound, manifest_key
 from pipeline.store.manifest import CacheRef, ManifestRecord
 from pipeline.store.uri import open_store
+from pipeline.telemetry import RequestMetrics, name_route, router_metrics
 
 log = logging.getLogger("epicache.serve")
 
@@ -65,6 +66,11 @@ def public_topup(topup: TopUp, records: list[ManifestRecord]) -> dict:
 
 app = FastAPI(title="EpiCache decode endpoint", docs_url=None, redoc_url=None)
 add_exception_handlers(app)
+# every request counted and timed by route and status (`epicache_requests`, docs/serving.md)
+METRIC_ROUTES = {"/healthz": "healthz", "/v1/conversations/{conversation_id}": "conversation",
+                 "/v1/conversations/{conversation_id}/answer": "answer",
+                 "/v1/chat/completions": "chat"}
+app.add_middleware(RequestMetrics, routes=METRIC_ROUTES, status_of=lambda e: classify(e)[0])
 
 
 @dataclass
@@ -98,6 +104,7 @@ class Router:
         self.tokenizer = models.load_tokenizer(model) if self.settings.topup else None
         self.tokenizer_lock = threading.Lock()
         self.topup_counts = {"used": 0, "none": 0, "unavailable": 0}
+        self.metrics = router_metrics()  # pipeline.telemetry: exported through Ray
         self._conversations: dict[str, _Conversation] = {}
         self._background: set[asyncio.Task] = set()
         gc.freeze()  # the encoder's objects leave the collector: no 100+ ms pauses in an embed
@@ -175,6 +182,7 @@ class Router:
         emb = await asyncio.to_thread(self._embed, question)
         t2 = time.perf_counter()
         rows, similarity = route_records(emb, conv.records, self.routing, conv.index)
+        self.metrics.routed(len(rows))
         t3 = time.perf_counter()
         if not conv.prefetched:  # first touch: a follow-up often routes to another episode
             conv.prefetched = True
@@ -186,8 +194,16 @@ class Router:
         t5 = time.perf_counter()
         if topup.status in self.topup_counts:
             self.topup_counts[topup.status] += 1
+            self.metrics.topup(topup.status)
         timings = {"embed": (t2 - t1) * 1000, "route": (t1 - t0 + t3 - t2 + t5 - t4) * 1000}
         return rows, similarity, timings, topup
+
+    def _decoder_for(self, conversation_id: str, **options):
+        """The decoder handle for a conversation's calls: with affinity, its id rides on the
+        request (`multiplexed_model_id`, which `pipeline.serve.affinity` routes by)."""
+        if self.settings.affinity:
+            options["multiplexed_model_id"] = conversation_id
+        return self.decoder.options(**options) if options else self.decoder
 
     def _prefetch(self, refs: list[CacheRef]) -> None:
         """Ask the decoder to load `refs` in the background; no request waits on it, and a
@@ -197,7 +213,7 @@ class Router:
 
         async def send() -> None:
             try:
-                await self.decoder.prefetch.remote(refs)
+                await self._decoder_for(refs[0].conversation_id).prefetch.remote(refs)
             except Exception as e:  # noqa: BLE001 - a prefetch is best effort
                 log.warning("prefetch of %d episode(s) failed: %s", len(refs), e)
 
@@ -218,8 +234,8 @@ class Router:
         never a hang."""
         deadline = time.monotonic() + self.settings.decoder_timeout_s
         for attempt in (1, 2):
-            response = self.decoder.answer.remote(refs_of(rows), question, max_new,
-                                                  temperature, topup.text)
+            response = self._decoder_for(rows[0].conversation_id).answer.remote(
+                refs_of(rows), question, max_new, temperature, topup.text)
             try:
                 result = await asyncio.wait_for(response, max(0.0, deadline - time.monotonic()))
                 break
@@ -294,7 +310,8 @@ class Router:
         return {"conversation_id": conversation_id, "answer": result["answer"],
                 "episode": rows[0].episode, "episodes": [r.episode for r in rows],
                 "similarity": round(similarity, 6), "topup": public_topup(topup, rows),
-                "cache_hit": result["cache_hit"], "tokens": result["tokens"],
+                "cache_hit": result["cache_hit"], "replica": result["replica"],
+                "tokens": result["tokens"],
                 "finish_reason": result["finish_reason"],
                 "decoder_queue_ms": result["queue_ms"],
                 "timings_ms": {k: round(timings[k], 3)
@@ -304,6 +321,7 @@ class Router:
     async def chat_completions(self, request: Request):
         self._authorize(request)
         body = await parse_body(request, ChatRequest, self.settings.max_body_bytes)
+        name_route(request.scope, "chat_stream" if body.stream else "chat")
         if body.n not in (None, 1):
             raise ApiError(422, "field 'n': only n=1 is supported")
         users = [m for m in body.messages if m.role == "user"]
@@ -329,7 +347,7 @@ class Router:
             timings |= {"fetch": result["fetch_ms"], "decode": result["decode_ms"]}
             return openai_chat.completion(base, question, result, meta, timings)
 
-        gen = self.decoder.options(stream=True).stream.remote(
+        gen = self._decoder_for(body.conversation_id, stream=True).stream.remote(
             refs_of(rows), question, max_new, temperature, topup.text)
         try:  # the fetch: a bad cache (or a dead replica) is an HTTP error, not a stream
             first = await asyncio.wait_for(gen.__anext__(), self.settings.decoder_timeout_s)

@@ -19,6 +19,8 @@ from pipeline.store.base import StoreOptions
 from pipeline.store.s3 import s3_endpoint
 
 AUTH_ENV = "EPICACHE_SERVE_TOKEN"
+# affinity: how many requests longer than the shortest queue a conversation's replica may be
+DEFAULT_MAX_IMBALANCE = 4
 
 
 def parse_autoscale(value: str | None) -> tuple[int, int] | None:
@@ -76,6 +78,13 @@ class ServeSettings:
               "--decoder-replicas)", metavar="MIN:MAX", parse=parse_autoscale)
     decoder_target_ongoing: float = setting(
         2.0, "autoscaling target: ongoing requests per decoder replica")
+    affinity: bool = setting(
+        True, "send a conversation's questions to the decoder replica that holds its caches "
+              "(rendezvous hashing on the conversation, bounded by --affinity-max-imbalance; "
+              "off: Serve's power of two choices on queue length) (docs/serving.md#many-replicas)")
+    affinity_max_imbalance: int = setting(
+        DEFAULT_MAX_IMBALANCE, "affinity: a replica whose queue is more than this many requests "
+                               "longer than the shortest is passed over for the next one")
     decoder_cpus: float = setting(1.0, "Ray CPUs per decoder replica")
     decoder_gpus: float = setting(0.0, "Ray GPUs per decoder replica, e.g. 1 to decode on a GPU")
     decoder_max_ongoing: int = setting(
@@ -136,6 +145,9 @@ class ServeSettings:
                              f"max_new_tokens_limit ({self.max_new_tokens_limit})")
         if self.decoder_timeout_s <= 0:
             raise ValueError(f"decoder_timeout_s must be > 0, got {self.decoder_timeout_s}")
+        if self.affinity_max_imbalance < 0:
+            raise ValueError(f"affinity_max_imbalance must be >= 0, got "
+                             f"{self.affinity_max_imbalance}")
         if self.cache_bytes < 0 or self.manifest_ttl_s < 0:
             raise ValueError("cache_bytes and manifest_ttl_s must be >= 0")
         if self.disk_cache_bytes < 0 or self.prefetch_workers < 0:

@@ -19,7 +19,7 @@ PACKAGES = ("kernels", "pipeline", "jobs", "tests")
 # ones. Packages of one rank do not import each other.
 LAYERS = [
     ("kernels", 0), ("pipeline.config", 0),
-    ("pipeline.ray_runtime", 0),
+    ("pipeline.ray_runtime", 0), ("pipeline.telemetry", 0),
     ("pipeline.corpus", 1), ("pipeline.routers", 1),
     ("pipeline.kv", 2), ("pipeline.episodes", 2),
     ("pipeline.store", 3),
