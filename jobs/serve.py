@@ -26,6 +26,7 @@ import threading
 from dataclasses import fields
 from typing import Any
 
+from pipeline.cli.numbers import port_number
 from pipeline.cli.options import SERVE_OPTIONS, add_serve_options, settings_from_args
 from pipeline.cli.parser import make_parser
 from pipeline.serve.settings import AUTH_ENV, ServeSettings
@@ -67,7 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve a non-loopback --host with no token: anyone who reaches the port "
                         "can read the store's conversations and drive decodes (a warning is "
                         "logged)")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--port", type=port_number, default=8000, help="HTTP port")
+    p.add_argument("--metrics-port", type=port_number, default=None,
+                   help="the local Ray's metrics export port (Prometheus text at "
+                        "http://127.0.0.1:PORT/metrics; docs/serving.md#metrics) (default: a "
+                        "free port Ray picks; a joined cluster's is the one its `ray start "
+                        "--metrics-export-port` named)")
     p.add_argument("--ray-address", default=None,
                    help="Ray cluster to join (default: $RAY_ADDRESS; else a local Ray is started)")
     add_serve_options(p)
@@ -130,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     joined = bool(a.ray_address or os.environ.get("RAY_ADDRESS"))
-    init_ray(a.ray_address)
+    init_ray(a.ray_address, a.metrics_port)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -139,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         serve.run(build_app(settings, model, encoder), name=APP_NAME, route_prefix="/")
         print(f"serving {store.uri} on http://{a.host}:{a.port} (model {model}, encoder "
               f"{encoder}{', bearer token required' if settings.auth_token else ''}); "
-              "Ctrl-C to stop", flush=True)
+              + (f"metrics on http://127.0.0.1:{a.metrics_port}/metrics; "
+                 if a.metrics_port and not joined else "") + "Ctrl-C to stop", flush=True)
         while not stop.wait(1.0):
             pass
     except Exception as e:  # a deployment that failed to start: one line, not a trace

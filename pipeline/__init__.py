@@ -17,6 +17,7 @@ package imports only from packages above it:
     serve/         the Ray Serve endpoint over answer/
     cli/           the command line's shared parser and options
     ray_runtime.py the Ray worker environment and joining or starting Ray
+    telemetry.py   the metrics the Serve replicas and the build driver export through Ray
 
 `jobs/` holds the commands that wire these together; `kernels/` the Triton kernels.
 """

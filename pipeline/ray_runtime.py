@@ -25,11 +25,15 @@ WORKER_ENV: dict[str, str] = {
 }
 
 
-def init_ray(address: str | None = None) -> None:
-    """Join the cluster named by `address` / $RAY_ADDRESS, else start a local Ray."""
+def init_ray(address: str | None = None, metrics_port: int | None = None) -> None:
+    """Join the cluster named by `address` / $RAY_ADDRESS, else start a local Ray, exporting
+    its metrics (Prometheus text, `pipeline.telemetry`'s beside Ray's) on `metrics_port` when
+    given (a joined cluster's port is the one its `ray start` named)."""
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS") or None
     local = {} if address else {"include_dashboard": False}
+    if metrics_port is not None and not address:
+        local["_metrics_export_port"] = metrics_port
     ray.init(address=address or "local", logging_level=logging.WARNING,
              runtime_env={"env_vars": WORKER_ENV}, **local)

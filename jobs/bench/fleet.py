@@ -1,8 +1,8 @@
 """Many conversations on many decoder replicas: conversation affinity against Serve's default.
 
     python -m jobs.bench.fleet [--dir out/fleet] [--conversations 200] [--target-tokens 400] \\
-        [--replicas 4] [--requests 600] [--concurrency 8] [--zipf 1.1] [--follow-ups 3] \\
-        [--cache-bytes 268435456] [--modes default,affinity] [--kill-after N]
+        [--replicas 4] [--warmup 600] [--requests 600] [--concurrency 8] [--zipf 1.1] \\
+        [--follow-ups 3] [--cache-bytes 268435456] [--modes default,affinity] [--kill-after N]
 
 A store of many small synthetic conversations (`--dir`: its corpus and store, built once by
 the Ray build and reused: a re-run skips what is built), then one request stream replayed
@@ -10,7 +10,8 @@ against `--replicas` decoder replicas once per mode, side by side in one run, ea
 replicas (cold LRUs): `default` is Serve's routing (power of two choices on queue length),
 `affinity` is `pipeline.serve.affinity`. The stream is made of sessions: a conversation drawn
 with Zipf popularity (`--zipf`), asked 1 + Geometric follow-up questions in a row (mean
-`--follow-ups`), `--concurrency` sessions at once.
+`--follow-ups`), `--concurrency` sessions at once; its first `--warmup` questions fill the
+LRUs and are not measured (the figures are a fleet's steady state, not its first minutes).
 
 Per mode: the LRU hit rate (the answers' `cache_hit`), store objects and bytes fetched per
 question (the decoders' `epicache_store_*` counters on Ray's metrics endpoint, prefetches
@@ -52,8 +53,9 @@ from pipeline.corpus.synthetic import make_corpus
 from pipeline.ray_runtime import WORKER_ENV
 from pipeline.serve.app import build_app, resolve_models
 from pipeline.serve.client import Sample, ask, fault_report, fault_rows, latency_summary
-from pipeline.serve.settings import ServeSettings
+from pipeline.serve.settings import DEFAULT_MAX_IMBALANCE, ServeSettings
 from pipeline.store.uri import open_store
+from pipeline.telemetry import SPECS
 
 APP = "epicache-fleet"
 DECODER = "EpiCacheDecoder"
@@ -82,39 +84,51 @@ def prepare_store(folder: Path, conversations: int, target_tokens: int, episodes
     return corpus, store, summary.line(store=str(store))
 
 
-def make_sessions(corpus: Path, n_requests: int, zipf: float, follow_ups: float,
-                  seed: int) -> list[Session]:
-    """Sessions until `n_requests` questions: conversations by Zipf popularity (a random rank
-    order), each asking its own questions then generic ones, 1 + Geometric in a row."""
+def make_sessions(corpus: Path, warmup: int, n_requests: int, zipf: float, follow_ups: float,
+                  seed: int) -> tuple[list[Session], list[Session]]:
+    """(warm-up, measured) sessions of about `warmup` and exactly `n_requests` questions, one
+    stream: conversations by Zipf popularity (a random rank order), each asking its own
+    questions then generic ones, 1 + Geometric in a row."""
     convs = read_corpus(str(corpus))[0]
     rng = np.random.default_rng(seed)
     ranked = [convs[i] for i in rng.permutation(len(convs))]
     weights = 1.0 / np.arange(1, len(ranked) + 1) ** zipf
-    sessions, total = [], 0
-    while total < n_requests:
-        conv = ranked[rng.choice(len(ranked), p=weights / weights.sum())]
-        pool = [q.question for q in conv.questions] + list(GENERIC_QUESTIONS)
-        k = min(int(rng.geometric(1.0 / follow_ups)), n_requests - total)
-        start = int(rng.integers(len(pool)))
-        sessions.append(Session(conv.conversation_id,
-                                tuple(pool[(start + i) % len(pool)] for i in range(k))))
-        total += k
-    return sessions
+    phases: tuple[list[Session], list[Session]] = ([], [])
+    for phase, n in zip(phases, (warmup, n_requests)):
+        total = 0
+        while total < n:
+            conv = ranked[rng.choice(len(ranked), p=weights / weights.sum())]
+            pool = [q.question for q in conv.questions] + list(GENERIC_QUESTIONS)
+            k = min(int(rng.geometric(1.0 / follow_ups)), n - total)
+            start = int(rng.integers(len(pool)))
+            phase.append(Session(conv.conversation_id,
+                                 tuple(pool[(start + i) % len(pool)] for i in range(k))))
+            total += k
+    return phases
 
 
-def scrape(url: str) -> dict[tuple[str, str], float]:
-    """{(metric, replica): value} of the decoders' fetch counters on Ray's metrics endpoint."""
+def scrape(url: str) -> tuple[dict[tuple[str, str], float], set[str]]:
+    """({(metric, replica): value} of the decoders' fetch counters, every sample name) on
+    Ray's metrics endpoint."""
     with urllib.request.urlopen(url, timeout=10) as r:  # noqa: S310 - a loopback URL we made
         text = r.read().decode()
     out: dict[tuple[str, str], float] = {}
+    names: set[str] = set()
     for family in text_string_to_metric_families(text):
         base = next((m for m in FETCH_METRICS if m in family.name), None)
-        for s in family.samples if base else ():
-            if s.name.endswith("_created"):
+        for s in family.samples:
+            names.add(s.name)
+            if base is None or s.name.endswith("_created"):
                 continue
             key = (base, s.labels.get("replica", ""))
             out[key] = out.get(key, 0.0) + s.value
-    return out
+    return out, names
+
+
+def missing_metrics(url: str) -> list[str]:
+    """The project's metrics (`pipeline.telemetry.SPECS`) not on Ray's metrics endpoint."""
+    names = scrape(url)[1]
+    return [s.name for s in SPECS if not set(s.exported) & names]
 
 
 def settled_fetches(url: str, replicas: set[str], minimum_objects: int,
@@ -124,7 +138,7 @@ def settled_fetches(url: str, replicas: set[str], minimum_objects: int,
     every few seconds."""
     deadline, last = time.monotonic() + timeout, None
     while True:
-        values = scrape(url)
+        values = scrape(url)[0]
         total = {m: sum(v for (name, rep), v in values.items() if name == m and rep in replicas)
                  for m in FETCH_METRICS}
         if (total == last and total["epicache_store_objects_fetched"] >= minimum_objects) \
@@ -190,34 +204,43 @@ def play(url: str, sessions: list[Session], concurrency: int, max_new_tokens: in
     return samples, time.perf_counter() - start
 
 
-def run_mode(mode: str, settings: ServeSettings, model: str, encoder: str, sessions: list[Session],
-             a: argparse.Namespace, http_port: int, metrics_url: str) -> dict:
-    """One mode on fresh replicas: the stream, its figures, the kill's report if asked."""
+def run_mode(mode: str, settings: ServeSettings, model: str, encoder: str,
+             stream: tuple[list[Session], list[Session]], a: argparse.Namespace, http_port: int,
+             metrics_url: str) -> dict:
+    """One mode on fresh replicas: the warm-up sessions, then the measured ones, their figures
+    (the store's counters read after each), and the kill's report if asked."""
     settings = replace(settings, affinity=mode == "affinity")
     serve.run(build_app(settings, model, encoder), name=APP, route_prefix="/")
     url = f"http://127.0.0.1:{http_port}"
     killer = ReplicaKiller(a.kill_after, a.replicas) if a.kill_after and mode == "affinity" else None
     try:
-        samples, wall = play(url, sessions, a.concurrency, a.max_new_tokens, killer, a.timeout)
+        warm = play(url, stream[0], a.concurrency, a.max_new_tokens, None, a.timeout)[0]
+        warm_misses = sum(s.cache_hit is False for s in warm if s.ok)
+        before = settled_fetches(metrics_url, {s.replica for s in warm if s.replica}, warm_misses)
+        samples, wall = play(url, stream[1], a.concurrency, a.max_new_tokens, killer, a.timeout)
         ok = [s for s in samples if s.ok]
-        replicas = {s.replica for s in ok if s.replica}
+        replicas = {s.replica for s in ok + warm if s.replica}
         misses = sum(s.cache_hit is False for s in ok)
-        fetched = settled_fetches(metrics_url, replicas, misses)
+        after = settled_fetches(metrics_url, replicas, warm_misses + misses)
+        fetched = {m: after[m] - before[m] for m in FETCH_METRICS}
         kill = kill_summary(killer, samples) if killer is not None else None
+        missing = missing_metrics(metrics_url)
     finally:
         serve.delete(APP)
     hits = [s.cache_hit for s in ok if s.cache_hit is not None]
     load = Counter(s.replica for s in ok)
     before_kill = [s for s in ok if killer is None or killer.at is None or s.end <= killer.at]
-    return {"mode": mode, "requests": len(samples), "errors": len(samples) - len(ok),
-            "error_examples": sorted({f"{s.status} {s.error[:100]}" for s in samples
+    return {"mode": mode, "warmup": len(warm), "warmup_errors": sum(not s.ok for s in warm),
+            "requests": len(samples), "errors": len(samples) - len(ok),
+            "error_examples": sorted({f"{s.status} {s.error[:100]}" for s in samples + warm
                                       if not s.ok})[:3],
             "lru_hit_rate": sum(hits) / len(hits) if hits else None,
             "objects_per_question": fetched["epicache_store_objects_fetched"] / max(1, len(ok)),
             "mib_per_question": fetched["epicache_store_bytes_fetched"] / max(1, len(ok)) / 2**20,
             "requests_per_s": len(samples) / wall, "latency_ms": latency_summary(samples),
             "per_replica": sorted(load.values(), reverse=True),
-            "one_replica_share": one_replica_share(before_kill), "kill": kill}
+            "one_replica_share": one_replica_share(before_kill), "kill": kill,
+            "metrics_missing": missing}
 
 
 def one_replica_share(samples: list[Sample]) -> float | None:
@@ -310,7 +333,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, default=4, help="decoder replicas")
     p.add_argument("--cache-bytes", type=int, default=256 * 2**20,
                    help="each replica's LRU in bytes (default 256 MiB: about a tenth of the store)")
-    p.add_argument("--requests", type=int, default=600, help="questions asked per mode")
+    p.add_argument("--warmup", type=int, default=600,
+                   help="questions asked per mode before the measured ones (fills the LRUs: the "
+                        "figures are a fleet's steady state, not its cold start; 0: none)")
+    p.add_argument("--requests", type=int, default=600, help="questions measured per mode")
+    p.add_argument("--max-imbalance", type=int, default=DEFAULT_MAX_IMBALANCE,
+                   help="affinity: --affinity-max-imbalance of the app")
     p.add_argument("--concurrency", type=int, default=8, help="sessions asked at once")
     p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of popularity")
     p.add_argument("--follow-ups", type=float, default=3.0, help="mean questions per session")
@@ -338,27 +366,32 @@ def main(argv: list[str] | None = None) -> int:
         corpus, store, built = prepare_store(Path(a.dir), a.conversations, a.target_tokens,
                                              a.episodes, a.budget, a.seed)
         print(built, flush=True)
-        sessions = make_sessions(corpus, a.requests, a.zipf, a.follow_ups, a.seed)
+        stream = make_sessions(corpus, a.warmup, a.requests, a.zipf, a.follow_ups, a.seed)
         model, encoder = resolve_models(open_store(str(store), create=False), None, None)
         cpus = ray.cluster_resources().get("CPU", 2)
         settings = ServeSettings(
             store=str(store), decoder_replicas=a.replicas, cache_bytes=a.cache_bytes,
-            decoder_cpus=cpus / (2 * a.replicas), router_cpus=cpus / 4, torch_threads=1)
+            decoder_cpus=cpus / (2 * a.replicas), router_cpus=cpus / 4, torch_threads=1,
+            affinity_max_imbalance=a.max_imbalance)
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
         results = []
         for mode in modes:
-            results.append(run_mode(mode, settings, model, encoder, sessions, a, http_port,
+            results.append(run_mode(mode, settings, model, encoder, stream, a, http_port,
                                     f"http://127.0.0.1:{metrics_port}/metrics"))
             print(f"{mode}: done", flush=True)
     finally:
         serve.shutdown()
         ray.shutdown()
-    print(f"{a.requests} questions in {len(sessions)} sessions over {a.conversations} "
-          f"conversations, {a.replicas} replicas, {a.concurrency} sessions at once")
+    print(f"{a.requests} questions measured in {len(stream[1])} sessions after {a.warmup} "
+          f"warm-up questions, {a.conversations} conversations, {a.replicas} replicas, "
+          f"{a.concurrency} sessions at once, Zipf {a.zipf}")
     print(format_table(results))
     by_mode = {r["mode"]: r for r in results}
     if {"default", "affinity"} <= set(by_mode):
         print(format_ratios(by_mode["default"], by_mode["affinity"]))
+    missing = results[-1]["metrics_missing"]
+    print(f"metrics on Ray's endpoint: {len(SPECS) - len(missing)} of {len(SPECS)}"
+          + (f" (not seen: {', '.join(missing)})" if missing else ""))
     kill = by_mode.get("affinity", {}).get("kill")
     if kill is not None:
         print(format_kill(kill))

@@ -14,11 +14,11 @@ from collections.abc import Callable
 Number = int | float
 
 
-def number(kind: type = int, *, at_least: Number | None = None,
-           above: Number | None = None) -> Callable[[str], Number]:
+def number(kind: type = int, *, at_least: Number | None = None, above: Number | None = None,
+           at_most: Number | None = None) -> Callable[[str], Number]:
     """An argparse `type`: text parsed as `kind` (int or float), finite, and at least
-    `at_least` / greater than `above` where given; otherwise `ArgumentTypeError`, which argparse
-    prints as "argument --flag: <why>"."""
+    `at_least` / greater than `above` / at most `at_most` where given; otherwise
+    `ArgumentTypeError`, which argparse prints as "argument --flag: <why>"."""
     def parse(text: str) -> Number:
         value = kind(text)  # text that is no number: argparse's "invalid int value: 'x'"
         if not math.isfinite(value):
@@ -27,6 +27,8 @@ def number(kind: type = int, *, at_least: Number | None = None,
             raise argparse.ArgumentTypeError(f"must be at least {at_least}, got {text}")
         if above is not None and value <= above:
             raise argparse.ArgumentTypeError(f"must be greater than {above}, got {text}")
+        if at_most is not None and value > at_most:
+            raise argparse.ArgumentTypeError(f"must be at most {at_most}, got {text}")
         return value
 
     parse.__name__ = kind.__name__  # what argparse calls the type in its messages
@@ -37,3 +39,4 @@ finite = number(float)
 non_negative = number(float, at_least=0)
 count = number(int, at_least=0)
 positive_int = number(int, at_least=1)
+port_number = number(int, at_least=1, at_most=65535)

@@ -30,7 +30,7 @@ def _fleet(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, list[dict
 
 
 def test_affinity_keeps_each_conversation_on_one_replica_and_survives_a_kill(tmp_path):
-    proc, results = _fleet(tmp_path, "--requests", "36", "--concurrency", "2",
+    proc, results = _fleet(tmp_path, "--warmup", "8", "--requests", "36", "--concurrency", "2",
                            "--kill-after", "18")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     default, affinity = results
@@ -48,3 +48,5 @@ def test_affinity_keeps_each_conversation_on_one_replica_and_survives_a_kill(tmp
     assert kill["answered_by_the_dead"] == 0
     assert "LRU hit rate, affinity / default" in proc.stdout
     assert "replica kill" in proc.stdout
+    # every metric the project defines, from the real router, decoders and build, was scraped
+    assert affinity["metrics_missing"] == []
