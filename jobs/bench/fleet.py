@@ -345,10 +345,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=8, help="answer length at most")
     p.add_argument("--modes", default="default,affinity", help="routings run, in this order")
     p.add_argument("--kill-after", type=int, default=None, metavar="N",
-                   help="affinity run: kill the busiest replica once N requests completed")
+                   help="affinity run: kill the busiest replica once N measured requests "
+                        "completed (default: no kill)")
     p.add_argument("--timeout", type=float, default=300.0, help="client timeout per request, s")
     p.add_argument("--seed", type=int, default=0, help="corpus and workload seed")
-    p.add_argument("--json", help="also write the figures to this file")
+    p.add_argument("--json", help="also write the figures to this file (default: not written)")
     return p
 
 

@@ -84,10 +84,14 @@ def _request(conversation: str | None) -> PendingRequest:
         request_id="r", internal_request_id="i", multiplexed_model_id=conversation or ""))
 
 
+async def _conversations_read() -> list[str | None]:
+    # in a loop: a PendingRequest makes its asyncio future as it is made
+    return [conversation_of(_request("conv-1")), conversation_of(_request(None)),
+            conversation_of(None)]
+
+
 def test_the_conversation_is_read_from_the_request():
-    assert conversation_of(_request("conv-1")) == "conv-1"
-    assert conversation_of(_request(None)) is None  # stats: no conversation
-    assert conversation_of(None) is None
+    assert asyncio.run(_conversations_read()) == ["conv-1", None, None]  # stats: no conversation
 
 
 class _Replica:
