@@ -4,7 +4,8 @@ send it). The ranges of the sampling fields are checked by `AnswerLimits`, as `j
 the `Answerer` check them."""
 
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
+                      ValidationError)
 
 from pipeline.serve.body import check_media_type, load_json, read_body
 from pipeline.serve.errors import ApiError, describe
@@ -14,7 +15,7 @@ class AnswerRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     question: StrictStr
     max_new_tokens: StrictInt | None = None
-    temperature: float | None = None
+    temperature: StrictFloat | None = None  # a number: not "0.5", not true
 
 
 class ContentPart(BaseModel):
@@ -36,7 +37,7 @@ class ChatRequest(BaseModel):
     model: StrictStr | None = None
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
-    temperature: float | None = None
+    temperature: StrictFloat | None = None  # a number: not "0.5", not true
     stream: StrictBool = False
     n: StrictInt | None = None
 

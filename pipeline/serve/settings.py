@@ -8,6 +8,7 @@ run jobs.serve:app_builder key=value ...` casts its text by the field's type (`f
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -145,6 +146,21 @@ class ServeSettings:
                              f"max_new_tokens_limit ({self.max_new_tokens_limit})")
         if self.decoder_timeout_s <= 0:
             raise ValueError(f"decoder_timeout_s must be > 0, got {self.decoder_timeout_s}")
+        if not self.store:
+            raise ValueError("store must name a folder or s3://bucket/prefix, got ''")
+        try:  # a router by name, two_below >= 0
+            RoutingConfig(self.route_by, self.two_below)
+        except ValueError as e:
+            raise ValueError(f"route_by / two_below: {e}") from None
+        for name in ("router_cpus", "decoder_cpus", "decoder_gpus"):  # 0: Ray's 0-CPU actors
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        if not (math.isfinite(self.decoder_target_ongoing) and self.decoder_target_ongoing > 0):
+            raise ValueError(f"decoder_target_ongoing must be > 0, got "
+                             f"{self.decoder_target_ongoing}")
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ValueError(f"torch_threads must be at least 1, got {self.torch_threads}")
         if self.affinity_max_imbalance < 0:
             raise ValueError(f"affinity_max_imbalance must be >= 0, got "
                              f"{self.affinity_max_imbalance}")

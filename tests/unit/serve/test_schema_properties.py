@@ -105,3 +105,17 @@ def test_random_json_is_a_request_or_an_api_error(model, value):
 @example(AnswerRequest, b'{"question": "\\ud800"}')  # a lone surrogate
 def test_random_bytes_are_a_request_or_an_api_error(model, body):
     _parse(body, model)
+
+
+@given(st.sampled_from(MODELS), st.sampled_from(["0.5", "1", True, False, [0.5], {"t": 1}]))
+def test_a_number_field_refuses_text_and_booleans(model, value):
+    """Strict types: "0.5" and true are not temperatures (a 422 naming the field), while an
+    integer is (0 is 0.0)."""
+    body = copy.deepcopy(VALID[model]) | {"temperature": value}
+    try:
+        model.model_validate(body)
+    except ValidationError as e:
+        assert [err["loc"] for err in e.errors()] == [("temperature",)]
+    else:
+        raise AssertionError(f"temperature {value!r} was accepted")
+    assert model.model_validate(VALID[model] | {"temperature": 0}).temperature == 0.0
