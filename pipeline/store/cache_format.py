@@ -55,11 +55,13 @@ class ChecksumError(CacheCorruptError):
 
 def read_object(stream: BinaryIO, name: str = "cache", size: int | None = None) -> bytes:
     """The whole of `stream` in one read (straight into the bytes object for a file);
-    `ChecksumError` naming the object if it is not `size` bytes long."""
-    data = stream.read() if size is None else stream.read(size)
+    `ChecksumError` naming the object if it is not `size` bytes long. The recorded size is
+    never what is allocated: a manifest claiming 2**40 bytes is a corrupt object, not a
+    `MemoryError`."""
+    data = stream.read()
     if size is not None and len(data) < size:
         raise ChecksumError(f"cache object {name} is truncated ({len(data)} of {size} bytes)")
-    if size is not None and stream.read(1):
+    if size is not None and len(data) > size:
         raise ChecksumError(f"cache object {name} is longer than its recorded {size} bytes")
     return data
 

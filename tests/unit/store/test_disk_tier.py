@@ -116,6 +116,10 @@ def test_read_checks_length_and_checksum_beside_the_parse(tmp_path, objects, mon
         with pytest.raises(ChecksumError, match=error):
             read_cache(store, ref)
     assert len(parsed) == 5  # a wrong length is found before any parse
+    store.put(ref.object_key, data)
+    huge = dataclasses.replace(ref, object_bytes=2**40)  # a manifest's size is not allocated
+    with pytest.raises(ChecksumError, match=f"is truncated \\({len(data)} of {2**40} bytes"):
+        read_cache(store, huge)
 
 
 def test_fetch_of_a_corrupt_store_object_raises_naming_it(tmp_path, objects):
