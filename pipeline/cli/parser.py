@@ -31,12 +31,20 @@ def make_parser(module: str, doc: str, epilog: str | None = None) -> argparse.Ar
                                    epilog=epilog, formatter_class=HelpFormatter)
 
 
+def non_empty(text: str) -> str:
+    """An argparse `type`: text that is not empty or blank (an empty --store would be the
+    current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
 def add_store_options(p: argparse.ArgumentParser, help: str = "store folder, or s3://bucket/prefix",
                       region: bool = False) -> None:
     """`--store` and `--s3-endpoint` (and `--s3-region`), as every command that opens a store
     takes them; the command passes them on as one `store_options(a)`, whose endpoint the S3
     backend resolves (`pipeline.store.s3.s3_endpoint`)."""
-    p.add_argument("--store", required=True, help=help)
+    p.add_argument("--store", required=True, type=non_empty, help=help)
     p.add_argument("--s3-endpoint", default=None,
                    help="S3-compatible endpoint URL (default: $EPICACHE_S3_ENDPOINT, else "
                         "$AWS_ENDPOINT_URL_S3 / $AWS_ENDPOINT_URL, else AWS)")

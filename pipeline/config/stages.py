@@ -113,8 +113,8 @@ class MergeConfig:
     min_threshold: float = -1.0  # the threshold used is max(EMA, min_threshold)
 
     def __post_init__(self):
-        if self.beta <= 0:
-            raise ValueError(f"merge beta must be positive, got {self.beta}")
+        if not 0 < self.beta <= 1:  # an EMA weight
+            raise ValueError(f"merge beta must be in (0, 1], got {self.beta}")
 
 
 Selection = Literal["headwise", "perhead"]

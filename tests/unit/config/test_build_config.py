@@ -25,8 +25,8 @@ def _changed(value):
         return not value
     if isinstance(value, int):
         return value + 1
-    if isinstance(value, float):
-        return value + 0.5
+    if isinstance(value, float):  # a weight in (0, 1] stays one (merge beta)
+        return value / 2 if 0 < value <= 1 else value + 0.5
     if isinstance(value, str):
         return {"float16": "bfloat16", "headwise": "perhead", "max": "mean",
                 "original": "compact", "auto": "original"}.get(value, value + "-x")

@@ -1,5 +1,6 @@
-"""`jobs.serve` refuses a bad argument at once (exit 2, one line naming it), before Ray, Serve or
-a model starts: what issue 38's probe found accepted or failing after a 22-54 s start-up."""
+"""A bad argument is refused at once (exit 2, one line naming it), before Ray, Serve or a model
+starts: the rows of issue 38's probe that were accepted, or failed after a 22-54 s start-up
+(`jobs.serve`'s settings, `jobs.build`'s store and merge beta)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,20 @@ def test_a_bad_argument_is_refused_at_once_naming_it(args, named, capsys):
 def test_an_empty_store_is_refused(capsys):
     assert _exit_status(["--store", ""]) == 2
     assert "store" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--corpus", "c.jsonl", "--store", ""], "--store"),
+    (["--corpus", "c.jsonl", "--store", "s", "--merge", "--merge-beta", "2"], "merge beta"),
+])
+def test_the_build_refuses_an_empty_store_and_a_merge_beta_out_of_range(argv, named, capsys,
+                                                                        tmp_path, monkeypatch):
+    import jobs.build
+
+    monkeypatch.chdir(tmp_path)
+    try:
+        status = jobs.build.main(argv)
+    except SystemExit as e:
+        status = e.code
+    assert status == 2 and named in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # nothing written, no store made
