@@ -84,18 +84,32 @@ class CorpusObject:
 
 
 def _file_object(file: Path) -> CorpusObject:
-    return CorpusObject(file.name, lambda: file.open("rb"), lambda: file.stat().st_size)
+    def opened() -> BinaryIO:
+        try:
+            return file.open("rb")
+        except OSError as e:  # unreadable (permissions), or gone since it was listed
+            raise CorpusError(f"{file}: cannot be read ({e.strerror or e})") from None
+    return CorpusObject(file.name, opened, lambda: file.stat().st_size)
 
 
 def _corpus_files(path: Path) -> list[Path]:
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".json"))
-        if not files:
-            raise CorpusError(f"{path}: folder holds no .jsonl or .json files")
-        return files
-    if not path.exists():
-        raise CorpusError(f"{path}: no such file or folder")
-    return [path]
+    """The corpus files: `path`, or its folder's .jsonl/.json files; a listing that fails or an
+    entry that is a folder is a `CorpusError` naming it (one line, not a traceback)."""
+    try:
+        if path.is_dir():
+            files = sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".json"))
+            if not files:
+                raise CorpusError(f"{path}: folder holds no .jsonl or .json files")
+        elif not path.exists():
+            raise CorpusError(f"{path}: no such file or folder")
+        else:
+            files = [path]
+    except OSError as e:
+        raise CorpusError(f"{path}: cannot be listed ({e.strerror or e})") from None
+    for f in files:
+        if f.is_dir():
+            raise CorpusError(f"{f}: a folder named like a corpus file")
+    return files
 
 
 def local_objects(path: str | Path) -> list[CorpusObject]:
