@@ -29,14 +29,12 @@ def parse_locomo(obj: Any, conversation_id: str, where: str, limits: CorpusLimit
         raise rec.fail("conversation", "must be an object")
     speakers = [rec.get(conv, "speaker_a", "speaker_a", str, nonempty=True),
                 rec.get(conv, "speaker_b", "speaker_b", str, nonempty=True)]
-    sessions = sorted(int(m.group(1)) for k in conv if (m := _SESSION_KEY.match(k)))
-    if not sessions:
-        raise rec.fail("session_1", "is missing (no sessions in this sample)")
-    turns = []
-    for n in sessions:
-        date = conv.get(f"session_{n}_date_time", "")
-        for i, t in enumerate(rec.get(conv, f"session_{n}", f"session_{n}", list)):
-            p = f"session_{n}[{i}]"
+    sessions = _session_keys(conv, rec)
+    turns, where_of = [], {}
+    for n, key in sorted(sessions.items()):
+        date = conv.get(f"{key}_date_time", "")
+        for i, t in enumerate(rec.get(conv, key, key, list)):
+            p = f"{key}[{i}]"
             if not isinstance(t, dict):
                 raise rec.fail(p, "must be an object")
             turn = Turn(turn_id=str(rec.get(t, "dia_id", f"{p}.dia_id", str, nonempty=True)),
@@ -45,6 +43,13 @@ def parse_locomo(obj: Any, conversation_id: str, where: str, limits: CorpusLimit
                         session=n, timestamp=str(date),
                         caption=rec.get(t, "blip_caption", f"{p}.blip_caption", str,
                                         required=False) or None)
+            if turn.speaker not in speakers:
+                raise rec.fail(f"{p}.speaker", f"{turn.speaker!r} is neither speaker_a nor "
+                                               f"speaker_b ({speakers[0]!r}, {speakers[1]!r})")
+            if turn.turn_id in where_of:
+                raise rec.fail(f"{p}.dia_id", f"duplicate id {turn.turn_id!r} (also "
+                                              f"{where_of[turn.turn_id]})")
+            where_of[turn.turn_id] = p
             limits.check_chars(rec, f"{p}.text", turn.text)
             limits.check_chars(rec, f"{p}.blip_caption", turn.caption)
             turns.append(turn)
@@ -74,6 +79,23 @@ def parse_locomo(obj: Any, conversation_id: str, where: str, limits: CorpusLimit
         raise rec.fail("qa", f"must be list, got {type(qa).__name__}")
     return Conversation(check_safe_id(conversation_id), tuple(speakers), tuple(turns),
                         parse_questions(qa, question, faults), {"source": "locomo"})
+
+
+def _session_keys(conv: dict, rec: RecordFields) -> dict[int, str]:
+    """{session number: its key}, the number parsed (`session_01` is session 1); two keys of
+    one number are an error naming both, not one session read twice and the other dropped."""
+    sessions: dict[int, str] = {}
+    for key in conv:
+        m = _SESSION_KEY.match(key)
+        if m is None:
+            continue
+        n = int(m.group(1))
+        if n in sessions:
+            raise rec.fail(key, f"is session {n} again (also {sessions[n]!r})")
+        sessions[n] = key
+    if not sessions:
+        raise rec.fail("session_1", "is missing (no sessions in this sample)")
+    return sessions
 
 
 def locomo_id(sample: Any, default: str) -> str:
