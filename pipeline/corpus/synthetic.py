@@ -17,6 +17,7 @@ import datetime as dt
 import json
 import random
 from collections import Counter, deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 
@@ -292,12 +293,17 @@ def make_conversation(conversation_id: str, target_tokens: int, seed: int, n_top
                         meta)
 
 
-def make_corpus(n_conversations: int, target_tokens: int, seed: int,
-                n_topics: int = 4) -> list[Conversation]:
-    """`n_conversations` conversations 'synth-0000', 'synth-0001', ..., each from its own
-    sub-seed derived from (seed, index), so adding conversations never changes earlier ones."""
-    corpus = []
+def iter_corpus(n_conversations: int, target_tokens: int, seed: int,
+                n_topics: int = 4) -> Iterator[Conversation]:
+    """`n_conversations` conversations 'synth-0000', 'synth-0001', ..., made one at a time (a
+    corpus of any size in the memory of one conversation), each from its own sub-seed derived
+    from (seed, index), so adding conversations never changes earlier ones."""
     for i in range(n_conversations):
         sub_seed = random.Random(f"synthetic-corpus/{seed}/{i}").getrandbits(32)
-        corpus.append(make_conversation(f"synth-{i:04d}", target_tokens, sub_seed, n_topics))
-    return corpus
+        yield make_conversation(f"synth-{i:04d}", target_tokens, sub_seed, n_topics)
+
+
+def make_corpus(n_conversations: int, target_tokens: int, seed: int,
+                n_topics: int = 4) -> list[Conversation]:
+    """`iter_corpus`'s conversations, in a list."""
+    return list(iter_corpus(n_conversations, target_tokens, seed, n_topics))

@@ -4,6 +4,7 @@ starts: the rows of issue 38's probe that were accepted, or failed after a 22-54
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -13,12 +14,16 @@ import jobs.serve
 STORE = ["--store", "caches"]
 
 
-def _exit_status(argv: list[str]) -> int:
-    """The command's exit status: argparse's own errors exit, the settings' return."""
+def _status_of(main, argv: list[str]) -> int:
+    """A command's exit status: argparse's own errors exit, the rest return."""
     try:
-        return jobs.serve.main(argv)
+        return main(argv)
     except SystemExit as e:
         return e.code
+
+
+def _exit_status(argv: list[str]) -> int:
+    return _status_of(jobs.serve.main, argv)
 
 
 @pytest.mark.parametrize("args, named", [
@@ -59,3 +64,38 @@ def test_the_build_refuses_an_empty_store_and_a_merge_beta_out_of_range(argv, na
         status = e.code
     assert status == 2 and named in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # nothing written, no store made
+
+
+@pytest.mark.parametrize("flag", ["--conversations", "--target-tokens"])
+def test_make_corpus_refuses_sizes_past_its_limits_at_once(flag, tmp_path, capsys):
+    import jobs.make_corpus
+
+    sizes = {"--conversations": "2", "--target-tokens": "300", flag: str(10**12)}
+    argv = ["--out", str(tmp_path / "c.jsonl"), *(x for kv in sizes.items() for x in kv)]
+    start = time.perf_counter()
+    assert _status_of(jobs.make_corpus.main, argv) == 2
+    assert f"argument {flag}: must be at most" in capsys.readouterr().err
+    assert time.perf_counter() - start < 5 and not any(tmp_path.iterdir())
+
+
+def test_make_corpus_streams_what_it_makes(tmp_path, monkeypatch):
+    """Each conversation is written before the next is made: the corpus is never held whole."""
+    import jobs.make_corpus
+    from pipeline.corpus import synthetic
+
+    made, out = [], tmp_path / "c.jsonl"
+    partial = out.with_name(f".c.jsonl.{os.getpid()}.tmp")  # write_jsonl's file until renamed
+    written_by_the_21st = []
+    real = synthetic.make_conversation
+
+    def spying(*args, **kwargs):
+        if len(made) == 20:  # ~160 KB made by now: past the file buffer, so on disk if streamed
+            written_by_the_21st.append(partial.stat().st_size if partial.exists() else 0)
+        made.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(synthetic, "make_conversation", spying)
+    assert jobs.make_corpus.main(["--out", str(out), "--conversations", "40",
+                                  "--target-tokens", "2000"]) == 0
+    assert len(made) == 40 and len(out.read_text().splitlines()) == 40
+    assert written_by_the_21st[0] > 0
