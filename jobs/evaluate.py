@@ -31,7 +31,7 @@ from typing import IO
 from pipeline.cli.numbers import positive_int
 from pipeline.cli.options import (SHARED_BUILD_OPTIONS, add_corpus_options, add_options,
                                   eval_build_config_from_args, limits_from_args)
-from pipeline.cli.parser import make_parser
+from pipeline.cli.parser import make_parser, writable_folder
 from pipeline.config import BuildConfig
 from pipeline.corpus.reader import (SKIP_REPORT, ReadStats, check_corpus, iter_corpus,
                                     select_conversations)
@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         for m in methods:  # every configuration made once, so a bad value fails here
             config.build_config(m, budgets[0])
             config.route_of(m)
+        writable_folder(out)
         convs, read = read_corpus(a, out)
     except (CorpusError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

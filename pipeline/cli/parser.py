@@ -8,6 +8,8 @@ module docstring's first paragraph as written, and every option's help line with
 from __future__ import annotations
 
 import argparse
+import tempfile
+from pathlib import Path
 
 from pipeline.store.base import StoreOptions
 
@@ -37,6 +39,21 @@ def non_empty(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("must not be empty")
     return text
+
+
+def writable_folder(path: str | Path, option: str = "--out") -> Path:
+    """`path` as an output folder that exists or is made now and takes a file; otherwise a
+    `ValueError` naming the option (a command checks it before any work, not at its end)."""
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{option} {path}: not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ValueError(f"{option} {path}: cannot be written ({e.strerror or e})") from None
+    return folder
 
 
 def add_store_options(p: argparse.ArgumentParser, help: str = "store folder, or s3://bucket/prefix",

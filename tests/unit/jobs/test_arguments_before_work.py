@@ -99,3 +99,18 @@ def test_make_corpus_streams_what_it_makes(tmp_path, monkeypatch):
                                   "--target-tokens", "2000"]) == 0
     assert len(made) == 40 and len(out.read_text().splitlines()) == 40
     assert written_by_the_21st[0] > 0
+
+
+@pytest.mark.parametrize("out", ["a-file", "/dev/full"])
+def test_evaluate_refuses_an_out_that_is_not_a_folder_before_reading_the_corpus(out, tmp_path,
+                                                                                capsys):
+    import jobs.evaluate
+
+    target = tmp_path / out if out == "a-file" else out
+    if out == "a-file":
+        target.write_text("keep me")
+    assert jobs.evaluate.main(["--corpus", str(tmp_path / "no-corpus"), "--methods", "full",
+                               "--budgets", "512", "--out", str(target)]) == 2
+    assert f"--out {target}: not a folder" in capsys.readouterr().err
+    if out == "a-file":
+        assert target.read_text() == "keep me"
