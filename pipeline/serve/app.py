@@ -7,6 +7,8 @@ model libraries) as their runtime environment, as every Ray worker the jobs star
 
 from __future__ import annotations
 
+import logging
+
 from ray.serve.config import RequestRouterConfig
 
 from pipeline.kv.models import DEFAULT_ENCODER, DEFAULT_LLM
@@ -16,21 +18,30 @@ from pipeline.serve.decoder import Decoder
 from pipeline.serve.ingress import Router
 from pipeline.serve.settings import ServeSettings
 from pipeline.store.base import Store
-from pipeline.store.manifest import list_conversations, read_manifest
+from pipeline.store.manifest import ManifestError, list_conversations, read_manifest
 from pipeline.store.uri import open_store
 
 APP_NAME = "epicache"
+log = logging.getLogger("epicache.serve")
 
 
 def resolve_models(store: Store, model: str | None, encoder: str | None) -> tuple[str, str]:
     """The model and encoder to serve: as given, else as named in the store's manifests (the
-    first conversation's), else the packaged defaults for an empty store."""
+    first conversation's that reads: a corrupt one is logged and passed over, so one bad
+    conversation does not keep the others from being served), else the packaged defaults for
+    an empty store."""
     if model is None or encoder is None:
-        for cid in list_conversations(store)[:1]:
-            records = read_manifest(store, cid) or []
+        for cid in list_conversations(store):
+            try:
+                records = read_manifest(store, cid) or []
+            except ManifestError as e:
+                log.warning("conversation %s: its manifest cannot be read (%s); its questions "
+                            "will answer 503", cid, e.reason)
+                continue
             if records:
                 model = model or records[0].model_id
                 encoder = encoder or records[0].encoder_id
+                break
     return model or DEFAULT_LLM, encoder or DEFAULT_ENCODER
 
 
