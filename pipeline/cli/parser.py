@@ -8,7 +8,7 @@ module docstring's first paragraph as written, and every option's help line with
 from __future__ import annotations
 
 import argparse
-import tempfile
+import os
 from pathlib import Path
 
 from pipeline.store.base import StoreOptions
@@ -42,17 +42,16 @@ def non_empty(text: str) -> str:
 
 
 def writable_folder(path: str | Path, option: str = "--out") -> Path:
-    """`path` as an output folder that exists or is made now and takes a file; otherwise a
-    `ValueError` naming the option (a command checks it before any work, not at its end)."""
+    """`path` as an output folder: one that is a folder and writable, or can be made (its
+    nearest existing parent is); otherwise a `ValueError` naming the option. Nothing is made
+    here: a command checks before any work, and writes nothing if the rest is refused."""
     folder = Path(path)
-    if folder.exists() and not folder.is_dir():
-        raise ValueError(f"{option} {path}: not a folder")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as e:
-        raise ValueError(f"{option} {path}: cannot be written ({e.strerror or e})") from None
+    existing = next(p for p in (folder, *folder.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        what = "not a folder" if existing == folder else f"cannot be made ({existing} is a file)"
+        raise ValueError(f"{option} {path}: {what}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {path}: cannot be written (permission denied on {existing})")
     return folder
 
 
