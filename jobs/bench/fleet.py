@@ -49,19 +49,18 @@ from pipeline.builder.driver import run_build
 from pipeline.cli.bench import bench_parser, start_bench
 from pipeline.config import BuildConfig, DriverOptions, EpisodeConfig
 from pipeline.corpus.reader import read_corpus, write_jsonl
-from pipeline.corpus.synthetic import make_corpus
+from pipeline.corpus.synthetic import iter_corpus
 from pipeline.ray_runtime import WORKER_ENV
 from pipeline.serve.app import build_app, resolve_models
-from pipeline.serve.client import Sample, ask, fault_report, fault_rows, latency_summary
+from pipeline.serve.client import (GENERIC_QUESTIONS, Sample, ask, fault_report, fault_rows,
+                                   latency_summary)
 from pipeline.serve.settings import DEFAULT_MAX_IMBALANCE, ServeSettings
 from pipeline.store.uri import open_store
 from pipeline.telemetry import SPECS
 
 APP = "epicache-fleet"
 DECODER = "EpiCacheDecoder"
-GENERIC_QUESTIONS = ("What did they talk about most?", "Where did they go last weekend?",
-                     "What is the name of the pet?", "What did they cook for the party?",
-                     "What are they planning next?")
+FOLLOW_UPS = (*GENERIC_QUESTIONS, "What are they planning next?")  # after a conversation's own
 FETCH_METRICS = ("epicache_store_bytes_fetched", "epicache_store_objects_fetched")
 
 
@@ -78,7 +77,7 @@ def prepare_store(folder: Path, conversations: int, target_tokens: int, episodes
     folder.mkdir(parents=True, exist_ok=True)
     corpus, store = folder / "corpus.jsonl", folder / "store"
     if not corpus.exists():
-        write_jsonl(make_corpus(conversations, target_tokens, seed, n_topics=2), corpus)
+        write_jsonl(iter_corpus(conversations, target_tokens, seed, n_topics=2), corpus)
     config = BuildConfig(budget=budget, episodes=EpisodeConfig(episodes=episodes))
     summary = run_build(str(corpus), str(store), config, DriverOptions(progress=False))
     return corpus, store, summary.line(store=str(store))
@@ -98,7 +97,7 @@ def make_sessions(corpus: Path, warmup: int, n_requests: int, zipf: float, follo
         total = 0
         while total < n:
             conv = ranked[rng.choice(len(ranked), p=weights / weights.sum())]
-            pool = [q.question for q in conv.questions] + list(GENERIC_QUESTIONS)
+            pool = [q.question for q in conv.questions] + list(FOLLOW_UPS)
             k = min(int(rng.geometric(1.0 / follow_ups)), n - total)
             start = int(rng.integers(len(pool)))
             phase.append(Session(conv.conversation_id,

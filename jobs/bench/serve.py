@@ -36,11 +36,10 @@ import requests
 
 from pipeline.cli.bench import bench_parser, start_bench
 from pipeline.corpus.reader import read_corpus
-from pipeline.serve.client import Sample, ask, fault_report, fault_rows, latency_summary
+from pipeline.serve.client import (GENERIC_QUESTIONS, Sample, ask, fault_report, fault_rows,
+                                   latency_summary)
 
 STAGES = ("embed", "route", "fetch", "decode")
-GENERIC_QUESTIONS = ("What did they talk about most?", "Where did they go last weekend?",
-                     "What is the name of the pet?", "What did they cook for the party?")
 
 
 def load_questions(corpus: str | None, conversations: list[str], limit: int,

@@ -53,7 +53,7 @@ def parse_locomo(obj: Any, conversation_id: str, where: str, limits: CorpusLimit
             limits.check_chars(rec, f"{p}.text", turn.text)
             limits.check_chars(rec, f"{p}.blip_caption", turn.caption)
             turns.append(turn)
-    known = {t.turn_id for t in turns}
+    known = set(where_of)
 
     def question(i: int, q: Any) -> Question:
         p = f"qa[{i}]"

@@ -12,6 +12,11 @@ import numpy as np
 import requests
 
 
+# asked of a conversation that has no questions of its own (`jobs.bench.serve`, `jobs.bench.fleet`)
+GENERIC_QUESTIONS = ("What did they talk about most?", "Where did they go last weekend?",
+                     "What is the name of the pet?", "What did they cook for the party?")
+
+
 @dataclass
 class Sample:
     ok: bool

@@ -22,7 +22,6 @@ from ray.exceptions import RayActorError
 from pipeline.answer.lookup import (check_models, embed_question, load_manifest, route_index,
                                     route_records)
 from pipeline.answer.topup import REBUILD, TopUp, TopUps
-from pipeline.config import RoutingConfig
 from pipeline.config.limits import LimitError
 from pipeline.corpus.schema import check_safe_id
 from pipeline.kv import models
@@ -92,7 +91,7 @@ class Router:
         self.decoder = decoder
         self.settings = settings
         self.limits = self.settings.limits
-        self.routing = RoutingConfig(self.settings.route_by, self.settings.two_below)
+        self.routing = self.settings.routing_config
         self.model_name, self.encoder_name = model, encoder
         self.store = open_store(self.settings.store, self.settings.store_options, create=False)
         self.encoder = models.load_encoder(encoder, "cpu")

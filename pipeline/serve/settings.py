@@ -149,7 +149,7 @@ class ServeSettings:
         if not self.store:
             raise ValueError("store must name a folder or s3://bucket/prefix, got ''")
         try:  # a router by name, two_below >= 0
-            RoutingConfig(self.route_by, self.two_below)
+            self.routing_config
         except ValueError as e:
             raise ValueError(f"route_by / two_below: {e}") from None
         for name in ("router_cpus", "decoder_cpus", "decoder_gpus"):  # 0: Ray's 0-CPU actors
@@ -180,6 +180,11 @@ class ServeSettings:
         """The limits on one answer, as `jobs.answer` and the library's `Answerer` hold them."""
         return AnswerLimits(max_question_tokens=self.max_question_tokens,
                             max_new_tokens=self.max_new_tokens_limit)
+
+    @property
+    def routing_config(self) -> RoutingConfig:
+        """How the router picks a question's episode(s) (`pipeline.routers`)."""
+        return RoutingConfig(self.route_by, self.two_below)
 
     @property
     def topup_config(self) -> TopUpConfig:
