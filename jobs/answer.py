@@ -1,9 +1,13 @@
 """Answer questions about a built conversation from its episodic caches.
 
-    python -m jobs.answer --store DIR|s3://bucket/prefix --conversation ID --question Q
-        [--question Q2 ...] [--topup | --no-topup] [--json]
+    python -m jobs.answer --store DIR|s3://bucket/prefix --conversation ID [--conversation ID2 ...]
+        --question Q [--question Q2 ...] [--topup | --no-topup] [--json]
 
-Each question is routed to the nearest episode; consecutive questions routed to the same
+Every question is asked of every conversation given, in order. One conversation that cannot be
+answered (not built, a manifest or cache object damaged, built with other model files) is one
+error line naming it, and the others are answered: the exit code is 1 when some conversations
+failed, 2 when all did (or the arguments, the store or the model did). Each question is routed
+to the nearest episode; consecutive questions routed to the same
 episode reuse the resident cache. With `--topup`, the question's nearest turns that the episodes
 read do not hold are read after the cache (docs/serving.md#top-up). Questions and sampling
 parameters are held to the limits the server holds them to (`pipeline.config.limits`;
@@ -32,7 +36,9 @@ from pipeline.store.uri import open_store
 def build_parser() -> argparse.ArgumentParser:
     p = make_parser("jobs.answer", __doc__)
     add_store_options(p)
-    p.add_argument("--conversation", required=True, help="the conversation id, as in its manifest")
+    p.add_argument("--conversation", action="append", required=True,
+                   help="a conversation id, as in its manifest (may repeat: each is asked "
+                        "every question)")
     p.add_argument("--question", action="append", required=True,
                    help="a question about it (may repeat: answered in order)")
     p.add_argument("--max-new-tokens", type=int, default=32,
@@ -79,6 +85,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
+def print_answer(r, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(r.as_dict(), ensure_ascii=False), flush=True)
+        return
+    t = r.timings_ms
+    read = "episodes " + " and ".join(map(str, r.episodes)) if len(r.episodes) > 1 \
+        else f"episode {r.episode}"
+    how = (f"   ({read}, similarity {r.similarity:.3f}, "
+           f"{'resident' if r.cache_hit else 'fetched'}; embed {t['embed']:.0f} ms, "
+           f"route {t['route']:.1f} ms, load {t['load']:.0f} ms, decode {t['decode']:.0f} ms)")
+    lines = [f"Q: {r.question}", f"A: {r.answer}", how, topup_line(r.topup)]
+    print("\n".join(line for line in lines if line), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -89,30 +109,30 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.kv.models import ModelNotFoundError
     from pipeline.store.cache_format import CacheCorruptError
 
+    # what fails one conversation, not the run: the others are still answered
+    conversation_faults = (ConversationNotFound, UnsafeIdError, ModelMismatchError,
+                           CacheCorruptError, StoreError)
     retain_freed_memory()  # as the Serve decoder does: caches load into reused memory
+    failed = 0
     try:
         answerer = Answerer(open_store(a.store, store_options(a), create=False),
                             limits=a.limits, routing=RoutingConfig(a.route_by, a.two_below),
                             topup=topup_config_from_args(a))
-        for q in a.question:
-            r = answerer.answer(a.conversation, q, a.max_new_tokens, a.temperature)
-            if a.json:
-                print(json.dumps(r.as_dict(), ensure_ascii=False), flush=True)
-            else:
-                t = r.timings_ms
-                read = "episodes " + " and ".join(map(str, r.episodes)) if len(r.episodes) > 1 \
-                    else f"episode {r.episode}"
-                how = (f"   ({read}, similarity {r.similarity:.3f}, "
-                       f"{'resident' if r.cache_hit else 'fetched'}; embed {t['embed']:.0f} ms, "
-                       f"route {t['route']:.1f} ms, load {t['load']:.0f} ms, "
-                       f"decode {t['decode']:.0f} ms)")
-                lines = [f"Q: {q}", f"A: {r.answer}", how, topup_line(r.topup)]
-                print("\n".join(line for line in lines if line), flush=True)
-    except (ConversationNotFound, UnsafeIdError, ModelMismatchError, CacheCorruptError,
-            StoreError, ModelNotFoundError, ValueError) as e:  # ValueError: LimitError too
+        for cid in a.conversation:
+            if len(a.conversation) > 1 and not a.json:
+                print(f"== {cid}", flush=True)
+            try:
+                for q in a.question:
+                    print_answer(answerer.answer(cid, q, a.max_new_tokens, a.temperature),
+                                 a.json)
+            except conversation_faults as e:
+                failed += 1
+                where = f"conversation {cid}: " if len(a.conversation) > 1 else ""
+                print(f"error: {where}{e}", file=sys.stderr, flush=True)
+    except (StoreError, ModelNotFoundError, ValueError) as e:  # ValueError: LimitError too
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 0
+    return 0 if not failed else 2 if failed == len(a.conversation) else 1
 
 
 if __name__ == "__main__":

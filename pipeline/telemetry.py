@@ -86,7 +86,8 @@ DECODER_SPECS = (
 )
 BUILD_SPECS = (
     Spec("epicache_build_conversations", "counter", ("outcome",),
-         "Conversations of a build by outcome: built, appended, skipped (current), failed"),
+         "Conversations of a build by outcome: built, appended, repaired, skipped (current), "
+         "failed"),
     Spec("epicache_build_episodes", "counter", (), "Episode caches built or appended to"),
     Spec("epicache_build_tokens_prefilled", "counter", (),
          "Tokens prefilled into episode caches (an append counts its new tokens)"),

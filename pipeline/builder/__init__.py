@@ -1,8 +1,11 @@
 """The build: a corpus in, episodic caches and manifests out, one conversation at a time or on Ray.
 
-    cluster.py       stage 1: the conversation cut to fit, and its episodes (or an append's plan)
+    plan.py          stage 1, whichever way: a clustering, an append's plan or a repair's
+    cluster.py       stage 1: the conversation cut to fit, and its episodes
     growth.py        stage 1 of a grown conversation: its new windows placed in the episodes,
                      or why it is re-clustered (GrowthConfig)
+    repair.py        a built conversation's damaged objects found (the skip check) and rebuilt
+                     alone: stage 1's plan and stage 3's episode
     profile.py       stage 2: the layer profile (once per model) and the layer budgets
     episode.py       stage 3: one episode's cache and its manifest record
     append.py        stage 3 of a grown conversation: the new turns prefilled into a stored cache

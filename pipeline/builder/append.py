@@ -24,6 +24,7 @@ from pipeline.builder.episode import (
     store_dtype,
 )
 from pipeline.builder.growth import AppendPlan
+from pipeline.builder.repair import RepairPlan, repair_episode
 from pipeline.config import BuildConfig, ModelFingerprints
 from pipeline.corpus.render import render_conversation
 from pipeline.kv import models, prompts
@@ -73,10 +74,13 @@ def append_episode(plan: AppendPlan, episode: int, budgets: list[int] | None,
         | {"merged_entries": (before.merged_entries or 0) + stats.merged_entries})
 
 
-def prefill_episode(planned: AppendPlan | ClusterResult, episode: int,
+def prefill_episode(planned: AppendPlan | RepairPlan | ClusterResult, episode: int,
                     budgets: list[int] | None, config: BuildConfig,
                     store: Store) -> ManifestRecord:
-    """Stage 3 either way: the append the plan says, or the episode's build."""
+    """Stage 3 any way: the append the plan says, a damaged episode's repair, or the
+    episode's build."""
     if isinstance(planned, AppendPlan):
         return append_episode(planned, episode, budgets, config, store)
+    if isinstance(planned, RepairPlan):
+        return repair_episode(planned, episode, budgets, config, store)
     return build_episode(planned, episode, budgets, config, store)

@@ -1,23 +1,20 @@
-"""Stage 1 of a build: the conversation as built (cut to fit) and its episodes, or, for a
-conversation that grew since its build, the plan of the append (`pipeline.builder.growth`)."""
+"""Stage 1 of a build: the conversation as built (cut to fit) and its episodes (what else stage
+1 may plan instead, an append or a repair, is `pipeline.builder.plan`)."""
 
 from __future__ import annotations
 
 import datetime as dt
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from pipeline.builder.growth import AppendPlan, Recluster, plan_append
-from pipeline.builder.turns import write_turn_index
-from pipeline.config import BuildConfig, GrowthConfig
+from pipeline.builder.growth import Recluster
+from pipeline.config import BuildConfig
 from pipeline.corpus.render import cut_at_session, render_conversation
 from pipeline.corpus.schema import Conversation
 from pipeline.episodes import EpisodeConfig, EpisodeSet, build_episodes, member_turn_ids
 from pipeline.kv import models, prompts
 from pipeline.kv.methods.epicache import EpiCache
 from pipeline.kv.positions import check_fits
-from pipeline.store.base import Store
-from pipeline.store.manifest import ManifestRecord
 from pipeline.store.turn_index import StoredIndex
 
 
@@ -71,28 +68,3 @@ def cluster_conversation(conv: Conversation, config: BuildConfig,
     members = tuple(member_turn_ids(conv, ep, episode_config.window) for ep in episodes.episodes)
     return ClusterResult(conv, episodes, time.perf_counter() - start, fingerprint, members,
                          dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
-
-
-def plan_conversation(conv: Conversation, config: BuildConfig,
-                      previous: list[ManifestRecord] | None = None,
-                      growth: GrowthConfig = GrowthConfig(),
-                      store: Store | None = None) -> ClusterResult | AppendPlan:
-    """Stage 1: the clustering of `conv`, or, given the stored version of a conversation that
-    grew (`previous`), the plan of appending its new turns when the growth rule allows it (the
-    clustering says why it did not, `reclustered`). Given the `store`, the conversation's turn
-    index is written there too (extended from `previous`'s when it grew) and named in the
-    result."""
-    start = time.perf_counter()
-    if not previous:
-        planned = cluster_conversation(conv, config)
-    else:
-        fitted = fit_context(conv, config)
-        plan = plan_append(fitted, previous, config, growth, is_episodic(config))
-        planned = replace(plan, seconds=time.perf_counter() - start) \
-            if isinstance(plan, AppendPlan) else \
-            replace(cluster_conversation(fitted, config, fit=False), reclustered=plan)
-    if store is None:
-        return planned
-    index = write_turn_index(planned.conversation, models.load_encoder(config.encoder),
-                             config.encoder, planned.encoder_fingerprint, store, previous)
-    return replace(planned, turn_index=index, seconds=time.perf_counter() - start)

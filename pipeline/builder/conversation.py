@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import NamedTuple
 
 from pipeline.builder.append import prefill_episode
-from pipeline.builder.cluster import plan_conversation
+from pipeline.builder.plan import plan_conversation
+from pipeline.builder.repair import Damage, RepairPlan, find_damage
 from pipeline.builder.profile import layer_budgets
 from pipeline.config import BuildConfig, GrowthConfig, ModelFingerprints
 from pipeline.corpus.history import history_change, turns_digest
@@ -39,36 +41,51 @@ def files_of(config: BuildConfig) -> ModelFingerprints:
                              models.encoder_fingerprint(config.encoder))
 
 
+class StoredVersion(NamedTuple):
+    """What the store holds of a conversation, against the build about to run."""
+    reason: str | None  # why it is built again; None: current, skipped
+    records: list[ManifestRecord] | None  # its manifest's (None: none that reads)
+    damage: Damage | None = None  # what its objects lack ("damaged": repaired)
+
+
 def stored_version(store: Store, conversation_id: str, config: BuildConfig,
-                   files: ModelFingerprints, conv: Conversation | None = None
-                   ) -> tuple[str | None, list[ManifestRecord] | None]:
-    """(None when the conversation's stored build is current, else why it is built again; the
-    stored records). Current: this configuration, these model files and (given the record
-    `conv`) the same turns. "grown" is the one reason an append may answer. A manifest without
-    fingerprints predates them; a corrupt manifest is not a build (rebuilding replaces it, so
-    it is logged)."""
+                   files: ModelFingerprints, conv: Conversation | None = None,
+                   verify: bool = False) -> StoredVersion:
+    """The conversation's stored build, and why it is built again (None when current): this
+    configuration, these model files, (given the record `conv`) the same turns, and every
+    object the manifest names in the store at its recorded size (`find_damage`; with `verify`
+    also read and checksummed). "grown" is the one reason an append may answer, "damaged" the
+    one a repair may. A manifest without fingerprints predates them; a corrupt manifest is not
+    a build (rebuilding replaces it, so it is logged)."""
     try:
         records = read_manifest(store, conversation_id)
     except ManifestError as e:
         log.warning("%s; rebuilding the conversation", e)
-        return "corrupt manifest", None
+        return StoredVersion("corrupt manifest", None)
     if not records:
-        return "no manifest", None
+        return StoredVersion("no manifest", None)
     if any(r.config_hash != config.hash for r in records):
-        return "configuration changed", records
+        return StoredVersion("configuration changed", records)
     if any(built_with(r) != files for r in records):
-        return "model files changed", records
+        return StoredVersion("model files changed", records)
     first = records[0]
-    if conv is None or first.source_turns is None or first.source_digest is None:
-        return None, records  # nothing to compare (a manifest from before turns were recorded)
-    change = history_change(conv.turns, first.source_turns, first.source_digest)
-    return (None if change == "unchanged" else change), records
+    change = None
+    if conv is not None and first.source_turns is not None and first.source_digest is not None:
+        change = history_change(conv.turns, first.source_turns, first.source_digest)
+        change = None if change == "unchanged" else change
+    if change not in (None, "grown"):
+        return StoredVersion(change, records)
+    damage = find_damage(store, records, verify)
+    if damage is None:
+        return StoredVersion(change, records)
+    # a grown record whose caches are damaged cannot be appended to: it is rebuilt whole
+    return StoredVersion("damaged" if change is None else "damaged and grown", records, damage)
 
 
 def rebuild_reason(store: Store, conversation_id: str, config: BuildConfig,
                    files: ModelFingerprints, conv: Conversation | None = None) -> str | None:
     """Why the conversation is built again (`stored_version`), None when it is current."""
-    return stored_version(store, conversation_id, config, files, conv)[0]
+    return stored_version(store, conversation_id, config, files, conv).reason
 
 
 def is_built(store: Store, conversation_id: str, config: BuildConfig,
@@ -124,17 +141,23 @@ def commit_manifest(store: Store, conversation_id: str, records: list[ManifestRe
 
 
 def build_conversation(conv: Conversation, config: BuildConfig, store: Store,
-                       growth: GrowthConfig = GrowthConfig()) -> list[ManifestRecord]:
+                       growth: GrowthConfig = GrowthConfig(),
+                       verify: bool = False) -> list[ManifestRecord]:
     """The whole build of one conversation in this process (the Ray job fans the same steps
-    out); a conversation that grew since its stored build is appended to when `growth` allows."""
+    out): a conversation that grew since its stored build is appended to when `growth`
+    allows, and one whose stored objects are damaged has those rebuilt. A current one is
+    built again (callers skip it: `is_built`)."""
     lm = models.load_llm(config.model)
     files = ModelFingerprints(lm.fingerprint, models.encoder_fingerprint(config.encoder))
-    reason, previous = stored_version(store, conv.conversation_id, config, files, conv)
-    planned = plan_conversation(conv, config, previous if reason == "grown" else None, growth,
-                                store)
+    reason, previous, damage = stored_version(store, conv.conversation_id, config, files, conv,
+                                              verify)
+    planned = plan_conversation(conv, config, previous if reason in ("grown", "damaged")
+                                else None, growth, store, damage)
     budgets = layer_budgets(store, config, lm.config.num_hidden_layers)
-    records = [prefill_episode(planned, e, budgets, config, store)
-               for e in range(planned.n_episodes)]
+    episodes = planned.damaged if isinstance(planned, RepairPlan) else range(planned.n_episodes)
+    records = [prefill_episode(planned, e, budgets, config, store) for e in episodes]
+    if isinstance(planned, RepairPlan):
+        records += planned.kept()
     records = with_source(records, conv)
     commit_manifest(store, conv.conversation_id, records, files)
-    return records
+    return sorted(records, key=lambda r: r.episode)

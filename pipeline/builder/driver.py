@@ -28,6 +28,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from pipeline.builder.conversation import commit_manifest, stored_version, with_source
 from pipeline.builder.job import BuildError, OpenedJob, Summary
+from pipeline.builder.repair import Damage
 from pipeline.builder.sources import corpus_objects
 from pipeline.builder.tasks import MODEL_STAGES, Planned, Stages, WorkerStamp
 from pipeline.config import BuildConfig, DriverOptions, ModelFingerprints
@@ -54,6 +55,8 @@ class _Conversation:
     source: Conversation | None = None  # the record read: its turns are marked in the manifest
     rebuilt: str | None = None  # why a conversation built before is built again
     appended: bool = False  # its episode tasks append to the stored caches
+    damage: Damage | None = None  # what its stored objects lack (repaired, or rebuilt whole)
+    repaired: tuple[int, ...] | None = None  # repaired: the episodes rebuilt, the others kept
     new_tokens: int = 0  # appended: the tokens each episode task prefills
 
 
@@ -85,6 +88,7 @@ class _Driver:
         self.corpus, self.conversations = corpus, iter(corpus)
         self.store, self.config, self.stages = store, config, stages
         self.force, self.max_in_flight, self.bar = options.force, options.max_in_flight, bar
+        self.verify = options.verify
         self.max_retries, self.growth = options.max_retries, options.growth
         self.resources = {"num_cpus": options.cpus_per_task, "num_gpus": gpus,
                           "max_retries": options.max_retries}
@@ -182,21 +186,24 @@ class _Driver:
     def _admit(self) -> bool:
         for conv in self.conversations:
             cid = conv.conversation_id
-            reason, previous = None, None
+            reason, previous, damage = None, None, None
             if cid in self.built_before:
-                reason, previous = stored_version(self.store, cid, self.config, self.files, conv)
+                reason, previous, damage = stored_version(self.store, cid, self.config,
+                                                          self.files, conv, self.verify)
                 if reason is None:
                     self.summary.skipped += 1
                     self.metrics.conversation("skipped")
                     self.bar.update(1)
                     continue
-                if reason != "grown":
+                if damage is not None:
+                    log.warning("repairing %s: %s", cid, damage.describe())
+                elif reason != "grown":
                     log.info("rebuilding %s: %s", cid, reason)
             count_ref, clustered_ref = self.cluster_fn.remote(
-                conv, self.config_ref, previous if reason == "grown" else None, self.growth_ref,
-                self.store)
+                conv, self.config_ref, previous if reason in ("grown", "damaged") else None,
+                self.growth_ref, self.store, damage)
             self.convs[cid] = _Conversation(clustered=clustered_ref, outstanding=1, source=conv,
-                                            rebuilt=reason)
+                                            rebuilt=reason, damage=damage)
             self.submit(count_ref, "cluster", cid)
             return True
         return False
@@ -247,11 +254,14 @@ class _Driver:
         if planned.episodes == 0:
             conv.error = "clustering produced no episodes"
         conv.appended, conv.new_tokens = planned.appended, planned.new_tokens
+        conv.repaired = planned.repaired
+        conv.records.extend(planned.kept)
         if planned.reclustered is not None:
-            conv.rebuilt = f"grown, {planned.reclustered.reason}"
-            log.info("rebuilding %s: grown, re-clustered: %s", cid, planned.reclustered.detail)
-        conv.outstanding += planned.episodes
-        self.pending.extend((cid, i) for i in range(planned.episodes))
+            why = planned.reclustered
+            conv.rebuilt = why.reason if conv.rebuilt == "damaged" else f"grown, {why.reason}"
+            log.info("rebuilding %s: %s, re-clustered: %s", cid, conv.rebuilt, why.detail)
+        conv.outstanding += len(planned.tasks)
+        self.pending.extend((cid, i) for i in planned.tasks)
 
     def finish(self, cid: str) -> None:
         """Hand a conversation whose tasks are all done to the commit thread, which runs
@@ -279,19 +289,23 @@ class _Driver:
                 commit_manifest(self.store, cid, conv.records, self.files)
                 if conv.appended:
                     self.summary.appended += 1
+                elif conv.repaired is not None:
+                    self.summary.repaired(len(conv.repaired), conv.damage.turn_index)
                 else:
                     self.summary.built += 1
                     if conv.rebuilt is not None:
                         self.summary.rebuilt[conv.rebuilt] += 1
                 log.info("committed %s: %d episodes%s", cid, len(conv.records),
-                         f", {conv.new_tokens} tokens appended" if conv.appended else "")
+                         f", {conv.new_tokens} tokens appended" if conv.appended else
+                         f", {len(conv.repaired)} repaired" if conv.repaired is not None else "")
             except Exception as exc:  # a commit that fails marks the conversation failed
                 conv.error = f"manifest commit: {type(exc).__name__}: {exc}"
             else:
                 if self.index is not None:
                     self.index.add(cid, conv.records)
         self.metrics.conversation("failed" if conv.error is not None else
-                                  "appended" if conv.appended else "built")
+                                  "appended" if conv.appended else
+                                  "repaired" if conv.repaired is not None else "built")
         if conv.error is not None:
             self.summary.failed[cid] = conv.error
             log.error("conversation %s failed: %s", cid, conv.error)

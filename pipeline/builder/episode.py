@@ -96,6 +96,30 @@ def index_fields(stored: StoredIndex | None) -> dict:
 
 
 @dataclass(frozen=True)
+class Prefilled:
+    """An episode's cache, block-prefilled and stored: the object, the cache and its stats, and
+    the model files it was built with."""
+    stored: StoredCache
+    cache: EpisodicCache
+    stats: PrefillStats
+    files: ModelFingerprints
+
+
+def prefill_and_store(conv: Conversation, episode: int, scorer: Scorer,
+                      budgets: list[int] | None, config: BuildConfig, store: Store,
+                      encoder_fingerprint: str) -> Prefilled:
+    """Block-prefill the whole conversation under `scorer` (one episode's method) and store
+    the cache: a build's episode, or a damaged one's repair."""
+    lm = models.load_llm(config.model)
+    ids = prompts.context_ids(lm.tokenizer, render_conversation(conv).text)
+    cache, stats = block_prefill(lm.model, ids, scorer, budgets, config.prefill,
+                                 original_element_size=store_dtype(config)[1])
+    files = ModelFingerprints(lm.fingerprint, encoder_fingerprint)
+    stored = store_cache(cache, conv.conversation_id, episode, config, files, store)
+    return Prefilled(stored, cache, stats, files)
+
+
+@dataclass(frozen=True)
 class BuiltEpisode:
     """An episode's build: its manifest record, and the cache it stored with its prefill's
     stats (the evaluation measures them; a Ray task returns only the record)."""
@@ -113,13 +137,11 @@ def build_episode_cache(clustered: ClusterResult, episode: int, budgets: list[in
     lm = models.load_llm(config.model)
     conv, episodes = clustered.conversation, clustered.episodes
     ep = episodes.episodes[episode]
-    ids = prompts.context_ids(lm.tokenizer, render_conversation(conv).text)
     members = clustered.members[episode]
     scorer = episode_scorer(lm.tokenizer, conv, patch_text or ep.patch_text, members, config)
-    cache, stats = block_prefill(lm.model, ids, scorer, budgets, config.prefill,
-                                 original_element_size=store_dtype(config)[1])
-    files = ModelFingerprints(lm.fingerprint, clustered.encoder_fingerprint)
-    stored = store_cache(cache, conv.conversation_id, episode, config, files, store)
+    built = prefill_and_store(conv, episode, scorer, budgets, config, store,
+                              clustered.encoder_fingerprint)
+    cache, stats, files = built.cache, built.stats, built.files
     record = ManifestRecord(
         conversation_id=conv.conversation_id, episode=episode,
         episodes_requested=episodes.requested if is_episodic(config) else 1,
@@ -133,7 +155,7 @@ def build_episode_cache(clustered: ClusterResult, episode: int, budgets: list[in
         config_json=config.to_json(), cluster_seconds=clustered.seconds,
         cache_turns=len(conv.turns), member_turn_ids=list(members),
         clustered_turns=len(conv.turns), clustered_at=clustered.clustered_at, appends=0,
-        **index_fields(clustered.turn_index), **cache_fields(stored, cache, stats, config))
+        **index_fields(clustered.turn_index), **cache_fields(built.stored, cache, stats, config))
     return BuiltEpisode(record, cache, stats)
 
 

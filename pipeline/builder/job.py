@@ -39,6 +39,11 @@ class Summary:
     """What a build did: the figures of its summary line."""
     built: int = 0
     appended: int = 0  # grown conversations whose new turns were appended to the stored caches
+    # conversations whose damaged objects were rebuilt alone (`pipeline.builder.repair`), and
+    # the episode caches and turn indexes among them
+    repaired_conversations: int = 0
+    repaired_episodes: int = 0
+    repaired_indexes: int = 0
     skipped: int = 0
     rebuilt: Counter[str] = field(default_factory=Counter)  # of `built`, built before: why again
     failed: dict[str, str] = field(default_factory=dict)
@@ -53,6 +58,12 @@ class Summary:
     seconds: float = 0.0
     wait_seconds: float = 0.0  # of which the driver waited in ray.wait with nothing to do
 
+    def repaired(self, episodes: int, turn_index: bool) -> None:
+        """Count a conversation whose damaged objects were rebuilt."""
+        self.repaired_conversations += 1
+        self.repaired_episodes += episodes
+        self.repaired_indexes += turn_index
+
     @property
     def nodes(self) -> set[str]:
         return {node for node, _ in self.loads}
@@ -62,7 +73,8 @@ class Summary:
         return (f"built {self.built} conversations, appended to {self.appended} "
                 f"({self.episodes} episode caches, {self.tokens:,} tokens prefilled, "
                 f"{self.bytes / 2**20:.1f} MiB) in {seconds:.1f}s; "
-                f"{self._rebuilt()}skipped {self.skipped} up to date; failed {len(self.failed)}; "
+                f"{self._rebuilt()}{self._repaired()}skipped {self.skipped} up to date; "
+                f"failed {len(self.failed)}; "
                 f"bad records skipped {self.bad_records}; questions dropped "
                 f"{self.questions_dropped}; model loads {sum(self.loads.values())} "
                 f"in {_n(len(self.loads), 'worker')} on {_n(len(self.nodes), 'node')}; "
@@ -76,8 +88,21 @@ class Summary:
         return f"of which rebuilt {sum(self.rebuilt.values())} ({why}); "
 
 
-def _n(count: int, noun: str) -> str:
-    return f"{count} {noun}{'' if count == 1 else 's'}"
+    def _repaired(self) -> str:
+        """E.g. "repaired 1 (1 episode cache, 0 turn indexes; 1 conversation); " when a
+        conversation's damaged objects were rebuilt."""
+        if not self.repaired_conversations:
+            return ""
+        return (f"repaired {self.repaired_episodes + self.repaired_indexes} "
+                f"({_n(self.repaired_episodes, 'episode cache')}, "
+                f"{_n(self.repaired_indexes, 'turn index', 'turn indexes')}; "
+                f"{_n(self.repaired_conversations, 'conversation')}); ")
+
+
+def _n(count: int, noun: str, plural: str | None = None) -> str:
+    if count != 1:
+        return f"{count} {plural or noun + 's'}"
+    return f"{count} {noun}"
 
 
 class BuildError(RuntimeError):

@@ -25,6 +25,7 @@ from safetensors.torch import save as st_save
 
 from pipeline.builder.cluster import ClusterResult
 from pipeline.builder.growth import AppendPlan
+from pipeline.builder.repair import Damage, RepairPlan
 from pipeline.builder.tasks import Planned, Stages, WorkerStamp
 from pipeline.config import BuildConfig, GrowthConfig, ModelFingerprints
 from pipeline.corpus.schema import Conversation
@@ -64,9 +65,13 @@ def synthetic_cluster(conv: Conversation, config: BuildConfig) -> ClusterResult:
 
 
 def synthetic_plan(conv: Conversation, config: BuildConfig, previous: list[ManifestRecord] | None,
-                   growth: GrowthConfig) -> ClusterResult | AppendPlan:
-    """A grown conversation's append (its new turns count as its new tokens), else
-    `synthetic_cluster`."""
+                   growth: GrowthConfig, damage: Damage | None = None
+                   ) -> ClusterResult | AppendPlan | RepairPlan:
+    """A damaged conversation's repair, a grown conversation's append (its new turns count as
+    its new tokens), else `synthetic_cluster`."""
+    if previous and damage is not None:
+        previous = sorted(previous, key=lambda r: r.episode)
+        return RepairPlan(conv, tuple(previous), damage.episodes, previous[0].turn_index)
     if not previous or not growth.append:
         return synthetic_cluster(conv, config)
     previous = sorted(previous, key=lambda r: r.episode)
@@ -98,11 +103,12 @@ def synthetic_cache(conversation_id: str, episode: int, entries: int, config: Bu
     return st_save(tensors, metadata={"header": json.dumps(header)})
 
 
-def synthetic_episode(clustered: ClusterResult | AppendPlan, episode: int,
+def synthetic_episode(clustered: ClusterResult | AppendPlan | RepairPlan, episode: int,
                       budgets: list[int] | None, config: BuildConfig,
                       store: Store) -> ManifestRecord:
     """Write one tiny cache and return its manifest record, like `build_episode` (or, for an
-    append, like `append_episode`: a new object, the stored record brought up to date)."""
+    append or a repair, like `append_episode` or `repair_episode`: a new object, the stored
+    record brought up to date)."""
     start = time.perf_counter()
     conv = clustered.conversation
     failure = conv.meta.get("rehearse_failure")
@@ -116,6 +122,10 @@ def synthetic_episode(clustered: ClusterResult | AppendPlan, episode: int,
     key = cache_key(conv.conversation_id, SYNTHETIC_FILES.bound_hash(config.hash), episode,
                     checksum)
     store.put(key, data)
+    if isinstance(clustered, RepairPlan):  # the same bytes as built: the damaged key, mended
+        return dataclasses.replace(clustered.previous[episode], object_key=key, sha256=checksum,
+                                   object_bytes=len(data),
+                                   build_seconds=time.perf_counter() - start)
     if isinstance(clustered, AppendPlan):
         before = clustered.previous[episode]
         return dataclasses.replace(
@@ -145,8 +155,9 @@ def synthetic_episode(clustered: ClusterResult | AppendPlan, episode: int,
 @ray.remote
 def synthetic_cluster_task(conv: Conversation, config: BuildConfig,
                            previous: list[ManifestRecord] | None, growth: GrowthConfig,
-                           store: Store) -> tuple[Planned, ClusterResult | AppendPlan]:
-    planned = synthetic_plan(conv, config, previous, growth)  # no turn index: no encoder
+                           store: Store, damage: Damage | None = None
+                           ) -> tuple[Planned, ClusterResult | AppendPlan | RepairPlan]:
+    planned = synthetic_plan(conv, config, previous, growth, damage)  # no turn index: no encoder
     return Planned.of(planned), planned
 
 

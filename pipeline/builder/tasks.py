@@ -14,8 +14,10 @@ from typing import Any
 import ray
 
 from pipeline.builder.append import prefill_episode
-from pipeline.builder.cluster import ClusterResult, plan_conversation
+from pipeline.builder.cluster import ClusterResult
 from pipeline.builder.growth import AppendPlan, Recluster
+from pipeline.builder.plan import plan_conversation
+from pipeline.builder.repair import Damage, RepairPlan
 from pipeline.builder.profile import layer_budgets
 from pipeline.config import BuildConfig, GrowthConfig, ModelFingerprints
 from pipeline.corpus.schema import Conversation
@@ -46,28 +48,39 @@ class WorkerStamp:
 @dataclass(frozen=True)
 class Planned:
     """What the driver learns of stage 1 (the plan itself goes to the episode tasks by
-    reference): how many episode tasks follow, and whether they append or build."""
+    reference): how many episodes the conversation has, which of them get a task, and whether
+    they append, repair or build."""
     episodes: int
     appended: bool = False
-    reclustered: Recluster | None = None  # why a grown conversation is rebuilt instead
+    reclustered: Recluster | None = None  # why a grown or damaged conversation is rebuilt
     new_tokens: int = 0  # appended: the tokens after those the caches had seen
+    repaired: tuple[int, ...] | None = None  # a repair: the episodes rebuilt
+    kept: tuple[ManifestRecord, ...] = ()  # a repair: the records of the others, committed again
+
+    @property
+    def tasks(self) -> tuple[int, ...]:
+        """The episodes that get a task: a repair's damaged ones, else all."""
+        return self.repaired if self.repaired is not None else tuple(range(self.episodes))
 
     @classmethod
-    def of(cls, planned: ClusterResult | AppendPlan) -> "Planned":
+    def of(cls, planned: ClusterResult | AppendPlan | RepairPlan) -> "Planned":
         if isinstance(planned, AppendPlan):
             return cls(planned.n_episodes, appended=True, new_tokens=planned.new_tokens)
+        if isinstance(planned, RepairPlan):
+            return cls(planned.n_episodes, repaired=planned.damaged, kept=planned.kept())
         return cls(planned.n_episodes, reclustered=planned.reclustered)
 
 
 @ray.remote
 def cluster_task(conv: Conversation, config: BuildConfig,
-                 previous: list[ManifestRecord] | None, growth: GrowthConfig, store: Store
-                 ) -> tuple[Planned, ClusterResult | AppendPlan]:
-    """(what the driver needs, the clustering or the append's plan, the conversation's turn
-    index stored); called with num_returns=2 so the driver fetches the first only and the
-    episode tasks get the second by reference. `previous`: the stored version of a
-    conversation that grew."""
-    planned = plan_conversation(conv, config, previous, growth, store)
+                 previous: list[ManifestRecord] | None, growth: GrowthConfig, store: Store,
+                 damage: Damage | None = None
+                 ) -> tuple[Planned, ClusterResult | AppendPlan | RepairPlan]:
+    """(what the driver needs, the clustering or the append's or repair's plan, the
+    conversation's turn index stored); called with num_returns=2 so the driver fetches the
+    first only and the episode tasks get the second by reference. `previous`: the stored
+    version of a conversation that grew, or whose objects are damaged (`damage`)."""
+    planned = plan_conversation(conv, config, previous, growth, store, damage)
     return Planned.of(planned), planned
 
 

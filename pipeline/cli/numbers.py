@@ -21,14 +21,16 @@ def number(kind: type = int, *, at_least: Number | None = None, above: Number | 
     `ArgumentTypeError`, which argparse prints as "argument --flag: <why>"."""
     def parse(text: str) -> Number:
         value = kind(text)  # text that is no number: argparse's "invalid int value: 'x'"
-        if not math.isfinite(value):
+        # an int is always finite (and math.isfinite overflows on one past float's range)
+        if isinstance(value, float) and not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        shown = text.strip()  # int() and float() allow whitespace around, "\n" included
         if at_least is not None and value < at_least:
-            raise argparse.ArgumentTypeError(f"must be at least {at_least}, got {text}")
+            raise argparse.ArgumentTypeError(f"must be at least {at_least}, got {shown}")
         if above is not None and value <= above:
-            raise argparse.ArgumentTypeError(f"must be greater than {above}, got {text}")
+            raise argparse.ArgumentTypeError(f"must be greater than {above}, got {shown}")
         if at_most is not None and value > at_most:
-            raise argparse.ArgumentTypeError(f"must be at most {at_most}, got {text}")
+            raise argparse.ArgumentTypeError(f"must be at most {at_most}, got {shown}")
         return value
 
     parse.__name__ = kind.__name__  # what argparse calls the type in its messages

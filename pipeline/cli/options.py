@@ -233,6 +233,10 @@ def eval_build_config_from_args(a: argparse.Namespace) -> BuildConfig:
 
 DRIVER_OPTIONS = (
     FieldOption("--force", "force", "rebuild conversations already built", const=True),
+    FieldOption("--verify", "verify",
+                "read every object a built conversation's manifest names and check its SHA-256 "
+                "(each is always checked to exist at its recorded size); rebuild what fails",
+                const=True),
     FieldOption("--max-in-flight", "max_in_flight", "tasks submitted at most"),
     FieldOption("--cpus-per-task", "cpus_per_task", "Ray CPUs per task", type=non_negative),
     FieldOption("--gpus-per-task", "gpus_per_task",

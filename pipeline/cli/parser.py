@@ -46,7 +46,10 @@ def writable_folder(path: str | Path, option: str = "--out") -> Path:
     nearest existing parent is); otherwise a `ValueError` naming the option. Nothing is made
     here: a command checks before any work, and writes nothing if the rest is refused."""
     folder = Path(path)
-    existing = next(p for p in (folder, *folder.absolute().parents) if p.exists())
+    try:  # exists() raises on some names (one longer than the system allows)
+        existing = next(p for p in (folder, *folder.absolute().parents) if p.exists())
+    except OSError as e:
+        raise ValueError(f"{option} {path}: cannot be made ({e.strerror or e})") from None
     if not existing.is_dir():
         what = "not a folder" if existing == folder else f"cannot be made ({existing} is a file)"
         raise ValueError(f"{option} {path}: {what}")

@@ -85,6 +85,9 @@ class ModelFingerprints:
 class DriverOptions:
     """How a build runs on Ray. Not hashed: none of it changes what a cache is built with."""
     force: bool = False  # rebuild conversations already built
+    # the skip check also reads each built conversation's objects and checks their SHA-256
+    # (it always confirms they exist at their recorded size); what fails is repaired
+    verify: bool = False
     growth: GrowthConfig = field(default_factory=GrowthConfig)  # grown conversations
     max_in_flight: int = 16  # tasks submitted at most
     cpus_per_task: float = 1.0

@@ -28,7 +28,7 @@ from pipeline.answer.lookup import check_models
 from pipeline.answer.lru import CacheLRU
 from pipeline.answer.malloc_tuning import retain_freed_memory
 from pipeline.kv import models
-from pipeline.serve.errors import classify
+from pipeline.serve.errors import classify, is_corrupt
 from pipeline.serve.settings import ServeSettings
 from pipeline.store.cache_read import Verified, read_bytes, read_cache
 from pipeline.store.disk_tier import DiskTier
@@ -39,11 +39,14 @@ from pipeline.telemetry import decoder_metrics
 log = logging.getLogger("epicache.serve")
 
 
-def _decoder_error(e: BaseException) -> dict:
-    status, message = classify(e)
+def _decoder_error(e: BaseException, ref: CacheRef | tuple[CacheRef, ...]) -> dict:
+    """The error as the router relays it: a damaged cache names its conversation and is
+    marked `corrupt` (the router counts such conversations in /healthz)."""
+    cid = (ref if isinstance(ref, CacheRef) else ref[0]).conversation_id
+    status, message = classify(e, cid)
     if status == 500:
         log.exception("decoder error")
-    return {"error": {"status": status, "message": message}}
+    return {"error": {"status": status, "message": message, "corrupt": is_corrupt(e)}}
 
 
 def _replica_id() -> str:
@@ -129,11 +132,11 @@ class Decoder:
             job = await asyncio.to_thread(self.batcher.submit, cache, question, max_new_tokens,
                                           temperature, None, topup)
         except Exception as e:
-            return _decoder_error(e)
+            return _decoder_error(e, ref)
         try:
             decoded = await asyncio.wrap_future(job.future)
         except Exception as e:
-            return _decoder_error(e)
+            return _decoder_error(e, ref)
         finally:
             job.cancel()  # no-op once done; a request the router cancelled leaves the batch
         self.metrics.decoded(job.decode_ms, decoded.tokens)
@@ -155,7 +158,7 @@ class Decoder:
             job = await asyncio.to_thread(self.batcher.submit, cache, question, max_new_tokens,
                                           temperature, streamer, topup)
         except Exception as e:
-            yield _decoder_error(e)
+            yield _decoder_error(e, ref)
             return
         yield {"cache_hit": hit, "replica": self.replica, "fetch_ms": round(fetch_ms, 3)}
         pieces = AnswerPieces()
@@ -166,7 +169,7 @@ class Decoder:
                     yield {"text": piece}
             decoded = await asyncio.wrap_future(job.future)
         except Exception as e:
-            yield _decoder_error(e)
+            yield _decoder_error(e, ref)
             return
         finally:
             job.cancel()  # no-op once done; a client that went away leaves the batch

@@ -62,21 +62,31 @@ _SERVER_SIDE_FAULTS: tuple[tuple[type[BaseException], int, str], ...] = (
         "model it was built with")),
     (ChecksumError, 503, (
         "the episode's cache failed its checksum; not answering from it (the server log names "
-        "the object; jobs.gc --verify lists such faults)")),
+        "the object; the build run again with --verify repairs it)")),
     (CacheCorruptError, 503, (
         "the episode's cache is not a readable episodic cache; not answering from it (the "
-        "server log names the object)")),
+        "server log names the object; the build run again with --verify repairs it)")),
     (ObjectNotFound, 503, (
-        "a cache object the manifest names is missing from the store (the server log names it)")),
+        "a cache object the manifest names is missing from the store (the server log names it; "
+        "the build run again repairs it)")),
     (ManifestError, 503, (
-        "this conversation's manifest is unreadable; not answering from it (jobs.gc --verify "
-        "lists such faults)")),
+        "this conversation's manifest is unreadable; not answering from it (the build run "
+        "again rebuilds it; jobs.gc --verify lists such faults)")),
     (StoreError, 503, "the store is unavailable (the server log has the details): retry later"),
 )
 
 
-def classify(e: BaseException) -> tuple[int, str]:
-    """(HTTP status, message) of an error raised while answering."""
+# A conversation's own stored data that is damaged (its other conversations are served)
+CORRUPT_FAULTS = (CacheCorruptError, ObjectNotFound, ManifestError)
+
+
+def is_corrupt(e: BaseException) -> bool:
+    return isinstance(e, CORRUPT_FAULTS)
+
+
+def classify(e: BaseException, conversation_id: str | None = None) -> tuple[int, str]:
+    """(HTTP status, message) of an error raised while answering; a fault of a conversation's
+    stored data names the conversation (given), never the object."""
     if isinstance(e, ApiError):
         return e.status, e.message
     if isinstance(e, LimitError):  # the request's own values, bounded
@@ -96,6 +106,8 @@ def classify(e: BaseException) -> tuple[int, str]:
     for kind, status, message in _SERVER_SIDE_FAULTS:
         if isinstance(e, kind):
             log.warning("answered %d for %s: %s", status, type(e).__name__, e)
+            if conversation_id is not None and is_corrupt(e):
+                message = f"conversation {conversation_id!r}: {message}"
             return status, message
     return 500, "internal error while answering (the server log has the details)"
 

@@ -26,7 +26,7 @@ from pipeline.config.limits import LimitError
 from pipeline.corpus.schema import check_safe_id
 from pipeline.kv import models
 from pipeline.serve import openai_chat
-from pipeline.serve.errors import ApiError, add_exception_handlers, classify
+from pipeline.serve.errors import ApiError, add_exception_handlers, classify, is_corrupt
 from pipeline.serve.schemas import AnswerRequest, ChatRequest, parse_body
 from pipeline.serve.settings import ServeSettings
 from pipeline.store.base import ObjectNotFound, manifest_key
@@ -105,6 +105,9 @@ class Router:
         self.topup_counts = {"used": 0, "none": 0, "unavailable": 0}
         self.metrics = router_metrics()  # pipeline.telemetry: exported through Ray
         self._conversations: dict[str, _Conversation] = {}
+        # conversations whose stored data was found damaged (a manifest that does not read, a
+        # cache object missing or failing its check) and not answered since: /healthz counts them
+        self._corrupt: set[str] = set()
         self._background: set[asyncio.Task] = set()
         gc.freeze()  # the encoder's objects leave the collector: no 100+ ms pauses in an embed
         token = self.settings.auth_token
@@ -220,10 +223,29 @@ class Router:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    @staticmethod
-    def _raise_if_error(result: dict) -> None:
+    def _fault(self, e: BaseException, conversation_id: str) -> ApiError:
+        """The error to answer for `e` (`classify`); a damaged conversation is counted."""
+        if is_corrupt(e):
+            self._mark(conversation_id, corrupt=True)
+        return ApiError(*classify(e, conversation_id))
+
+    def _mark(self, conversation_id: str, corrupt: bool) -> None:
+        """Count a conversation as damaged (logged when first met), or as answered again."""
+        if not corrupt:
+            self._corrupt.discard(conversation_id)
+        elif conversation_id not in self._corrupt:
+            self._corrupt.add(conversation_id)
+            log.warning("conversation %s: its stored data is damaged (%d such conversations); "
+                        "the others are served", conversation_id, len(self._corrupt))
+
+    def _raise_if_error(self, result: dict, conversation_id: str) -> None:
+        """The decoder's error as the answer's, else the conversation answered."""
         if "error" in result:
-            raise ApiError(result["error"]["status"], result["error"]["message"])
+            error = result["error"]
+            if error.get("corrupt"):
+                self._mark(conversation_id, corrupt=True)
+            raise ApiError(error["status"], error["message"])
+        self._mark(conversation_id, corrupt=False)
 
     async def _ask_decoder(self, rows: list[ManifestRecord], question: str, max_new: int,
                            temperature: float, topup: TopUp) -> dict:
@@ -246,7 +268,7 @@ class Router:
             except Exception as e:
                 response.cancel()
                 raise ApiError(*classify(e)) from None
-        self._raise_if_error(result)
+        self._raise_if_error(result, rows[0].conversation_id)
         return result
 
     # -- endpoints ----------------------------------------------------------------------------
@@ -264,6 +286,9 @@ class Router:
         return {"status": "ok", "model": public_name(self.model_name),
                 "encoder": public_name(self.encoder_name),
                 "conversations_loaded": len(self._conversations),
+                # damaged stored data met and not answered since (the log names them)
+                "conversations_corrupt": len(self._corrupt),
+                "corrupt_conversations": sorted(self._corrupt)[:20],
                 "topup": {"enabled": self.settings.topup, **self.topup_counts,
                           "index_bytes_fetched": self.topups.fetched_bytes},
                 "decoder": stats | {"model": public_name(stats["model"])}}
@@ -274,7 +299,7 @@ class Router:
         try:
             conv = await asyncio.to_thread(self._load_conversation, conversation_id)
         except Exception as e:
-            raise ApiError(*classify(e)) from None
+            raise self._fault(e, conversation_id) from None
         first = conv.records[0]
         return {
             "conversation_id": conversation_id, "model_id": public_name(first.model_id),
@@ -303,7 +328,7 @@ class Router:
         except ApiError:
             raise
         except Exception as e:
-            raise ApiError(*classify(e)) from None
+            raise self._fault(e, conversation_id) from None
         result = await self._ask_decoder(rows, question, max_new, temperature, topup)
         timings |= {"fetch": result["fetch_ms"], "decode": result["decode_ms"]}
         return {"conversation_id": conversation_id, "answer": result["answer"],
@@ -336,7 +361,7 @@ class Router:
         except ApiError:
             raise
         except Exception as e:
-            raise ApiError(*classify(e)) from None
+            raise self._fault(e, body.conversation_id) from None
         meta = {"conversation_id": body.conversation_id, "episode": rows[0].episode,
                 "episodes": [r.episode for r in rows], "similarity": round(similarity, 6),
                 "topup": public_topup(topup, rows)}
@@ -355,7 +380,7 @@ class Router:
             raise ApiError(*classify(e)) from None
         if "error" in first:
             gen.cancel()
-            raise ApiError(first["error"]["status"], first["error"]["message"])
+        self._raise_if_error(first, body.conversation_id)
         timings["fetch"] = first["fetch_ms"]
         meta |= {"cache_hit": first["cache_hit"]}
         return openai_chat.stream_response(gen, base, meta, timings,

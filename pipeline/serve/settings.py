@@ -146,8 +146,8 @@ class ServeSettings:
                              f"max_new_tokens_limit ({self.max_new_tokens_limit})")
         if self.decoder_timeout_s <= 0:
             raise ValueError(f"decoder_timeout_s must be > 0, got {self.decoder_timeout_s}")
-        if not self.store:
-            raise ValueError("store must name a folder or s3://bucket/prefix, got ''")
+        if not self.store.strip():
+            raise ValueError(f"store must name a folder or s3://bucket/prefix, got {self.store!r}")
         try:  # a router by name, two_below >= 0
             self.routing_config
         except ValueError as e:

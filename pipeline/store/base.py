@@ -14,6 +14,7 @@ import io
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -126,6 +127,18 @@ class Store(ABC):
     @abstractmethod
     def info(self, key: str) -> ObjectInfo:
         """Size and modification time, without reading the object."""
+
+    def sizes(self, keys: Iterable[str]) -> dict[str, int | None]:
+        """The size of each object (None: missing), without reading any: a build's skip check
+        confirms a manifest's objects with it. One `info` each here; a backend where a request
+        is dear batches them (S3: one listing per folder)."""
+        out: dict[str, int | None] = {}
+        for key in keys:
+            try:
+                out[key] = self.info(key).size
+            except ObjectNotFound:
+                out[key] = None
+        return out
 
     def list_partial(self) -> list[Partial]:
         """Writes that never finished (interrupted builds); none by default."""

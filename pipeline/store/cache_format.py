@@ -165,7 +165,11 @@ def parse(data: bytes, name: str = "cache", dtype: torch.dtype = torch.float32,
 
 def _rebuild(tensors: dict[str, torch.Tensor], header: dict, dtype: torch.dtype,
              device: str | torch.device) -> EpisodicCache:
-    cache = EpisodicCache(int(header["num_layers"]))
+    layers = header["num_layers"]
+    stored = sum(name.endswith(".lengths") and not name.endswith(".qlengths") for name in tensors)
+    if not isinstance(layers, int) or layers != stored:  # nothing sized by the header alone
+        raise ValueError(f"the header says {layers!r} layers, the object holds {stored}")
+    cache = EpisodicCache(layers)
     for i, layer in enumerate(cache.layers):
         lengths = tensors[f"layers.{i}.lengths"].long()
         keys, values = tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"]
@@ -279,6 +283,8 @@ def _padded(rows: torch.Tensor, counts: list[int], slots: int, dtype: torch.dtyp
 
 def _check_counts(i: int, lengths: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                   positions: torch.Tensor) -> None:
+    if lengths.numel() and int(lengths.min()) < 0:  # else a head's slots could be any size
+        raise ValueError(f"layer {i}: a negative entry count")
     total = int(lengths.sum().item())
     if not keys.shape[0] == values.shape[0] == positions.shape[0] == total:
         raise ValueError(f"layer {i}: {total} entries by lengths, {keys.shape[0]} keys, "

@@ -16,8 +16,8 @@ import torch
 
 from pipeline.kv.cache import EpisodicCache
 from pipeline.store import cache_format
-from pipeline.store.base import Store
-from pipeline.store.cache_format import ChecksumError
+from pipeline.store.base import ObjectNotFound, Store
+from pipeline.store.cache_format import CacheCorruptError, ChecksumError
 from pipeline.store.disk_tier import SUFFIX, DiskTier
 from pipeline.store.manifest import CacheRef
 
@@ -62,10 +62,20 @@ def _read(store: Store, ref: CacheRef, disk: DiskTier | None, parse_as: _ParseAs
         # another thread fetched it meanwhile (or failed, and this one tries): read the tier
 
 
+# What a reader that meets a damaged object says repairs it (`pipeline.builder.repair`): a
+# build's skip check finds a missing or resized object; --verify also reads and checksums
+REPAIR_HINT = ("the build run again repairs it (python -m jobs.build, the same --corpus and "
+               "--store, with --verify)")
+
+
 def _from_store(store: Store, ref: CacheRef, parse_as: _ParseAs | None) -> Verified:
-    with store.open(ref.object_key) as f:
-        data = cache_format.read_object(f, ref.object_key, ref.object_bytes or None)
-    return Verified(data, _verify(data, ref.sha256, ref.object_key, parse_as), False)
+    """The store's object, verified; a damaged or missing one's error says what repairs it."""
+    try:
+        with store.open(ref.object_key) as f:
+            data = cache_format.read_object(f, ref.object_key, ref.object_bytes or None)
+        return Verified(data, _verify(data, ref.sha256, ref.object_key, parse_as), False)
+    except (CacheCorruptError, ObjectNotFound) as e:
+        raise type(e)(f"{e}; {REPAIR_HINT}") from None
 
 
 def _from_disk(disk: DiskTier, ref: CacheRef, parse_as: _ParseAs | None) -> Verified | None:

@@ -82,10 +82,8 @@ def find_garbage(store: Store, min_age_seconds: float = 3600.0, verify: bool = F
             g.faults.append(Fault("corrupt manifest", e.key, e.reason))
             corrupt.extend(f"{prefix}{cid}/" for prefix in OBJECT_PREFIXES)
             continue
-        for r in records:
-            named[r.object_key] = (manifest_key(cid), r, check_object)
-            if r.turn_index is not None:  # the same on every row
-                named[r.turn_index.key] = (manifest_key(cid), r, check_turn_index)
+        named |= {key: (manifest_key(cid), r, check) for key, (r, check, _) in
+                  _named(records).items()}
         g.models.update({(r.model_id, r.model_fingerprint, r.encoder_id, r.encoder_fingerprint)
                          for r in records})
         g.manifests += 1
@@ -122,6 +120,38 @@ def find_garbage(store: Store, min_age_seconds: float = 3600.0, verify: bool = F
         else:
             g.young += 1
     return g
+
+
+def _named(records: list[ManifestRecord]) -> dict[str, tuple[ManifestRecord, Check, int | None]]:
+    """The objects a conversation's manifest names: key -> (a record naming it, how
+    `--verify` checks it, the size recorded)."""
+    named: dict[str, tuple[ManifestRecord, Check, int | None]] = {}
+    for r in records:
+        named[r.object_key] = (r, check_object, r.object_bytes)
+        if r.turn_index is not None:  # the same on every row
+            named[r.turn_index.key] = (r, check_turn_index, r.turn_index.size)
+    return named
+
+
+def conversation_faults(store: Store, records: list[ManifestRecord],
+                        verify: bool = False) -> list[Fault]:
+    """What one built conversation's manifest names that the store does not hold as recorded:
+    an object missing or of another size (the sizes looked up in one batch, `Store.sizes`, no
+    object read), and with `verify` one whose bytes fail their SHA-256 or, a turn index, that
+    a reader would refuse. A build's skip check: what it finds is repaired."""
+    mkey = manifest_key(records[0].conversation_id)
+    named = _named(records)
+    sizes = store.sizes(named)
+    faults = []
+    for key, (record, check, recorded) in named.items():
+        size = sizes.get(key)
+        if size is None:
+            faults.append(Fault("missing object", key, f"named by {mkey}"))
+        elif size != recorded:
+            faults.append(Fault("wrong size", key, f"{size} bytes, {mkey} records {recorded}"))
+        elif verify and (fault := check(store, key, mkey, record)) is not None:
+            faults.append(fault)
+    return faults
 
 
 def check_object(store: Store, key: str, manifest: str, record: ManifestRecord) -> Fault | None:

@@ -165,7 +165,8 @@ class ManifestError(StoreError):
         self.key, self.store_uri, self.reason = key, store_uri, reason
 
     def __str__(self) -> str:
-        return f"manifest {self.key!r} in store {self.store_uri} is corrupt: {self.reason}"
+        return (f"manifest {self.key!r} in store {self.store_uri} is corrupt: {self.reason} "
+                "(the build run again rebuilds its conversation)")
 
 
 def write_manifest(store: Store, conversation_id: str, records: list[ManifestRecord]) -> None:

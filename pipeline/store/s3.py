@@ -11,6 +11,7 @@ import io
 import os
 import re
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -260,13 +261,27 @@ class S3Store(Store):
             return False
 
     def list(self, prefix: str = "") -> list[str]:
+        return sorted(self._listing(prefix))
+
+    def _listing(self, prefix: str) -> dict[str, int]:
+        """Every key under `prefix` with its size (ListObjectsV2 gives both, 1,000 a request)."""
         base = f"{self.prefix}/" if self.prefix else ""
-        keys = []
+        sizes = {}
         pages = self.client.get_paginator("list_objects_v2").paginate(
             Bucket=self.bucket, Prefix=base + prefix)
         for page in self._call("list", prefix or None, list, pages):
-            keys.extend(obj["Key"][len(base):] for obj in page.get("Contents", ()))
-        return sorted(keys)
+            sizes.update((obj["Key"][len(base):], int(obj["Size"]))
+                         for obj in page.get("Contents", ()))
+        return sizes
+
+    def sizes(self, keys: Iterable[str]) -> dict[str, int | None]:
+        """One listing per folder of the keys, not a HEAD per key: a conversation's episodes
+        share a folder, so its skip check is a request or two."""
+        keys = [check_key(k) for k in keys]
+        listed: dict[str, int] = {}
+        for folder in sorted({k.rpartition("/")[0] for k in keys}):
+            listed |= self._listing(f"{folder}/" if folder else "")
+        return {k: listed.get(k) for k in keys}
 
     def delete(self, key: str) -> None:
         self._call("delete", key, self.client.delete_object, Bucket=self.bucket, Key=self._key(key))

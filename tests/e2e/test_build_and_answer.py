@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from collections import Counter
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from jobs import demo
+from jobs import demo, gc
 from pipeline.answer.answerer import Answerer
 from pipeline.answer.decode import generate_from_cache
 from pipeline.builder.driver import run_build
@@ -23,7 +24,7 @@ from pipeline.kv import models, prompts
 from pipeline.kv.budgets import CalibrationConfig
 from pipeline.kv.methods.epicache import EpiCache
 from pipeline.kv.prefill import PrefillConfig, block_prefill
-from pipeline.store import cache_format
+from pipeline.store import cache_format, cache_read
 from pipeline.store.manifest import read_manifest
 from pipeline.store.uri import open_store
 
@@ -129,6 +130,35 @@ def test_demo_compares_the_episodic_cache_with_the_full_history(built, capsys):
     demo.print_summary(compare.figures(records), models.DEFAULT_LLM, "cpu")
     out = capsys.readouterr().out
     assert "summary: retention" in out and "ms/token" in out and "small sample" in out
+
+
+def test_a_deleted_episode_and_turn_index_are_repaired_alone(built, ray_local, tmp_path, capsys):
+    """The next plain build repairs exactly what was deleted from a copy of the store: one
+    episode's cache block-prefilled again from its manifest record, the turn index embedded
+    again; the other episodes keep their objects, and the repaired store verifies and answers."""
+    corpus, store_uri, _ = built
+    shutil.copytree(store_uri, tmp_path / "store")
+    store = open_store(str(tmp_path / "store"))
+    cid = read_corpus(corpus)[0][0].conversation_id
+    rows = read_manifest(store, cid)
+    store.delete(rows[1].object_key)
+    store.delete(rows[0].turn_index.key)
+    summary = run_build(str(corpus), store.uri, CONFIG, DriverOptions(progress=False))
+    assert (summary.built, summary.skipped, summary.episodes) == (0, 1, 1)
+    assert (summary.repaired_conversations, summary.repaired_episodes,
+            summary.repaired_indexes) == (1, 1, 1)
+    after = read_manifest(store, cid)
+    assert [r.object_key for r in after if r.episode != 1] == \
+        [r.object_key for r in rows if r.episode != 1]
+    assert after[1].tokens == rows[1].tokens and after[1].medoid_text == rows[1].medoid_text
+    assert after[1].member_turn_ids == rows[1].member_turn_ids
+    assert after[1].entries_per_layer == rows[1].entries_per_layer  # the same budgets kept
+    assert after[0].turn_index == rows[0].turn_index  # the same turns, embedded alike
+    assert gc.main(["--store", store.uri, "--verify"]) == 0
+    assert "no faults" in capsys.readouterr().out
+    assert cache_read.read_cache(store, after[1].ref).cache.tokens_seen == rows[1].tokens
+    answered = Answerer(store).answer(cid, "What did they talk about?", max_new_tokens=4)
+    assert answered.episode in {r.episode for r in after}
 
 
 def test_identical_rerun_does_no_work_and_changed_config_rebuilds(built, ray_local):

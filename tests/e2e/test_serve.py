@@ -29,6 +29,7 @@ from pipeline.answer.answerer import Answerer
 from pipeline.answer.lru import CacheLRU
 from pipeline.config import TopUpConfig
 from pipeline.corpus.reader import read_corpus, write_jsonl
+from pipeline.store.base import manifest_key
 from pipeline.store.local import LocalStore
 from pipeline.store.uri import open_store
 from tests.support.paths import REPO
@@ -120,17 +121,24 @@ def _config():
                        calibration=CalibrationConfig(tokens=1024, window=256, sink=64))
 
 
-def _corrupt_copy(store, source_id: str, new_id: str) -> list[str]:
-    """A conversation whose manifest names corrupted copies of `source_id`'s objects (same
-    recorded checksums): every answer from it must fail its checksum."""
+def _flip_a_byte(data: bytes) -> bytes | None:
+    changed = bytearray(data)
+    changed[-100] ^= 0xFF  # inside the tensor data: the header still parses
+    return bytes(changed)
+
+
+def _corrupt_copy(store, source_id: str, new_id: str, damage=_flip_a_byte) -> list[str]:
+    """A conversation whose manifest names damaged copies of `source_id`'s objects (same
+    recorded sizes and checksums; `damage` makes each copy's bytes, None: no copy): every
+    answer from it must fail. The default flips a byte, so each fails its checksum."""
     from pipeline.store.manifest import read_manifest, write_manifest
 
     rows, keys = [], []
     for row in read_manifest(store, source_id):
-        data = bytearray(store.get(row.object_key))
-        data[-100] ^= 0xFF  # inside the tensor data: the header still parses
+        data = damage(store.get(row.object_key))
         key = row.object_key.replace(f"caches/{source_id}/", f"caches/{new_id}/")
-        store.put(key, bytes(data))
+        if data is not None:
+            store.put(key, data)
         rows.append(dataclasses.replace(row, conversation_id=new_id, object_key=key))
         keys.append(key)
     write_manifest(store, new_id, rows)
@@ -152,6 +160,8 @@ def built(tmp_path_factory, ray_local):
     assert summary.built == 2 and not summary.failed
     store = LocalStore(store_dir)
     broken_keys = _corrupt_copy(store, "synth-0000", "broken-0000")
+    # a garbage manifest, the first the server meets: it starts and serves the others
+    store.put(manifest_key("aaa-garbage"), b"not a manifest")
     conversations = read_corpus(corpus)[0]
     return corpus, store_dir, conversations, broken_keys
 
@@ -536,6 +546,49 @@ def test_error_statuses_and_messages(local_app, built):
     assert "failed its checksum" in message and not any(k in message for k in broken_keys)
     assert store_dir not in message
     assert _answer(url, cid, "Who?").status_code == 200  # and the app still answers
+
+
+@e2e
+def test_one_damaged_conversation_is_one_damaged_conversation(local_app, built, capsys):
+    """A store with a garbage manifest (the first the server read at start) and conversations
+    whose objects are deleted, truncated or claim a 4 EiB header: each answers 503 naming the
+    conversation and no object or path, /healthz counts and names them, and every other
+    conversation is answered, over HTTP and by `jobs.answer` across conversations."""
+    import struct
+
+    from jobs import answer
+
+    url, _ = local_app
+    _, store_dir, conversations, _ = built
+    store = LocalStore(store_dir)
+    good = [c.conversation_id for c in conversations]
+    damaged = {"gone-0000": lambda data: None, "cut-0000": lambda data: data[:len(data) // 2],
+               "huge-0000": lambda data: struct.pack("<Q", 2**62) + data[8:]}
+    keys = [k for cid, how in damaged.items() for k in _corrupt_copy(store, good[1], cid, how)]
+    for cid in [*damaged, "aaa-garbage", "broken-0000"]:
+        r = _answer(url, cid, "Where did they go hiking?")
+        assert r.status_code == 503, (cid, r.text)
+        message = r.json()["error"]["message"]
+        assert message.startswith(f"conversation {cid!r}: ") and "repairs it" in message or \
+            "rebuilds it" in message, message
+        assert store_dir.as_posix() not in r.text and not any(k in r.text for k in keys)
+    health = requests.get(f"{url}/healthz", headers=AUTH, timeout=60).json()
+    assert health["conversations_corrupt"] >= 5
+    assert {*damaged, "aaa-garbage", "broken-0000"} <= set(health["corrupt_conversations"])
+    assert "corrupt_conversations" not in requests.get(f"{url}/healthz", timeout=60).json()
+    for cid in good:
+        assert _answer(url, cid, "Where did they go hiking?").status_code == 200
+
+    capsys.readouterr()
+    code = answer.main(["--store", str(store_dir), "--conversation", good[0], "--conversation",
+                        "gone-0000", "--conversation", good[1], "--question", "Who?",
+                        "--max-new-tokens", "4", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 1, err
+    assert [json.loads(line)["conversation_id"] for line in out.splitlines()] == good
+    [line] = [line for line in err.splitlines() if line.startswith("error")]  # Ray logs too
+    assert line.startswith("error: conversation gone-0000: ") and "the build run again" in line
+    assert "Traceback" not in err
 
 
 @e2e

@@ -16,14 +16,15 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.builder import cluster as cluster_module
+from pipeline.builder import plan as plan_module
 from pipeline.builder import conversation as conversation_module
 from pipeline.builder.append import read_stored_cache
-from pipeline.builder.cluster import ClusterResult, cluster_conversation, plan_conversation
+from pipeline.builder.cluster import ClusterResult, cluster_conversation
 from pipeline.builder.conversation import build_conversation
 from pipeline.builder.driver import run_build
 from pipeline.builder.episode import build_episode
 from pipeline.builder.growth import AppendPlan, Recluster
+from pipeline.builder.plan import plan_conversation
 from pipeline.builder.profile import layer_budgets
 from pipeline.builder.turns import index_turns, indexed_turns
 from pipeline.config import (BuildConfig, DriverOptions, EpisodeConfig, GrowthConfig, MergeConfig,
@@ -177,7 +178,7 @@ def test_an_append_extends_the_turn_index_and_leaves_the_old_one_to_gc(folders, 
     store = LocalStore(tmp_path / "store")
     built = build_conversation(first, config, store)
     embedded: list[str] = []
-    write = cluster_module.write_turn_index
+    write = plan_module.write_turn_index
 
     class Recording:
         def __init__(self, encoder):
@@ -187,7 +188,7 @@ def test_an_append_extends_the_turn_index_and_leaves_the_old_one_to_gc(folders, 
             embedded.extend(lines)
             return self.encoder.encode(lines, **kwargs)
 
-    monkeypatch.setattr(cluster_module, "write_turn_index",
+    monkeypatch.setattr(plan_module, "write_turn_index",
                         lambda conv, encoder, *a, **k: write(conv, Recording(encoder), *a, **k))
     appended = build_conversation(whole, config, store, APPEND_ALWAYS)
     assert [a.appends for a in appended] == [1] * len(built)

@@ -256,3 +256,34 @@ def test_manifest_round_trip(tmp_path):
     columns = pq.read_schema(pa.BufferReader(store.get("manifests/conv-1.parquet"))).names
     assert set(MANIFEST_SCHEMA.names) <= set(columns)
     assert list_conversations(store) == ["conv-1"]
+
+
+def _synthetic_with(header_changes: dict | None = None, lengths=None) -> bytes:
+    """A tiny valid cache (the rehearsal's), its header or layer 0's lengths replaced."""
+    import json
+
+    from safetensors.torch import load as st_load
+    from safetensors.torch import save as st_save
+
+    from pipeline.builder.rehearsal import SYNTHETIC_CONFIG, synthetic_cache
+
+    data = synthetic_cache("conv-1", 0, 4, SYNTHETIC_CONFIG)
+    header = read_header(data) | (header_changes or {})
+    tensors = st_load(data)
+    if lengths is not None:
+        tensors["layers.0.lengths"] = torch.tensor(lengths, dtype=torch.int32)
+    return st_save(tensors, metadata={"header": json.dumps(header)})
+
+
+@pytest.mark.parametrize("changes,lengths,says", [
+    ({"num_layers": 10**12}, None, "the header says 1000000000000 layers, the object holds 2"),
+    ({"num_layers": "2"}, None, "the header says '2' layers"),
+    (None, [-(10**9), 10**9 + 8], "layer 0: a negative entry count"),
+])
+def test_sizes_an_object_claims_are_checked_before_anything_is_allocated(changes, lengths, says):
+    """A header or a count that would size an allocation is held to what the object holds:
+    the corrupt-object error, never a MemoryError."""
+    data = _synthetic_with(changes, lengths)
+    with pytest.raises(CacheCorruptError) as e:
+        deserialize(data, None, NAME)
+    assert says in str(e.value) and "is inconsistent" in str(e.value)

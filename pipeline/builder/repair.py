@@ -1,0 +1,127 @@
+"""A built conversation whose store lost or damaged some of its objects: those rebuilt alone.
+
+A build's skip check does not trust a manifest: it confirms that every object the manifest
+names is in the store at its recorded size (one batched size lookup, no download; with
+`--verify` each is also read and checksummed: `pipeline.store.garbage.conversation_faults`).
+What fails is repaired: each damaged episode's cache is block-prefilled again from what its
+manifest record keeps (the patch text, the episode's turns, the turns the caches hold), and a
+damaged turn index is embedded again. The other episodes keep their objects and records, the
+repaired caches go under keys of their own content (nothing served is overwritten: a
+deterministic rebuild writes the very key that was damaged, with the right bytes), and the
+commit replaces the manifest.
+
+A repaired episode is the episode as a build of its whole history makes it: an episode that was
+appended to comes back as one block prefill of all its turns (docs/building.md). A manifest that
+lacks what a repair goes on from (written before appends or before the record's turns were
+recorded), or a record whose turns no longer render to the tokens the caches held, is
+re-clustered and rebuilt whole instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+from pipeline.builder.episode import (
+    cache_fields,
+    episode_scorer,
+    index_fields,
+    prefill_and_store,
+)
+from pipeline.builder.growth import Recluster
+from pipeline.builder.turns import write_turn_index
+from pipeline.config import BuildConfig
+from pipeline.corpus.render import render_conversation
+from pipeline.corpus.schema import Conversation
+from pipeline.kv import models, prompts
+from pipeline.store.base import Store
+from pipeline.store.garbage import Fault, conversation_faults
+from pipeline.store.manifest import ManifestRecord
+from pipeline.store.turn_index import StoredIndex
+
+
+@dataclass(frozen=True)
+class Damage:
+    """What a built conversation's store does not hold as its manifest says: the episodes whose
+    cache object is missing or fails its check, and whether its turn index does."""
+    episodes: tuple[int, ...]
+    turn_index: bool
+    faults: tuple[Fault, ...]  # one per damaged object, for the log
+
+    def describe(self) -> str:
+        return "; ".join(f"{f.kind} {f.key}" for f in self.faults)
+
+
+def find_damage(store: Store, records: list[ManifestRecord], verify: bool = False
+                ) -> Damage | None:
+    """The damage of a built conversation's objects (`conversation_faults`), None when the
+    store holds them all as recorded."""
+    faults = conversation_faults(store, records, verify)
+    if not faults:
+        return None
+    keys = {f.key for f in faults}
+    index = records[0].turn_index
+    return Damage(tuple(sorted(r.episode for r in records if r.object_key in keys)),
+                  index is not None and index.key in keys, tuple(faults))
+
+
+@dataclass(frozen=True)
+class RepairPlan:
+    """Stage 1 of a repair: the conversation as its caches hold it, its stored records, and
+    which episodes are rebuilt (the turn index, stored again when it was damaged, is named)."""
+    conversation: Conversation  # the record cut to the turns the caches hold
+    previous: tuple[ManifestRecord, ...]  # the stored version, by episode
+    damaged: tuple[int, ...]
+    turn_index: StoredIndex | None
+    seconds: float = 0.0
+
+    @property
+    def n_episodes(self) -> int:
+        return len(self.previous)
+
+    def kept(self) -> tuple[ManifestRecord, ...]:
+        """The records of the episodes that are not rebuilt, naming the turn index."""
+        return tuple(dataclasses.replace(r, **index_fields(self.turn_index))
+                     for r in self.previous if r.episode not in self.damaged)
+
+
+_REPAIR_STATE = ("cache_turns", "member_turn_ids", "source_digest")
+
+
+def plan_repair(conv: Conversation, previous: list[ManifestRecord], damage: Damage,
+                config: BuildConfig, store: Store) -> RepairPlan | Recluster:
+    """The repair of `damage` in the stored version `previous` of `conv` (a record whose turns
+    are the ones built: the skip check found it current), or why it is rebuilt whole."""
+    start = time.perf_counter()
+    previous = sorted(previous, key=lambda r: r.episode)
+    first = previous[0]
+    if any(getattr(r, name) is None for r in previous for name in _REPAIR_STATE):
+        return Recluster("damaged", f"{damage.describe()}; its manifest predates repairs")
+    held = dataclasses.replace(conv, turns=conv.turns[:first.cache_turns])
+    tokenizer = models.load_tokenizer(config.model)
+    if len(prompts.context_ids(tokenizer, render_conversation(held).text)) != first.tokens:
+        return Recluster("damaged", f"{damage.describe()}; its turns no longer render to the "
+                                    f"{first.tokens} tokens its caches held")
+    index = first.turn_index
+    if damage.turn_index:
+        index = write_turn_index(held, models.load_encoder(config.encoder), config.encoder,
+                                 models.encoder_fingerprint(config.encoder), store)
+    return RepairPlan(held, tuple(previous), damage.episodes, index,
+                      time.perf_counter() - start)
+
+
+def repair_episode(plan: RepairPlan, episode: int, budgets: list[int] | None,
+                   config: BuildConfig, store: Store) -> ManifestRecord:
+    """The damaged episode's cache block-prefilled again from its record, stored, and the
+    record brought up to date (its clustering and append state kept)."""
+    before = dataclasses.replace(plan.previous[episode], **index_fields(plan.turn_index))
+    lm = models.load_llm(config.model)
+    conv = plan.conversation
+    scorer = episode_scorer(lm.tokenizer, conv, before.medoid_text,
+                            tuple(before.member_turn_ids), config)
+    built = prefill_and_store(conv, episode, scorer, budgets, config, store,
+                              before.encoder_fingerprint)
+    return dataclasses.replace(
+        before, layer_budgets=budgets, model_fingerprint=built.files.model,
+        **cache_fields(built.stored, built.cache, built.stats, config))
