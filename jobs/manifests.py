@@ -16,6 +16,13 @@ table, which is the view `episodes` (the query reads nothing else: no files, no 
 it sorted by conversation and removes old files; --rebuild recreates it from the manifests. Run
 those two when no build is writing to the store (the build's driver is the table's one writer).
 
+A damaged table (a data file deleted, a log entry that is not JSON or truncated, a gap in its
+log, a checkpoint that is not Parquet) does not hide the store: the listing and --totals say so
+on stderr in one line (`error: manifest table ... cannot be read (...); reading the manifests
+instead; ... --rebuild rebuilds it`), read the per-conversation manifests instead and exit 2;
+--sql and --compact, which need the table itself, say so in one line naming --rebuild and exit
+2; --rebuild removes the damaged table's objects and creates it anew from the manifests (exit 0).
+
 Each episode shows the fingerprint of the model files it was built with ("model files"); a
 warning on stderr counts the episodes without one (built before caches were bound to their
 model: not served until rebuilt). --check-models also fingerprints the models' files as they
@@ -24,7 +31,8 @@ are here now and flags the episodes built with other files ("stale": a reader re
 before turn indexes, so its questions get no top-up); --json rows carry its key.
 
 A store that does not exist is an error (never created); a manifest that cannot be read is
-named on stderr and the others are still shown (exit code 2).
+named on stderr and the others are still shown (exit code 2). Exit codes: 0, everything read
+and sound; 2, an error or something damaged (a manifest, the table), named on stderr.
 """
 
 from __future__ import annotations
@@ -43,8 +51,8 @@ from pipeline.corpus.schema import UnsafeIdError
 from pipeline.store import table_sync
 from pipeline.store.base import Store, StoreError
 from pipeline.store.manifest import ManifestError, ManifestRecord, list_conversations, read_manifest
-from pipeline.store.table import PENDING_PREFIX, TABLE_SCHEMA, ManifestTable
-from pipeline.store.table_query import connect, select, totals
+from pipeline.store.table import PENDING_PREFIX, TABLE_SCHEMA, ManifestTable, TableDamagedError
+from pipeline.store.table_query import Totals, connect, select, totals
 from pipeline.store.table_sync import mismatches, repair
 from pipeline.store.uri import open_store
 
@@ -157,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="from the table: print only the totals line (episodes, conversations, "
                         "tokens, bytes), not one line per episode (the table alone: no manifest "
                         "is read, where a listing checks each conversation against its "
-                        "manifest)")
+                        "manifest; a damaged table: from the manifests, exit code 2)")
     p.add_argument("--manifests", action="store_true",
                    help="read the per-conversation manifests even where the store has a table "
                         "(they also hold the per-layer budgets and peaks)")
@@ -195,22 +203,41 @@ def main(argv: list[str] | None = None) -> int:
                                  "query (columns conversation_id, config_hash, model_id, ...)")
             return run_sql(table, a.sql, a.json)
         files = ModelFiles(a.check_models)
-        if not a.manifests and table.exists():
-            code = from_table(store, table, filters, a.json, a.totals, files)
-        elif a.totals:
-            raise ValueError("--totals reads the manifest table, and this store has none "
-                             "(`--rebuild` makes it)")
-        else:
-            code = from_manifests(store, filters, a.json, files)
+        code = listing(store, table, filters, a, files)
         files.warn()
         return code
+    except TableDamagedError as e:  # --sql and --compact need the table itself
+        needs = "--sql" if a.sql is not None else "--compact" if a.compact else None
+        print(f"error: manifest table {e.uri} cannot be read ({e.reason}): {needs} needs it; "
+              f"{e.hint}" if needs else f"error: {e}", file=sys.stderr)
+        return 2
     except (StoreError, UnsafeIdError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
 
-def from_manifests(store: Store, filters: dict, as_json: bool, files: ModelFiles) -> int:
-    """The per-conversation manifests, read one by one (stores without a table)."""
+def listing(store: Store, table: ManifestTable, filters: dict, a: argparse.Namespace,
+            files: ModelFiles) -> int:
+    """The rows (or --totals) from the table where there is one, else from the manifests; a
+    damaged table is named on stderr and the manifests are read instead (exit code 2)."""
+    if a.manifests or not table.exists():
+        if a.totals:
+            raise ValueError("--totals reads the manifest table, and this store has none "
+                             "(`--rebuild` makes it)")
+        return from_manifests(store, filters, a.json, files)
+    try:
+        return from_table(store, table, filters, a.json, a.totals, files)
+    except TableDamagedError as e:  # raised before any row is printed
+        print(f"error: manifest table {e.uri} cannot be read ({e.reason}); reading the "
+              f"manifests instead; {e.hint}", file=sys.stderr)
+        from_manifests(store, filters, a.json, files, a.totals)
+        return 2
+
+
+def from_manifests(store: Store, filters: dict, as_json: bool, files: ModelFiles,
+                   only_totals: bool = False) -> int:
+    """The per-conversation manifests, read one by one (stores without a table, or with a
+    damaged one); `only_totals`: their totals line alone, as the table would give it."""
     rows, corrupt = [], []
     keep = lambda r: all(  # noqa: E731
         not values or getattr(r, column) in values for column, values in
@@ -223,6 +250,12 @@ def from_manifests(store: Store, filters: dict, as_json: bool, files: ModelFiles
     for e in corrupt:
         print(f"error: {e}", file=sys.stderr)
     code = 2 if corrupt else 0
+    if only_totals:
+        print_totals(Totals(len(rows), len({r["conversation_id"] for r in rows}),
+                            *(sum(r[k] or 0 for r in rows)
+                              for k in ("tokens", "object_bytes", "kv_bytes"))),
+                     as_json, "from the manifests")
+        return code
     for r in rows:
         files.mark(r)
     if as_json:
@@ -246,20 +279,22 @@ def from_table(store: Store, table: ManifestTable, filters: dict, as_json: bool,
     """The table's rows (streamed), each conversation's shown once its manifest was read and
     found to match them, then the totals (from the table alone); a conversation whose manifest
     does not back its rows is left out and named on stderr (exit code 2). Warns when a build
-    left rows pending."""
+    left rows pending. The table is read before a line is printed, so a damaged one
+    (`TableDamagedError`) is found before any row is shown."""
+    rows = None if only_totals else select(table, TABLE_SCHEMA.names, **filters)
+    t = totals(table, **filters)
     pending = {k.removeprefix(PENDING_PREFIX) for k in store.list(PENDING_PREFIX)}
     if pending:
         print(f"warning: {len(pending)} conversation(s) committed since the table's last append "
               "(an interrupted build): `python -m jobs.manifests --compact` brings it up to date",
               file=sys.stderr)
     faults: dict[str, str] = {}
-    if not only_totals:
+    if rows is not None:
         if not as_json:
             print(f"{'conversation':<16} {'ep':>2} {'tokens':>7} {'build s':>8} {'KV MiB':>7} "
                   f"{'obj MiB':>7} {'index KiB':>9} {'scorer':<12} {'config':<16} "
                   f"{'model files':<22} note")
         whole = not (filters["config_hashes"] or filters["models"])
-        rows = select(table, TABLE_SCHEMA.names, **filters)
         for r in checked_rows(store, rows, pending, whole, faults):
             files.mark(r)
             print(files.json(r) if as_json else _table_line(r))
@@ -269,19 +304,22 @@ def from_table(store: Store, table: ManifestTable, filters: dict, as_json: bool,
         print(f"error: {len(faults)} conversation(s) of the table left out: "
               "`python -m jobs.manifests --rebuild` recreates the table from the manifests, and a "
               "build replaces a corrupt manifest", file=sys.stderr)
-    t = totals(table, **filters)
+    if not as_json or only_totals:
+        checked = ("manifests not read (a listing without --totals checks them)" if only_totals
+                   else "every conversation listed checked against its manifest"
+                   + (f" ({len(pending)} pending: not checked)" if pending else ""))
+        print_totals(t, as_json, f"table {table.uri}; {checked}")
+    return 2 if faults else 0
+
+
+def print_totals(t: Totals, as_json: bool, source: str) -> None:
+    """The totals line (ending with where they come from), or its JSON object."""
     if as_json:
-        if only_totals:
-            print(json.dumps({"totals": t.__dict__}))
-        return 2 if faults else 0
-    checked = ("manifests not read (a listing without --totals checks them)" if only_totals else
-               "every conversation listed checked against its manifest"
-               + (f" ({len(pending)} pending: not checked)" if pending else ""))
+        print(json.dumps({"totals": t.__dict__}))
+        return
     print(f"total: {t.episodes:,} episodes of {t.conversations:,} conversations; "
           f"{t.tokens:,} tokens; objects {t.object_bytes / 2**30:.3f} GiB "
-          f"({t.object_bytes:,} bytes); KV {t.kv_bytes / 2**30:.3f} GiB; table {table.uri}; "
-          f"{checked}")
-    return 2 if faults else 0
+          f"({t.object_bytes:,} bytes); KV {t.kv_bytes / 2**30:.3f} GiB; {source}")
 
 
 _CHECK_CHUNK = 1_000  # conversations checked against their manifests at a time
@@ -339,6 +377,9 @@ def run_sql(table: ManifestTable, query: str, as_json: bool) -> int:
                 else:
                     writer.writerow(row[c] for c in columns)
     except duckdb.Error as e:
+        failure = table.failure("query", e)
+        if isinstance(failure, TableDamagedError):  # not the query's fault: a data file's
+            raise failure from None
         raise ValueError(f"--sql: {(str(e).strip().splitlines() or [type(e).__name__])[0]}") \
             from None
     return 0
@@ -346,12 +387,14 @@ def run_sql(table: ManifestTable, query: str, as_json: bool) -> int:
 
 def maintain(store: Store, rebuild: bool, retain_hours: float) -> int:
     """--rebuild, or --compact (repair, then sort and vacuum); corrupt manifests are named and
-    left out (exit code 2)."""
+    left out (exit code 2). --rebuild recreates a damaged table; --compact raises
+    `TableDamagedError` for one."""
     table = ManifestTable(store)
     if rebuild or not table.exists():
         done = table_sync.rebuild(store, table)
         line = (f"rebuilt the manifest table from {done.conversations:,} manifests "
-                f"({done.rows:,} episodes)")
+                f"({done.rows:,} episodes)"
+                + (f" in place of a damaged one ({done.damage})" if done.damage else ""))
     else:
         done = repair(store, table)
         stats = table.compact(retain_hours)

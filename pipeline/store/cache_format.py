@@ -165,11 +165,7 @@ def parse(data: bytes, name: str = "cache", dtype: torch.dtype = torch.float32,
 
 def _rebuild(tensors: dict[str, torch.Tensor], header: dict, dtype: torch.dtype,
              device: str | torch.device) -> EpisodicCache:
-    layers = header["num_layers"]
-    stored = sum(name.endswith(".lengths") and not name.endswith(".qlengths") for name in tensors)
-    if not isinstance(layers, int) or layers != stored:  # nothing sized by the header alone
-        raise ValueError(f"the header says {layers!r} layers, the object holds {stored}")
-    cache = EpisodicCache(layers)
+    cache = EpisodicCache(_layer_count(tensors, header))
     for i, layer in enumerate(cache.layers):
         lengths = tensors[f"layers.{i}.lengths"].long()
         keys, values = tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"]
@@ -246,6 +242,16 @@ def _rebuild(tensors: dict[str, torch.Tensor], header: dict, dtype: torch.dtype,
                                                  int(header["compact_base"]) + layer.positions - cut)
         layer.is_initialized = True
     return cache
+
+
+def _layer_count(tensors: dict[str, torch.Tensor], header: dict) -> int:
+    """The header's layer count, once the object holds that many layers: nothing is sized by
+    the header alone."""
+    layers = header["num_layers"]
+    stored = sum(name.endswith(".lengths") and not name.endswith(".qlengths") for name in tensors)
+    if not isinstance(layers, int) or layers != stored:
+        raise ValueError(f"the header says {layers!r} layers, the object holds {stored}")
+    return layers
 
 
 def _in_token_order(positions: torch.Tensor, counts: list[int]) -> bool:

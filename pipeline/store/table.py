@@ -11,12 +11,15 @@ On S3 the table's credentials come from the store (`Store.storage_options`): res
 boto3's chain each time the table is opened, handed to delta-rs in memory only, never in a log
 line or an error. Commits are put-if-absent (`AWS_CONDITIONAL_PUT=etag`), so a second writer can
 never overwrite a commit. Keeping it equal to the manifests is `pipeline.store.table_sync`;
-querying it is `pipeline.store.table_query`.
+querying it is `pipeline.store.table_query`. A table whose own files are damaged raises
+`TableDamagedError`, whatever call found it: readers fall back to the manifests, and
+`table_sync.rebuild` removes it and creates it anew.
 """
 
 from __future__ import annotations
 
 import logging
+import shlex
 import tempfile
 from collections.abc import Iterable, Sequence
 
@@ -64,6 +67,49 @@ _SORT_MEMORY = "1GB"  # DuckDB's memory for the compaction's sort (it spills pas
 class TableError(StoreError):
     """The manifest table cannot be read or written; the message names the table, never a
     credential."""
+
+
+class TableDamagedError(TableError):
+    """The table's own files are damaged (a log entry or checkpoint that does not parse, a gap in
+    the log, a data file gone or not Parquet), as against a store that cannot be reached. The
+    manifests, the commit point, are untouched: readers fall back to them, a build goes on
+    without the table, and `jobs.manifests --rebuild` recreates it from them."""
+
+    def __init__(self, uri: str, reason: str, store_uri: str):
+        self.uri, self.reason = uri, reason
+        self.hint = (f"`python -m jobs.manifests --store {shlex.quote(store_uri)} --rebuild` "
+                     "rebuilds it from the manifests")
+        super().__init__(f"manifest table {uri} is damaged ({reason}); {self.hint}")
+
+
+# How delta-rs words a store it cannot reach (the network, credentials) inside a `DeltaError`:
+# not damage, though the exception type is the one a damaged log raises.
+_UNREACHABLE = ("Generic S3 error", "necessary privileges")
+
+
+def _is_damage(error: BaseException) -> bool:
+    """Whether `error`, raised by delta-rs, pyarrow or DuckDB on the table, says its files are
+    damaged. Measured (deltalake 1.6): a log entry that is not JSON, truncated, or a junk later
+    version (a gap), a missing first entry, a checkpoint that is not Parquet: `DeltaError`
+    ("Kernel error: ..."); a data file deleted: `FileNotFoundError` (pyarrow) or, through a
+    DuckDB scan, a DuckDB error quoting it; a data file not Parquet: `ArrowInvalid` (DuckDB:
+    "failed: Invalid:"). A store that cannot be reached raises a plain `OSError` instead."""
+    import duckdb
+    from deltalake.exceptions import (
+        CommitFailedError,
+        DeltaError,
+        SchemaMismatchError,
+        TableNotFoundError,
+    )
+
+    text = str(error)
+    if isinstance(error, (FileNotFoundError, pa.ArrowInvalid)):
+        return True
+    if isinstance(error, DeltaError):
+        return (not isinstance(error, (CommitFailedError, SchemaMismatchError, TableNotFoundError))
+                and not any(marker in text for marker in _UNREACHABLE))
+    return isinstance(error, duckdb.Error) and ("FileNotFoundError" in text
+                                                or "failed: Invalid:" in text)
 
 
 def pending_key(conversation_id: str) -> str:
@@ -116,29 +162,37 @@ class ManifestTable:
         except StoreError as e:
             raise TableError(str(e)) from None
 
-    def _call(self, what: str, fn, *args, **kwargs):
-        """Run a delta-rs call; its failure becomes one line naming the table (any credential
-        the message might quote is masked)."""
+    def call(self, what: str, fn, *args, **kwargs):
+        """Run a call that reads or writes the table (delta-rs, pyarrow, or DuckDB scanning its
+        dataset); its failure becomes one line naming the table (`failure`)."""
         try:
             return fn(*args, **kwargs)
         except (StoreError, KeyboardInterrupt):
             raise
         except Exception as e:
-            text = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-            options = kwargs.get("storage_options") or self._options() or {}
-            for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
-                if options.get(key):
-                    text = text.replace(options[key], "***")
-            raise TableError(f"manifest table {self.uri}: {what} failed: "
-                             f"{type(e).__name__}: {text}") from None
+            raise self.failure(what, e) from None
+
+    def failure(self, what: str, error: Exception) -> TableError:
+        """`error` as one line naming the table, any credential it might quote masked: a
+        `TableDamagedError` where it says the table's files are damaged (`_is_damage`)."""
+        text = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        text = text.split(" { ")[0][:300]  # not the Rust structure delta-rs may quote
+        options = self._options() or {}
+        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+            if options.get(key):
+                text = text.replace(options[key], "***")
+        reason = f"{what} failed: {type(error).__name__}: {text}"
+        if _is_damage(error):
+            return TableDamagedError(self.uri, reason, self.store.uri)
+        return TableError(f"manifest table {self.uri}: {reason}")
 
     def exists(self) -> bool:
         from deltalake import DeltaTable
 
         if self.located is None:
             return False
-        return self._call("open", DeltaTable.is_deltatable, self.located,
-                          storage_options=self._options())
+        return self.call("open", DeltaTable.is_deltatable, self.located,
+                         storage_options=self._options())
 
     def delta(self):
         """The table at its latest version; `TableError` when there is none."""
@@ -152,7 +206,7 @@ class ManifestTable:
             raise TableError(f"no manifest table at {self.uri}: `python -m jobs.manifests "
                              "--rebuild` makes one from the manifests") from None
         except Exception:  # any other failure: one line, as every call gives it
-            return self._call("open", DeltaTable, where, storage_options=options)
+            return self.call("open", DeltaTable, where, storage_options=options)
 
     def dataset(self, conversation_ids: Sequence[str] | None = None) -> pads.Dataset:
         """A pyarrow dataset of the table (DuckDB scans it as a view); with ids, only the files
@@ -161,15 +215,15 @@ class ManifestTable:
         pruning = None
         if conversation_ids:
             pruning = [("conversation_id", "in", sorted(set(conversation_ids)))]
-        return self._call("read", table.to_pyarrow_dataset, file_pruning_predicate=pruning)
+        return self.call("read", table.to_pyarrow_dataset, file_pruning_predicate=pruning)
 
     # -- writing ---------------------------------------------------------------------------------
     def _write(self, what: str, data, **kwargs) -> None:
         from deltalake import WriterProperties, write_deltalake
 
         props = WriterProperties(compression="ZSTD", max_row_group_size=_ROW_GROUP)
-        self._call(what, write_deltalake, self._where(), data, writer_properties=props,
-                   configuration=_TABLE_CONFIG, storage_options=self._options(), **kwargs)
+        self.call(what, write_deltalake, self._where(), data, writer_properties=props,
+                  configuration=_TABLE_CONFIG, storage_options=self._options(), **kwargs)
 
     def replace(self, conversation_ids: Sequence[str],
                 rows: list[dict] | pa.Table) -> None:
@@ -203,12 +257,12 @@ class ManifestTable:
             self._write("replace rows", data, mode="overwrite", predicate=_id_predicate(ids),
                         schema_mode="merge")
         else:
-            self._call("delete rows", table.delete, _id_predicate(ids))
+            self.call("delete rows", table.delete, _id_predicate(ids))
 
     def _holds_any(self, table, ids: list[str]) -> bool:
         """Whether the table has rows of any of these conversations: the files' id ranges
         first (a build in id order never reads a row), then those files' ids."""
-        files = pa.table(self._call("read", table.get_add_actions, flatten=True))
+        files = pa.table(self.call("read", table.get_add_actions, flatten=True))
         if not files.num_rows:
             return False
         if "min.conversation_id" not in files.column_names:  # files without statistics
@@ -217,10 +271,10 @@ class ManifestTable:
         overlap = pc.and_(pc.less_equal(low, ids[-1]), pc.greater_equal(high, ids[0]))
         if not pc.any(overlap).as_py():
             return False
-        dataset = self._call("read", table.to_pyarrow_dataset,
-                             file_pruning_predicate=[("conversation_id", "in", ids)])
-        found = self._call("read", dataset.to_table, columns=["conversation_id"],
-                           filter=pc.field("conversation_id").isin(ids))
+        dataset = self.call("read", table.to_pyarrow_dataset,
+                            file_pruning_predicate=[("conversation_id", "in", ids)])
+        found = self.call("read", dataset.to_table, columns=["conversation_id"],
+                          filter=pc.field("conversation_id").isin(ids))
         return found.num_rows > 0
 
     def overwrite(self, batches: Iterable[pa.RecordBatch]) -> None:
@@ -241,12 +295,13 @@ class ManifestTable:
         with tempfile.TemporaryDirectory(prefix="epicache-compact-") as spill:
             con = duckdb.connect(config={"memory_limit": _SORT_MEMORY, "temp_directory": spill})
             con.register("episodes", self.dataset())
-            sorted_rows = con.sql("SELECT * FROM episodes ORDER BY conversation_id, episode")
-            self._write("compact", sorted_rows.to_arrow_reader(_ROW_GROUP), mode="overwrite")
+            query = "SELECT * FROM episodes ORDER BY conversation_id, episode"
+            sorted_rows = self.call("compact", lambda: con.sql(query).to_arrow_reader(_ROW_GROUP))
+            self._write("compact", sorted_rows, mode="overwrite")
             con.close()
         table = self.delta()
-        removed = self._call("vacuum", table.vacuum, retention_hours=int(retain_hours),
-                             dry_run=False, enforce_retention_duration=False)
+        removed = self.call("vacuum", table.vacuum, retention_hours=int(retain_hours),
+                            dry_run=False, enforce_retention_duration=False)
         table = self.delta()
         return {"files_before": before, "files_after": len(table.file_uris()),
                 "vacuumed": len(removed), "version": table.version()}

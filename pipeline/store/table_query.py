@@ -54,8 +54,9 @@ def totals(table: ManifestTable, conversations: Sequence[str] | None = None,
     """Episodes, conversations, tokens and bytes of the rows the filters select."""
     clause, params = where(conversations, config_hashes, models)
     con = connect(table, conversations)
-    row = con.execute("SELECT count(*), count(DISTINCT conversation_id), sum(tokens), "
-                      f"sum(object_bytes), sum(kv_bytes) FROM {VIEW}{clause}", params).fetchone()
+    query = ("SELECT count(*), count(DISTINCT conversation_id), sum(tokens), sum(object_bytes), "
+             f"sum(kv_bytes) FROM {VIEW}{clause}")
+    row = table.call("read", lambda: con.execute(query, params).fetchone())
     return Totals(*(int(v or 0) for v in row))
 
 
@@ -75,7 +76,7 @@ def select(table: ManifestTable, columns: Sequence[str], conversations: Sequence
             if values:
                 term = pc.field(column).isin(list(values))
                 expr = term if expr is None else expr & term
-        found = table.dataset(conversations).to_table(filter=expr).sort_by(
+        found = table.call("read", table.dataset(conversations).to_table, filter=expr).sort_by(
             [("conversation_id", "ascending"), ("episode", "ascending")])
         for name in columns:  # a column added since the table was written reads as nulls
             if name not in found.column_names:
@@ -90,4 +91,6 @@ def select(table: ManifestTable, columns: Sequence[str], conversations: Sequence
     listed = [c if c in present else f"NULL AS {c}" for c in columns]
     query = (f"SELECT {', '.join(listed)} FROM {VIEW}{clause} "
              "ORDER BY conversation_id, episode")
-    return con.sql(query, params=params).to_arrow_reader(_ROW_GROUP)
+    # DuckDB scans the table here, sorting it: a data file gone or unreadable fails this call,
+    # before the caller is handed a row
+    return table.call("read", lambda: con.sql(query, params=params).to_arrow_reader(_ROW_GROUP))

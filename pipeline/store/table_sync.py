@@ -5,7 +5,8 @@ The build's driver, the table's only writer, writes a small pending marker
 conversation's rows are in the table (`IndexWriter`, which flushes in batches). A crash in
 between leaves the marker, and `repair` (run by the next build and by `jobs.manifests
 --compact`) re-reads only the marked conversations' manifests: nothing lists a million of them.
-`rebuild` recreates the table from every manifest. Keeping the markers right needs one writer
+`rebuild` recreates the table from every manifest, whatever state the table is in (one whose
+files are damaged is removed first). Keeping the markers right needs one writer
 at a time (a build, or `jobs.manifests --compact/--rebuild`, not both). `mismatches` checks rows
 read from the table against their manifests, so a listing never shows a conversation whose
 manifest was since truncated, replaced or removed as if it were sound.
@@ -24,7 +25,15 @@ import pyarrow as pa
 
 from pipeline.store.base import Store, StoreError, manifest_key
 from pipeline.store.manifest import ManifestError, ManifestRecord, list_conversations, read_manifest
-from pipeline.store.table import PENDING_PREFIX, ManifestTable, pending_key, table_row, table_rows
+from pipeline.store.table import (
+    PENDING_PREFIX,
+    TABLE_KEY,
+    ManifestTable,
+    TableDamagedError,
+    pending_key,
+    table_row,
+    table_rows,
+)
 
 log = logging.getLogger(__name__)
 _READ_THREADS = 16  # manifests read at once by repair and rebuild (S3 GETs are latency-bound)
@@ -47,11 +56,13 @@ def _read_many(store: Store,
 
 @dataclass
 class SyncResult:
-    """What a repair or a rebuild did: conversations and rows written to the table, and the
-    manifests that could not be read (their rows are left out)."""
+    """What a repair or a rebuild did: conversations and rows written to the table, the
+    manifests that could not be read (their rows are left out), and the damage of a table the
+    rebuild removed first."""
     conversations: int = 0
     rows: int = 0
     corrupt: list[ManifestError] = field(default_factory=list)
+    damage: str | None = None
 
     def manifest_rows(self, store: Store, ids: Sequence[str]) -> list[dict]:
         """The table rows of `ids`' manifests (read by a few threads); a corrupt manifest is
@@ -85,9 +96,10 @@ def repair(store: Store, table: ManifestTable | None = None, chunk: int = 1_000)
 def rebuild(store: Store, table: ManifestTable | None = None) -> SyncResult:
     """Recreate the table from every per-conversation manifest (one streamed commit, memory
     flat: the manifests are read `_REBUILD_CHUNK` at a time); a corrupt manifest is left out and
-    reported. Pending markers seen before the rebuild are cleared."""
+    reported. Pending markers seen before the rebuild are cleared. A table whose files are
+    damaged is removed first, so it is created anew."""
     table = table or ManifestTable(store)
-    result = SyncResult()
+    result = SyncResult(damage=_remove_if_damaged(store, table))
     pending = store.list(PENDING_PREFIX)
     ids = list_conversations(store)
 
@@ -101,6 +113,24 @@ def rebuild(store: Store, table: ManifestTable | None = None) -> SyncResult:
     table.overwrite(batches())
     _delete_all(store, pending)
     return result
+
+
+def _remove_if_damaged(store: Store, table: ManifestTable) -> str | None:
+    """delta-rs replays a table's log before it overwrites the table, so a damaged log or
+    checkpoint would fail the rebuild too: remove every object under the table's key (through
+    the store, any backend) and let the rebuild create it anew. The damage removed, or None
+    where the table opens (or there is none). A data file gone does not stop an overwrite."""
+    if not table.exists():
+        return None
+    try:
+        table.delta()
+    except TableDamagedError as e:
+        keys = store.list(f"{TABLE_KEY}/")
+        _delete_all(store, keys)
+        log.info("manifest table %s is damaged (%s): its %d objects removed, to be created "
+                 "anew", table.uri, e.reason, len(keys))
+        return e.reason
+    return None
 
 
 def mismatches(store: Store, rows: Sequence[dict], whole: bool = True) -> dict[str, str]:
@@ -150,8 +180,11 @@ class IndexWriter:
     Opening it makes the table equal to the manifests first: a store without one (built before
     the table existed) gets it rebuilt, and pending markers of an interrupted build are
     repaired. A table that cannot be written never fails the build: it is logged, the markers
-    stay, and the next build or `jobs.manifests --compact` repairs them. A store that can hold
-    no table (in memory) gets neither table nor markers."""
+    stay, and the next build or `jobs.manifests --compact` repairs them. A table whose files are
+    damaged (`TableDamagedError`) is warned about once, with the command that rebuilds it, and
+    left alone for the rest of the build: the manifests are the commit point, and the markers
+    (cleared by that rebuild) keep saying the table lags. A store that can hold no table (in
+    memory) gets neither table nor markers."""
 
     def __init__(self, store: Store, flush_rows: int = 10_000, flush_seconds: float = 60.0):
         self.store, self.flush_rows, self.flush_seconds = store, flush_rows, flush_seconds
@@ -172,12 +205,15 @@ class IndexWriter:
                 log.info("manifest table created at %s from %d manifests (%d episodes)",
                          self.table.uri, done.conversations, done.rows)
             else:
+                self.table.delta()  # a damaged log is found here, once, before the build's work
                 done = repair(self.store, self.table)
                 if done.conversations:
                     log.warning("manifest table: repaired %d conversations an earlier build left "
                                 "pending", done.conversations)
             for e in done.corrupt:
                 log.warning("%s; left out of the manifest table", e)
+        except TableDamagedError as e:
+            self._damaged(e)
         except StoreError as e:
             self.healthy = False
             log.error("%s; the build goes on, the table is repaired by the next build or "
@@ -206,9 +242,17 @@ class IndexWriter:
             _delete_all(self.store, [pending_key(cid) for cid in ids])
             self.appended += len(rows)
             self.commits += 1
+        except TableDamagedError as e:
+            self._damaged(e)
         except StoreError as e:  # the markers stay: repaired later
             log.error("%s; %d conversations stay pending for the next build or "
                       "`python -m jobs.manifests --compact`", e, len(ids))
+
+    def _damaged(self, error: TableDamagedError) -> None:
+        """One warning, and no more writes to the table this build (its markers stay)."""
+        self.healthy = False
+        log.warning("%s; the build goes on without the table (the manifests are the commit "
+                    "point)", error)
 
     def __enter__(self) -> "IndexWriter":
         self.open()
