@@ -71,7 +71,7 @@ class Summary:
     def line(self, seconds: float | None = None, store: str = "") -> str:
         seconds = self.seconds if seconds is None else seconds
         return (f"built {self.built} conversations, appended to {self.appended} "
-                f"({self.episodes} episode caches, {self.tokens:,} tokens prefilled, "
+                f"({_n(self.episodes, 'episode cache')}, {self.tokens:,} tokens prefilled, "
                 f"{self.bytes / 2**20:.1f} MiB) in {seconds:.1f}s; "
                 f"{self._rebuilt()}{self._repaired()}skipped {self.skipped} up to date; "
                 f"failed {len(self.failed)}; "

@@ -125,7 +125,7 @@ def test_a_deleted_object_is_repaired_alone_and_the_summary_says_so(ray_local, t
     summary = run_build(str(corpus), store, SYNTHETIC_CONFIG, _options(), stages=SYNTHETIC_STAGES)
     build.print_outcome(summary, summary.seconds, store)
     out = capsys.readouterr().out
-    assert "built 0 conversations, appended to 0 (1 episode caches" in out
+    assert "built 0 conversations, appended to 0 (1 episode cache," in out
     assert "repaired 1 (1 episode cache, 0 turn indexes; 1 conversation); skipped 2 up to " \
            "date; failed 0" in out
     assert store.exists(key)
