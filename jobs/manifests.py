@@ -21,7 +21,8 @@ log, a checkpoint that is not Parquet) does not hide the store: the listing and 
 on stderr in one line (`error: manifest table ... cannot be read (...); reading the manifests
 instead; ... --rebuild rebuilds it`), read the per-conversation manifests instead and exit 2;
 --sql and --compact, which need the table itself, say so in one line naming --rebuild and exit
-2; --rebuild removes the damaged table's objects and creates it anew from the manifests (exit 0).
+2; --rebuild removes the damaged table's objects and creates it anew from the manifests (exit 0),
+and so does the next build when it opens the table.
 
 Each episode shows the fingerprint of the model files it was built with ("model files"); a
 warning on stderr counts the episodes without one (built before caches were bound to their

@@ -208,6 +208,20 @@ class ManifestTable:
         except Exception:  # any other failure: one line, as every call gives it
             return self.call("open", DeltaTable, where, storage_options=options)
 
+    def check(self):
+        """The table at its latest version, once its log reads and every data file the log
+        names is stored (one listing; no data read): `TableDamagedError` otherwise. A build
+        checks it before writing, so a damaged table is rebuilt, not appended to."""
+        table = self.delta()
+        base = self._where().rstrip("/") + "/"
+        stored = {key.removeprefix(f"{TABLE_KEY}/") for key in self.store.list(f"{TABLE_KEY}/")}
+        named = [uri.removeprefix(base) for uri in self.call("open", table.file_uris)]
+        missing = [name for name in named if name not in stored]
+        if missing:
+            raise TableDamagedError(self.uri, f"{len(missing)} of the {len(named)} data files its "
+                                    f"log names are gone (e.g. {missing[0]})", self.store.uri)
+        return table
+
     def dataset(self, conversation_ids: Sequence[str] | None = None) -> pads.Dataset:
         """A pyarrow dataset of the table (DuckDB scans it as a view); with ids, only the files
         whose statistics may hold them."""

@@ -181,9 +181,11 @@ class IndexWriter:
     the table existed) gets it rebuilt, and pending markers of an interrupted build are
     repaired. A table that cannot be written never fails the build: it is logged, the markers
     stay, and the next build or `jobs.manifests --compact` repairs them. A table whose files are
-    damaged (`TableDamagedError`) is warned about once, with the command that rebuilds it, and
-    left alone for the rest of the build: the manifests are the commit point, and the markers
-    (cleared by that rebuild) keep saying the table lags. A store that can hold no table (in
+    damaged (`TableDamagedError`: its log does not read, a data file it names is gone) when the
+    build opens it is rebuilt from the manifests, so the build heals it; one damaged during the
+    build is warned about once, with the command that rebuilds it, and left alone for the rest
+    of the build: the manifests are the commit point, and the markers (cleared by that rebuild)
+    keep saying the table lags. A store that can hold no table (in
     memory) gets neither table nor markers."""
 
     def __init__(self, store: Store, flush_rows: int = 10_000, flush_seconds: float = 60.0):
@@ -204,15 +206,19 @@ class IndexWriter:
                 done = rebuild(self.store, self.table)
                 log.info("manifest table created at %s from %d manifests (%d episodes)",
                          self.table.uri, done.conversations, done.rows)
+            elif (damage := self._damage()) is not None:
+                done = rebuild(self.store, self.table)
+                log.warning("manifest table %s was damaged (%s): rebuilt from %d manifests (%d "
+                            "episodes)", self.table.uri, damage.reason, done.conversations,
+                            done.rows)
             else:
-                self.table.delta()  # a damaged log is found here, once, before the build's work
                 done = repair(self.store, self.table)
                 if done.conversations:
                     log.warning("manifest table: repaired %d conversations an earlier build left "
                                 "pending", done.conversations)
             for e in done.corrupt:
                 log.warning("%s; left out of the manifest table", e)
-        except TableDamagedError as e:
+        except TableDamagedError as e:  # damaged again past its rebuild: left to --rebuild
             self._damaged(e)
         except StoreError as e:
             self.healthy = False
@@ -247,6 +253,15 @@ class IndexWriter:
         except StoreError as e:  # the markers stay: repaired later
             log.error("%s; %d conversations stay pending for the next build or "
                       "`python -m jobs.manifests --compact`", e, len(ids))
+
+    def _damage(self) -> TableDamagedError | None:
+        """What is damaged in the table's files (a log that does not read, a data file gone),
+        found once before the build's work; None when it is sound."""
+        try:
+            self.table.check()
+        except TableDamagedError as e:
+            return e
+        return None
 
     def _damaged(self, error: TableDamagedError) -> None:
         """One warning, and no more writes to the table this build (its markers stay)."""

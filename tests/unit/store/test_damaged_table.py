@@ -2,7 +2,8 @@
 overwritten, truncated or out-of-sequence entry in its Delta log, `jobs.manifests` says so in one
 line and reads the per-conversation manifests instead (exit code 2), `--rebuild` recreates the
 table from them (exit code 0), `--compact` and `--sql` name `--rebuild` in one line, and a
-build's `IndexWriter` warns once and goes on. No model and no Ray: conversations are committed
+build's `IndexWriter` rebuilds a table damaged before it opens (one warning), or warns once and
+goes on past one damaged while it writes. No model and no Ray: conversations are committed
 as a build commits them (`put_conversation`), and the table is written by `IndexWriter`."""
 
 from __future__ import annotations
@@ -132,9 +133,10 @@ def test_compact_and_sql_need_the_table_and_name_rebuild(store, capsys, damage):
 
 
 @pytest.mark.parametrize("damage", DAMAGE)
-def test_a_build_goes_on_past_a_damaged_table(store, capsys, caplog, damage):
-    """The writer warns once, naming --rebuild, writes no more to the table and keeps the
-    markers; the rebuild brings in what was committed meanwhile and clears them."""
+def test_a_build_rebuilds_a_table_damaged_before_it(store, capsys, caplog, damage):
+    """The writer finds the damage when it opens (a log that does not read, a data file gone),
+    says so once and rebuilds the table from the manifests: the build heals it, and what it
+    commits goes into the new table."""
     DAMAGE[damage](store)
     with (caplog.at_level(logging.WARNING, "pipeline.store.table_sync"),
           IndexWriter(store, flush_rows=2) as writer):
@@ -142,13 +144,32 @@ def test_a_build_goes_on_past_a_damaged_table(store, capsys, caplog, damage):
             writer.begin(cid)
             writer.add(cid, put_conversation(store, cid, episodes=3))
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(warnings) == 1 and "is damaged (" in warnings[0]
+    assert len(warnings) == 1 and " was damaged (" in warnings[0], warnings
+    assert "): rebuilt from 4 manifests (8 episodes)" in warnings[0]
+    assert writer.healthy and store.list(PENDING_PREFIX) == []
+    assert show(capsys, store)[0] == 0  # the table reads again
+    rows = table_rows(store)
+    assert len(rows) == 3 * 3 + 3 * 2  # conv-0 rebuilt with 3 episodes, two new, three as were
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_build_goes_on_past_a_table_damaged_during_it(store, capsys, caplog, damage):
+    """Damage met while the build writes: one warning naming --rebuild, no more writes to the
+    table, the markers kept; the rebuild brings in what was committed meanwhile."""
+    with (caplog.at_level(logging.WARNING, "pipeline.store.table_sync"),
+          IndexWriter(store, flush_rows=2) as writer):
+        DAMAGE[damage](store)
+        for cid in ("conv-0", "conv-new", "conv-other"):
+            writer.begin(cid)
+            writer.add(cid, put_conversation(store, cid, episodes=3))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "is damaged (" in warnings[0], warnings
     assert "--rebuild` rebuilds it from the manifests" in warnings[0]
     assert not writer.healthy and store.list(PENDING_PREFIX)
     assert show(capsys, store, "--rebuild")[0] == 0
     assert store.list(PENDING_PREFIX) == []
     rows = table_rows(store)
-    assert len(rows) == 3 * 3 + 3 * 2  # conv-0 rebuilt with 3 episodes, two new, three as were
+    assert len(rows) == 3 * 3 + 3 * 2
 
 
 def test_rebuild_on_s3_replaces_a_garbage_log(s3_env, capsys):
@@ -157,6 +178,7 @@ def test_rebuild_on_s3_replaces_a_garbage_log(s3_env, capsys):
     store = open_store(s3_env.uri(f"damaged/{uuid.uuid4().hex[:12]}"))
     fill(store)
     before = table_rows(store)
+    ManifestTable(store).check()  # a sound table on S3: every data file its log names is found
     DAMAGE["log entry overwritten"](store)
     code, out, err = show(capsys, store)
     assert code == 2 and {line.split()[0] for line in out.splitlines()[1:]} == set(CONVERSATIONS)
