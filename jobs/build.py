@@ -8,7 +8,9 @@ Stages per conversation: a clustering task (CPU), then one block-prefill task pe
 episode is stored): the manifest is the only commit point. The layer sensitivity profile is
 measured once per model (or read from the store). The driver keeps at most `--max-in-flight`
 tasks submitted (`ray.wait`) and streams the corpus, so its memory does not grow with the
-corpus. Conversations whose manifest already carries this configuration's hash are skipped.
+corpus. Conversations whose manifest already carries this configuration's hash are skipped,
+once every object it names is confirmed in the store at its recorded size (--verify: read and
+checksummed too); a missing or damaged object is rebuilt alone ("repaired N" in the summary).
 Committed rows are also appended, in batches, to the store's manifest table
 (`pipeline.store.table`), which the driver keeps equal to the manifests.
 Alone it starts a local Ray; under `ray job submit` (RAY_ADDRESS set) it joins the cluster.

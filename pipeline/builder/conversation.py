@@ -12,8 +12,8 @@ from typing import NamedTuple
 
 from pipeline.builder.append import prefill_episode
 from pipeline.builder.plan import plan_conversation
-from pipeline.builder.repair import Damage, RepairPlan, find_damage
 from pipeline.builder.profile import layer_budgets
+from pipeline.builder.repair import Damage, RepairPlan, find_damage
 from pipeline.config import BuildConfig, GrowthConfig, ModelFingerprints
 from pipeline.corpus.history import history_change, turns_digest
 from pipeline.corpus.schema import Conversation

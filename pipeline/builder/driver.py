@@ -7,7 +7,8 @@ stored). A conversation whose record grew since its build is planned instead of 
 The driver keeps at most `max_in_flight` tasks submitted (`ray.wait`) and streams the corpus,
 so its memory does not grow with the corpus. Conversations whose manifest already
 carries this configuration's hash and the fingerprints of the model files the budgets task
-found are skipped. Committed rows are also appended, in batches, to
+found, and whose objects are all in the store at their recorded sizes, are skipped; one whose
+objects are not has those repaired (`pipeline.builder.repair`). Committed rows are also appended, in batches, to
 the store's manifest table (`pipeline.store.table_sync.IndexWriter`).
 """
 
