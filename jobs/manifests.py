@@ -209,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except TableDamagedError as e:  # --sql and --compact need the table itself
         needs = "--sql" if a.sql is not None else "--compact" if a.compact else None
-        print(f"error: manifest table {e.uri} cannot be read ({e.reason}): {needs} needs it; "
-              f"{e.hint}" if needs else f"error: {e}", file=sys.stderr)
+        print(f"error: {e.unreadable(f': {needs} needs it; ')}" if needs else f"error: {e}",
+              file=sys.stderr)
         return 2
     except (StoreError, UnsafeIdError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -229,8 +229,7 @@ def listing(store: Store, table: ManifestTable, filters: dict, a: argparse.Names
     try:
         return from_table(store, table, filters, a.json, a.totals, files)
     except TableDamagedError as e:  # raised before any row is printed
-        print(f"error: manifest table {e.uri} cannot be read ({e.reason}); reading the "
-              f"manifests instead; {e.hint}", file=sys.stderr)
+        print(f"error: {e.unreadable('; reading the manifests instead; ')}", file=sys.stderr)
         from_manifests(store, filters, a.json, files, a.totals)
         return 2
 

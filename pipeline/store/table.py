@@ -81,6 +81,11 @@ class TableDamagedError(TableError):
                      "rebuilds it from the manifests")
         super().__init__(f"manifest table {uri} is damaged ({reason}); {self.hint}")
 
+    def unreadable(self, consequence: str) -> str:
+        """The one line a reader prints: the table, why it cannot be read, what the reader does
+        instead (`consequence`), and the command that rebuilds it."""
+        return f"manifest table {self.uri} cannot be read ({self.reason}){consequence}{self.hint}"
+
 
 # How delta-rs words a store it cannot reach (the network, credentials) inside a `DeltaError`:
 # not damage, though the exception type is the one a damaged log raises.
@@ -221,6 +226,14 @@ class ManifestTable:
             raise TableDamagedError(self.uri, f"{len(missing)} of the {len(named)} data files its "
                                     f"log names are gone (e.g. {missing[0]})", self.store.uri)
         return table
+
+    def damage(self) -> TableDamagedError | None:
+        """What `check` finds damaged in the table's files, None when they are sound."""
+        try:
+            self.check()
+        except TableDamagedError as e:
+            return e
+        return None
 
     def dataset(self, conversation_ids: Sequence[str] | None = None) -> pads.Dataset:
         """A pyarrow dataset of the table (DuckDB scans it as a view); with ids, only the files

@@ -117,20 +117,16 @@ def rebuild(store: Store, table: ManifestTable | None = None) -> SyncResult:
 
 def _remove_if_damaged(store: Store, table: ManifestTable) -> str | None:
     """delta-rs replays a table's log before it overwrites the table, so a damaged log or
-    checkpoint would fail the rebuild too: remove every object under the table's key (through
-    the store, any backend) and let the rebuild create it anew. The damage removed, or None
-    where the table opens (or there is none). A data file gone does not stop an overwrite."""
-    if not table.exists():
+    checkpoint would fail the rebuild too: a damaged table (`ManifestTable.check`) has every
+    object under its key removed (through the store, any backend), and the rebuild creates it
+    anew. The damage removed, or None where the table is sound (or there is none)."""
+    if not table.exists() or (damage := table.damage()) is None:
         return None
-    try:
-        table.delta()
-    except TableDamagedError as e:
-        keys = store.list(f"{TABLE_KEY}/")
-        _delete_all(store, keys)
-        log.info("manifest table %s is damaged (%s): its %d objects removed, to be created "
-                 "anew", table.uri, e.reason, len(keys))
-        return e.reason
-    return None
+    keys = store.list(f"{TABLE_KEY}/")
+    _delete_all(store, keys)
+    log.info("manifest table %s is damaged (%s): its %d objects removed, to be created anew",
+             table.uri, damage.reason, len(keys))
+    return damage.reason
 
 
 def mismatches(store: Store, rows: Sequence[dict], whole: bool = True) -> dict[str, str]:
@@ -206,10 +202,10 @@ class IndexWriter:
                 done = rebuild(self.store, self.table)
                 log.info("manifest table created at %s from %d manifests (%d episodes)",
                          self.table.uri, done.conversations, done.rows)
-            elif (damage := self._damage()) is not None:
+            elif self.table.damage() is not None:  # found once, before the build's work
                 done = rebuild(self.store, self.table)
                 log.warning("manifest table %s was damaged (%s): rebuilt from %d manifests (%d "
-                            "episodes)", self.table.uri, damage.reason, done.conversations,
+                            "episodes)", self.table.uri, done.damage, done.conversations,
                             done.rows)
             else:
                 done = repair(self.store, self.table)
@@ -253,15 +249,6 @@ class IndexWriter:
         except StoreError as e:  # the markers stay: repaired later
             log.error("%s; %d conversations stay pending for the next build or "
                       "`python -m jobs.manifests --compact`", e, len(ids))
-
-    def _damage(self) -> TableDamagedError | None:
-        """What is damaged in the table's files (a log that does not read, a data file gone),
-        found once before the build's work; None when it is sound."""
-        try:
-            self.table.check()
-        except TableDamagedError as e:
-            return e
-        return None
 
     def _damaged(self, error: TableDamagedError) -> None:
         """One warning, and no more writes to the table this build (its markers stay)."""

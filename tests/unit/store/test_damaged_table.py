@@ -132,18 +132,27 @@ def test_compact_and_sql_need_the_table_and_name_rebuild(store, capsys, damage):
         assert show(capsys, store, "--sql", "SELEC 1")[2].startswith("error: --sql: Parser Error")
 
 
+def build_three(store, caplog, damage_once_open=None) -> tuple[IndexWriter, list[str]]:
+    """What a build's writer does committing conv-0 again (3 episodes) and two new
+    conversations, `damage_once_open` done to the table after the writer opened it; the writer
+    and its warnings."""
+    with (caplog.at_level(logging.WARNING, "pipeline.store.table_sync"),
+          IndexWriter(store, flush_rows=2) as writer):
+        if damage_once_open is not None:
+            damage_once_open(store)
+        for cid in ("conv-0", "conv-new", "conv-other"):
+            writer.begin(cid)
+            writer.add(cid, put_conversation(store, cid, episodes=3))
+    return writer, [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
 @pytest.mark.parametrize("damage", DAMAGE)
 def test_a_build_rebuilds_a_table_damaged_before_it(store, capsys, caplog, damage):
     """The writer finds the damage when it opens (a log that does not read, a data file gone),
     says so once and rebuilds the table from the manifests: the build heals it, and what it
     commits goes into the new table."""
     DAMAGE[damage](store)
-    with (caplog.at_level(logging.WARNING, "pipeline.store.table_sync"),
-          IndexWriter(store, flush_rows=2) as writer):
-        for cid in ("conv-0", "conv-new", "conv-other"):
-            writer.begin(cid)
-            writer.add(cid, put_conversation(store, cid, episodes=3))
-    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    writer, warnings = build_three(store, caplog)
     assert len(warnings) == 1 and " was damaged (" in warnings[0], warnings
     assert "): rebuilt from 4 manifests (8 episodes)" in warnings[0]
     assert writer.healthy and store.list(PENDING_PREFIX) == []
@@ -156,13 +165,7 @@ def test_a_build_rebuilds_a_table_damaged_before_it(store, capsys, caplog, damag
 def test_a_build_goes_on_past_a_table_damaged_during_it(store, capsys, caplog, damage):
     """Damage met while the build writes: one warning naming --rebuild, no more writes to the
     table, the markers kept; the rebuild brings in what was committed meanwhile."""
-    with (caplog.at_level(logging.WARNING, "pipeline.store.table_sync"),
-          IndexWriter(store, flush_rows=2) as writer):
-        DAMAGE[damage](store)
-        for cid in ("conv-0", "conv-new", "conv-other"):
-            writer.begin(cid)
-            writer.add(cid, put_conversation(store, cid, episodes=3))
-    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    writer, warnings = build_three(store, caplog, DAMAGE[damage])
     assert len(warnings) == 1 and "is damaged (" in warnings[0], warnings
     assert "--rebuild` rebuilds it from the manifests" in warnings[0]
     assert not writer.healthy and store.list(PENDING_PREFIX)
