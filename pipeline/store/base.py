@@ -28,7 +28,10 @@ class StoreError(RuntimeError):
 
 
 class ObjectNotFound(StoreError, KeyError):
-    pass
+    """A key the store does not hold; its message reads as a message (KeyError's own `str`
+    would quote it, and quote it again when a reader adds to it)."""
+
+    __str__ = StoreError.__str__
 
 
 def check_key(key: str) -> str:
