@@ -38,7 +38,7 @@ from pipeline.cli.numbers import positive_int
 from pipeline.cli.tables import print_table
 from pipeline.config import BuildConfig, RoutingConfig, TopUpConfig
 from pipeline.eval.cell import history_ids, prepare
-from pipeline.eval.episode_reads import question_embeddings, route_scores
+from pipeline.eval.reads import question_embeddings, route_scores
 from pipeline.eval.methods import EvalConfig
 from pipeline.kv import models, prompts
 from pipeline.kv.cache import EpisodicCache

@@ -1,12 +1,13 @@
-"""The question-time top-up: the evidence a routed episode lacks, prefilled before the question.
+"""The question-time top-up: the question's nearest turns, prefilled right before the question.
 
 An episode's cache holds its own turns well and the others' hardly at all, so a question routed
-to the wrong episode is answered nearly without its evidence (docs/quality.md). Once the
-question is known, its nearest turns in the whole conversation are found in the turn index
-(`pipeline.store.turn_index`; turn-level keys, as LongMemEval found them best); those the
-episodes read do not hold are rendered as the conversation renders them and prefilled after the
-cache, before the question, a few hundred tokens at most (`TopUpConfig`). A question routed
-right usually finds its nearest turns in its own episode and gets no top-up.
+to the wrong episode is answered nearly without its evidence, and even the evidence a cache
+holds sits far back, at compacted positions (docs/quality.md). Once the question is known, its
+nearest turns in the whole conversation are found in the turn index
+(`pipeline.store.turn_index`; turn-level keys, as LongMemEval found them best), rendered as the
+conversation renders them and prefilled after the cache, before the question, a few hundred
+tokens at most (`TopUpConfig`). With `skip_held`, the turns the episodes read hold are
+skipped: a question routed right then usually reads no top-up (answers lose: docs/scorecard.md).
 
 A turn index that is missing or corrupt is not an error: the question is answered from its
 episode alone and the answer says so (`TopUp.note`).
@@ -34,7 +35,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class TopUp:
     """What a question reads after the cache: `text` ("" when nothing), the turns in it, its
-    tokens, and `status`: "used", "none" (the episodes read hold the nearest turns),
+    tokens, and `status`: "used", "none" (nothing to read: with `skip_held`, the episodes read
+    hold the nearest turns),
     "off" (not configured) or "unavailable" (no usable turn index; `note` says why)."""
     text: str = ""
     turn_ids: tuple[str, ...] = ()
@@ -66,8 +68,9 @@ def render_topup(turns: list[IndexedTurn]) -> str:
 def select_topup(index: TurnIndex, question_embedding: np.ndarray, held: set[str],
                  config: TopUpConfig, count_tokens: Callable[[str], int]) -> TopUp:
     """The question's top-up: of its `config.turns` nearest turns, those not in `held` (the
-    turns of the episodes read; with `config.nearer_than_held`, only those nearer the question
-    than every held turn), best first while the text stays within `config.max_tokens`."""
+    turns skipped as read: the episodes' with `skip_held`, else none; with
+    `config.nearer_than_held`, only those nearer the question than every held turn), best first
+    while the text stays within `config.max_tokens`."""
     if not config.enabled:
         return TopUp()
     if not index.turns:
@@ -135,7 +138,8 @@ class TopUps:
 
     def for_question(self, records: list[ManifestRecord], read: list[ManifestRecord],
                      question_embedding: np.ndarray, count_tokens: Callable[[str], int]) -> TopUp:
-        """The top-up of a question routed to `read` (records of one conversation)."""
+        """The top-up of a question routed to `read` (records of one conversation); with
+        `skip_held`, without the turns of the episodes read."""
         if not self.config.enabled:
             return TopUp()
         try:
@@ -144,5 +148,5 @@ class TopUps:
             log.warning("answering from the episode alone: %s", e)
             return TopUp.unavailable(str(e) if records[0].turn_index is None else
                                      f"{e}; {REBUILD}")
-        return select_topup(index, question_embedding,
-                            held_turns(r.member_turn_ids for r in read), self.config, count_tokens)
+        held = held_turns(r.member_turn_ids for r in read) if self.config.skip_held else set()
+        return select_topup(index, question_embedding, held, self.config, count_tokens)

@@ -6,4 +6,5 @@
                 store, serve, benchmarks), each group added and read back in one place
     tables.py   fixed-width tables, as the benchmarks print them
     bench.py    the benchmarks' common opening: their parser, `--threads`, `--corpus`
+    evaluation.py  what `jobs.evaluate` and `jobs.scorecard` share: options, checks, the run
 """

@@ -318,6 +318,7 @@ TOPUP_OPTIONS = (
     FieldOption("--topup-turns", "turns", _serve_help("topup_turns"), type=positive_int),
     FieldOption("--topup-max-tokens", "max_tokens", _serve_help("topup_max_tokens"),
                 type=positive_int),
+    FieldOption("--topup-skip-held", "skip_held", _serve_help("topup_skip_held")),
     FieldOption("--topup-nearer-than-held", "nearer_than_held",
                 _serve_help("topup_nearer_than_held")),
 )

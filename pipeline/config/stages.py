@@ -196,20 +196,27 @@ class RoutingConfig:
 @dataclass(frozen=True)
 class TopUpConfig:
     """The question-time top-up (`pipeline.answer.topup`): after routing, the question's
-    nearest turns in the whole conversation (its turn index, stored beside the manifest) that
-    the episodes read do not hold are prefilled after the cache, before the question. It
-    answers what the routed episode lacks (a misrouted question's evidence) from outside the
-    episode's budget. Not in the build's hash: every build stores the turn index; this
-    decides what a question reads. On by default, with 4 turns and 128 tokens: measured on
-    LoCoMo 26, 30 and 41, checked on 42, 43 and 44 (docs/quality.md)."""
+    nearest turns in the whole conversation (its turn index, stored beside the manifest) are
+    prefilled after the cache, right before the question. It answers what the routed episode
+    lacks (a misrouted question's evidence) from outside the episode's budget, and puts the
+    evidence the cache holds far back next to the question. Not in the build's hash: every
+    build stores the turn index; this decides what a question reads. On by default, with 4
+    turns and 128 tokens, nothing skipped: measured on answers on LoCoMo 26, 30 and 41, checked
+    on the seven others (docs/scorecard.md)."""
     enabled: bool = True
-    turns: int = 4  # the question's nearest turns searched; those the read episodes hold are skipped
+    turns: int = 4  # the question's nearest turns searched
     max_tokens: int = 128  # the top-up's tokens at most (turns past it are left out)
     # only the turns nearer the question than every turn the episodes read hold: a question
     # whose episode holds its nearest turn (routed right, most likely) reads no top-up
     nearer_than_held: bool = False
+    # skip the nearest turns the episodes read hold (their windows): the top-up then only adds
+    # what the episodes lack (a question routed right reads little); off, the default, every
+    # question reads its nearest turns right before it, whatever its cache holds
+    skip_held: bool = False
 
     def __post_init__(self):
+        if self.nearer_than_held and not self.skip_held:
+            raise ValueError("nearer_than_held compares with the turns skipped: it needs skip_held")
         if self.turns < 1:
             raise ValueError(f"turns must be >= 1, got {self.turns}")
         if self.max_tokens < 1:

@@ -2,9 +2,12 @@
 
     methods.py        the method and variant language, EvalConfig
     cell.py           one (conversation, method, budget) cell: build, then measure
-    episode_reads.py  every episode read for every question; each router's choice selected
+    reads.py          a cell's reads: each method's route and top-up, measured on the cache
+                      it picks; a method's record selected from its cell's
     metrics.py        evidence-recall and answer NLLs, F1, retention
     summary.py        retention per question and summaries per method, budget and group
+    scorecard.py      the headline measures (answer, copy-free evidence recall), over
+                      retrieval, bootstrap intervals and paired differences, each measure's signal
     runner.py         the cells as Ray tasks, finished cells kept for re-runs
     report.py         Markdown tables and the retention plot
     screen.py         a fast one-prefill proxy for ranking EpiCache recipes

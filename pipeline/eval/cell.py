@@ -10,28 +10,29 @@ retention is derived from them when the records are gathered (`pipeline.eval.sum
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
 
+from pipeline.answer.answerer import Answerer
 from pipeline.answer.decode import generate_from_cache
 from pipeline.answer.topup import TopUp, held_turns, select_topup
-from pipeline.builder.cluster import ClusterResult, cluster_conversation
+from pipeline.builder.cluster import cluster_conversation
 from pipeline.builder.episode import build_episode_cache, store_dtype
 from pipeline.builder.turns import index_turns
-from pipeline.config import BuildConfig, TopUpConfig
+from pipeline.config import BuildConfig, RoutingConfig, TopUpConfig
 from pipeline.corpus.render import cut_at_session, render_conversation, render_header
 from pipeline.corpus.schema import Conversation, Question
-from pipeline.eval.episode_reads import (Route, episodic_reads, question_embeddings, route_scores,
-                                         select_route)
-from pipeline.eval.methods import NO_HISTORY, EvalConfig, parse_method, topup_prefix
-from pipeline.eval.metrics import (ADVERSARIAL_CATEGORY, continuation_nlls, evidence_probe,
-                                   f1_score, question_text)
+from pipeline.eval.methods import EvalConfig, Read, parse_method
+from pipeline.eval.metrics import (ADVERSARIAL_CATEGORY, evidence_probe, f1_score,
+                                   headed_continuation_nlls, question_text)
+from pipeline.eval.reads import (CellCaches, measure_reads, one_cache, question_embeddings,
+                                 route_scores, routed, select_read)
 from pipeline.eval.summary import nan_mean
 from pipeline.kv import models, prompts
 from pipeline.kv.cache import EpisodicCache
@@ -39,7 +40,9 @@ from pipeline.kv.layout import TokenLayout, kept_share, token_layout
 from pipeline.kv.methods.full import Full
 from pipeline.kv.prefill import PrefillStats, block_prefill, entry_bytes
 from pipeline.kv.tristate import EntryBytes
+from pipeline.store.manifest import write_manifest
 from pipeline.store.memory import MemoryStore
+from pipeline.store.turn_index import store_turn_index
 
 
 @dataclass(frozen=True)
@@ -70,80 +73,64 @@ def history_ids(tokenizer, conv: Conversation, turns: bool = True) -> torch.Tens
     return prompts.context_ids(tokenizer, text)
 
 
+class Probes(NamedTuple):
+    """A question's (prefix, target) pairs: one evidence-recall probe per evidence turn with
+    text (`turns`: the turns probed, in order), then the question and its gold answer (if any)."""
+    pairs: list[tuple[torch.Tensor, torch.Tensor]]
+    turns: tuple[str, ...]
+
+
 def probe_pairs(lm: models.LoadedModel, conv: Conversation, q: Question,
-                config: EvalConfig) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
-    """(prefix, target) pairs of a question: one evidence-recall probe per evidence turn with
-    text, then the question and its gold answer (if any). Returns the pairs and how many of
-    them are evidence probes."""
+                config: EvalConfig) -> Probes:
     turns = {t.turn_id: t for t in conv.turns}
-    pairs = []
+    pairs, probed = [], []
     for turn_id in q.evidence:
         prefix, rest = evidence_probe(turns[turn_id], config.recall_words)
         target = prompts.encode(lm.tokenizer, rest)[:config.recall_tokens]
         if target.numel():
             pairs.append((prompts.encode(lm.tokenizer, prefix), target))
-    n_recall = len(pairs)
+            probed.append(turn_id)
     answer = prompts.encode(lm.tokenizer, q.answer)
     if answer.numel():
         pairs.append((prompts.question_ids(lm.tokenizer, question_text(q)), answer))
-    return pairs, n_recall
-
-
-@contextlib.contextmanager
-@torch.inference_mode()
-def topped_up(lm: models.LoadedModel, cache: EpisodicCache, text: str) -> Iterator[EpisodicCache]:
-    """`cache` with a question's top-up text prefilled after it (as the answer path's prompt
-    holds it: `prompts.topup_ids`), dropped on exit."""
-    ids = prompts.topup_ids(lm.tokenizer, text)
-    with cache.scratch():
-        if ids.numel():
-            positions = torch.arange(cache.next_position, cache.next_position + ids.numel())
-            device = next(lm.model.parameters()).device
-            lm.model(input_ids=ids[None].to(device), past_key_values=cache, use_cache=True,
-                     position_ids=positions[None].to(device))
-        yield cache
+    return Probes(pairs, tuple(probed))
 
 
 def measure_all(lm: models.LoadedModel, conv: Conversation, questions: list[Question],
-                cache: EpisodicCache, config: EvalConfig,
-                topups: list[TopUp] | None = None) -> list[dict]:
-    """Per question: evidence-recall NLL (mean over the evidence turns) and answer NLL, every
-    probe of the questions without a top-up in packed forwards over `cache`, a question with
-    one (`topups`) over the cache with its top-up prefilled (`topped_up`); with
-    `config.generate`, also the generated answer and its F1."""
+                cache: EpisodicCache, config: EvalConfig, topups: list[TopUp] | None = None,
+                generate: list[bool] | None = None) -> list[dict]:
+    """Per question: the evidence-recall NLL of each evidence turn (`evidence_nlls`, of the
+    turns `evidence_probed`) and their mean, and the answer NLL, each probe read after the
+    question's top-up (`topups`) as the answer path's prompt holds it (`prompts.question_ids`:
+    the top-up's ids, then the question's), every probe of every question in packed forwards
+    over `cache`, each top-up once (`headed_continuation_nlls`); where `generate` says so, also
+    the generated answer and its F1."""
     topups = topups or [TopUp()] * len(questions)
-    records: list[dict] = [{} for _ in questions]
-    groups = [([i for i, t in enumerate(topups) if not t.text], "")]
-    groups += [([i], t.text) for i, t in enumerate(topups) if t.text]
-    for indices, text in groups:
-        if not indices:
-            continue
-        with topped_up(lm, cache, text) as read:
-            measured = _measured(lm, conv, [questions[i] for i in indices], read, config)
-        for i, record in zip(indices, measured):
-            q, t = questions[i], topups[i]
-            records[i] = record | {"topup_tokens": t.tokens, "topup_recall": len(
-                set(q.evidence) & set(t.turn_ids)) / max(len(q.evidence), 1)}
-            if config.generate:
-                ids = generate_from_cache(lm, cache, prompts.question_ids(
-                    lm.tokenizer, question_text(q), t.text), config.max_new_tokens)
-                prediction = lm.tokenizer.decode(ids, skip_special_tokens=True).strip()
-                records[i] |= {"prediction": prediction, "f1": f1_score(prediction, q.answer)}
-    return records
-
-
-def _measured(lm: models.LoadedModel, conv: Conversation, questions: list[Question],
-              cache: EpisodicCache, config: EvalConfig) -> list[dict]:
-    """The probes' NLLs of each question, packed over `cache`."""
+    generate = generate or [False] * len(questions)
     probes = [probe_pairs(lm, conv, q, config) for q in questions]
-    nlls = iter(continuation_nlls(lm.model, cache, [p for pairs, _ in probes for p in pairs]))
+    measured = headed_continuation_nlls(lm.model, cache, [
+        (prompts.topup_ids(lm.tokenizer, t.text) if t.text else None, probe.pairs)
+        for probe, t in zip(probes, topups)])
     records = []
-    for pairs, n_recall in probes:
-        values = [next(nlls) for _ in pairs]
-        recall, answer = values[:n_recall], values[n_recall:]
-        records.append({"evidence_nll": float(np.mean(recall)) if recall else float("nan"),
-                        "answer_nll": answer[0] if answer else float("nan")})
+    for q, probe, topup, answer_it, values in zip(questions, probes, topups, generate, measured):
+        recall, answer = values[:len(probe.turns)], values[len(probe.turns):]
+        record = {"evidence_nll": float(np.mean(recall)) if recall else float("nan"),
+                  "evidence_nlls": recall, "evidence_probed": list(probe.turns),
+                  "answer_nll": answer[0] if answer else float("nan"),
+                  "topup_tokens": topup.tokens, "topup_turn_ids": list(topup.turn_ids),
+                  "topup_recall": len(set(q.evidence) & set(topup.turn_ids)) /
+                  max(len(q.evidence), 1)}
+        if answer_it:
+            ids = generate_from_cache(lm, cache, prompts.question_ids(
+                lm.tokenizer, question_text(q), topup.text), config.max_new_tokens)
+            record |= scored_answer(lm.tokenizer.decode(ids, skip_special_tokens=True), q)
+        records.append(record)
     return records
+
+
+def scored_answer(prediction: str, q: Question) -> dict:
+    prediction = prediction.strip()
+    return {"prediction": prediction, "f1": f1_score(prediction, q.answer)}
 
 
 def evidence_diagnostics(conv: Conversation, q: Question, layout: TokenLayout,
@@ -158,20 +145,24 @@ def evidence_diagnostics(conv: Conversation, q: Question, layout: TokenLayout,
 
 
 def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalConfig,
-                  layer_budgets: list[int] | None,
-                  topups: tuple[tuple[TopUpConfig, Route], ...] = ()) -> list[dict]:
+                  layer_budgets: list[int] | None, reads: tuple[Read, ...] = (),
+                  answered: tuple[Read, ...] | None = None) -> list[dict]:
     """Per-question records of one (conversation, method, budget) cell. `method` may also be
     "none": the no-history reference. `layer_budgets` None means `budget` in every layer.
-    An episodic cell also measures its method's question-time top-up and each of `topups` (its
-    variants'), each on the reads its routing picks (fields prefixed `topup_prefix(...)`).
+    The cell measures its method's read and each of `reads` (the question-time reads of the
+    variants that share its caches: `pipeline.eval.reads`), each question on the cache its
+    route picks; the records hold every read's fields and `method`'s under their plain names.
+    With `config.generate`, the answers of the reads `answered` (None: all) are generated for
+    the questions sampled (`EvalConfig.generates`).
 
     The caches are built as `jobs.build` builds them (`pipeline.builder`: the conversation
     fitted and clustered, each episode block-prefilled and stored, here in an in-memory store
-    dropped with the cell), and measured as built. An episodic cell reads every episode for
-    every question (`pipeline.eval.episode_reads`): its records carry each router's choice, and
-    the method's own routing is selected."""
-    own = config.topup_read(method)
-    topups = tuple(dict.fromkeys(((own,) if own else ()) + tuple(topups)))
+    dropped with the cell), and measured as built."""
+    spec = parse_method(method)
+    reads = tuple(dict.fromkeys((config.read_of(method), *reads)))
+    answered = reads if answered is None else answered
+    if not config.generate:
+        answered = ()
     lm = models.load_llm(config.model)
     if layer_budgets is None and budget is not None:
         layer_budgets = [budget] * lm.config.num_hidden_layers
@@ -183,104 +174,132 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
     layout = token_layout(lm.tokenizer, conv)
     merged: dict[int, int] = {}  # id(cache) -> entries merged (D2O) by its build
     seconds = []
+    # episodic cells answer through the product's answer path instead (`_answered`)
+    def generates(read: Read, i: int) -> bool:
+        return read in answered and config.generates(i) and not spec.episodic
 
     def built(cache: EpisodicCache, stats: PrefillStats) -> EpisodicCache:
         merged[id(cache)] = stats.merged_entries
         seconds.append(stats.seconds)
         return cache
 
-    def measure(cache: EpisodicCache, indices: list[int],
-                topups: list[TopUp] | None = None) -> list[dict]:
+    def measure(cache: EpisodicCache, indices: list[int], topups: list[TopUp],
+                answer: list[bool]) -> list[dict]:
         chosen = [questions[i] for i in indices]
         footprint = cache_footprint(cache, sizes, merged.get(id(cache), 0))  # joined: 0
-        return [{"kept_entries": float(np.mean(cache.entries_per_layer())),
+        kept = float(np.mean(cache.entries_per_layer()))
+        measured = measure_all(lm, conv, chosen, cache, config, topups, answer)
+        return [{"kept_entries": kept, "decode_entries": kept + topup.tokens,
                  **evidence_diagnostics(conv, q, layout, cache), **footprint, **record}
-                for q, record in zip(chosen, measure_all(lm, conv, chosen, cache, config, topups))]
+                for q, topup, record in zip(chosen, topups, measured)]
 
-    if method == NO_HISTORY:  # the reference: the same prompt without the turns
+    if not spec.history:  # the reference: the same prompt without the turns
         cache = built(*block_prefill(lm.model, history_ids(lm.tokenizer, conv, turns=False),
                                      Full(), None, build.prefill,
                                      original_element_size=element_size))
-        measured = measure(cache, list(range(len(questions))))
+        measured = measure_reads(len(questions), reads, one_cache(lambda: cache), measure,
+                                 topup_chooser(conv, questions, config, reads), generates)
     else:
         measured = _built_and_measured(conv, questions, method, build,
                                        None if build.budget is None else layer_budgets,
-                                       config, built, measure, topups)
+                                       config, built, measure, reads, generates, answered)
     elapsed = time.perf_counter() - start
-    return [{"conversation_id": conv.conversation_id, "method": method,
-             "budget": budget if build.budget is not None and method != NO_HISTORY else None,
-             "question_index": i, "question": q.question, "answer": q.answer,
-             "category": q.category, "evidence": list(q.evidence), "episode": 0,
-             "route_similarity": float("nan"), "route_hit": None,
-             **record, "cell_seconds": elapsed, "build_seconds": sum(seconds)}
-            for i, (q, record) in enumerate(zip(questions, measured))]
+    records = [{"conversation_id": conv.conversation_id, "method": method,
+                "budget": budget if build.budget is not None and spec.history else None,
+                "question_index": i, "question": q.question, "answer": q.answer,
+                "category": q.category, "evidence": list(q.evidence), "episode": 0,
+                "route_similarity": float("nan"), "route_hit": None,
+                **record, "cell_seconds": elapsed, "build_seconds": sum(seconds)}
+               for i, (q, record) in enumerate(zip(questions, measured))]
+    return [r | select_read(r, method, config) for r in records]  # every read's fields kept
+
+
+def topup_chooser(conv: Conversation, questions: list[Question], config: EvalConfig,
+                  reads: tuple[Read, ...], encoder_fingerprint: str | None = None,
+                  embeddings: np.ndarray | None = None
+                  ) -> Callable[[TopUpConfig, int, set[str]], TopUp]:
+    """A question's top-up given the turns its cache holds whole, chosen as the answer path
+    chooses it (`pipeline.answer.topup`) from the conversation's turn index as `jobs.build`
+    stores it; the index is embedded on the first top-up asked for."""
+    @functools.cache
+    def chooser() -> Callable[[TopUpConfig, int, set[str]], TopUp]:
+        encoder = models.load_encoder(config.encoder)
+        index = index_turns(conv, encoder, config.encoder,
+                            encoder_fingerprint or models.encoder_fingerprint(config.encoder))
+        embedded = question_embeddings(encoder, questions) if embeddings is None else embeddings
+        count = models.load_llm(config.model).count_tokens
+        return lambda topup, i, held: select_topup(index, embedded[i], held, topup, count)
+
+    return lambda topup, i, held: chooser()(topup, i, held)
 
 
 def _built_and_measured(conv: Conversation, questions: list[Question], method: str,
                         build: BuildConfig, budgets: list[int] | None, config: EvalConfig,
-                        built: Callable, measure: Callable,
-                        topups: tuple[tuple[TopUpConfig, Route], ...] = ()) -> list[dict]:
+                        built: Callable, measure: Callable, reads: tuple[Read, ...],
+                        generates: Callable[[Read, int], bool],
+                        answered: tuple[Read, ...]) -> list[dict]:
     """Build a method's caches through the product's build into an in-memory store, and
-    measure each question on the cache(s) it reads."""
+    measure each question on the cache(s) each read picks."""
     store = MemoryStore(f"eval-{uuid.uuid4().hex}")
+    episodic = parse_method(method).episodic
     try:
         clustered = cluster_conversation(conv, build)
+        conv = clustered.conversation
+        if not episodic:
+            def cache_of(patch_text: str | None = None) -> EpisodicCache:
+                done = build_episode_cache(clustered, 0, budgets, build, store, patch_text)
+                store.delete(done.record.object_key)  # measured as built; nothing kept
+                return built(done.cache, done.stats)
 
-        def cache_of(episode: int, patch_text: str | None = None) -> EpisodicCache:
-            done = build_episode_cache(clustered, episode, budgets, build, store, patch_text)
-            store.delete(done.record.object_key)  # measured as built; nothing kept
-            return built(done.cache, done.stats)
-
-        if parse_method(method).episodic:
-            caches = [cache_of(ep.index) for ep in clustered.episodes.episodes]
-            encoder = models.load_encoder(config.encoder)
-            embeddings = question_embeddings(encoder, questions)
-            scores = route_scores(embeddings, clustered.episodes)
-            plain: dict[tuple[tuple[int, ...], int], dict] = {}  # (read, question) -> record
-
-            def measure_plain(cache: EpisodicCache, idx: list[int], read: tuple[int, ...]):
-                measured = measure(cache, idx)
-                plain.update({(read, i): r for i, r in zip(idx, measured)})
-                return measured
-
-            measures = {"": (measure_plain, None)}
-            measures |= topup_measures(clustered, embeddings, encoder, config, topups, measure,
-                                       plain)
-            # route hits are judged on the episode's windows, whatever its cache focused on
-            return [select_route(r, method, config) for r in episodic_reads(
-                questions, list(clustered.members), caches, scores, measures)]
-        if build.scorer == "question":  # an upper bound: one build per question
-            return [measure(cache_of(0, question_text(q)), [i])[0]
-                    for i, q in enumerate(questions)]
-        return measure(cache_of(0), list(range(len(questions))))
+            topups = topup_chooser(conv, questions, config, reads, clustered.encoder_fingerprint)
+            if build.scorer == "question":  # an upper bound: one build per question
+                caches = CellCaches(functools.lru_cache(maxsize=1)(
+                    lambda key: cache_of(question_text(questions[key[0]]))), lambda read, i: (i,))
+            else:
+                caches = one_cache(functools.cache(cache_of))
+            return measure_reads(len(questions), reads, caches, measure, topups, generates)
+        encoder = models.load_encoder(config.encoder)
+        embeddings = question_embeddings(encoder, questions)
+        if answered:  # the answer path reads the index beside the manifest
+            clustered = replace(clustered, turn_index=store_turn_index(index_turns(
+                conv, encoder, config.encoder, clustered.encoder_fingerprint), store))
+        episodes = [build_episode_cache(clustered, ep.index, budgets, build, store)
+                    for ep in clustered.episodes.episodes]
+        caches = [built(done.cache, done.stats) for done in episodes]
+        scores = route_scores(embeddings, clustered.episodes)
+        members = clustered.members
+        records = measure_reads(len(questions), reads, CellCaches(
+            functools.lru_cache(maxsize=1)(lambda key: caches[key[0]] if len(key) == 1 else
+                                           EpisodicCache.joined([caches[k] for k in key])),
+            routed(scores), lambda key: held_turns(members[k] for k in key)),
+            measure, topup_chooser(conv, questions, config, reads,
+                                   clustered.encoder_fingerprint, embeddings), generates)
+        if answered:
+            write_manifest(store, conv.conversation_id, [done.record for done in episodes])
+            _answered(store, conv.conversation_id, questions, answered, config, records)
+        # route hits are judged on the episode's windows, whatever its cache focused on
+        return [r | {"episode_hit": [not set(q.evidence).isdisjoint(m) for m in members]}
+                | {f"scores_{name}": [float(x) for x in table[i]] for name, table in scores.items()}
+                for i, (q, r) in enumerate(zip(questions, records))]
     finally:
         store.drop()
 
 
-def topup_measures(clustered: ClusterResult, embeddings: np.ndarray, encoder,
-                   config: EvalConfig, topups: tuple[tuple[TopUpConfig, Route], ...],
-                   measure: Callable, plain: dict[tuple[tuple[int, ...], int], dict]
-                   ) -> dict[str, tuple[Callable, Route]]:
-    """A read's measure with each question-time top-up, by field prefix: the question's top-up
-    chosen from the conversation's turn index (as `jobs.build` stores it) given the turns of
-    the episodes read, as the answer path chooses it (`pipeline.answer.topup`). A question
-    that gets none reads what it read without (`plain`, measured first)."""
-    if not topups:
-        return {}
-    index = index_turns(clustered.conversation, encoder, config.encoder,
-                        clustered.encoder_fingerprint)
-    count = models.load_llm(config.model).count_tokens
-
-    def measure_with(topup: TopUpConfig) -> Callable:
-        def run(cache: EpisodicCache, indices: list[int], read: tuple[int, ...]) -> list[dict]:
-            held = held_turns(clustered.members[k] for k in read)
-            chosen = {i: select_topup(index, embeddings[i], held, topup, count) for i in indices}
-            topped = [i for i in indices if chosen[i].text]
-            measured = dict(zip(topped, measure(cache, topped, [chosen[i] for i in topped])))
-            return [measured[i] if i in measured else plain[read, i] for i in indices]
-        return run
-
-    return {topup_prefix(t, route): (measure_with(t), route) for t, route in topups}
+def _answered(store: MemoryStore, conversation_id: str, questions: list[Question],
+              reads: tuple[Read, ...], config: EvalConfig, records: list[dict]) -> None:
+    """Each read's generated answers (`<prefix>prediction`, `<prefix>f1`) to the questions
+    sampled (`EvalConfig.generates`), through the product's answer path (`Answerer`) over the
+    cell's store: routed, topped up and decoded as `jobs.answer` and Serve answer them."""
+    for read in reads:
+        answerer = Answerer(store, device=models.default_device(),
+                            routing=RoutingConfig(*read.route),
+                            topup=read.topup or TopUpConfig(enabled=False))
+        for i, q in enumerate(questions):
+            if config.generates(i):
+                answered = answerer.answer(conversation_id, question_text(q),
+                                           config.max_new_tokens)
+                records[i] |= {f"{read.prefix}{k}": v
+                               for k, v in scored_answer(answered.answer, q).items()}
 
 
 def cache_footprint(cache: EpisodicCache, sizes: EntryBytes, merged: int = 0) -> dict:

@@ -14,7 +14,10 @@ A preset says which method scores (`pipeline.kv.methods`) and what it changes in
 starts from (the evaluation's `BuildConfig`, from the command's build options). The baselines
 keep original positions, as their papers evaluate them; `epicache` is the default build. A
 registered method with no preset of its own runs as the baselines do, so a new method is
-evaluated by its name as soon as it is registered.
+evaluated by its name as soon as it is registered. The fair rows read what the answer path
+reads: `rag` (no history, the question's top-up), `full+topup.enabled=true` (the full history
+and the same top-up) and `<baseline>+topup.enabled=true`. An override a method does not read
+is refused (`MethodSpec.refuses`), never ignored.
 """
 
 from __future__ import annotations
@@ -31,16 +34,21 @@ from pipeline.kv.methods import REGISTRY
 
 ORIGINAL = (("prefill.positions", "original"), ("prefill.compact_recent", 0))
 UNIFORM = (("alpha", 0.0),)  # layer budgets: the same in every layer
+# A baseline reads its cache alone unless topped up (`<method>+topup.enabled=true`: the question's
+# nearest turns, nothing excluded, since its cache holds no whole turn)
+BASELINE = ORIGINAL + UNIFORM + (("topup.enabled", False),)
 
 
 @dataclass(frozen=True)
 class Preset:
     """A named method: the registered method that scores, what it changes in the build, and
-    whether it takes the sensitivity-aware layer budgets (EpiCache's allocation)."""
+    whether it takes the sensitivity-aware layer budgets (EpiCache's allocation). `history`
+    False: no cache of the conversation at all (the no-history reference and `rag`)."""
     scorer: str
     about: str
     changes: tuple[tuple[str, Any], ...] = ()
     allocated: bool = False
+    history: bool = True
 
 
 PAPER = (("scoring", ScoringConfig.paper()), ("alpha", 1.0), ("prefill.selection", "headwise"),
@@ -49,10 +57,14 @@ PAPER = (("scoring", ScoringConfig.paper()), ("alpha", 1.0), ("prefill.selection
          ("topup.enabled", False)) + ORIGINAL
 
 PRESETS: dict[str, Preset] = {
-    "full": Preset("full", "the full cache, no eviction: the reference of every retention",
-                   ORIGINAL + UNIFORM),
+    "full": Preset("full", "the full cache, no eviction: the reference of every retention "
+                   "(full+topup.enabled=true: the full history and the question's top-up, the "
+                   "ceiling of retrieval)", BASELINE),
+    "rag": Preset("full", "retrieval alone: no history, the question's top-up (its nearest "
+                  "turns, nothing excluded) before it",
+                  ORIGINAL + UNIFORM + (("topup.enabled", True),), history=False),
     "epicache": Preset("epicache", "the default: the default build, each question topped up "
-                       "with its nearest turns the episodes it reads lack", allocated=True),
+                       "with its nearest turns", allocated=True),
     "epicache-episode": Preset("epicache", "the default build, each question answered from the "
                                "episode(s) it is routed to alone (no top-up)",
                                (("topup.enabled", False),), True),
@@ -70,21 +82,22 @@ PRESETS: dict[str, Preset] = {
                            "budgets by attention variance",
                            (("prefill.merge.enabled", True), ("allocator", "variance"))),
     "streamingllm": Preset("streamingllm", "128 sink tokens and the most recent",
-                           ORIGINAL + UNIFORM),
-    "snapkv": Preset("snapkv", "the block's last 64 tokens as the patch", ORIGINAL + UNIFORM),
-    "infinipot": Preset("infinipot", "a summarize instruction as the patch", ORIGINAL + UNIFORM),
-    "kvzip": Preset("kvzip", "a repeat instruction and the block as the patch",
-                    ORIGINAL + UNIFORM),
-    "keydiff": Preset("keydiff", "keys unlike the mean key", ORIGINAL + UNIFORM),
+                           BASELINE),
+    "snapkv": Preset("snapkv", "the block's last 64 tokens as the patch", BASELINE),
+    "infinipot": Preset("infinipot", "a summarize instruction as the patch", BASELINE),
+    "kvzip": Preset("kvzip", "a repeat instruction and the block as the patch", BASELINE),
+    "keydiff": Preset("keydiff", "keys unlike the mean key", BASELINE),
     "question": Preset("question", "an upper bound: the question as the patch, one build per "
-                       "question", ORIGINAL, True),
-    "random": Preset("random", "a floor: seeded random scores", ORIGINAL + UNIFORM),
-    "oldest": Preset("oldest", "a floor: the first tokens", ORIGINAL + UNIFORM),
+                       "question", ORIGINAL + (("topup.enabled", False),), True),
+    "random": Preset("random", "a floor: seeded random scores", BASELINE),
+    "oldest": Preset("oldest", "a floor: the first tokens", BASELINE),
 }
 # run when --methods is not given (the others only when named)
 DEFAULT_METHODS = ("full", "streamingllm", "snapkv", "infinipot", "kvzip", "keydiff", "epicache",
                    "question")
 NO_HISTORY = "none"  # the other reference: the same prompt with no turns (not a build)
+REFERENCES = ("full", NO_HISTORY)  # the two ends of every retention
+NONE = Preset("full", "no history: the same prompt with no turns", BASELINE, history=False)
 
 
 @dataclass(frozen=True)
@@ -97,6 +110,27 @@ class MethodSpec:
     def episodic(self) -> bool:
         """One cache per episode, each question routed (EpiCache)."""
         return self.preset.scorer == "epicache"
+
+    @property
+    def history(self) -> bool:
+        """Whether it reads a cache of the conversation (not `none`, `rag`)."""
+        return self.preset.history
+
+    def refuses(self, path: str) -> str | None:
+        """Why this method cannot take an override of `path` (None: it takes it): a field it
+        never reads is refused, never ignored."""
+        section = path.partition(".")[0]
+        if self.preset == NONE:
+            return "it takes no overrides (`rag` is no history with the question's top-up)"
+        if not self.history or self.preset.scorer == "full":
+            return None if section == "topup" else "it takes only topup.<field> overrides"
+        if self.episodic:
+            return None
+        if section in ("routing", "scoring", "episodes"):
+            return f"{section}.<field> is EpiCache's (this method reads one cache, unrouted)"
+        if path == "alpha" and not self.preset.allocated:
+            return "its layer budgets are uniform (alpha is the sensitivity allocation's)"
+        return None
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -149,15 +183,21 @@ def parse_method(name: str) -> MethodSpec:
     preset, *overrides = name.strip().split("+")
     if preset == NO_HISTORY:
         if overrides:
-            raise ValueError(f"{NO_HISTORY!r} takes no overrides")
-        return MethodSpec(PRESETS["full"], ())
+            raise ValueError(f"{NO_HISTORY!r} takes no overrides (`rag` is no history with "
+                             "the question's top-up)")
+        return MethodSpec(NONE, ())
     if preset in PRESETS:
         base = PRESETS[preset]
     elif preset in REGISTRY:  # a registered method without a preset runs as the baselines do
-        base = Preset(preset, "a registered method", ORIGINAL + UNIFORM)
+        base = Preset(preset, "a registered method", BASELINE)
     else:
         raise ValueError(f"unknown method {name!r} ({describe_methods()})")
-    return MethodSpec(base, tuple(parse_override(o) for o in overrides))
+    spec = MethodSpec(base, tuple(parse_override(o) for o in overrides))
+    for path, _ in spec.overrides:
+        reason = spec.refuses(path)
+        if reason:
+            raise ValueError(f"{name!r} cannot take {path}: {reason}")
+    return spec
 
 
 def describe_methods() -> str:
@@ -180,6 +220,8 @@ class EvalConfig:
     overrides: tuple[tuple[str, Any], ...] = ()
     questions_per_conversation: int | None = None
     generate: bool = False  # generate answers for F1 (slow; at the floor for a 135M model)
+    generate_questions: int | None = None  # with `generate`: the first N questions only
+    generate_methods: tuple[str, ...] | None = None  # with `generate`: these only (None: all)
     max_new_tokens: int = 32
     recall_words: int = 4
     recall_tokens: int = 32
@@ -196,10 +238,22 @@ class EvalConfig:
     def max_context_tokens(self) -> int | None:
         return self.build.max_context_tokens
 
+    def generates(self, question: int) -> bool:
+        """Whether the answer to a conversation's `question`-th question is generated (F1)."""
+        return self.generate and (self.generate_questions is None or
+                                  question < self.generate_questions)
+
+    def answers(self, method: str) -> bool:
+        """Whether `method`'s answers are generated (F1)."""
+        return self.generate and (self.generate_methods is None or
+                                  method in self.generate_methods)
+
     def changes(self, method: str) -> list[tuple[str, Any]]:
-        """Every change a method makes, in order: its preset's, its own overrides, `--set`'s."""
+        """Every change a method makes, in order: its preset's, its own overrides, and those of
+        `--set` (`overrides`) that it takes (`MethodSpec.refuses`)."""
         m = parse_method(method)
-        return [*m.preset.changes, *m.overrides, *self.overrides]
+        return [*m.preset.changes, *m.overrides,
+                *((path, value) for path, value in self.overrides if m.refuses(path) is None)]
 
     def build_config(self, method: str, budget: int | None) -> BuildConfig:
         """The build configuration of a cell (it decides the caches and the layer budgets)."""
@@ -220,19 +274,24 @@ class EvalConfig:
         return routing.router, routing.two_below
 
     def topup_of(self, method: str) -> TopUpConfig | None:
-        """The question-time top-up an episodic method reads (None: none)."""
+        """The question-time top-up a method reads (None: none): an episodic method's skips the
+        turns its episodes hold, any other's is the question's nearest turns."""
         topup = self.topup
         for path, value in self.changes(method):
             section = question_time(path)
             if section is not None and section[0] == "topup":
                 topup = replace_path(topup, section[1], value)
-        return topup if topup.enabled and parse_method(method).episodic else None
+        return topup if topup.enabled else None
 
-    def topup_read(self, method: str) -> tuple[TopUpConfig, tuple[str, float]] | None:
-        """A method's top-up and the route (router, two_below) that picks the reads it tops up
-        (None: no top-up)."""
-        topup = None if method == NO_HISTORY else self.topup_of(method)
-        return None if topup is None else (topup, self.route_of(method))
+    def read_of(self, method: str) -> Read:
+        """What a method's questions read besides its cache(s): the route of an episodic
+        method, and the top-up of any (a cache of no episodes holds no turn to skip: one read
+        whatever `skip_held` says)."""
+        episodic = parse_method(method).episodic
+        topup = self.topup_of(method)
+        if topup is not None and not episodic:
+            topup = replace(topup, skip_held=TOPUP_ADDED_LATER["skip_held"])
+        return Read(self.route_of(method) if episodic else None, topup)
 
     def allocator_of(self, method: str) -> str | None:
         """The layer-budget allocator a method uses (None: uniform budgets)."""
@@ -251,11 +310,28 @@ class EvalConfig:
         return asdict(self)
 
 
-def topup_prefix(topup: TopUpConfig | None, route: tuple[str, float]) -> str:
-    """The prefix of a cell record's fields measured with `topup` on the reads `route` (router,
-    two_below) picks ("" for none): the variants of one method that differ in their top-up or
-    routing share its cell, each top-up its own fields."""
-    if topup is None:
-        return ""
-    digest = hashlib.sha256(repr((topup, tuple(route))).encode()).hexdigest()[:8]
-    return f"topup{digest}_"
+Route = tuple[str, float]  # (router, two_below): `RoutingConfig`'s fields
+# top-up fields added after cells were kept, with the value every read had before them
+TOPUP_ADDED_LATER = {"skip_held": True}
+
+
+@dataclass(frozen=True)
+class Read:
+    """What a method's question reads at question time: its route among the episodes (None:
+    one cache, unrouted) and its top-up (None: none). The methods of one cell that differ only
+    in these share its caches; each read's measures are fields of their own (`prefix`)."""
+    route: Route | None = None
+    topup: TopUpConfig | None = None
+
+    @property
+    def prefix(self) -> str:
+        """The prefix of the cell record's fields this read measured: a digest of the read, a
+        top-up field added later left out where it holds what reads had before it (cells kept
+        by earlier runs stay found)."""
+        topup = "None"
+        if self.topup is not None:
+            fields = [f"{k}={v!r}" for k, v in asdict(self.topup).items()
+                      if TOPUP_ADDED_LATER.get(k, object()) != v]
+            topup = f"TopUpConfig({', '.join(fields)})"  # the dataclass's repr, less those
+        what = f"({topup}, {None if self.route is None else tuple(self.route)!r})"
+        return f"read{hashlib.sha256(what.encode()).hexdigest()[:8]}_"

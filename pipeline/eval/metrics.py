@@ -16,6 +16,7 @@ from collections import Counter
 import torch
 
 from pipeline.corpus.schema import Question, Turn
+from pipeline.kv.attention import Packing
 from pipeline.kv.cache import EpisodicCache
 
 TEMPORAL_CATEGORY = 2
@@ -41,44 +42,74 @@ def continuation_nll(model: torch.nn.Module, cache: EpisodicCache, prefix: torch
     return float(-log_probs.gather(1, target.to(device)[:, None]).mean())
 
 
+Pair = tuple[torch.Tensor, torch.Tensor]  # (prefix ids, target ids)
+
+
 @torch.inference_mode()
-def continuation_nlls(model: torch.nn.Module, cache: EpisodicCache,
-                      pairs: list[tuple[torch.Tensor, torch.Tensor]],
+def continuation_nlls(model: torch.nn.Module, cache: EpisodicCache, pairs: list[Pair],
                       pack_tokens: int = 1024) -> list[float]:
     """`continuation_nll` of every (prefix, target) pair, several pairs per forward: the pairs
     are packed into one sequence, each its own segment (block-diagonal causal mask) with
     positions from the cache's next position, so each reads the cache exactly as alone. A pack
     holds about `pack_tokens` new tokens (a longer pair goes alone)."""
-    if any(p.numel() == 0 or t.numel() == 0 for p, t in pairs):
+    return [nll for group in headed_continuation_nlls(model, cache, [(None, [p]) for p in pairs],
+                                                      pack_tokens) for nll in group]
+
+
+@torch.inference_mode()
+def headed_continuation_nlls(model: torch.nn.Module, cache: EpisodicCache,
+                             groups: list[tuple[torch.Tensor | None, list[Pair]]],
+                             pack_tokens: int = 1024) -> list[list[float]]:
+    """Per group (head ids or None, pairs): each pair's `continuation_nll` read after the
+    cache and then the group's head (a question's top-up), as if the head began its prefix.
+    The head is in the forward once, each pair its own segment that also sees the head whole
+    (`Packing.parents`), at the positions it would have after it; groups are packed about
+    `pack_tokens` new tokens a forward (a longer group goes alone)."""
+    if any(p.numel() == 0 or t.numel() == 0 for _, pairs in groups for p, t in pairs):
         raise ValueError("continuation_nlls needs non-empty prefixes and targets")
     device = next(model.parameters()).device
     seen = cache.next_position
     packs: list[list[int]] = []
     size = 0
-    for i, (prefix, target) in enumerate(pairs):
-        n = prefix.numel() + target.numel()
+    for g, (head, pairs) in enumerate(groups):
+        n = (0 if head is None else head.numel()) + sum(p.numel() + t.numel() for p, t in pairs)
         if not packs or size + n > pack_tokens:
             packs.append([])
             size = 0
-        packs[-1].append(i)
+        packs[-1].append(g)
         size += n
-    nlls: list[float] = [float("nan")] * len(pairs)
+    nlls: list[list[float]] = [[float("nan")] * len(pairs) for _, pairs in groups]
     for pack in packs:
-        seqs = [torch.cat([pairs[i][0], pairs[i][1]]) for i in pack]
-        ids = torch.cat(seqs).to(device)
-        segments = torch.cat([torch.full((s.numel(),), j) for j, s in enumerate(seqs)]).to(device)
-        positions = torch.cat([torch.arange(seen, seen + s.numel()) for s in seqs]).to(device)
-        with cache.scratch(), cache.packed(segments):
-            logits = model(input_ids=ids[None], past_key_values=cache, use_cache=True,
-                           position_ids=positions[None]).logits[0]
+        ids, segments, parents, offsets, rows = [], [], [], [], []
         start = 0
-        for i, seq in zip(pack, seqs):
-            prefix, target = pairs[i]
-            # the logits at the last prefix token .. the next-to-last target token predict the target
-            rows = logits[start + prefix.numel() - 1:start + seq.numel() - 1].float()
-            log_probs = torch.log_softmax(rows, dim=-1)
-            nlls[i] = float(-log_probs.gather(1, target.to(device)[:, None]).mean())
-            start += seq.numel()
+
+        def add(tokens: torch.Tensor, parent: int, first: int) -> None:
+            ids.append(tokens)
+            segments.append(torch.full((tokens.numel(),), len(segments)))
+            parents.append(torch.full((tokens.numel(),), parent))
+            offsets.append(torch.arange(first, first + tokens.numel()))
+
+        for g in pack:
+            head, pairs = groups[g]
+            parent, after = -1, 0
+            if head is not None and head.numel():
+                parent, after = len(segments), head.numel()
+                add(head, -1, 0)
+                start += after
+            for j, (prefix, target) in enumerate(pairs):
+                add(torch.cat([prefix, target]), parent, after)
+                rows.append((g, j, start + prefix.numel() - 1, start + prefix.numel() +
+                             target.numel() - 1, target))
+                start += prefix.numel() + target.numel()
+        packing = Packing(torch.cat(segments).to(device), torch.cat(parents).to(device),
+                          torch.cat(offsets).to(device))
+        with cache.scratch(), cache.packed(packing):
+            logits = model(input_ids=torch.cat(ids).to(device)[None], past_key_values=cache,
+                           use_cache=True, position_ids=(seen + packing.offsets)[None]).logits[0]
+        for g, j, first, last, target in rows:
+            # the logits at the last prefix token .. the next-to-last target token predict it
+            log_probs = torch.log_softmax(logits[first:last].float(), dim=-1)
+            nlls[g][j] = float(-log_probs.gather(1, target.to(device)[:, None]).mean())
     return nlls
 
 

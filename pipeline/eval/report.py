@@ -10,11 +10,15 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.eval.scorecard import HEADLINE, LOW_SIGNAL_NATS
+
 
 def records_parquet(records: list[dict]) -> bytes:
-    """Question records as the bytes of one Parquet file."""
+    """Question records as the bytes of one Parquet file, every field any record has a column
+    (pyarrow takes the columns from the first record alone)."""
+    fields = list(dict.fromkeys(k for r in records for k in r))
     sink = io.BytesIO()
-    pq.write_table(pa.Table.from_pylist(records), sink)
+    pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in fields} for r in records]), sink)
     return sink.getvalue()
 
 def _fmt(x, pct: bool = False) -> str:
@@ -26,7 +30,7 @@ def _fmt(x, pct: bool = False) -> str:
 def markdown_table(rows: list[dict]) -> str:
     cats = sorted({k for r in rows for k in r if k.startswith("f1_cat")})
     head = ["method", "budget", "questions", "retention", "retention (of means)", "evidence NLL",
-            "answer NLL", "F1", "kept", "bytes (tokens)", "quantized", "evidence kept",
+            "answer NLL", "F1", "kept", "decode-time entries", "bytes (tokens)", "quantized", "evidence kept",
             "route hit", "top-up tokens", "top-up recall"] + \
         [f"F1 {c.removeprefix('f1_')}" for c in cats]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -34,13 +38,114 @@ def markdown_table(rows: list[dict]) -> str:
         cells = [r["method"], str(r["budget"] or "-"), str(r["questions"]),
                  _fmt(r["retention"], True), _fmt(r.get("retention_of_means"), True),
                  _fmt(r["evidence_nll"]), _fmt(r["answer_nll"]), _fmt(r["f1"]),
-                 _fmt(r.get("kept_entries")), _fmt(r.get("bytes_tokens")),
+                 _fmt(r.get("kept_entries")), _fmt(r.get("decode_entries")),
+                 _fmt(r.get("bytes_tokens")),
                  _fmt(r.get("quantized_share"), True), _fmt(r.get("evidence_kept"), True),
                  _fmt(r.get("route_hit"), True), _fmt(r.get("topup_tokens")),
                  _fmt(r.get("topup_recall"), True)]
         cells += [_fmt(r.get(c)) for c in cats]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _pct(figure: dict | None, signed: bool = False) -> str:
+    """A retention (or a difference of two) as `value [lo, hi]` in percent."""
+    if not figure or not math.isfinite(figure.get("value", math.nan)):
+        return "-"
+    sign = "+" if signed else ""
+    lo, hi = figure["lo"], figure["hi"]
+    bounds = f" [{100 * lo:{sign}.0f}, {100 * hi:{sign}.0f}]" if math.isfinite(lo) else ""
+    return f"{100 * figure['value']:{sign}.1f}{bounds}"
+
+
+def _entries(row: dict) -> str:
+    cache, topup = row.get("cache_entries"), row.get("topup_tokens") or 0.0
+    if cache is None or not math.isfinite(cache):
+        return "-"
+    return f"{cache + topup:,.0f} ({cache:,.0f} + {topup:,.0f})"
+
+
+SCORECARD_HEAD = ["row", "budget", "decode-time entries (cache + top-up)", "answer",
+                  "copy-free evidence", "over retrieval", "default - row: answer",
+                  "default - row: copy-free", "evidence recall (copy-prone)", "route hit",
+                  "questions"]
+
+
+def scorecard_table(card: dict, default: str | None = None) -> str:
+    """The headline table of one group's scorecard (`pipeline.eval.scorecard`): retention
+    of the mean NLLs in percent with its 90% interval, per row and budget."""
+    lines = ["| " + " | ".join(SCORECARD_HEAD) + " |", "|" + "---|" * len(SCORECARD_HEAD)]
+    order = {m: i for i, m in enumerate(dict.fromkeys(r["method"] for r in card["rows"]))}
+    rows = sorted(card["rows"], key=lambda r: (r["budget"] is None, r["budget"] or 0,
+                                              r["method"] != default, order[r["method"]]))
+    for r in rows:
+        lead = r.get("default_minus_row") or {}
+        name = f"**{r['method']}**" if r["method"] == default else r["method"]
+        hit = r.get("route_hit")
+        lines.append("| " + " | ".join([
+            name, str(r["budget"] or "-"), _entries(r), _pct(r["answer"]),
+            _pct(r["copy_free"]), _pct(r.get("over_retrieval")),
+            _pct(lead.get("answer"), True), _pct(lead.get("copy_free"), True),
+            _pct(r["evidence"]), "-" if hit is None or not math.isfinite(hit) else
+            f"{100 * hit:.0f}%", f"{r['questions']} ({r['copy_free']['questions']} copy-free)"])
+            + " |")
+    return "\n".join(lines) + "\n"
+
+
+def signal_table(card: dict) -> str:
+    """Each measure's none -> full gap in nats (90% interval) and the share of questions the
+    full history is better on, for the group and each conversation; low-signal ones marked."""
+    def cell(s: dict) -> str:
+        if not math.isfinite(s["value"]):
+            return "-"
+        flag = " (low)" if s["low"] else ""
+        return (f"{s['value']:.2f} [{s['lo']:.2f}, {s['hi']:.2f}], "
+                f"{100 * s['full_better']:.0f}%{flag}")
+
+    head = ["conversation", "questions", "answer NLL gap", "evidence-recall gap"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, by in [("all", card["signal"]), *card["signal_by_conversation"].items()]:
+        lines.append(f"| {name} | {by['answer']['questions']} | {cell(by['answer'])} | "
+                     f"{cell(by['evidence'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_scorecard(card: dict, path: Path, title: str = "") -> None:
+    """Retention (90% interval) against decode-time entries, one panel per headline measure:
+    a line per method over its budgets, a point for each row without a budget."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(HEADLINE), figsize=(12, 5.2), sharey=True,
+                             layout="constrained")
+    for ax, measure in zip(axes, HEADLINE):
+        plotted = False
+        for method in dict.fromkeys(r["method"] for r in card["rows"]):
+            rows = sorted((r for r in card["rows"] if r["method"] == method
+                           and math.isfinite(r[measure]["value"])),
+                          key=lambda r: r["decode_entries"])
+            if not rows:
+                continue
+            x = [r["decode_entries"] for r in rows]
+            y = [100 * r[measure]["value"] for r in rows]
+            err = [[100 * (r[measure]["value"] - r[measure]["lo"]) for r in rows],
+                   [100 * (r[measure]["hi"] - r[measure]["value"]) for r in rows]]
+            ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=method,
+                        ls="-" if rows[0]["budget"] is not None else "none")
+            plotted = True
+        ax.axhline(100, color="grey", ls="--", lw=1)
+        ax.axhline(0, color="grey", ls=":", lw=1)
+        if plotted:
+            ax.set_xscale("log", base=2)
+        ax.set_xlabel("decode-time entries (cache + top-up) per layer and KV head")
+        ax.set_title(f"{title} {measure.replace('_', '-')} retention (%)".strip())
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="outside lower center", ncol=4, fontsize=7)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def breakdown_table(groups: list[dict], title: str, keys: list) -> str:
@@ -56,7 +161,7 @@ def breakdown_table(groups: list[dict], title: str, keys: list) -> str:
             continue
         cells = [f"{_fmt(by[k]['retention_of_means'], True)} ({by[k]['questions']})" if k in by
                  else "-" for k in keys]
-        lines.append("| " + " | ".join([method, str(budget)] + cells) + " |")
+        lines.append("| " + " | ".join([method, str(budget or "-")] + cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -66,12 +171,17 @@ def plot_retention(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    plotted = False
     for method in dict.fromkeys(r["method"] for r in rows if r["budget"] is not None):
-        pts = sorted((r["budget"], 100 * r["retention"]) for r in rows if r["method"] == method)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+        pts = sorted((r["budget"], 100 * r["retention"]) for r in rows if r["method"] == method
+                     and math.isfinite(r["retention"]))
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+            plotted = True
     ax.axhline(100, color="grey", ls="--", lw=1, label="full cache")
     ax.axhline(0, color="grey", ls=":", lw=1, label="no history")
-    ax.set_xscale("log", base=2)
+    if plotted:
+        ax.set_xscale("log", base=2)
     ax.set_xlabel("budget (entries per layer and KV head)")
     ax.set_ylabel("evidence-recall retention (%)")
     ax.legend(fontsize=8)
@@ -86,11 +196,86 @@ def write_report(out: Path, summary: dict, records: list[dict]) -> str:
     returns the tables (the summary's rows, then by evidence position and by route hit)."""
     (out / "results.parquet").write_bytes(records_parquet(records))
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-    table = markdown_table(summary["rows"]) + "\n" + breakdown_table(
+    cards = summary.get("scorecard") or {}
+    default = summary.get("default")
+    headline = "".join(
+        f"Scorecard ({name}: {card['questions']} questions; retention of the mean NLLs, %, "
+        f"[90% interval]; tens of questions are noisy):\n\n{scorecard_table(card, default)}\n"
+        f"None -> full gap in nats [90% interval], share of questions the full history is "
+        f"better on:\n\n{signal_table(card)}\n" for name, card in cards.items())
+    table = headline + markdown_table(summary["rows"]) + "\n" + breakdown_table(
         summary["by_evidence_position"], "evidence in the conversation's first / middle / last third",
         ["first", "middle", "last"]) + "\n" + breakdown_table(
         summary["by_route_hit"], "route hit (the routed episode holds an evidence turn)",
         [True, False])
     (out / "table.md").write_text(table)
     plot_retention(summary["rows"], out / "retention.png")
+    for name, card in cards.items():
+        plot_scorecard(card, out / f"scorecard-{name}.png", name)
     return table
+
+
+def f1_table(card: dict) -> str:
+    """Token F1 of the generated answers (a sample of questions), per row that generated any."""
+    rows = [r for r in card["rows"] if r.get("answered")]
+    lines = ["| row | budget | answers | token F1 |", "|---|---|---|---|"]
+    lines += [f"| {r['method']} | {r['budget'] or '-'} | {r['answered']} | {_fmt(r['f1'])} |"
+              for r in rows]
+    return "\n".join(lines) + "\n" if rows else "No answers were generated.\n"
+
+
+def scorecard_page(summary: dict, command: str, page: Path) -> str:
+    """The scorecard page (`jobs.scorecard`): per group the headline table, the
+    retention-vs-entries plot (written beside `page`), each measure's signal and the
+    generated answers' F1; then how to read it."""
+    config = summary["config"]["build"]
+    convs = summary["conversations"]
+    cut = config.get("max_context_tokens")
+    parts = [
+        "# The scorecard: answers, not copies\n",
+        "Made by one command (its cells are kept under its `--out`; a re-run computes only what "
+        "it lacks):\n", f"```bash\n{command}\n```\n",
+        f"Model `{config['model']}`, encoder `{config['encoder']}`; {len(convs)} conversations "
+        + (f"cut at a session boundary to at most {cut:,} tokens" if cut else "whole")
+        + f", every question with evidence inside (category 5 excluded): "
+        f"{sum(c['questions'] for c in convs)} questions. Budgets "
+        f"{', '.join(str(b) for b in summary['budgets'])} entries per layer and KV head; every "
+        f"row with a budget runs at `{summary.get('equal_entries')}`'s mean decode-time entries "
+        "(its cache budget less its own top-up tokens) per conversation and budget.\n",
+        READING,
+    ]
+    for name, card in summary["scorecard"].items():
+        ids = sorted({cid for cid in card["signal_by_conversation"]})
+        plot = page.with_name(f"{page.stem}-{name}.png")
+        plot_scorecard(card, plot, name)
+        parts += [f"## {name.capitalize()}: {', '.join(ids)} ({card['questions']} questions)\n",
+                  scorecard_table(card, summary.get("default")),
+                  f"![retention against decode-time entries, {name}]({plot.name})\n",
+                  "None -> full gap in nats [90% interval], and the share of questions the full "
+                  f"history is better on; `(low)`: the gap's lower bound is under "
+                  f"{LOW_SIGNAL_NATS} nats, too little signal to judge a method by that measure "
+                  "there:\n",
+                  signal_table(card), "Generated answers (greedy, a sample of questions):\n",
+                  f1_table(card)]
+    return "\n".join(parts)
+
+
+READING = """
+How to read it:
+
+- **answer**: retention of the mean teacher-forced NLL of the gold answer after the question,
+  between no history (0) and the full history (100). **copy-free evidence**: evidence recall
+  (the NLL of an evidence turn's words after its line's first words) over the evidence turns
+  the question's top-up does not hold, the references read over the same turns: what the cache
+  itself holds. **evidence recall (copy-prone)**: over every evidence turn; a turn the top-up
+  holds is probed a few dozen tokens after its own copy, so a topped-up row can pass 100.
+- **over retrieval**: (rag - row) / (rag - full+top-up) on the answer NLLs: what the cache adds
+  to the retrieved turns (0: as retrieval alone, 100: as the full history with them).
+- **default - row**: the default's retention less the row's, with the 90% interval of a paired
+  bootstrap (the same resampled questions for both): an interval above 0 is a lead the
+  questions support.
+- **decode-time entries**: what a question reads before its own prompt, per layer and KV head:
+  cache entries + top-up tokens.
+- Every figure is over tens of questions per conversation: read the intervals, not the
+  decimals.
+"""

@@ -21,12 +21,12 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from pipeline.builder.profile import allocator, layer_profile
-from pipeline.config import TopUpConfig
 from pipeline.corpus.schema import Conversation
 from pipeline.eval.cell import Prepared, evaluate_cell, prepare
-from pipeline.eval.episode_reads import Route, select_route
-from pipeline.eval.methods import NO_HISTORY, EvalConfig, parse_method, topup_prefix
+from pipeline.eval.methods import NO_HISTORY, EvalConfig, Read, parse_method
+from pipeline.eval.reads import select_read
 from pipeline.eval.report import records_parquet
+from pipeline.eval.summary import nan_mean
 from pipeline.store.local import LocalStore
 from pipeline.store.uri import open_store
 
@@ -51,6 +51,21 @@ def conversation_digest(conv: Conversation) -> str:
                                      default=str).encode()).hexdigest()[:16]
 
 
+def takes_budget(method: str) -> bool:
+    """Whether a method's cache is built under a budget (not the references, `rag` or
+    `full+topup...`)."""
+    spec = parse_method(method)
+    return spec.history and spec.preset.scorer != "full"
+
+
+def shares_build(config: EvalConfig, method: str, other: str) -> bool:
+    """Whether two methods read the same caches at a budget (they differ only in what a
+    question reads at question time)."""
+    return (config.build_config(method, 1) == config.build_config(other, 1) and
+            config.allocator_of(method) == config.allocator_of(other) and
+            parse_method(method).preset.scorer == parse_method(other).preset.scorer)
+
+
 def cell_key(conv: Conversation, digest: str, method: str, budget: int | None,
              config: EvalConfig, layer_budgets: list[int] | None) -> str:
     """Where a finished cell is kept under --out: keyed by the conversation's content and by
@@ -58,12 +73,12 @@ def cell_key(conv: Conversation, digest: str, method: str, budget: int | None,
     budgets, the measurement settings), not by the method's name, so `epicache` and the variant
     it equals share one cell, and changing any knob gives a new key."""
     spec = parse_method(method)
-    base = NO_HISTORY if method == NO_HISTORY else spec.preset.scorer
+    base = spec.preset.scorer if spec.history else NO_HISTORY
     what = {"base": base, "budget": budget, "layer_budgets": layer_budgets,
             "build": config.build_config(method, budget).as_dict(),
             "measure": {k: getattr(config, k) for k in (
-                "max_context_tokens", "questions_per_conversation", "generate", "max_new_tokens",
-                "recall_words", "recall_tokens")}}
+                "max_context_tokens", "questions_per_conversation", "recall_words",
+                "recall_tokens")}}
     if not spec.episodic:  # knobs only EpiCache reads
         for knob in ("scoring", "episodes", "encoder"):
             what["build"].pop(knob)
@@ -73,31 +88,49 @@ def cell_key(conv: Conversation, digest: str, method: str, budget: int | None,
 
 @dataclass
 class Cell:
-    """One cell to compute, and every method whose records it gives (routing variants of one
-    episodic method share a cell: `pipeline.eval.episode_reads`)."""
+    """One cell to compute, and every method whose records it gives (variants of one method
+    that differ only in what a question reads share a cell: `pipeline.eval.reads`). `budget`
+    is the cache's; `label` the budget its records are reported at (another where the cell
+    runs at a method's equal decode-time entries: `run_cells`). A cell that generates answers
+    for some of its reads (`answered`) is kept apart from one that does not."""
     conversation_id: str
     budget: int | None
-    key: str
+    base_key: str  # `cell_key`: what decides its caches and its measures
     methods: list[str]  # the first computes the cell
     prep: object = None  # a Prepared, or its Ray reference
     layer_budgets: list[int] | None = None
-    # its methods' question-time top-ups, each measured on the reads its routing picks
-    topups: tuple[tuple[TopUpConfig, Route], ...] = ()
+    reads: tuple[Read, ...] = ()  # its methods' question-time reads
+    label: int | None = None
+    answered: tuple[Read, ...] = ()  # the reads whose answers it generates (F1)
+    answer_settings: tuple = ()  # (questions sampled, answer length)
 
-    def add(self, method: str, config: EvalConfig) -> None:
+    def add(self, method: str, config: EvalConfig, reads: tuple[Read, ...] = ()) -> None:
         self.methods.append(method)
-        read = config.topup_read(method)
-        if read is not None and read not in self.topups:
-            self.topups += (read,)
+        self.reads = tuple(dict.fromkeys((*self.reads, config.read_of(method), *reads)))
+        if config.answers(method):
+            self.answered = tuple(dict.fromkeys((*self.answered, config.read_of(method))))
+            self.answer_settings = (config.generate_questions, config.max_new_tokens)
 
     @property
     def method(self) -> str:
         return self.methods[0]
 
+    @property
+    def key(self) -> str:
+        """Where it is kept: its base key, or beside it with the answers it generates."""
+        if not self.answered:
+            return self.base_key
+        what = repr((sorted(r.prefix for r in self.answered), self.answer_settings))
+        return self.base_key.replace(
+            ".parquet", f"-answers{hashlib.sha256(what.encode()).hexdigest()[:8]}.parquet")
 
-def records_of(cell_records: list[dict], methods: list[str], config: EvalConfig) -> list[dict]:
-    """A cell's records as each of its methods reads them."""
-    return [select_route(r, m, config) | {"method": m} for m in methods for r in cell_records]
+
+def records_of(cell_records: list[dict], cell: Cell, config: EvalConfig) -> list[dict]:
+    """A cell's records as each of its methods reads them, at the cell's reported budget."""
+    budget = cell.budget if cell.label is None else cell.label
+    return [select_read(r, m, config) | {
+        "budget": budget if r.get("budget") is not None else None,
+        "cache_budget": r.get("budget")} for m in cell.methods for r in cell_records]
 
 
 def collect_cells(pending: dict, kept: LocalStore, config: EvalConfig) -> tuple[list[dict], list[dict]]:
@@ -114,7 +147,7 @@ def collect_cells(pending: dict, kept: LocalStore, config: EvalConfig) -> tuple[
                 failed.append(cell_failure(cell, e))
             else:
                 kept.put(cell.key, records_parquet(cell_records))
-                records.extend(records_of(cell_records, cell.methods, config))
+                records.extend(records_of(cell_records, cell, config))
             bar.update(1)
     return records, failed
 
@@ -133,28 +166,36 @@ def compute_in_process(cells: list[Cell], kept: LocalStore,
     for cell in tqdm(cells, unit="cell", desc="evaluate"):
         try:
             cell_records = evaluate_cell(cell.prep, cell.method, cell.budget, config,
-                                         cell.layer_budgets, cell.topups)
+                                         cell.layer_budgets, cell.reads, cell.answered)
         except Exception as e:  # noqa: BLE001 - a failed cell is reported; the others run
             failed.append(cell_failure(cell, e))
             continue
         kept.put(cell.key, records_parquet(cell_records))
-        records.extend(records_of(cell_records, cell.methods, config))
+        records.extend(records_of(cell_records, cell, config))
     return records, failed
 
 
-def kept_cell(kept: LocalStore, key: str, topups: tuple[tuple[TopUpConfig, Route], ...] = ()
-              ) -> list[dict] | None:
-    """A finished cell's records, or None: not kept, an episodic cell kept before every
-    episode was measured for every question (it holds one router's reads only), or one kept
-    without a top-up its methods read (`topups`)."""
+def kept_cell(kept: LocalStore, key: str, reads: tuple[Read, ...] = ()) -> list[dict] | None:
+    """A finished cell's records, or None: not kept, or kept without a read its methods make
+    (`reads`; a cell kept before reads were measured has none)."""
     if not kept.exists(key):
         return None
     cell_records = pq.read_table(io.BytesIO(kept.get(key))).to_pylist()
-    stale = any(r.get("episode") is not None and r.get("route_hit") is not None
-                and "scores_centroid" not in r for r in cell_records)
-    missing = any(f"{topup_prefix(t, route)}episode_evidence_nll" not in r
-                  for t, route in topups for r in cell_records)
-    return None if stale or missing else cell_records
+    missing = any(f"{read.prefix}evidence_nll" not in r for read in reads for r in cell_records)
+    return None if missing else cell_records
+
+
+def kept_or_none(kept: LocalStore, cell: Cell) -> list[dict] | None:
+    """A cell's kept records; one that generates no answers may also read the records of the
+    same cell kept with answers."""
+    found = kept_cell(kept, cell.key, cell.reads)
+    if found is None and not cell.answered:
+        prefix = cell.base_key.removesuffix(".parquet") + "-answers"
+        for key in kept.list(prefix):
+            found = kept_cell(kept, key, cell.reads)
+            if found is not None:
+                break
+    return found
 
 
 @dataclass
@@ -167,57 +208,122 @@ class Outcome:
     prepared: list[Prepared]
 
 
-def layer_budgets_of(config: EvalConfig, methods: list[str], budgets: list[int],
-                     out: Path, in_process: bool = False) -> dict[tuple[str, int], list[int]]:
-    """The layer budgets of every (method, budget) whose method allocates them from a measured
-    profile (one profile per allocator, kept under `out/profiles`); the others are uniform."""
-    allocated = [m for m in methods if config.needs_profile(m)]
+def profiles_of(config: EvalConfig, methods: list[str], out: Path,
+                in_process: bool = False) -> dict[str, list[float]]:
+    """The measured profile of every allocator the methods' layer budgets come from (one per
+    allocator, kept under `out/profiles`)."""
     profiles = {}
-    for m in allocated:
+    for m in methods:
         kind = config.allocator_of(m)
-        if kind not in profiles:
+        if config.needs_profile(m) and kind not in profiles:
             where = str(out / "profiles")
             profiles[kind] = profile(where, config, m) if in_process else \
                 ray_tasks().get(ray_tasks().profile.remote(where, config, m))
-    return {(m, b): allocator(config.build_config(m, b)).allocate(
-        profiles[config.allocator_of(m)], b) for m in allocated for b in budgets}
+    return profiles
+
+
+def layer_budgets_of(config: EvalConfig, method: str, budget: int | None,
+                     profiles: dict[str, list[float]]) -> list[int] | None:
+    """A cell's layer budgets when its method allocates them from a measured profile (None:
+    the same budget in every layer)."""
+    if budget is None or not config.needs_profile(method):
+        return None
+    return allocator(config.build_config(method, budget)).allocate(
+        profiles[config.allocator_of(method)], budget)
+
+
+class CellPlan:
+    """The cells a run needs, each once (methods sharing a cell join it), those finished under
+    `out` by an earlier run read back instead."""
+
+    def __init__(self, config: EvalConfig, out: Path, profiles: dict[str, list[float]]):
+        self.config, self.out, self.profiles = config, out, profiles
+        self.kept = LocalStore(out)  # finished cells (atomic writes: a cell is whole or absent)
+        self.todo: dict[tuple[str, int | None], Cell] = {}  # (key, label) -> cell
+
+    def add(self, conv: Conversation, digest: str, prep, method: str, budget: int | None,
+            label: int | None = None, reads: tuple[Read, ...] = ()) -> Cell:
+        allocated = layer_budgets_of(self.config, method, budget, self.profiles)
+        key = cell_key(conv, digest, method, budget, self.config, allocated)  # its base key
+        cell = self.todo.setdefault((key, label), Cell(conv.conversation_id, budget, key, [],
+                                                       prep, allocated, label=label))
+        cell.add(method, self.config, reads)
+        return cell
+
+    def run(self, in_process: bool) -> tuple[list[dict], list[dict], int]:
+        """Every cell's records (kept ones read back), the failed cells, and how many were reused."""
+        records, compute, reused = [], [], 0
+        for cell in self.todo.values():
+            kept_records = kept_or_none(self.kept, cell)
+            if kept_records is None:
+                compute.append(cell)
+            else:
+                records.extend(records_of(kept_records, cell, self.config))
+                reused += 1
+        if reused:
+            print(f"reusing {reused} finished cells from {self.out}/cells", file=sys.stderr)
+        if in_process:
+            computed, failed = compute_in_process(compute, self.kept, self.config)
+        else:
+            pending = {ray_tasks().cell.remote(c.prep, c.method, c.budget, self.config,
+                                               c.layer_budgets, c.reads, c.answered): c
+                       for c in compute}
+            computed, failed = collect_cells(pending, self.kept, self.config)
+        return records + computed, failed, reused
+
+    def cell_records(self, cell: Cell) -> list[dict]:
+        """A finished cell's records as kept (every read's fields)."""
+        return kept_or_none(self.kept, cell) or []
 
 
 def run_cells(convs: list[Conversation], methods: list[str], budgets: list[int],
-              config: EvalConfig, out: Path, in_process: bool = False) -> Outcome:
+              config: EvalConfig, out: Path, in_process: bool = False,
+              equal_entries: str | None = None) -> Outcome:
     """Every cell of every conversation (the two references, then each method at each
     budget), as Ray tasks or, `in_process`, one after another here, reusing the cells
-    finished under `out` by an earlier run."""
-    layer_budgets = layer_budgets_of(config, methods, budgets, out, in_process)
-    kept = LocalStore(out)  # finished cells (atomic writes: a cell is whole or absent)
-    todo: dict[str, Cell] = {}
-    preps, records, reused = [], [], 0
+    finished under `out` by an earlier run.
+
+    With `equal_entries` (a method), every other method with a budget (but its variants that
+    share its caches, which read what they read from the same cells) runs at that method's
+    decode-time entries: for each conversation and budget B, its cache budget is the mean
+    decode-time entries (cache entries + top-up tokens) of `equal_entries` at B, less its own
+    mean top-up tokens (its top-up takes nothing from its cache, so these are known from the
+    no-history cell); its records are reported at B (`cache_budget`: the cache's)."""
+    profiles = profiles_of(config, methods, out, in_process)
+    matched = [m for m in methods if equal_entries and takes_budget(m)
+               and not shares_build(config, m, equal_entries)]
+    topped = tuple(dict.fromkeys(config.read_of(m) for m in matched
+                                 if config.topup_of(m) is not None))
+    plan = CellPlan(config, out, profiles)
+    preps, references = [], {}
     for conv in convs:
         prep = prepare(conv, config) if in_process else ray_tasks().prepare.remote(conv, config)
         preps.append(prep)
         digest = conversation_digest(conv)  # hashes the whole conversation: once, not per cell
-        cells = [(NO_HISTORY, None), ("full", None)] + [(m, b) for m in methods if m != "full"
-                                                    for b in budgets]
-        for method, budget in cells:  # uniform layer budgets unless the method allocates
-            allocated = layer_budgets.get((method, budget))
-            key = cell_key(conv, digest, method, budget, config, allocated)
-            read = config.topup_read(method)
-            kept_records = None if key in todo else \
-                kept_cell(kept, key, () if read is None else (read,))
-            if key in todo:
-                todo[key].add(method, config)
-            elif kept_records is not None:
-                records.extend(records_of(kept_records, [method], config))
-                reused += 1
-            else:
-                todo[key] = Cell(conv.conversation_id, budget, key, [], prep, allocated)
-                todo[key].add(method, config)
-    if reused:
-        print(f"reusing {reused} finished cells from {out}/cells", file=sys.stderr)
-    if in_process:
-        cell_records, failed = compute_in_process(list(todo.values()), kept, config)
-    else:
-        pending = {ray_tasks().cell.remote(c.prep, c.method, c.budget, config, c.layer_budgets,
-                                           c.topups): c for c in todo.values()}
-        cell_records, failed = collect_cells(pending, kept, config)
-    return Outcome(records + cell_records, failed, reused, preps if in_process else ray_tasks().get(preps))
+        references[conv.conversation_id] = (
+            plan.add(conv, digest, prep, NO_HISTORY, None, reads=topped), digest, prep)
+        plan.add(conv, digest, prep, "full", None)
+        for m in methods:
+            if m == "full" or m in matched:
+                continue
+            for b in (budgets if takes_budget(m) else [None]):
+                plan.add(conv, digest, prep, m, b)
+    records, failed, reused = plan.run(in_process)
+    if matched:
+        second = CellPlan(config, out, profiles)
+        for conv in convs:
+            none_cell, digest, prep = references[conv.conversation_id]
+            none_records = plan.cell_records(none_cell)
+            for b in budgets:
+                target = nan_mean(r["decode_entries"] for r in records if
+                                  r["method"] == equal_entries and r["budget"] == b and
+                                  r["conversation_id"] == conv.conversation_id)
+                for m in matched:
+                    read = config.read_of(m)
+                    topup = 0.0 if read.topup is None else nan_mean(
+                        r[f"{read.prefix}topup_tokens"] for r in none_records)
+                    cache_budget = b if target != target else max(1, round(target - topup))
+                    second.add(conv, digest, prep, m, cache_budget, label=b)
+        more, failed_too, reused_too = second.run(in_process)
+        records, failed, reused = records + more, failed + failed_too, reused + reused_too
+    return Outcome(records, failed, reused, preps if in_process else ray_tasks().get(preps))

@@ -35,8 +35,9 @@ from pipeline.routers import ROUTERS, ranked
 def recall_nlls(lm, conv, questions, cache, config) -> list[float]:
     """Per question, the mean evidence-recall NLL read from `cache` (packed probes)."""
     probes = [probe_pairs(lm, conv, q, config) for q in questions]
-    nlls = iter(continuation_nlls(lm.model, cache, [p for pairs, n in probes for p in pairs[:n]]))
-    return [float(np.mean([next(nlls) for _ in range(n)])) for _, n in probes]
+    nlls = iter(continuation_nlls(lm.model, cache, [p for pairs, turns in probes
+                                                     for p in pairs[:len(turns)]]))
+    return [float(np.mean([next(nlls) for _ in turns])) for _, turns in probes]
 
 
 @torch.inference_mode()

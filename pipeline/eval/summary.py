@@ -76,6 +76,8 @@ def summarise(records: list[dict]) -> list[dict]:
                "evidence_nll": nan_mean(r["evidence_nll"] for r in g),
                "answer_nll": nan_mean(r["answer_nll"] for r in g),
                "f1": nan_mean(r.get("f1") for r in g), "kept_entries": nan_mean(r["kept_entries"] for r in g),
+               "decode_entries": nan_mean(r.get("decode_entries") for r in g),
+               "cache_budget": nan_mean(r.get("cache_budget") for r in g),
                "kv_bytes": nan_mean(r.get("kv_bytes") for r in g),
                "bytes_tokens": nan_mean(r.get("bytes_tokens") for r in g),
                "quantized_share": nan_mean(r.get("quantized_share") for r in g),

@@ -33,6 +33,17 @@ EPISODIC_ATTENTION = "episodic"
 _handoff = threading.local()
 
 
+@dataclass(frozen=True)
+class Packing:
+    """Several sequences in one forward, each continuing the cache on its own: `segments` [q]
+    segment ids (non-decreasing); `parents` [q] a segment each token also sees whole, -1 for
+    none (a shared head: a question's top-up, read once before each of its probes); `offsets`
+    [q] each token's position after the cache's next position (None: from 0 in each segment)."""
+    segments: torch.Tensor
+    parents: torch.Tensor | None = None
+    offsets: torch.Tensor | None = None
+
+
 @dataclass
 class AttentionRequest:
     """What a cache layer tells the attention call that immediately follows its update."""
@@ -46,10 +57,10 @@ class AttentionRequest:
     patch_sum: torch.Tensor | None = None  # [Hkv, L_past + n_block]
     patch_sumsq: torch.Tensor | None = None
     patch_count: int = 0  # rows summed: (query heads of a KV group) x (patch queries)
-    # Packed sequences (batched probes): the new tokens are several independent sequences,
-    # segment ids [q_len] non-decreasing, each starting at `first_position`. A new token sees
-    # the cache and the earlier tokens of its own segment only.
-    segments: torch.Tensor | None = None
+    # Packed sequences (batched probes): the new tokens are several independent sequences
+    # (`Packing`). A new token sees the cache, the earlier tokens of its own segment and, if it
+    # has one, its parent segment whole.
+    packing: Packing | None = None
 
 
 @dataclass
@@ -156,16 +167,27 @@ def segment_offsets(segments: torch.Tensor) -> torch.Tensor:
 def episodic_mask(request: AttentionRequest, q_len: int, group: int,
                   sliding_window: int | None = None) -> torch.Tensor:
     """[1, Hq, q, L_past + q] bool: valid cached slots per head, causal over the new tokens,
-    and, for sliding-window layers, only keys less than `sliding_window` positions back."""
+    and, for sliding-window layers, only keys less than `sliding_window` positions back. When
+    every head holds every cached slot (a full cache, a uniform one) the heads share one mask:
+    [1, 1, q, L_past + q], broadcast over them (a probe over a long full cache would otherwise
+    write a mask per query head)."""
     past_valid = request.past_valid
     n_heads, n_past = past_valid.shape
     device = past_valid.device
     q_pos = torch.arange(request.first_position, request.first_position + q_len, device=device)
     causal = q_pos[None, :] <= q_pos[:, None]
-    if request.segments is not None:  # packed: block-diagonal, positions restart per segment
-        seg = request.segments.to(device)
-        causal = causal & (seg[None, :] == seg[:, None])
-        q_pos = request.first_position + segment_offsets(seg)
+    packing = request.packing
+    if packing is not None:  # packed: block-diagonal (and parents), positions per segment
+        seg = packing.segments.to(device)
+        seen = seg[None, :] == seg[:, None]
+        if packing.parents is not None:
+            seen |= seg[None, :] == packing.parents.to(device)[:, None]
+        causal = causal & seen
+        offsets = segment_offsets(seg) if packing.offsets is None else packing.offsets.to(device)
+        q_pos = request.first_position + offsets
+    if sliding_window is None and bool(past_valid.all()):
+        past = torch.ones(1, q_len, n_past, dtype=torch.bool, device=device)
+        return torch.cat([past, causal[None]], dim=-1)[None]
     past = past_valid[:, None, :].expand(n_heads, q_len, n_past)
     new = causal[None].expand(n_heads, q_len, q_len)
     if sliding_window is not None:
@@ -236,7 +258,8 @@ def episodic_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     if request.n_patch:
         p = request.n_patch
         n_cached = key.shape[2] - p  # cached slots plus the new block: all that may be kept
-        valid = mask[0, ::group, -1, :n_cached]  # the last patch query sees every valid slot
+        # the last patch query sees every valid slot (a shared mask: the same for every head)
+        valid = mask[0, ::group, -1, :n_cached].expand(key.shape[1], -1)
         request.scores = patch_attention_scores(
             query[0, :, -p:], key[0, :, :n_cached], key[0, :, n_cached:], valid,
             scale=scaling if scaling is not None else query.shape[-1] ** -0.5)

@@ -16,7 +16,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kernels.quant import dequantize, quantize_fp8, quantize_int8
-from pipeline.kv.attention import AttentionRequest, hand_off
+from pipeline.kv.attention import AttentionRequest, Packing, hand_off
 from pipeline.kv.positions import KeyRotation
 
 
@@ -37,7 +37,7 @@ class EpisodicLayer(CacheLayerMixin):
         self.tokens_seen = 0  # tokens fed so far
         self.next_position = 0  # the position the next token takes (tokens_seen unless compacted)
         self.n_patch = 0  # while > 0, that many trailing new tokens are a patch: scored, not kept
-        self.segments: torch.Tensor | None = None  # while set: the new tokens are packed sequences
+        self.packing: Packing | None = None  # while set: the new tokens are packed sequences
         self.last_request: AttentionRequest | None = None
         self.peak_entries = 0.0  # instrumentation: max valid entries per head seen
         self.peak_slots = 0  # instrumentation: max padded slots seen
@@ -74,7 +74,7 @@ class EpisodicLayer(CacheLayerMixin):
         self.last_request = AttentionRequest(key=keys, past_valid=self.valid,
                                              past_positions=self.rope_positions,
                                              first_position=self.next_position, n_patch=self.n_patch,
-                                             moments=self.moments, segments=self.segments)
+                                             moments=self.moments, packing=self.packing)
         hand_off(self.last_request)
 
         n_heads, slots = self.valid.shape
@@ -333,17 +333,19 @@ class EpisodicCache(Cache):
                 layer.n_patch = 0
 
     @contextmanager
-    def packed(self, segments: torch.Tensor) -> Iterator[None]:
+    def packed(self, segments: torch.Tensor | Packing) -> Iterator[None]:
         """During this forward (inside `scratch()`), the new tokens are independent sequences
-        (segment ids [q], non-decreasing), each continuing the cache on its own: a block-diagonal
-        causal mask over them. The caller gives each segment positions from `tokens_seen` on."""
+        (segment ids [q], non-decreasing, or a `Packing` whose segments may also read a parent
+        segment), each continuing the cache on its own: a block-diagonal causal mask over them.
+        The caller gives each token its position (`position_ids`) from the next position on."""
+        packing = segments if isinstance(segments, Packing) else Packing(segments)
         for layer in self.layers:
-            layer.segments = segments
+            layer.packing = packing
         try:
             yield
         finally:
             for layer in self.layers:
-                layer.segments = None
+                layer.packing = None
 
     @contextmanager
     def scratch(self) -> Iterator[None]:

@@ -61,16 +61,16 @@ class ServeSettings:
                                  "differ by less than this (0: one episode always)")
     topup: bool = setting(
         TopUpConfig.enabled, "top up each question: after routing, prefill the question's nearest "
-                             "turns of the whole conversation that the episodes read do not hold "
-                             "(its turn index) after the cache (docs/serving.md#top-up)")
-    topup_turns: int = setting(
-        TopUpConfig.turns, "top-up: the question's nearest turns searched (those the episodes "
-                           "read hold are skipped)")
+                             "turns of the whole conversation (its turn index) after the cache, "
+                             "right before the question (docs/serving.md#top-up)")
+    topup_turns: int = setting(TopUpConfig.turns, "top-up: the question's nearest turns searched")
     topup_max_tokens: int = setting(
         TopUpConfig.max_tokens, "top-up: its text's tokens at most (turns past it are left out)")
+    topup_skip_held: bool = setting(
+        TopUpConfig.skip_held, "top-up: skip the turns the episodes read hold (their windows)")
     topup_nearer_than_held: bool = setting(
         TopUpConfig.nearer_than_held, "top-up: only the turns nearer the question than every "
-                                      "turn the episodes read hold")
+                                      "turn the episodes read hold (with --topup-skip-held)")
     router_replicas: int = setting(1, "router (HTTP ingress) replicas")
     router_cpus: float = setting(0.5, "Ray CPUs per router replica")
     decoder_replicas: int = setting(1, "decoder replicas (fixed; see --decoder-autoscale)")
@@ -152,6 +152,10 @@ class ServeSettings:
             self.routing_config
         except ValueError as e:
             raise ValueError(f"route_by / two_below: {e}") from None
+        try:  # nearer_than_held only with skip_held
+            self.topup_config
+        except ValueError as e:
+            raise ValueError(f"topup: {e}") from None
         for name in ("router_cpus", "decoder_cpus", "decoder_gpus"):  # 0: Ray's 0-CPU actors
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
@@ -190,7 +194,7 @@ class ServeSettings:
     def topup_config(self) -> TopUpConfig:
         """The question-time top-up the router computes (`pipeline.answer.topup`)."""
         return TopUpConfig(self.topup, self.topup_turns, self.topup_max_tokens,
-                           self.topup_nearer_than_held)
+                           self.topup_nearer_than_held, self.topup_skip_held)
 
     @classmethod
     def from_strings(cls, args: dict[str, str], **defaults: Any) -> "ServeSettings":

@@ -46,8 +46,10 @@ LAZY = {
     # first object) before Ray, torch and the models load; then their heavy part imports them.
     ("jobs.build", "pipeline.builder.driver"), ("jobs.demo", "pipeline.builder.driver"),
     ("jobs.demo", "pipeline.eval.compare"),
-    ("jobs.evaluate", "pipeline.eval.runner"), ("jobs.evaluate", "pipeline.eval.summary"),
-    ("jobs.evaluate", "pipeline.ray_runtime"),
+    ("pipeline.cli.evaluation", "pipeline.eval.runner"),
+    ("pipeline.cli.evaluation", "pipeline.eval.scorecard"),
+    ("pipeline.cli.evaluation", "pipeline.eval.summary"),
+    ("pipeline.cli.evaluation", "pipeline.ray_runtime"),
     ("jobs.screen", "pipeline.builder.profile"), ("jobs.screen", "pipeline.eval.screen"),
     ("jobs.screen", "pipeline.kv.models"),
     # Only `jobs.manifests --check-models` reads model files; listing a store needs no torch.

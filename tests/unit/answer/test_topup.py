@@ -59,7 +59,7 @@ def test_the_top_up_stays_within_its_tokens():
 def test_nearer_than_held_reads_only_the_turns_nearer_than_the_episodes_own():
     index = _index()
     question = np.array([0.1, 0.9, 0.0, 0.5], np.float32)  # turn 1, 5 (0.9), 3 (0.5), 0, 4 (0.1)
-    nearer = dataclasses.replace(ON, nearer_than_held=True)
+    nearer = dataclasses.replace(ON, skip_held=True, nearer_than_held=True)
     assert select_topup(index, question, {"D2:2"}, nearer, words).turn_ids == ("D1:2", "D3:2")
     assert select_topup(index, question, {"D1:2"}, nearer, words) == TopUp(status="none")
     assert select_topup(index, question, set(), nearer, words).turn_ids == ("D1:2", "D2:2", "D3:2")
@@ -71,6 +71,8 @@ def test_off_reads_nothing():
 
 
 def test_config_is_checked():
+    with pytest.raises(ValueError, match="needs skip_held"):
+        TopUpConfig(nearer_than_held=True)
     with pytest.raises(ValueError, match="turns"):
         TopUpConfig(turns=0)
     with pytest.raises(ValueError, match="max_tokens"):
@@ -92,7 +94,10 @@ def test_top_ups_fetch_the_index_once_and_answer_from_the_episode_alone_without_
         topups = TopUps(store, ON)
         question = np.array([0.1, 0.9, 0.0, 0.5], np.float32)
         first = topups.for_question(records, records[:1], question, words)
-        assert first.turn_ids == ("D2:2", "D3:2")  # episode 0 holds D1:*
+        assert first.turn_ids == ("D1:2", "D2:2", "D3:2")  # the nearest, whatever is held
+        skipping = TopUps(store, dataclasses.replace(ON, skip_held=True))
+        assert skipping.for_question(records, records[:1], question, words).turn_ids == \
+            ("D2:2", "D3:2")  # episode 0 holds D1:*
         fetched = topups.fetched_bytes
         assert fetched == records[0].turn_index_bytes
         topups.for_question(records, records[1:2], question, words)

@@ -127,9 +127,10 @@ def test_continuation_nll_equals_a_full_forward(tiny_llm_dir):
 
 @pytest.mark.e2e
 def test_a_top_up_is_read_as_the_answer_path_reads_it(tiny_llm_dir):
-    """The evaluation prefills a question's top-up after the cache, then its probes: the same
-    NLLs as one forward over the top-up's ids followed by each probe's, as the answer path's
-    prompt (`prompts.question_ids(..., topup)`) holds them; the cache is left as it was."""
+    """The evaluation reads a question's top-up after the cache, then each probe (packed with
+    the other questions'): the same NLLs as one forward over the top-up's ids followed by each
+    probe's, as the answer path's prompt (`prompts.question_ids(..., topup)`) holds them; a
+    question without one in the same pack reads the cache alone; the cache is left as it was."""
     from pipeline.answer.topup import TopUp
     from pipeline.eval.cell import measure_all, probe_pairs
 
@@ -141,12 +142,18 @@ def test_a_top_up_is_read_as_the_answer_path_reads_it(tiny_llm_dir):
     cache, _ = block_prefill(lm.model, ids, Full(), None, PrefillConfig(block=4))
     text = '\n\nDATE: today\nCONVERSATION:\nBob said, "I adopted a cat named Miso."'
     topup = TopUp(text, ("D9:9",), len(prompts.topup_ids(lm.tokenizer, text)), "used")
-    [got] = measure_all(lm, conv, [q], cache, config, [topup])
-    pairs, n_recall = probe_pairs(lm, conv, q, config)
+    got, plain = measure_all(lm, conv, [q, q], cache, config, [topup, TopUp()])
+    pairs, turns = probe_pairs(lm, conv, q, config)
+    n_recall = len(turns)
     head = prompts.topup_ids(lm.tokenizer, text)
     want = [continuation_nll(lm.model, cache, torch.cat([head, p]), t) for p, t in pairs]
+    alone = [continuation_nll(lm.model, cache, p, t) for p, t in pairs]
+    assert got["evidence_nlls"] == pytest.approx(want[:n_recall], rel=1e-4)
     assert got["evidence_nll"] == pytest.approx(sum(want[:n_recall]) / n_recall, rel=1e-4)
     assert got["answer_nll"] == pytest.approx(want[n_recall], rel=1e-4)
+    assert plain["evidence_nlls"] == pytest.approx(alone[:n_recall], rel=1e-4)
+    assert got["evidence_probed"] == list(turns) == [t for t in q.evidence if t in turns]
+    assert got["topup_turn_ids"] == ["D9:9"] and plain["topup_turn_ids"] == []
     assert torch.equal(prompts.question_ids(lm.tokenizer, question_text(q), text)[:len(head)], head)
     assert got["topup_tokens"] == len(head) and cache.tokens_seen == len(ids)
 
@@ -227,31 +234,64 @@ def test_a_cell_measures_the_caches_the_product_build_makes(tiny_llm_dir, monkey
 
 
 @pytest.mark.e2e
-def test_a_cell_measures_each_top_up_on_the_same_caches(tiny_llm_dir):
-    """An episodic cell measures every read plain and each top-up its variants read on the
-    read their routing picks (fields of their own); a top-up is prefilled before the probes, so
-    a read with one differs from the plain read only where a question was topped up."""
+def test_a_cell_measures_each_read_on_the_same_caches(tiny_llm_dir):
+    """An episodic cell measures each of its methods' reads (route, top-up) on the read its
+    route picks; a top-up is read before the probes, so a read with one differs from the plain
+    read only where a question was topped up, and its decode-time entries count its tokens; the
+    top-up that skips the held turns reads none of its episodes'."""
     from pipeline.eval.cell import evaluate_cell, prepare
-    from pipeline.eval.episode_reads import select_route
-    from pipeline.eval.methods import topup_prefix
+    from pipeline.eval.reads import select_read
 
     config = EvalConfig(BuildConfig(model=tiny_llm_dir, prefill=PrefillConfig(block=64)),
                         questions_per_conversation=4)
     prep = prepare(make_corpus(1, 600, seed=11)[0], config)
-    topup, route = config.topup_of("epicache"), config.route_of("epicache")
-    records = evaluate_cell(prep, "epicache", 32, config, None, ((topup, route),))
-    prefix = topup_prefix(topup, route)
-    for r in records:
-        picked = select_route(r, "epicache", config)
-        assert 0 <= picked["topup_tokens"] <= topup.max_tokens
-        fields = "episode_" if picked["episodes_read"] == 1 else "pair_"
-        measured = [i for i, x in enumerate(r[f"{prefix}{fields}evidence_nll"]) if x == x]
-        assert len(measured) == 1  # the read its route picks, alone
-        assert r[f"{fields}topup_tokens"][measured[0]] == 0  # the plain read: none
-        if picked["topup_tokens"] == 0:  # no top-up: the very same probes
-            assert picked["evidence_nll"] == r[f"{fields}evidence_nll"][measured[0]]
-    topped = [select_route(r, "epicache", config) for r in records]
-    assert any(r["topup_tokens"] > 0 for r in topped)
+    topup = config.topup_of("epicache")
+    skipping = "epicache+topup.skip_held=true"
+    records = evaluate_cell(prep, "epicache", 32, config, None,
+                            (config.read_of("epicache-episode"), config.read_of(skipping)))
+    topped = [select_read(r, "epicache", config) for r in records]
+    plain = [select_read(r, "epicache-episode", config) for r in records]
+    skipped = [select_read(r, skipping, config) for r in records]
+    for t, p, k in zip(topped, plain, skipped):
+        assert t["read"] == p["read"] == k["read"] and t["episodes_read"] == len(t["read"])
+        assert 0 <= t["topup_tokens"] <= topup.max_tokens and p["topup_tokens"] == 0
+        assert t["decode_entries"] == pytest.approx(t["kept_entries"] + t["topup_tokens"])
+        held = {turn for e in k["read"] for turn in _members(prep, config, e)}
+        assert not set(k["topup_turn_ids"]) & held
+        if t["topup_tokens"] == 0:  # no top-up: the very same probes
+            assert t["evidence_nlls"] == pytest.approx(p["evidence_nlls"])
+    assert all(t["topup_tokens"] > 0 for t in topped)
+
+
+def _members(prep, config, episode: int) -> tuple[str, ...]:
+    from pipeline.builder.cluster import cluster_conversation
+
+    return cluster_conversation(prep.conversation,
+                                config.build_config("epicache", 32)).members[episode]
+
+
+@pytest.mark.e2e
+def test_the_fair_rows_read_their_top_ups_with_nothing_excluded(tiny_llm_dir):
+    """`rag` (no history) and a topped-up baseline read the question's nearest turns whatever
+    their cache holds: the same top-up for both, and for the full history; the plain rows of
+    the same cells read none."""
+    from pipeline.eval.cell import evaluate_cell, prepare
+    from pipeline.eval.reads import select_read
+
+    config = EvalConfig(BuildConfig(model=tiny_llm_dir, prefill=PrefillConfig(block=64)),
+                        questions_per_conversation=4)
+    prep = prepare(make_corpus(1, 600, seed=11)[0], config)
+    rag = evaluate_cell(prep, "none", None, config, None, (config.read_of("rag"),))
+    snap = evaluate_cell(prep, "snapkv+topup.enabled=true", 32, config, None,
+                         (config.read_of("snapkv"),))
+    for r, s in zip(rag, snap):
+        none, topped = r, select_read(r, "rag", config)
+        assert none["topup_tokens"] == 0 and none["decode_entries"] == none["kept_entries"]
+        assert topped["topup_turn_ids"] == s["topup_turn_ids"] and s["topup_tokens"] > 0
+        assert s["kept_entries"] == 32 and s["decode_entries"] == 32 + s["topup_tokens"]
+        assert select_read(s, "snapkv", config)["topup_tokens"] == 0
+    with pytest.raises(ValueError, match="cannot take scoring.focus"):
+        parse_method("snapkv+scoring.focus=0.5")
 
 
 @pytest.mark.e2e
@@ -305,17 +345,99 @@ def test_a_failed_cell_is_reported_and_the_others_kept(tmp_path, ray_local):
 
     from pipeline.store.local import LocalStore
 
+    from pipeline.eval.methods import Read
+
+    plain = Read().prefix
+
     @ray.remote(max_retries=0)
     def cell(fail: bool) -> list[dict]:
         if fail:
             raise RuntimeError("out of memory in layer 3")
-        return [{"method": "keydiff", "evidence_nll": 1.5}]
+        return [{"method": "keydiff", "budget": 32, f"{plain}evidence_nll": 1.5}]
 
     kept = LocalStore(tmp_path)
     pending = {cell.remote(False): Cell("c1", 32, "cells/c1/x/ok.parquet", ["keydiff"]),
                cell.remote(True): Cell("c1", 32, "cells/c1/x/bad.parquet", ["snapkv"])}
     records, failed = collect_cells(pending, kept, EvalConfig())
-    assert records == [{"method": "keydiff", "evidence_nll": 1.5}]
+    assert records == [{"method": "keydiff", "budget": 32, "cache_budget": 32,
+                        "evidence_nll": 1.5}]  # the read's fields under their plain names
     assert failed == [{"conversation_id": "c1", "method": "snapkv", "budget": 32,
                        "error": "RuntimeError: out of memory in layer 3"}]
     assert kept.exists("cells/c1/x/ok.parquet") and not kept.exists("cells/c1/x/bad.parquet")
+
+
+@pytest.mark.e2e
+def test_the_fair_rows_run_at_the_defaults_decode_time_entries(tmp_path, tiny_llm_dir):
+    """`jobs.evaluate --methods rag,full+topup.enabled=true,snapkv+topup.enabled=true,snapkv`
+    with `--equal-entries epicache`: the topped-up rows read top-ups, every row with a budget
+    runs at the default's mean decode-time entries (a topped-up one's cache budget less its
+    top-up), reported at the default's budget; the summary carries the headline with its
+    intervals; an override a method cannot take is refused before any work (exit 2)."""
+    corpus = tmp_path / "corpus.jsonl"
+    write_jsonl(make_corpus(1, 500, seed=11), corpus)
+    out = tmp_path / "out"
+    methods = "epicache,rag,full+topup.enabled=true,snapkv+topup.enabled=true,snapkv"
+    args = ["--corpus", str(corpus), "--out", str(out), "--model", tiny_llm_dir,
+            "--budgets", "32", "--block", "64", "--medoids", "1",
+            "--questions-per-conversation", "4", "--in-process", "--equal-entries", "epicache"]
+    assert evaluate_job.main(args + ["--methods", methods]) == 0
+    records = pq.read_table(out / "results.parquet").to_pylist()
+    rows = {}
+    for r in records:
+        rows.setdefault(r["method"], []).append(r)
+    for name in ("rag", "full+topup.enabled=true", "snapkv+topup.enabled=true"):
+        assert sum(r["topup_tokens"] > 0 for r in rows[name]) >= len(rows[name]) / 2, name
+    assert all(r["topup_tokens"] == 0 for r in rows["snapkv"])
+    target = sum(r["decode_entries"] for r in rows["epicache"]) / len(rows["epicache"])
+    topup = sum(r["topup_tokens"] for r in rows["rag"]) / len(rows["rag"])
+    assert {r["budget"] for r in rows["snapkv"] + rows["snapkv+topup.enabled=true"]} == {32}
+    assert {r["cache_budget"] for r in rows["snapkv"]} == {round(target)}
+    assert {r["cache_budget"] for r in rows["snapkv+topup.enabled=true"]} == {round(target - topup)}
+    for r in records:
+        for field in ("evidence_nll", "answer_nll", "topup_tokens", "topup_recall",
+                      "kept_entries", "decode_entries", "evidence_nlls", "topup_turn_ids"):
+            assert field in r, (r["method"], field)
+    card = json.loads((out / "summary.json").read_text())["scorecard"]["all"]
+    snap = next(r for r in card["rows"] if r["method"] == "snapkv+topup.enabled=true")
+    for measure in ("answer", "copy_free", "evidence", "over_retrieval"):
+        assert {"value", "lo", "hi"} <= set(snap[measure]), measure
+    assert set(snap["default_minus_row"]) == {"answer", "copy_free"}
+    assert "Scorecard (all" in (out / "table.md").read_text()
+    assert (out / "scorecard-all.png").stat().st_size > 0
+    assert evaluate_job.main(args + ["--methods", "snapkv+scoring.focus=0.5"]) == 2
+    assert evaluate_job.main(args + ["--methods", "snapkv", "--set", "scoring.focus=2"]) == 2
+
+
+@pytest.mark.e2e
+def test_the_scorecard_writes_its_page_with_both_groups_and_generated_answers(tmp_path,
+                                                                              tiny_llm_dir):
+    """`jobs.scorecard` on two conversations, one tuned on: the page has a table per group with
+    the headline measures, the plots beside it, the signal and the F1 of the answers generated
+    (the default's through the product's answer path, the full history's from its cache); a
+    --tuning id the corpus lacks is refused before any work."""
+    from jobs import scorecard as scorecard_job
+
+    corpus = tmp_path / "corpus.jsonl"
+    convs = make_corpus(2, 500, seed=11)
+    write_jsonl(convs, corpus)
+    page = tmp_path / "docs" / "scorecard.md"
+    args = ["--corpus", str(corpus), "--out", str(tmp_path / "out"), "--model", tiny_llm_dir,
+            "--budgets", "32", "--block", "64", "--medoids", "1", "--page", str(page),
+            "--questions-per-conversation", "2", "--f1-questions", "1", "--max-new-tokens", "3",
+            "--methods", "full,epicache,snapkv+topup.enabled=true,rag,full+topup.enabled=true",
+            "--in-process", "--max-context-tokens", "4000"]
+    assert scorecard_job.main(args + ["--tuning", "nobody"]) == 2 and not page.exists()
+    assert scorecard_job.main(args + ["--tuning", convs[0].conversation_id]) == 0
+    text = page.read_text()
+    assert f"## Tuning: {convs[0].conversation_id}" in text
+    assert f"## Untouched: {convs[1].conversation_id}" in text
+    assert "copy-free evidence" in text and "python -m jobs.scorecard" in text
+    for group in ("tuning", "untouched"):
+        assert (page.parent / f"scorecard-{group}.png").stat().st_size > 0
+    data = json.loads(page.with_suffix(".json").read_text())  # the page's data beside it
+    assert set(data["scorecard"]) == {"tuning", "untouched"} and data["command"] in text
+    records = pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()
+    answered = {(r["conversation_id"], r["method"], r["question_index"]) for r in records
+                if r.get("prediction") is not None}
+    assert answered == {(c.conversation_id, m, 0) for c in convs for m in ("epicache", "full")}
+    assert text.count("| epicache | 32 | 1 |") == 2  # one answer a conversation, in each group

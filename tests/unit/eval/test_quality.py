@@ -12,7 +12,7 @@ from pipeline.corpus.render import render_conversation
 from pipeline.corpus.schema import Conversation, Question, Turn
 from pipeline.eval.cell import evaluate_cell, evidence_diagnostics, prepare
 from pipeline.eval.methods import DEFAULT_METHODS, EvalConfig, parse_method, parse_override
-from pipeline.eval.metrics import continuation_nll, continuation_nlls
+from pipeline.eval.metrics import continuation_nll, continuation_nlls, headed_continuation_nlls
 from pipeline.kv import models, prompts
 from pipeline.kv.eviction import select_keep
 from pipeline.kv.layout import kept_share, token_layout
@@ -68,6 +68,27 @@ def test_packed_probe_nlls_equal_one_at_a_time(family, pack_tokens):
     assert packed == pytest.approx(alone, rel=1e-4, abs=1e-5)
     assert cache.tokens_seen == 150 and continuation_nll(model, cache, *pairs[0]) == \
         pytest.approx(alone[0], rel=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("pack_tokens", [1, 40, 1024])
+def test_a_shared_head_reads_as_if_it_began_each_prefix(family, pack_tokens):
+    """`headed_continuation_nlls`: each group's head (a question's top-up) is in the forward
+    once, and every pair of the group reads the cache, the head, then itself: the NLLs of the
+    head glued to each prefix, one at a time; a group without a head reads the cache alone."""
+    model = tiny_model(family)
+    ids = random_ids(150, seed=3)
+    cache, _ = block_prefill(model, ids, bound_method("snapkv", lambda t: ids[:4]), [40] * 3,
+                             PrefillConfig(block=32))
+    pairs = _probe_pairs(7, 6)
+    heads = [random_ids(9, seed=11), None, random_ids(5, seed=12)]
+    groups = [(heads[0], pairs[:3]), (heads[1], pairs[3:5]), (heads[2], pairs[5:])]
+    want = [[continuation_nll(model, cache, p if head is None else torch.cat([head, p]), t)
+             for p, t in group] for head, group in groups]
+    got = headed_continuation_nlls(model, cache, groups, pack_tokens=pack_tokens)
+    for g, w in zip(got, want):
+        assert g == pytest.approx(w, rel=1e-4, abs=1e-5)
+    assert cache.tokens_seen == 150
 
 
 @pytest.mark.e2e
@@ -181,6 +202,33 @@ def test_a_method_is_a_preset_with_field_overrides():
                         ("epicache+budget=4", "not an override")):
         with pytest.raises(ValueError, match=reason):
             parse_method(bad)
+
+
+def test_the_fair_rows_are_spelled_in_the_method_language_and_refuse_what_they_cannot_take():
+    """`rag`, `full+topup.enabled=true` and `<baseline>+topup.enabled=true` parse; an override a
+    method never reads is refused naming the method and the field, never ignored; `--set`
+    applies to the methods that take it."""
+    config = EvalConfig()
+    assert not parse_method("rag").history and parse_method("rag").preset.scorer == "full"
+    assert config.topup_of("rag") == config.topup_of("full+topup.enabled=true") == \
+        config.topup_of("snapkv+topup.enabled=true") == config.topup_of("epicache")
+    assert config.topup_of("snapkv") is None and config.topup_of("full") is None
+    assert config.topup_of("epicache-paper") is None and config.topup_of("none") is None
+    assert config.topup_of("rag+topup.max_tokens=64").max_tokens == 64
+    assert config.build_config("rag", None) == config.build_config("none", None)  # one cell
+    for bad, reason in (("snapkv+scoring.focus=0.5", "scoring.<field> is EpiCache's"),
+                        ("keydiff+routing.two_below=0", "routing.<field> is EpiCache's"),
+                        ("streamingllm+episodes.episodes=8", "episodes.<field>"),
+                        ("snapkv+alpha=1", "uniform"), ("rag+prefill.block=64", "only topup"),
+                        ("full+alpha=0", "only topup"), ("none+topup.enabled=true", "no overrides")):
+        with pytest.raises(ValueError, match=reason):
+            parse_method(bad)
+    assert parse_method("question+alpha=1").overrides == (("alpha", 1.0),)  # it allocates
+    everyone = EvalConfig(overrides=(parse_override("scoring.focus=2"),
+                                     parse_override("topup.max_tokens=64")))
+    assert everyone.build_config("epicache", 512).scoring.focus == 2.0
+    assert everyone.build_config("snapkv", 512) == config.build_config("snapkv", 512)
+    assert everyone.topup_of("snapkv+topup.enabled=true").max_tokens == 64
 
 
 # --------------------------------------------------------------------------- layout, diagnostics

@@ -75,6 +75,8 @@ def test_topup_options_make_the_answerers_configuration():
         TopUpConfig(enabled=True, turns=2, max_tokens=64)
     assert config("--topup", "--no-topup").enabled is False  # the last one given wins
     assert config("--no-topup", "--topup").enabled is True
+    assert config("--topup-skip-held").skip_held and not config().skip_held
+    assert config("--topup-skip-held", "--topup-nearer-than-held").nearer_than_held
 
 
 def _answered(monkeypatch, capsys, topup: dict, *extra: str) -> tuple[dict, str]:

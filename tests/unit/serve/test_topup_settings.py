@@ -28,6 +28,9 @@ def test_the_command_line_sets_the_topup_both_ways():
     assert config("--topup", "--topup-turns", "6", "--topup-max-tokens", "128") == \
         TopUpConfig(enabled=True, turns=6, max_tokens=128)
     assert config("--topup", "--no-topup").enabled is False
+    assert config("--topup-skip-held").skip_held is True
+    with pytest.raises(ValueError, match="needs skip_held"):  # compares with the skipped turns
+        config("--topup-nearer-than-held")
 
 
 def test_serve_run_keys_set_the_topup_both_ways():

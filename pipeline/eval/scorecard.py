@@ -1,0 +1,219 @@
+"""The scorecard's figures: retention on measures a copy cannot win, with bootstrap intervals.
+
+Two headline measures, each a retention of the mean NLLs between no history (0) and the full
+history (1), over the questions of a group:
+
+- `answer`: the teacher-forced NLL of the gold answer after the question;
+- `copy_free`: evidence recall over the evidence turns the question's top-up does not hold (a
+  turn the top-up holds is probed by its own line a few dozen tokens after it: a copy), the
+  references read over the same turns.
+
+Beside them `evidence`, today's evidence recall over every evidence turn (a diagnostic,
+copy-prone where a top-up is read), and `over_retrieval`: (rag - m) / (rag - full+top-up) on
+the answer NLLs, what a cache adds to the retrieved turns. Intervals are percentile bootstraps
+over questions (90%); "the default beats row X" is a paired bootstrap of the difference, both
+rows resampled with the same questions. Questions are few (tens per conversation): every figure
+carries its interval and its count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.eval.methods import NO_HISTORY
+
+MEASURES = ("answer", "copy_free", "evidence")
+HEADLINE = ("answer", "copy_free")
+RAG, CEILING = "rag", "full+topup.enabled=true"  # the rows "over retrieval" is measured between
+LEVEL = 0.90  # the intervals' coverage
+RESAMPLES = 2000
+# A measure whose none -> full gap's lower bound is below this has too little signal to judge a
+# method in that group: retention divides by the gap.
+LOW_SIGNAL_NATS = 0.25
+
+Key = tuple[str, int]  # (conversation, question index)
+
+
+def question_key(record: dict) -> Key:
+    return record["conversation_id"], record["question_index"]
+
+
+def _mean(values: Iterable[float]) -> float:
+    values = [v for v in values if v is not None and np.isfinite(v)]
+    return float(np.mean(values)) if values else float("nan")
+
+
+def copy_free_turns(record: dict) -> list[str]:
+    """The evidence turns a record's read probed that its top-up does not hold."""
+    held = set(record.get("topup_turn_ids") or ())
+    return [t for t in record.get("evidence_probed") or () if t not in held]
+
+
+def turn_nlls(record: dict) -> dict[str, float]:
+    """A record's evidence-recall NLL by evidence turn."""
+    return dict(zip(record.get("evidence_probed") or (), record.get("evidence_nlls") or ()))
+
+
+def nll_triple(record: dict, none: dict, full: dict, measure: str) -> tuple[float, float, float]:
+    """(method, no history, full history) NLLs of one question on `measure` (NaN: undefined,
+    e.g. copy-free where the top-up holds every evidence turn)."""
+    if measure == "answer":
+        return record["answer_nll"], none["answer_nll"], full["answer_nll"]
+    if measure == "evidence":
+        return record["evidence_nll"], none["evidence_nll"], full["evidence_nll"]
+    turns = copy_free_turns(record)
+    got, low, high = turn_nlls(record), turn_nlls(none), turn_nlls(full)
+    return (_mean(got.get(t) for t in turns), _mean(low.get(t) for t in turns),
+            _mean(high.get(t) for t in turns))
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The records of a run by (method, budget) and by question, and the references'."""
+    by_row: dict[tuple[str, int | None], dict[Key, dict]]
+    none: dict[Key, dict]
+    full: dict[Key, dict]
+
+    @classmethod
+    def of(cls, records: list[dict]) -> "Rows":
+        by_row: dict[tuple[str, int | None], dict[Key, dict]] = {}
+        for r in records:
+            by_row.setdefault((r["method"], r["budget"]), {})[question_key(r)] = r
+        return cls(by_row, by_row.get((NO_HISTORY, None), {}), by_row.get(("full", None), {}))
+
+    def keys(self, conversations: set[str] | None = None) -> list[Key]:
+        """The questions both references hold (of `conversations`, when given), in order."""
+        return sorted(k for k in self.full if k in self.none and
+                      (conversations is None or k[0] in conversations))
+
+    def arrays(self, row: tuple[str, int | None], keys: list[Key],
+               measure: str) -> np.ndarray:
+        """[3, questions]: the row's, no history's and full history's NLLs on `measure`."""
+        got = self.by_row.get(row, {})
+        nan = (float("nan"),) * 3
+        return np.array([nll_triple(got[k], self.none[k], self.full[k], measure) if k in got
+                         else nan for k in keys], dtype=float).reshape(-1, 3).T
+
+    def answer_nlls(self, row: tuple[str, int | None], keys: list[Key]) -> np.ndarray:
+        got = self.by_row.get(row, {})
+        return np.array([got[k]["answer_nll"] if k in got else float("nan") for k in keys],
+                        dtype=float)
+
+
+def retention_of_means(method: np.ndarray, low: np.ndarray, high: np.ndarray,
+                       axis: int = -1) -> np.ndarray:
+    """(mean low - mean method) / (mean low - mean high) over the questions where all three
+    are defined (NaN where the high end is no better than the low)."""
+    ok = np.isfinite(method) & np.isfinite(low) & np.isfinite(high)
+    count = ok.sum(axis=axis)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        means = [np.where(ok, x, 0).sum(axis=axis) / count for x in (method, low, high)]
+        gap = means[1] - means[2]
+        return np.where(gap > 0, (means[1] - means[0]) / gap, np.nan)
+
+
+def resamples(n: int, seed: int = 0, draws: int = RESAMPLES) -> np.ndarray:
+    """[draws, n] question indices drawn with replacement (fixed seed: the same draws for every
+    row, so paired differences and rows' intervals use the same resamples)."""
+    return np.random.default_rng(seed).integers(0, n, size=(draws, n)) if n else \
+        np.zeros((draws, 0), dtype=int)
+
+
+def interval(point: float, draws: np.ndarray) -> dict:
+    draws = draws[np.isfinite(draws)]
+    tail = 100 * (1 - LEVEL) / 2
+    lo, hi = (np.percentile(draws, [tail, 100 - tail]) if len(draws) else (np.nan, np.nan))
+    return {"value": float(point), "lo": float(lo), "hi": float(hi)}
+
+
+def bootstrap_retention(triple: np.ndarray, index: np.ndarray) -> dict:
+    """Retention of the means with its interval; `triple` [3, n] (method, low, high)."""
+    point = retention_of_means(*triple)
+    draws = retention_of_means(*(x[index] for x in triple))
+    defined = np.isfinite(triple).all(axis=0)
+    return interval(point, draws) | {"questions": int(defined.sum())}
+
+
+def paired_difference(a: np.ndarray, b: np.ndarray, index: np.ndarray) -> dict:
+    """Retention of row a minus row b, with the interval of the difference (paired: the same
+    resampled questions for both)."""
+    point = retention_of_means(*a) - retention_of_means(*b)
+    draws = retention_of_means(*(x[index] for x in a)) - retention_of_means(*(x[index] for x in b))
+    return interval(point, draws)
+
+
+def signal(rows: Rows, keys: list[Key], measure: str) -> dict:
+    """How much the full history is better than no history on `measure` over `keys`: the gap of
+    the mean NLLs in nats (interval), the share of questions it is better on, and whether it is
+    too small to judge a method by (`low`)."""
+    none = np.array([nll_triple(rows.none[k], rows.none[k], rows.full[k], measure)[1]
+                     for k in keys], dtype=float)
+    full = np.array([nll_triple(rows.full[k], rows.none[k], rows.full[k], measure)[2]
+                     for k in keys], dtype=float)
+    ok = np.isfinite(none) & np.isfinite(full)
+    none, full = none[ok], full[ok]
+    gap = float(np.mean(none - full)) if len(none) else float("nan")
+    draws = (none - full)[resamples(len(none))].mean(axis=1) if len(none) else np.array([])
+    out = interval(gap, draws) | {"questions": int(ok.sum()),
+                                  "full_better": float(np.mean(full < none)) if len(none) else
+                                  float("nan")}
+    return out | {"low": not out["lo"] >= LOW_SIGNAL_NATS}
+
+
+def _row_mean(records: dict[Key, dict], keys: list[Key], field: str) -> float:
+    return _mean(records[k].get(field) for k in keys if k in records)
+
+
+def group_scorecard(records: list[dict], default: str | None,
+                    conversations: set[str] | None = None) -> dict:
+    """The scorecard of one group of conversations (all when None): per (method, budget) row,
+    each measure's retention with its interval, "over retrieval", the default's paired lead
+    on each headline measure, and the decode-time entries; and each measure's signal, for the
+    group and per conversation."""
+    rows = Rows.of(records)
+    keys = rows.keys(conversations)
+    index = resamples(len(keys))
+    rag, ceiling = rows.answer_nlls((RAG, None), keys), rows.answer_nlls((CEILING, None), keys)
+    has_retrieval_rows = np.isfinite(rag).any() and np.isfinite(ceiling).any()
+    table = []
+    for (method, budget), got in rows.by_row.items():
+        if method in (NO_HISTORY,) or not any(k in got for k in keys):
+            continue
+        triples = {m: rows.arrays((method, budget), keys, m) for m in MEASURES}
+        line = {"method": method, "budget": budget,
+               "questions": sum(k in got for k in keys),
+               "decode_entries": _row_mean(got, keys, "decode_entries"),
+               "cache_entries": _row_mean(got, keys, "kept_entries"),
+               "topup_tokens": _row_mean(got, keys, "topup_tokens"),
+               "cache_budget": _row_mean(got, keys, "cache_budget"),
+               "route_hit": _mean(float(got[k]["route_hit"]) for k in keys
+                                  if k in got and got[k].get("route_hit") is not None),
+               "f1": _row_mean(got, keys, "f1"),
+               "answered": sum(1 for k in keys if k in got and got[k].get("prediction")
+                               is not None)}
+        line |= {m: bootstrap_retention(t, index) for m, t in triples.items()}
+        if has_retrieval_rows:
+            line["over_retrieval"] = bootstrap_retention(
+                np.stack([triples["answer"][0], rag, ceiling]), index)
+        if default is not None and (default, budget) in rows.by_row and method != default:
+            line["default_minus_row"] = {m: paired_difference(
+                rows.arrays((default, budget), keys, m), triples[m], index) for m in HEADLINE}
+        table.append(line)
+    by_conversation = {}
+    for cid in sorted({k[0] for k in keys}):
+        own = [k for k in keys if k[0] == cid]
+        by_conversation[cid] = {m: signal(rows, own, m) for m in MEASURES}
+    return {"questions": len(keys), "rows": table,
+            "signal": {m: signal(rows, keys, m) for m in MEASURES},
+            "signal_by_conversation": by_conversation}
+
+
+def scorecard(records: list[dict], default: str | None,
+              groups: dict[str, list[str]] | None = None) -> dict:
+    """`group_scorecard` of every group (name -> conversation ids); one group `all` when none."""
+    if not groups:
+        return {"all": group_scorecard(records, default)}
+    return {name: group_scorecard(records, default, set(ids)) for name, ids in groups.items()}

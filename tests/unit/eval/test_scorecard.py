@@ -1,0 +1,103 @@
+"""The scorecard's figures (pipeline.eval.scorecard): measures a copy cannot win, intervals,
+paired differences and each measure's signal, on hand-made records."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from pipeline.eval.scorecard import (CEILING, RAG, copy_free_turns, group_scorecard, nll_triple,
+                                     retention_of_means, scorecard)
+
+
+def _record(method, budget, q, answer, turns, topup=(), conv="c1", **more):
+    """One question's record: `turns` maps evidence turn -> evidence-recall NLL."""
+    return {"conversation_id": conv, "question_index": q, "method": method, "budget": budget,
+            "answer_nll": answer, "evidence_probed": list(turns),
+            "evidence_nlls": list(turns.values()),
+            "evidence_nll": float(np.mean(list(turns.values()))),
+            "topup_turn_ids": list(topup), "topup_tokens": 10 * len(topup),
+            "kept_entries": 100.0 if budget else 7000.0,
+            "decode_entries": (100.0 if budget else 7000.0) + 10 * len(topup), **more}
+
+
+def test_retention_of_means_skips_what_is_undefined():
+    method = np.array([2.0, 3.0, np.nan])
+    low, high = np.array([4.0, 4.0, 9.0]), np.array([1.0, 2.0, 0.0])
+    # means over the two defined questions: low 4, high 1.5, method 2.5 -> 1.5 / 2.5
+    assert retention_of_means(method, low, high) == pytest.approx(0.6)
+    assert math.isnan(retention_of_means(np.array([1.0]), np.array([1.0]), np.array([2.0])))
+
+
+def test_copy_free_evidence_reads_only_the_turns_the_top_up_does_not_hold():
+    none = _record("none", None, 0, 4.0, {"a": 4.0, "b": 5.0})
+    full = _record("full", None, 0, 3.0, {"a": 1.0, "b": 2.0})
+    topped = _record("rag", None, 0, 3.5, {"a": 0.5, "b": 4.5}, topup=("a",))
+    assert copy_free_turns(topped) == ["b"]
+    assert nll_triple(topped, none, full, "copy_free") == (4.5, 5.0, 2.0)
+    assert nll_triple(topped, none, full, "evidence") == (2.5, 4.5, 1.5)  # the copy counts here
+    assert nll_triple(topped, none, full, "answer") == (3.5, 4.0, 3.0)
+    every = _record("rag", None, 0, 3.5, {"a": 0.5}, topup=("a",))
+    assert all(math.isnan(x) for x in nll_triple(every, none, full, "copy_free"))
+
+
+def _run(n: int = 40, seed: int = 0, gap: float = 1.0) -> list[dict]:
+    """n questions over two conversations: the default sits 60% of the way from no history to
+    the full history on both measures, a baseline 30%, with noise; rag and the ceiling read the
+    evidence turn "a" in their top-ups."""
+    rng = np.random.default_rng(seed)
+    records = []
+    for q in range(n):
+        conv = "c1" if q < n // 2 else "c2"
+        low = 5.0 + rng.normal(0, 0.3)
+        high = low - gap
+        def at(share):
+            return low - share * gap + rng.normal(0, 0.05)
+        records += [
+            _record("none", None, q, low, {"a": low, "b": low}, conv=conv),
+            _record("full", None, q, high, {"a": high, "b": high}, conv=conv),
+            _record("epicache", 512, q, at(0.6), {"a": at(0.6), "b": at(0.6)}, conv=conv,
+                    route_hit=q % 2 == 0),
+            _record("snapkv+topup.enabled=true", 512, q, at(0.3), {"a": high, "b": at(0.3)},
+                    topup=("a",), conv=conv),
+            _record(RAG, None, q, at(0.2), {"a": high, "b": low}, topup=("a",), conv=conv),
+            _record(CEILING, None, q, at(1.0), {"a": high, "b": high}, topup=("a",), conv=conv)]
+    return records
+
+
+def test_the_scorecard_gives_each_row_its_retention_interval_and_the_defaults_lead():
+    card = group_scorecard(_run(), "epicache")
+    rows = {r["method"]: r for r in card["rows"]}
+    assert set(rows) == {"full", "epicache", "snapkv+topup.enabled=true", RAG, CEILING}
+    default, baseline = rows["epicache"], rows["snapkv+topup.enabled=true"]
+    for measure, want in (("answer", 0.6), ("copy_free", 0.6)):
+        figure = default[measure]
+        assert figure["value"] == pytest.approx(want, abs=0.03)
+        assert figure["lo"] < figure["value"] < figure["hi"]
+    assert baseline["copy_free"]["value"] == pytest.approx(0.3, abs=0.03)
+    assert baseline["evidence"]["value"] > baseline["copy_free"]["value"] + 0.2  # the copy
+    lead = baseline["default_minus_row"]["answer"]
+    assert lead["value"] == pytest.approx(0.3, abs=0.04) and lead["lo"] > 0
+    assert "default_minus_row" not in default
+    # over retrieval: (rag - m) / (rag - ceiling) on the answer NLLs: (0.6 - 0.2) / 0.8
+    assert default["over_retrieval"]["value"] == pytest.approx(0.5, abs=0.04)
+    assert rows[CEILING]["over_retrieval"]["value"] == pytest.approx(1.0)
+    assert default["decode_entries"] == 100.0 and baseline["decode_entries"] == 110.0
+    assert default["route_hit"] == pytest.approx(0.5)
+    assert card["signal"]["answer"]["value"] == pytest.approx(1.0)
+    assert card["signal"]["answer"]["full_better"] == 1.0 and not card["signal"]["answer"]["low"]
+    assert set(card["signal_by_conversation"]) == {"c1", "c2"}
+
+
+def test_a_measure_with_a_small_gap_is_marked_low_signal_and_groups_are_separate():
+    card = group_scorecard(_run(gap=0.1), "epicache")
+    assert card["signal"]["answer"]["low"]
+    groups = scorecard(_run(), "epicache", {"tuning": ["c1"], "untouched": ["c2"]})
+    assert groups["tuning"]["questions"] == groups["untouched"]["questions"] == 20
+    assert set(groups["tuning"]["signal_by_conversation"]) == {"c1"}
+    # the same seed: the intervals are reproducible
+    twice = [json.dumps(group_scorecard(_run(), "epicache"), sort_keys=True) for _ in range(2)]
+    assert twice[0] == twice[1]  # NaN-safe
