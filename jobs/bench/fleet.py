@@ -45,13 +45,12 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
-from pipeline.builder.driver import run_build
 from pipeline.cli.bench import bench_parser, start_bench
+from pipeline.cli.numbers import number
 from pipeline.config import BuildConfig, DriverOptions, EpisodeConfig
 from pipeline.corpus.reader import read_corpus, write_jsonl
 from pipeline.corpus.synthetic import iter_corpus
 from pipeline.ray_runtime import WORKER_ENV
-from pipeline.serve.app import build_app, resolve_models
 from pipeline.serve.client import (GENERIC_QUESTIONS, Sample, ask, fault_report, fault_rows,
                                    latency_summary)
 from pipeline.serve.settings import DEFAULT_MAX_IMBALANCE, ServeSettings
@@ -79,6 +78,8 @@ def prepare_store(folder: Path, conversations: int, target_tokens: int, episodes
     if not corpus.exists():
         write_jsonl(iter_corpus(conversations, target_tokens, seed, n_topics=2), corpus)
     config = BuildConfig(budget=budget, episodes=EpisodeConfig(episodes=episodes))
+    from pipeline.builder.driver import run_build  # torch: not loaded for --help or a bad value
+
     summary = run_build(str(corpus), str(store), config, DriverOptions(progress=False))
     return corpus, store, summary.line(store=str(store))
 
@@ -209,6 +210,8 @@ def run_mode(mode: str, settings: ServeSettings, model: str, encoder: str,
     """One mode on fresh replicas: the warm-up sessions, then the measured ones, their figures
     (the store's counters read after each), and the kill's report if asked."""
     settings = replace(settings, affinity=mode == "affinity")
+    from pipeline.serve.app import build_app
+
     serve.run(build_app(settings, model, encoder), name=APP, route_prefix="/")
     url = f"http://127.0.0.1:{http_port}"
     killer = ReplicaKiller(a.kill_after, a.replicas) if a.kill_after and mode == "affinity" else None
@@ -322,32 +325,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+COUNT = number(int, at_least=1)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """Every value checked here (exit 2 naming the option), before Ray starts or a store is
+    built; torch loads only once they are good."""
     p = bench_parser("fleet", __doc__)
     p.add_argument("--dir", default="out/fleet", help="the corpus and store, made once and reused")
-    p.add_argument("--conversations", type=int, default=200, help="conversations in the store")
-    p.add_argument("--target-tokens", type=int, default=400, help="tokens per conversation")
-    p.add_argument("--episodes", type=int, default=2, help="episodes per conversation")
-    p.add_argument("--budget", type=int, default=128, help="entries per layer and head")
-    p.add_argument("--replicas", type=int, default=4, help="decoder replicas")
-    p.add_argument("--cache-bytes", type=int, default=256 * 2**20,
+    p.add_argument("--conversations", type=COUNT, default=200, help="conversations in the store")
+    p.add_argument("--target-tokens", type=COUNT, default=400, help="tokens per conversation")
+    p.add_argument("--episodes", type=COUNT, default=2, help="episodes per conversation")
+    p.add_argument("--budget", type=COUNT, default=128, help="entries per layer and head")
+    p.add_argument("--replicas", type=COUNT, default=4, help="decoder replicas")
+    p.add_argument("--cache-bytes", type=COUNT, default=256 * 2**20,
                    help="each replica's LRU in bytes (default 256 MiB: about a tenth of the store)")
-    p.add_argument("--warmup", type=int, default=600,
+    p.add_argument("--warmup", type=number(int, at_least=0), default=600,
                    help="questions asked per mode before the measured ones (fills the LRUs: the "
                         "figures are a fleet's steady state, not its cold start; 0: none)")
-    p.add_argument("--requests", type=int, default=600, help="questions measured per mode")
-    p.add_argument("--max-imbalance", type=int, default=DEFAULT_MAX_IMBALANCE,
+    p.add_argument("--requests", type=COUNT, default=600, help="questions measured per mode")
+    p.add_argument("--max-imbalance", type=number(int, at_least=0), default=DEFAULT_MAX_IMBALANCE,
                    help="affinity: --affinity-max-imbalance of the app")
-    p.add_argument("--concurrency", type=int, default=8, help="sessions asked at once")
-    p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of popularity")
-    p.add_argument("--follow-ups", type=float, default=3.0, help="mean questions per session")
-    p.add_argument("--max-new-tokens", type=int, default=8, help="answer length at most")
+    p.add_argument("--concurrency", type=COUNT, default=8, help="sessions asked at once")
+    p.add_argument("--zipf", type=number(float, at_least=0), default=1.1, help="Zipf exponent of popularity (0: uniform)")
+    p.add_argument("--follow-ups", type=number(float, at_least=1), default=3.0, help="mean questions per session (at least 1)")
+    p.add_argument("--max-new-tokens", type=COUNT, default=8, help="answer length at most")
     p.add_argument("--modes", default="default,affinity", help="routings run, in this order")
-    p.add_argument("--kill-after", type=int, default=None, metavar="N",
+    p.add_argument("--kill-after", type=COUNT, default=None, metavar="N",
                    help="affinity run: kill the busiest replica once N measured requests "
                         "completed (default: no kill)")
-    p.add_argument("--timeout", type=float, default=300.0, help="client timeout per request, s")
-    p.add_argument("--seed", type=int, default=0, help="corpus and workload seed")
+    p.add_argument("--timeout", type=number(float, above=0), default=300.0, help="client timeout per request, s")
+    p.add_argument("--seed", type=number(int, at_least=0), default=0, help="corpus and workload seed")
     p.add_argument("--json", help="also write the figures to this file (default: not written)")
     return p
 
@@ -358,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     if not modes or set(modes) - {"default", "affinity"}:
         print(f"error: --modes takes default and/or affinity, got {a.modes!r}", file=sys.stderr)
         return 2
+    from pipeline.serve.app import resolve_models  # torch, after the arguments are checked
+
     metrics_port, http_port = free_port(), free_port()
     ray.init(logging_level="WARNING", runtime_env={"env_vars": WORKER_ENV},
              _metrics_export_port=metrics_port,

@@ -52,6 +52,8 @@ LAZY = {
     ("pipeline.cli.evaluation", "pipeline.ray_runtime"),
     ("jobs.screen", "pipeline.builder.profile"), ("jobs.screen", "pipeline.eval.screen"),
     ("jobs.screen", "pipeline.kv.models"),
+    # Start-up time: `jobs.bench.fleet --help` and a bad value answer before torch loads.
+    ("jobs.bench.fleet", "pipeline.builder.driver"), ("jobs.bench.fleet", "pipeline.serve.app"),
     # Only `jobs.manifests --check-models` reads model files; listing a store needs no torch.
     ("jobs.manifests", "pipeline.kv.models"),
     # Start-up time: `jobs.answer` refuses a bad argument (a question over the limits included)

@@ -69,6 +69,30 @@ def test_bad_input_fails_with_one_line_before_torch_transformers_and_ray(tmp_pat
     assert [p.name for p in tmp_path.iterdir()] == ["bad.jsonl"]  # nothing written
 
 
+# `jobs.bench.fleet`'s values that make no sense (each once started Ray and built a store)
+FLEET_REFUSED = [("--requests", "-1"), ("--zipf", "-1"), ("--zipf", "nan"), ("--replicas", "0"),
+                 ("--concurrency", "0"), ("--follow-ups", "0"), ("--max-imbalance", "-1")]
+
+
+@pytest.mark.parametrize("option,value", FLEET_REFUSED, ids=[f"{o}={v}" for o, v in FLEET_REFUSED])
+def test_the_fleet_benchmark_refuses_a_bad_value_before_torch_loads(option, value, tmp_path):
+    """`jobs.bench.fleet` (Ray's client imported at its top) checks its numbers before the model
+    stack loads, Ray starts or a store is built: argparse's usage, then one line naming the
+    option."""
+    done = _run(["jobs.bench.fleet", "--dir", str(tmp_path / "fleet"), option, value])
+    assert done.returncode == 2, done.stderr
+    assert f"error: argument {option}: " in done.stderr.strip().splitlines()[-1]
+    heavy = done.stdout.strip().splitlines()[-1].removeprefix("heavy:").split(",")
+    assert not {"torch", "transformers"} & set(heavy), done.stdout[-300:]
+    assert list(tmp_path.iterdir()) == []  # no store built
+
+
+def test_the_fleet_benchmarks_help_loads_no_model_stack():
+    done = _run(["jobs.bench.fleet", "--help"])
+    assert done.returncode == 0 and "--follow-ups" in done.stdout, done.stderr
+    assert "torch" not in done.stdout.strip().splitlines()[-1], done.stdout[-300:]
+
+
 def test_a_heavy_import_is_seen():
     """The check above can fail: a command that imports torch at its top is reported."""
     done = _run(["jobs.bench.memory", "--help"])
