@@ -9,6 +9,7 @@ package imports only from packages above it:
     corpus/        conversations as data: the JSONL schema, LoCoMo, streaming reads, rendering
     kv/            the KV method: models, the episodic cache, scorers, budgets, block prefill
     episodes.py    conversations clustered into episodes; a question routed to one
+    routers.py     the routing strategies: which episode(s) a question's embedding reads
     store/         where caches live: local and S3 backends, the cache format, the manifests
                    and the manifest table
     builder/       the build: per-conversation and per-episode stages, and their Ray driver

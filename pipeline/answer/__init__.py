@@ -1,6 +1,7 @@
 """Answering: from a question to an answer decoded from its episode's cache.
 
     lookup.py         the manifest, the model check and the route to the nearest episode
+    topup.py          the question-time top-up: its nearest turns, from the turn index
     fetch.py          the read path: the verified cache the store hands over, through the LRU
     lru.py            CacheLRU: loaded caches under a byte budget
     decode.py         one answer decoded from one cache (whole, or streamed in pieces)

@@ -2,6 +2,7 @@
 
     plan.py          stage 1, whichever way: a clustering, an append's plan or a repair's
     cluster.py       stage 1: the conversation cut to fit, and its episodes
+    turns.py         stage 1's second product: the turn index the top-up reads, embedded
     growth.py        stage 1 of a grown conversation: its new windows placed in the episodes,
                      or why it is re-clustered (GrowthConfig)
     repair.py        a built conversation's damaged objects found (the skip check) and rebuilt

@@ -2,6 +2,7 @@
 
     models.py     the model and encoder registry (packaged or local; GGUF converted once)
     errors.py     ModelNotFoundError, importable without torch
+    fingerprint.py  fingerprints of model folders: which weights a cache was built with
     prompts.py    token ids of the context, a patched prompt and a question (the chat template)
     layout.py     where each turn's tokens sit in the rendered conversation
     attention.py  the episodic attention function (transformers' AttentionInterface)

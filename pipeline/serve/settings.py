@@ -54,8 +54,7 @@ class ServeSettings:
                 "no token)"})
     route_by: str = setting(RoutingConfig.router,
                           "how a question picks its episode: window (the nearest window's "
-                          "episode), centroid (the paper's), knn, expand or expandwin "
-                          "(docs/serving.md#routing)")
+                          "episode) or centroid (the paper's) (docs/serving.md#routing)")
     two_below: float = setting(
         RoutingConfig.two_below, "read the best two episodes together when their route scores "
                                  "differ by less than this (0: one episode always)")

@@ -191,3 +191,17 @@ def test_manifest_rows_are_read_as_records():
              for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
              if re.search(r'\brow\["', line)]
     assert found == []
+
+
+def test_every_package_index_names_its_modules():
+    """A package's docstring is its index: each module and sub-package beside it is listed, so
+    a reader finds a module from the tree (`pipeline/__init__.py` down)."""
+    unlisted = []
+    for init in sorted((REPO / "pipeline").rglob("__init__.py")):
+        index = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+        for entry in sorted(init.parent.iterdir()):
+            name = entry.name if entry.suffix == ".py" else f"{entry.name}/"
+            listed = entry.suffix == ".py" or (entry / "__init__.py").exists()
+            if listed and entry.name != "__init__.py" and name not in index:
+                unlisted.append(f"{init.parent.relative_to(REPO)}: {name}")
+    assert unlisted == []

@@ -93,6 +93,17 @@ def test_help_lists_methods_scorers_and_serve_builder_keys(parsers):
     assert all(f.name in serve_help for f in dataclasses.fields(ServeSettings))
 
 
+def test_route_by_names_only_the_routers_that_exist(parsers):
+    """Every `--route-by` offers the registry's routers and no retired one."""
+    from pipeline.routers import ROUTERS
+
+    for name in ("jobs.serve", "jobs.answer"):
+        [action] = [a for a in parsers[name]._actions if "--route-by" in a.option_strings]
+        text = f"{action.help} {action.choices or ''}"
+        assert all(router in text for router in ROUTERS), name
+        assert not re.search(r"\b(knn|expand|expandwin)\b", text), (name, text)
+
+
 _CODE_BLOCK = re.compile(r"```[a-z]*\n(.*?)```", flags=re.S)
 
 
