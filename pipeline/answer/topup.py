@@ -103,6 +103,9 @@ def held_turns(member_lists) -> set[str]:
 
 
 REBUILD = "rebuild it to top up its questions: python -m jobs.build --force (same corpus and store)"
+# a stored index that is missing or damaged: the build's skip check finds it and stores it again
+REPAIR = ("re-run the build to repair it: python -m jobs.build (same corpus and store; "
+          "--verify also finds damage that keeps the object's size)")
 
 
 class TopUps:
@@ -147,6 +150,6 @@ class TopUps:
         except TurnIndexUnavailable as e:
             log.warning("answering from the episode alone: %s", e)
             return TopUp.unavailable(str(e) if records[0].turn_index is None else
-                                     f"{e}; {REBUILD}")
+                                     f"{e}; {REPAIR}")
         held = held_turns(r.member_turn_ids for r in read) if self.config.skip_held else set()
         return select_topup(index, question_embedding, held, self.config, count_tokens)

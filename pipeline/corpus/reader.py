@@ -198,7 +198,11 @@ def _records(obj: CorpusObject, limits: CorpusLimits) -> Iterator[tuple[_Source,
     try:
         parsed = _decode_json(data, where, lambda i: f"line {data.count(NEWLINE, 0, i) + 1}")
     except CorpusError as e:
-        yield where, e
+        yield where, CorpusError(f"{e}; {FORMAT_RULE}") if _looks_like_jsonl(data) else e
+        return
+    if isinstance(parsed, dict) and "turns" in parsed and "conversation" not in parsed:
+        yield where, CorpusError(f"{where}: holds one record of the project's JSONL (a 'turns' "
+                                 f"field), not a LoCoMo sample; {FORMAT_RULE}")
         return
     stem = Path(name).stem
     if isinstance(parsed, list):  # locomo10.json: a list of samples
@@ -206,6 +210,20 @@ def _records(obj: CorpusObject, limits: CorpusLimits) -> Iterator[tuple[_Source,
             yield _Source(name, i), ("locomo", sample, f"{stem}-{i}")
     else:
         yield where, ("locomo", parsed, stem)
+
+
+FORMAT_RULE = ("the format is chosen by the name: a .jsonl file is the project's JSONL (one "
+               "record a line), any other file one JSON document (LoCoMo's) and was read as "
+               "one: give JSONL a .jsonl name (stdin too: save it to a .jsonl file)")
+
+
+def _looks_like_jsonl(data: bytes) -> bool:
+    """Whether a document that failed to parse whole is JSON objects one a line (JSONL)."""
+    lines = [line for line in data.splitlines() if line.strip()]
+    try:
+        return len(lines) > 1 and isinstance(json.loads(lines[0]), dict)
+    except (ValueError, RecursionError):
+        return False
 
 
 def _conversations(obj: CorpusObject, skip: bool, stats: ReadStats, limits: CorpusLimits,

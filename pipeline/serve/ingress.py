@@ -21,7 +21,7 @@ from ray.exceptions import RayActorError
 
 from pipeline.answer.lookup import (check_models, embed_question, load_manifest, route_index,
                                     route_records)
-from pipeline.answer.topup import REBUILD, TopUp, TopUps
+from pipeline.answer.topup import REPAIR, TopUp, TopUps
 from pipeline.config.limits import LimitError
 from pipeline.corpus.schema import check_safe_id
 from pipeline.kv import models
@@ -50,7 +50,7 @@ def refs_of(rows: list[ManifestRecord]) -> tuple[CacheRef, ...]:
 
 
 UNUSABLE_INDEX = ("this conversation's turn index is missing, corrupt or unreadable (the server "
-                  f"log names the object and why): answered from the episode alone; {REBUILD}")
+                  f"log names the object and why): answered from the episode alone; {REPAIR}")
 
 
 def public_topup(topup: TopUp, records: list[ManifestRecord]) -> dict:

@@ -80,7 +80,8 @@ def test_a_client_sees_the_topups_turns_not_its_text_nor_the_index_objects_key()
     broken = TopUp.unavailable(f"turn index {stored.key} failed its checksum; rebuild it")
     shown = public_topup(broken, _records(stored))
     assert shown["status"] == "unavailable" and shown["note"] == UNUSABLE_INDEX
-    assert "turns/" not in shown["note"] and "jobs.build --force" in shown["note"]
+    assert "turns/" not in shown["note"] and "python -m jobs.build (" in shown["note"]
+    assert "--force" not in shown["note"] and "--verify" in shown["note"]  # a re-run repairs it
     # a conversation built before turn indexes: the library's note names only the conversation
     old = TopUp.unavailable("conversation 'synth-0000' was built before turn indexes: ...")
     assert public_topup(old, _records(None))["note"] == old.note
