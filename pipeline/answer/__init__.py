@@ -4,7 +4,7 @@
     topup.py          the question-time top-up: its nearest turns, from the turn index
     fetch.py          the read path: the verified cache the store hands over, through the LRU
     lru.py            CacheLRU: loaded caches under a byte budget
-    decode.py         one answer decoded from one cache (whole, or streamed in pieces)
+    decode.py         one answer decoded from one cache; AnswerPieces for a streamed one
     answerer.py       Answerer: all of the above in one process
     packed.py         several caches' rows packed into one decode step (DecodeRow, packed_step)
     batcher.py        DecodeBatcher: continuous batching on two threads (prefill, decode)

@@ -73,11 +73,6 @@ class Answerer:
                      encoder_fingerprint=models.encoder_fingerprint(first.encoder_id))
         return lm, encoder
 
-    def load_cache(self, record: ManifestRecord) -> tuple[EpisodicCache, bool]:
-        """The episode's cache, from residency (True) or fetched and verified (False); refused
-        unless the model loaded for it has the files it was built with."""
-        return self.load_caches([record])
-
     def load_caches(self, records: list[ManifestRecord]) -> tuple[EpisodicCache, bool]:
         """The cache a question reads: its episode's, or two episodes' joined (`resident_read`);
         refused unless the model loaded for them has the files they were built with."""

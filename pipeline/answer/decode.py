@@ -1,16 +1,12 @@
 """Decoding an answer from an episodic cache: only the question is prefilled, never the history.
 
-`decode_answer` returns the whole answer, `stream_answer` yields it in pieces that join to the
-same text (`AnswerPieces`); the Serve decoder's batcher (`pipeline.answer.batcher`) gives the
-same greedy answers.
+`decode_answer` returns the whole answer; the Serve decoder's batcher (`pipeline.answer.batcher`)
+gives the same greedy answers, streamed in pieces that join to the same text (`AnswerPieces`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
@@ -36,21 +32,18 @@ def question_prompt(lm: models.LoadedModel, cache: EpisodicCache, question: str,
 
 @torch.inference_mode()
 def generate_from_cache(lm: models.LoadedModel, cache: EpisodicCache, question_ids: torch.Tensor,
-                        max_new_tokens: int = 32, temperature: float = 0.0,
-                        streamer=None) -> torch.Tensor:
-    """Generated token ids after `question_ids`, decoding from `cache` (left unchanged).
-    A transformers `streamer` receives the tokens as they come (its first put is the prompt)."""
+                        max_new_tokens: int = 32, temperature: float = 0.0) -> torch.Tensor:
+    """Generated token ids after `question_ids`, decoding from `cache` (left unchanged)."""
     tokenizer = lm.tokenizer
     # generate() expects ids for the cached history too; it only feeds the uncached tail.
     filler = torch.full((cache.next_position,), tokenizer.pad_token_id or 0, dtype=torch.long)
     input_ids = torch.cat([filler, question_ids])[None].to(lm.model.device)
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else \
         {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
-    extra = {"streamer": streamer} if streamer is not None else {}
     with cache.scratch():
         out = lm.model.generate(input_ids, past_key_values=cache, max_new_tokens=max_new_tokens,
                                 pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
-                                **sampling, **extra)
+                                **sampling)
     return out[0, input_ids.shape[1]:]
 
 
@@ -101,48 +94,3 @@ class AnswerPieces:
             self.started = True
         self.pending = text[len(body):]
         return body
-
-
-def stream_answer(lm: models.LoadedModel, cache: EpisodicCache, question: str,
-                  max_new_tokens: int = 32, temperature: float = 0.0,
-                  lock: threading.Lock | None = None, info: dict | None = None,
-                  limits: AnswerLimits = DEFAULT_LIMITS, topup: str = "") -> Iterator[str]:
-    """Yield the answer in pieces as it is generated; the pieces join to `decode_answer`'s text.
-
-    A request over `limits` is a `LimitError` before anything is generated. Generation runs in
-    a helper thread (holding `lock`, if given, for its whole duration); `info` receives `tokens`
-    and `finish_reason` once the stream ends. An error in generation is raised here, after the
-    pieces already yielded.
-    """
-    from transformers import TextIteratorStreamer
-
-    max_new_tokens, temperature = limits.check_sampling(max_new_tokens, temperature)
-    prompt = question_prompt(lm, cache, question, max_new_tokens, limits, topup)
-    streamer = TextIteratorStreamer(lm.tokenizer, skip_prompt=True, skip_special_tokens=True)
-    outcome: dict = {}
-
-    def run() -> None:
-        try:
-            with lock if lock is not None else contextlib.nullcontext():
-                ids = generate_from_cache(lm, cache, prompt, max_new_tokens, temperature,
-                                          streamer=streamer)
-            outcome["ids"] = ids
-        except BaseException as e:  # handed to the consuming thread
-            outcome["error"] = e
-            streamer.end()
-
-    thread = threading.Thread(target=run, name="stream-answer", daemon=True)
-    thread.start()
-    pieces = AnswerPieces()
-    try:
-        for text in streamer:
-            piece = pieces.feed(text)
-            if piece:
-                yield piece
-    finally:
-        thread.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    if info is not None:
-        ids = outcome["ids"]
-        info.update(tokens=int(len(ids)), finish_reason=finish_reason(lm, ids, max_new_tokens))
