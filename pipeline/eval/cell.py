@@ -42,7 +42,7 @@ from pipeline.kv.prefill import PrefillStats, block_prefill, entry_bytes
 from pipeline.kv.tristate import EntryBytes
 from pipeline.store.manifest import write_manifest
 from pipeline.store.memory import MemoryStore
-from pipeline.store.turn_index import store_turn_index
+from pipeline.store.turn_index import TurnIndex, store_turn_index
 
 
 @dataclass(frozen=True)
@@ -198,7 +198,7 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
                                      Full(), None, build.prefill,
                                      original_element_size=element_size))
         measured = measure_reads(len(questions), reads, one_cache(lambda: cache), measure,
-                                 topup_chooser(conv, questions, config, reads), generates)
+                                 topup_chooser(conv, questions, config), generates)
     else:
         measured = _built_and_measured(conv, questions, method, build,
                                        None if build.budget is None else layer_budgets,
@@ -215,20 +215,20 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
 
 
 def topup_chooser(conv: Conversation, questions: list[Question], config: EvalConfig,
-                  reads: tuple[Read, ...], encoder_fingerprint: str | None = None,
-                  embeddings: np.ndarray | None = None
-                  ) -> Callable[[TopUpConfig, int, set[str]], TopUp]:
+                  encoder_fingerprint: str | None = None, embeddings: np.ndarray | None = None,
+                  index: TurnIndex | None = None) -> Callable[[TopUpConfig, int, set[str]], TopUp]:
     """A question's top-up given the turns its cache holds whole, chosen as the answer path
     chooses it (`pipeline.answer.topup`) from the conversation's turn index as `jobs.build`
-    stores it; the index is embedded on the first top-up asked for."""
+    stores it (`index`, or embedded on the first top-up asked for)."""
     @functools.cache
     def chooser() -> Callable[[TopUpConfig, int, set[str]], TopUp]:
         encoder = models.load_encoder(config.encoder)
-        index = index_turns(conv, encoder, config.encoder,
-                            encoder_fingerprint or models.encoder_fingerprint(config.encoder))
+        turns = index if index is not None else index_turns(
+            conv, encoder, config.encoder,
+            encoder_fingerprint or models.encoder_fingerprint(config.encoder))
         embedded = question_embeddings(encoder, questions) if embeddings is None else embeddings
         count = models.load_llm(config.model).count_tokens
-        return lambda topup, i, held: select_topup(index, embedded[i], held, topup, count)
+        return lambda topup, i, held: select_topup(turns, embedded[i], held, topup, count)
 
     return lambda topup, i, held: chooser()(topup, i, held)
 
@@ -251,7 +251,7 @@ def _built_and_measured(conv: Conversation, questions: list[Question], method: s
                 store.delete(done.record.object_key)  # measured as built; nothing kept
                 return built(done.cache, done.stats)
 
-            topups = topup_chooser(conv, questions, config, reads, clustered.encoder_fingerprint)
+            topups = topup_chooser(conv, questions, config, clustered.encoder_fingerprint)
             if build.scorer == "question":  # an upper bound: one build per question
                 caches = CellCaches(functools.lru_cache(maxsize=1)(
                     lambda key: cache_of(question_text(questions[key[0]]))), lambda read, i: (i,))
@@ -260,9 +260,10 @@ def _built_and_measured(conv: Conversation, questions: list[Question], method: s
             return measure_reads(len(questions), reads, caches, measure, topups, generates)
         encoder = models.load_encoder(config.encoder)
         embeddings = question_embeddings(encoder, questions)
-        if answered:  # the answer path reads the index beside the manifest
-            clustered = replace(clustered, turn_index=store_turn_index(index_turns(
-                conv, encoder, config.encoder, clustered.encoder_fingerprint), store))
+        index = None
+        if answered:  # the answer path reads the index beside the manifest; embedded once
+            index = index_turns(conv, encoder, config.encoder, clustered.encoder_fingerprint)
+            clustered = replace(clustered, turn_index=store_turn_index(index, store))
         episodes = [build_episode_cache(clustered, ep.index, budgets, build, store)
                     for ep in clustered.episodes.episodes]
         caches = [built(done.cache, done.stats) for done in episodes]
@@ -272,8 +273,8 @@ def _built_and_measured(conv: Conversation, questions: list[Question], method: s
             functools.lru_cache(maxsize=1)(lambda key: caches[key[0]] if len(key) == 1 else
                                            EpisodicCache.joined([caches[k] for k in key])),
             routed(scores), lambda key: held_turns(members[k] for k in key)),
-            measure, topup_chooser(conv, questions, config, reads,
-                                   clustered.encoder_fingerprint, embeddings), generates)
+            measure, topup_chooser(conv, questions, config, clustered.encoder_fingerprint,
+                                   embeddings, index), generates)
         if answered:
             write_manifest(store, conv.conversation_id, [done.record for done in episodes])
             _answered(store, conv.conversation_id, questions, answered, config, records)

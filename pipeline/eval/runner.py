@@ -12,6 +12,7 @@ import functools
 import hashlib
 import io
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -322,7 +323,7 @@ def run_cells(convs: list[Conversation], methods: list[str], budgets: list[int],
                     read = config.read_of(m)
                     topup = 0.0 if read.topup is None else nan_mean(
                         r[f"{read.prefix}topup_tokens"] for r in none_records)
-                    cache_budget = b if target != target else max(1, round(target - topup))
+                    cache_budget = b if math.isnan(target) else max(1, round(target - topup))
                     second.add(conv, digest, prep, m, cache_budget, label=b)
         more, failed_too, reused_too = second.run(in_process)
         records, failed, reused = records + more, failed + failed_too, reused + reused_too

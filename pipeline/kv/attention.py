@@ -38,10 +38,10 @@ class Packing:
     """Several sequences in one forward, each continuing the cache on its own: `segments` [q]
     segment ids (non-decreasing); `parents` [q] a segment each token also sees whole, -1 for
     none (a shared head: a question's top-up, read once before each of its probes); `offsets`
-    [q] each token's position after the cache's next position (None: from 0 in each segment)."""
+    [q] each token's position after the cache's next position."""
     segments: torch.Tensor
-    parents: torch.Tensor | None = None
-    offsets: torch.Tensor | None = None
+    parents: torch.Tensor
+    offsets: torch.Tensor
 
 
 @dataclass
@@ -155,15 +155,6 @@ def _take_request(key: torch.Tensor) -> AttentionRequest | PackedRequest | None:
     return None
 
 
-def segment_offsets(segments: torch.Tensor) -> torch.Tensor:
-    """[q] offset of each token within its segment (segment ids non-decreasing)."""
-    index = torch.arange(segments.shape[0], device=segments.device)
-    starts = torch.ones_like(segments, dtype=torch.bool)
-    starts[1:] = segments[1:] != segments[:-1]
-    first = torch.cummax(torch.where(starts, index, torch.zeros_like(index)), dim=0).values
-    return index - first
-
-
 def episodic_mask(request: AttentionRequest, q_len: int, group: int,
                   sliding_window: int | None = None) -> torch.Tensor:
     """[1, Hq, q, L_past + q] bool: valid cached slots per head, causal over the new tokens,
@@ -179,12 +170,9 @@ def episodic_mask(request: AttentionRequest, q_len: int, group: int,
     packing = request.packing
     if packing is not None:  # packed: block-diagonal (and parents), positions per segment
         seg = packing.segments.to(device)
-        seen = seg[None, :] == seg[:, None]
-        if packing.parents is not None:
-            seen |= seg[None, :] == packing.parents.to(device)[:, None]
-        causal = causal & seen
-        offsets = segment_offsets(seg) if packing.offsets is None else packing.offsets.to(device)
-        q_pos = request.first_position + offsets
+        parents = packing.parents.to(device)
+        causal = causal & ((seg[None, :] == seg[:, None]) | (seg[None, :] == parents[:, None]))
+        q_pos = request.first_position + packing.offsets.to(device)
     if sliding_window is None and bool(past_valid.all()):
         past = torch.ones(1, q_len, n_past, dtype=torch.bool, device=device)
         return torch.cat([past, causal[None]], dim=-1)[None]

@@ -333,12 +333,11 @@ class EpisodicCache(Cache):
                 layer.n_patch = 0
 
     @contextmanager
-    def packed(self, segments: torch.Tensor | Packing) -> Iterator[None]:
+    def packed(self, packing: Packing) -> Iterator[None]:
         """During this forward (inside `scratch()`), the new tokens are independent sequences
-        (segment ids [q], non-decreasing, or a `Packing` whose segments may also read a parent
-        segment), each continuing the cache on its own: a block-diagonal causal mask over them.
-        The caller gives each token its position (`position_ids`) from the next position on."""
-        packing = segments if isinstance(segments, Packing) else Packing(segments)
+        (`Packing`: each may also read a parent segment whole), each continuing the cache on its
+        own: a block-diagonal causal mask over them. The caller gives each token its position
+        (`position_ids`) from the next position on, as `packing.offsets` says."""
         for layer in self.layers:
             layer.packing = packing
         try:

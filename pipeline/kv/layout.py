@@ -67,4 +67,3 @@ def kept_share(cache, start: int, end: int) -> float:
         inside = layer.valid & (layer.positions >= start) & (layer.positions < end)
         shares.append(inside.sum().item() / ((end - start) * layer.valid.shape[0]))
     return float(sum(shares) / len(shares))
-
