@@ -37,25 +37,44 @@ from pipeline.eval.report import scorecard_page, write_report
 ROWS = ("full", "epicache", "epicache-episode", "streamingllm",
         "streamingllm+topup.enabled=true", "snapkv+topup.enabled=true",
         "keydiff+topup.enabled=true", "rag", "full+topup.enabled=true")
+# --full-length: whole conversations, longer than the model's positions, so the baselines keep
+# compact positions too (at original positions they would not fit), and the full-history
+# reference is each question's oracle window (`pipeline.eval.window`)
+COMPACT = "+prefill.positions=compact"
+FULL_LENGTH_ROWS = ("full", "epicache", "epicache-episode", f"streamingllm{COMPACT}",
+                    f"streamingllm{COMPACT}+topup.enabled=true",
+                    f"snapkv{COMPACT}+topup.enabled=true", f"keydiff{COMPACT}+topup.enabled=true",
+                    "rag", "full+topup.enabled=true")
+CUT_TOKENS = 7600  # the model's 8,192 positions hold the full-history reference (or window)
 
 # the summary's parts the page is made from, written beside it (`<page>.json`)
 PAGE_DATA = ("config", "methods", "budgets", "conversations", "equal_entries", "default",
              "scorecard")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(full_length: bool = False) -> argparse.ArgumentParser:
+    """The options; `--full-length` changes the defaults of the rows, budgets, --out and --page."""
     p = make_parser("jobs.scorecard", __doc__)
-    add_evaluation_options(p, ROWS, "512,1024", "scorecard-out")
-    for action in p._actions:  # the model's 8,192 positions hold the full-history reference
-        if action.dest == "max_context_tokens":
-            action.default = 7600
+    add_evaluation_options(p, FULL_LENGTH_ROWS if full_length else ROWS,
+                           "512,1024,2048" if full_length else "512,1024",
+                           "scorecard-full-out" if full_length else "scorecard-out")
+    p.add_argument("--full-length", action="store_true",
+                   help="whole conversations (no cut), each question's reference the full cache "
+                        f"of the {CUT_TOKENS:,}-token window holding its evidence; its own rows "
+                        "(baselines at compact positions), budgets (512,1024,2048), --out "
+                        "(scorecard-full-out) and --page (docs/scorecard-full.md)")
+    for action in p._actions:
+        if action.dest == "max_context_tokens" and not full_length:
+            action.default = CUT_TOKENS
             action.help = ("cut each conversation at a session boundary to fit this many "
-                           "tokens (default: 7600)")
+                           f"tokens (default: {CUT_TOKENS})")
+        if action.dest == "reference_window" and full_length:
+            action.default = CUT_TOKENS
     p.add_argument("--tuning", default="26,30,41",
                    help="the conversations tuned on, reported apart from the untouched others")
-    p.add_argument("--page", default="docs/scorecard.md",
-                   help="the scorecard page to write (its plots beside it)")
-    p.add_argument("--f1-questions", type=count, default=8, metavar="N",
+    p.add_argument("--page", default="docs/scorecard-full.md" if full_length else
+                   "docs/scorecard.md", help="the scorecard page to write (its plots beside it)")
+    p.add_argument("--f1-questions", type=count, default=0 if full_length else 8, metavar="N",
                    help="generate answers for the first N questions of each conversation "
                         "(token F1); 0: none")
     p.add_argument("--f1-methods", default="epicache,full",
@@ -64,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    full_length = "--full-length" in (sys.argv[1:] if argv is None else argv)
+    a = build_parser(full_length).parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     out, page = Path(a.out), Path(a.page)
     try:

@@ -54,6 +54,11 @@ def add_evaluation_options(p: argparse.ArgumentParser, methods: tuple[str, ...],
     p.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
                    help="override a configuration field of every method that takes it "
                         "(repeatable), e.g. --set scoring.focus=0.5 --set routing.two_below=0")
+    p.add_argument("--reference-window", type=positive_int, default=None, metavar="TOKENS",
+                   help="the full-history reference of each question: the full cache of the "
+                        "window of whole sessions, at most TOKENS, that holds its evidence (for "
+                        "whole conversations longer than the model; questions no window holds "
+                        "are left out); default: the full cache of the conversation")
     p.add_argument("--in-process", action="store_true",
                    help="run the cells one after another in this process instead of as Ray "
                         "tasks (one GPU, or a machine without Ray)")
@@ -99,7 +104,8 @@ def eval_config(a: argparse.Namespace, methods: list[str], budgets: list[int],
     value fails here; `measure`: the EvalConfig fields the command sets itself."""
     config = EvalConfig(eval_build_config_from_args(a), overrides=set_overrides(a.set, methods),
                         questions_per_conversation=a.questions_per_conversation,
-                        max_new_tokens=a.max_new_tokens, **measure)
+                        max_new_tokens=a.max_new_tokens, reference_window=a.reference_window,
+                        **measure)
     for m in methods:
         config.build_config(m, budgets[0])
         config.read_of(m)
@@ -169,7 +175,10 @@ def run_evaluation(run: Evaluation, convs: list[Conversation],
     summary = {"config": run.config.as_dict(), "methods": run.methods, "budgets": run.budgets,
                "conversations": [{"conversation_id": p.conversation.conversation_id,
                                   "tokens": p.tokens, "questions": len(p.questions),
-                                  "questions_dropped_by_cut": p.dropped_by_cut}
+                                  "questions_dropped_by_cut": p.dropped_by_cut,
+                                  "questions_dropped_by_window": p.dropped_by_window,
+                                  "windows": None if p.windows is None else [
+                                      w.meta["window"] for w in p.windows.windows]}
                                  for p in outcome.prepared],
                "context": ("cut at a session boundary to fit" if run.config.max_context_tokens
                            else "whole conversations"), "seconds": time.perf_counter() - start,

@@ -2,6 +2,8 @@
 
     methods.py        the method and variant language, EvalConfig
     cell.py           one (conversation, method, budget) cell: build, then measure
+    window.py         the oracle window: each question's reference in a whole conversation
+                      longer than the model
     reads.py          a cell's reads: each method's route and top-up, measured on the cache
                       it picks; a method's record selected from its cell's
     metrics.py        evidence-recall and answer NLLs, F1, retention

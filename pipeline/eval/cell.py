@@ -34,6 +34,7 @@ from pipeline.eval.metrics import (ADVERSARIAL_CATEGORY, evidence_probe, f1_scor
 from pipeline.eval.reads import (CellCaches, measure_reads, one_cache, question_embeddings,
                                  route_scores, routed, select_read)
 from pipeline.eval.summary import nan_mean
+from pipeline.eval.window import Windows, evidence_windows
 from pipeline.kv import models, prompts
 from pipeline.kv.cache import EpisodicCache
 from pipeline.kv.layout import TokenLayout, kept_share, token_layout
@@ -47,11 +48,15 @@ from pipeline.store.turn_index import TurnIndex, store_turn_index
 
 @dataclass(frozen=True)
 class Prepared:
-    """A conversation ready to evaluate: cut to fit, its questions chosen."""
+    """A conversation ready to evaluate: cut to fit, its questions chosen; with an oracle-window
+    reference (`EvalConfig.reference_window`), the windows its questions read and each one's
+    (`pipeline.eval.window`), the questions no window holds left out (`dropped_by_window`)."""
     conversation: Conversation
     questions: tuple[Question, ...]
     dropped_by_cut: int
     tokens: int
+    windows: Windows | None = None
+    dropped_by_window: int = 0
 
 
 def prepare(conv: Conversation, config: EvalConfig) -> Prepared:
@@ -63,7 +68,15 @@ def prepare(conv: Conversation, config: EvalConfig) -> Prepared:
     if config.questions_per_conversation is not None:
         questions = questions[:config.questions_per_conversation]
     dropped = cut.meta.get("cut", {}).get("questions_dropped", 0)
-    return Prepared(cut, tuple(questions), dropped, count(render_conversation(cut).text))
+    windows, dropped_by_window = None, 0
+    if config.reference_window is not None:
+        found = evidence_windows(cut, questions, config.reference_window, count)
+        kept = [i for i, w in enumerate(found.of_question) if w is not None]
+        dropped_by_window = len(questions) - len(kept)
+        questions = [questions[i] for i in kept]
+        windows = Windows(found.windows, tuple(found.of_question[i] for i in kept))
+    return Prepared(cut, tuple(questions), dropped, count(render_conversation(cut).text),
+                    windows, dropped_by_window)
 
 
 def history_ids(tokenizer, conv: Conversation, turns: bool = True) -> torch.Tensor:
@@ -173,6 +186,7 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
     sizes = entry_bytes(lm.model, element_size)
     layout = token_layout(lm.tokenizer, conv)
     merged: dict[int, int] = {}  # id(cache) -> entries merged (D2O) by its build
+    layouts: dict[int, TokenLayout] = {}  # id(cache) -> its layout, where not `layout` (windows)
     seconds = []
     # episodic cells answer through the product's answer path instead (`_answered`)
     def generates(read: Read, i: int) -> bool:
@@ -190,7 +204,8 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
         kept = float(np.mean(cache.entries_per_layer()))
         measured = measure_all(lm, conv, chosen, cache, config, topups, answer)
         return [{"kept_entries": kept, "decode_entries": kept + topup.tokens,
-                 **evidence_diagnostics(conv, q, layout, cache), **footprint, **record}
+                 **evidence_diagnostics(conv, q, layouts.get(id(cache), layout), cache),
+                 **footprint, **record}
                 for q, topup, record in zip(chosen, topups, measured)]
 
     if not spec.history:  # the reference: the same prompt without the turns
@@ -198,6 +213,10 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
                                      Full(), None, build.prefill,
                                      original_element_size=element_size))
         measured = measure_reads(len(questions), reads, one_cache(lambda: cache), measure,
+                                 topup_chooser(conv, questions, config), generates)
+    elif prep.windows is not None and build.scorer == "full":  # each question's oracle window
+        caches = window_caches(lm, prep.windows, build, element_size, built, layouts)
+        measured = measure_reads(len(questions), reads, caches, measure,
                                  topup_chooser(conv, questions, config), generates)
     else:
         measured = _built_and_measured(conv, questions, method, build,
@@ -212,6 +231,23 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
                 **record, "cell_seconds": elapsed, "build_seconds": sum(seconds)}
                for i, (q, record) in enumerate(zip(questions, measured))]
     return [r | select_read(r, method, config) for r in records]  # every read's fields kept
+
+
+def window_caches(lm: models.LoadedModel, windows: Windows, build: BuildConfig,
+                  element_size: int, built: Callable, layouts: dict[int, TokenLayout]
+                  ) -> CellCaches:
+    """The full caches of the oracle windows, each question reading its own, built one at a
+    time (its questions measured together); each cache's layout kept in `layouts` for the
+    evidence diagnostics."""
+    def window_cache(key: tuple[int, ...]) -> EpisodicCache:
+        window = windows.windows[key[0]]
+        cache = built(*block_prefill(lm.model, history_ids(lm.tokenizer, window), Full(), None,
+                                     build.prefill, original_element_size=element_size))
+        layouts[id(cache)] = token_layout(lm.tokenizer, window)
+        return cache
+
+    return CellCaches(functools.lru_cache(maxsize=1)(window_cache),
+                      lambda read, i: (windows.of_question[i],))
 
 
 def topup_chooser(conv: Conversation, questions: list[Question], config: EvalConfig,

@@ -225,6 +225,10 @@ class EvalConfig:
     max_new_tokens: int = 32
     recall_words: int = 4
     recall_tokens: int = 32
+    # whole conversations longer than the model: the full-history reference of a question is
+    # the full cache of the window of at most this many tokens holding its evidence
+    # (`pipeline.eval.window`); None: the full cache of the (cut) conversation
+    reference_window: int | None = None
 
     @property
     def model(self) -> str:

@@ -92,6 +92,46 @@ def scorecard_table(card: dict, default: str | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+BREAKDOWNS = {"third": "the evidence's third of the conversation",
+              "sessions": "the evidence's (first) session",
+              "route_hit": "whether the route read an episode holding evidence"}
+
+
+def breakdown_tables(card: dict, default: str | None = None) -> str:
+    """Answer retention per group of questions (`scorecard.breakdown`), one table per way of
+    grouping: a row per method and budget, a column per group (its questions in brackets)."""
+    parts = []
+    for by, title in BREAKDOWNS.items():
+        lines = [line for line in card.get("breakdown", ()) if line["by"] == by]
+        if not lines:
+            continue
+        groups = sorted({line["group"] for line in lines}, key=_group_order)
+        rows = list(dict.fromkeys((line["method"], line["budget"]) for line in lines))
+        rows.sort(key=lambda r: (r[1] is None, r[1] or 0, r[0] != default))
+        cell = {(line["method"], line["budget"], line["group"]): line["answer"] for line in lines}
+        head = ["row", "budget", *(f"{g} ({_count(cell, g)})" for g in groups)]
+        table = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for method, budget in rows:
+            table.append("| " + " | ".join([method, str(budget or "-"), *(
+                _pct(cell.get((method, budget, g))) for g in groups)]) + " |")
+        parts.append(f"Answer retention by {title} (questions in brackets):\n\n"
+                     + "\n".join(table) + "\n")
+    return "\n".join(parts)
+
+
+def _group_order(group) -> tuple:
+    thirds = ("first", "middle", "last")
+    if group in thirds:
+        return (0, thirds.index(group))
+    if isinstance(group, str) and group.split("-")[0].isdigit():
+        return (1, int(group.split("-")[0]))
+    return (2, str(group))
+
+
+def _count(cell: dict, group) -> int:
+    return max((v.get("questions", 0) for (m, b, g), v in cell.items() if g == group), default=0)
+
+
 def signal_table(card: dict) -> str:
     """Each measure's none -> full gap in nats (90% interval) and the share of questions the
     full history is better on, for the group and each conversation; low-signal ones marked."""
@@ -242,6 +282,9 @@ def scorecard_page(summary: dict, command: str, page: Path) -> str:
         f"{', '.join(str(b) for b in summary['budgets'])} entries per layer and KV head; every "
         f"row with a budget runs at `{summary.get('equal_entries')}`'s mean decode-time entries "
         "(its cache budget less its own top-up tokens) per conversation and budget.\n",
+        window_note(summary) if not cut else
+        f"The whole conversations, each question measured against its oracle window: "
+        f"[{page.stem}-full.md]({page.stem}-full.md) (`jobs.scorecard --full-length`).\n",
         READING,
     ]
     for name, card in summary["scorecard"].items():
@@ -255,9 +298,26 @@ def scorecard_page(summary: dict, command: str, page: Path) -> str:
                   f"history is better on; `(low)`: the gap's lower bound is under "
                   f"{LOW_SIGNAL_NATS} nats, too little signal to judge a method by that measure "
                   "there:\n",
-                  signal_table(card), "Generated answers (greedy, a sample of questions):\n",
-                  f1_table(card)]
+                  signal_table(card), breakdown_tables(card, summary.get("default")),
+                  "Generated answers (greedy, a sample of questions):\n", f1_table(card)]
     return "\n".join(parts)
+
+
+def window_note(summary: dict) -> str:
+    """What `full` means on a page whose reference is the oracle window (else nothing)."""
+    window = summary["config"].get("reference_window")
+    if not window:
+        return ""
+    convs = summary["conversations"]
+    dropped = sum(c.get("questions_dropped_by_window", 0) for c in convs)
+    windows = sum(len(c.get("windows") or ()) for c in convs)
+    return (f"**The full-history reference (`full`, 100) is each question's oracle window**: the "
+            f"full cache of the window of whole sessions, at most {window:,} tokens, that holds "
+            f"its evidence ({windows} windows over the {len(convs)} conversations; "
+            f"{dropped} questions whose evidence no window holds are left out). It is the best "
+            "a full-attention model with this window does when told where to look, not the "
+            "full history: a row above 100 reads more of what the answer needs than that window "
+            "gives (docs/evaluation.md, \"The oracle window\").\n")
 
 
 READING = """

@@ -80,6 +80,8 @@ def cell_key(conv: Conversation, digest: str, method: str, budget: int | None,
             "measure": {k: getattr(config, k) for k in (
                 "max_context_tokens", "questions_per_conversation", "recall_words",
                 "recall_tokens")}}
+    if base == "full" and config.reference_window is not None:  # the oracle windows' caches
+        what["measure"]["reference_window"] = config.reference_window
     if not spec.episodic:  # knobs only EpiCache reads
         for knob in ("scoring", "episodes", "encoder"):
             what["build"].pop(knob)

@@ -167,6 +167,44 @@ def _row_mean(records: dict[Key, dict], keys: list[Key], field: str) -> float:
     return _mean(records[k].get(field) for k in keys if k in records)
 
 
+SESSIONS_PER_BIN = 5  # the evidence's session, reported in bins of this many sessions
+
+
+def position_groups(record: dict) -> dict[str, str | None]:
+    """Where a question's evidence lies (from its no-history record, laid out over the whole
+    conversation): its third of the conversation's tokens and its first session's bin."""
+    position, session = record.get("evidence_position"), record.get("evidence_session")
+    third = None if position is None or not np.isfinite(position) else \
+        ("first", "middle", "last")[min(int(position * 3), 2)]
+    low = None if session is None else SESSIONS_PER_BIN * ((int(session) - 1) // SESSIONS_PER_BIN) + 1
+    return {"third": third,
+            "sessions": None if low is None else f"{low}-{low + SESSIONS_PER_BIN - 1}"}
+
+
+def breakdown(rows: Rows, keys: list[Key]) -> list[dict]:
+    """Answer retention (90% interval) of every row but the references, per group of
+    questions: by the evidence's third and session bin, and for a routed row by whether its
+    route read an evidence episode (`route_hit`)."""
+    where = {k: position_groups(rows.none[k]) for k in keys}
+    out = []
+    for (method, budget), got in rows.by_row.items():
+        if method in (NO_HISTORY, "full") or not any(k in got for k in keys):
+            continue
+        by = {"third": lambda k: where[k]["third"], "sessions": lambda k: where[k]["sessions"],
+              "route_hit": lambda k: got[k].get("route_hit") if k in got else None}
+        for name, group_of in by.items():
+            groups: dict = {}
+            for k in keys:
+                if group_of(k) is not None:
+                    groups.setdefault(group_of(k), []).append(k)
+            for group, own in sorted(groups.items(), key=lambda g: str(g[0])):
+                out.append({"method": method, "budget": budget, "by": name, "group": group,
+                            "answer": bootstrap_retention(rows.arrays((method, budget), own,
+                                                                      "answer"),
+                                                          resamples(len(own)))})
+    return out
+
+
 def group_scorecard(records: list[dict], default: str | None,
                     conversations: set[str] | None = None) -> dict:
     """The scorecard of one group of conversations (all when None): per (method, budget) row,
@@ -206,7 +244,7 @@ def group_scorecard(records: list[dict], default: str | None,
     for cid in sorted({k[0] for k in keys}):
         own = [k for k in keys if k[0] == cid]
         by_conversation[cid] = {m: signal(rows, own, m) for m in MEASURES}
-    return {"questions": len(keys), "rows": table,
+    return {"questions": len(keys), "rows": table, "breakdown": breakdown(rows, keys),
             "signal": {m: signal(rows, keys, m) for m in MEASURES},
             "signal_by_conversation": by_conversation}
 

@@ -441,3 +441,57 @@ def test_the_scorecard_writes_its_page_with_both_groups_and_generated_answers(tm
                 if r.get("prediction") is not None}
     assert answered == {(c.conversation_id, m, 0) for c in convs for m in ("epicache", "full")}
     assert text.count("| epicache | 32 | 1 |") == 2  # one answer a conversation, in each group
+
+
+@pytest.mark.e2e
+def test_the_oracle_window_reference_is_the_full_cache_of_each_questions_window(tiny_llm_dir):
+    """With `reference_window`, the `full` cell measures each question on the full cache of its
+    window alone: the same NLLs as the full cell of a conversation that is that window; a
+    window holding the whole conversation gives the plain full reference."""
+    from pipeline.eval.cell import Prepared, evaluate_cell, prepare
+
+    conv = make_corpus(1, 1500, seed=7)[0]
+    plain = EvalConfig(BuildConfig(model=tiny_llm_dir, prefill=PrefillConfig(block=64)),
+                       questions_per_conversation=4)
+    whole = evaluate_cell(prepare(conv, plain), "full", None, plain, None)
+    everything = EvalConfig(plain.build, questions_per_conversation=4, reference_window=100_000)
+    assert [r["answer_nll"] for r in evaluate_cell(prepare(conv, everything), "full", None,
+                                                   everything, None)] == \
+        pytest.approx([r["answer_nll"] for r in whole], abs=1e-5)
+    windowed = EvalConfig(plain.build, reference_window=500)
+    prep = prepare(conv, windowed)
+    assert len(prep.windows.windows) > 1 and prep.questions
+    records = evaluate_cell(prep, "full", None, windowed, None)
+    for q, w, record in zip(prep.questions, prep.windows.of_question, records):
+        window = prep.windows.windows[w]
+        alone = evaluate_cell(Prepared(window, (q,), 0, 0), "full", None, plain, None)[0]
+        assert record["answer_nll"] == pytest.approx(alone["answer_nll"], abs=1e-5)
+        assert record["kept_entries"] < whole[0]["kept_entries"]
+
+
+@pytest.mark.e2e
+def test_the_full_length_scorecard_reads_whole_conversations_against_their_windows(
+        tmp_path, tiny_llm_dir):
+    """`jobs.scorecard --full-length`: nothing cut, the reference each question's window (the
+    page says so, the summary lists the windows), and answer retention by the evidence's
+    third, session and route hit."""
+    from jobs import scorecard as scorecard_job
+
+    corpus = tmp_path / "corpus.jsonl"
+    conv = make_corpus(1, 1500, seed=7)[0]
+    write_jsonl([conv], corpus)
+    page = tmp_path / "docs" / "scorecard-full.md"
+    assert scorecard_job.main([
+        "--full-length", "--corpus", str(corpus), "--out", str(tmp_path / "out"), "--model",
+        tiny_llm_dir, "--budgets", "32", "--block", "64", "--medoids", "1", "--page", str(page),
+        "--methods", "full,epicache,rag", "--reference-window", "500", "--in-process",
+        "--tuning", conv.conversation_id]) == 0
+    text = page.read_text()
+    assert "oracle window" in text and "cut at a session boundary" not in text
+    for title in ("third of the conversation", "(first) session", "route read an episode"):
+        assert f"Answer retention by the evidence's {title}" in text or title in text
+    data = json.loads(page.with_suffix(".json").read_text())
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    [described] = summary["conversations"]
+    assert described["tokens"] > 500 and len(described["windows"]) > 1
+    assert data["config"]["reference_window"] == 500

@@ -1,0 +1,193 @@
+"""Costs at full length: the build of a whole conversation against its 7,600-token cut and
+against one full prefill of the whole conversation.
+
+    python -m jobs.bench.full_length --corpus ../shared/data/locomo [--conversations 30] \\
+        [--cut-tokens 7600] [--questions 20] [--threads 2]
+
+Per conversation, three runs, each in a fresh process so that one's peak memory is its own:
+the product's build (`pipeline.builder.conversation.build_conversation`, the default
+configuration, into a local store) of the cut and of the whole conversation, and transformers'
+stock prefill (one forward, DynamicCache) of the whole conversation, the cache a full-history
+answer would read. Reported: tokens, seconds, the peak memory the run adds to the loaded model
+(resident set sampled every 5 ms on CPU; `torch.cuda.max_memory_allocated` on a GPU), bytes
+stored per conversation (every object the build wrote: caches, manifest, turn index; for the
+full prefill, its cache in the store's float16), and bytes read per question: the cache
+objects of the episodes the answer path reads for each of the first `--questions` questions
+(routed by `Answerer` as `jobs.answer` routes them; for the full prefill, the whole cache).
+Ratios are against the cut's build. Past the model's 8,192 positions the full prefill's
+output does not matter, only its cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from pipeline.answer.answerer import Answerer
+from pipeline.builder.conversation import build_conversation
+from pipeline.cli.bench import bench_conversations, bench_parser, start_bench
+from pipeline.cli.options import add_threads_option
+from pipeline.cli.tables import print_table
+from pipeline.config import BuildConfig
+from pipeline.corpus.render import cut_at_session, render_conversation
+from pipeline.corpus.schema import Conversation
+from pipeline.eval.bench_support import dynamic_cache_bytes, full_prefill
+from pipeline.kv import models, prompts
+from pipeline.store.local import LocalStore
+from pipeline.store.manifest import read_manifest
+
+RUNS = ("build, cut", "build, whole", "full prefill, whole")
+COLUMNS = [("conversation", "conversation", ""), ("run", "run", ""), ("tokens", "tokens", ","),
+           ("episodes", "caches", ""), ("seconds", "seconds", ".1f"),
+           ("x_seconds", "x cut", ".2f"), ("peak_mib", "peak added MiB", ".0f"),
+           ("x_peak", "peak x cut", ".2f"), ("stored_mib", "stored MiB", ".1f"),
+           ("read_mib", "read per question MiB", ".2f")]
+
+
+class PeakMemory:
+    """The most memory a block of work adds: the resident set sampled on CPU, the allocator's
+    peak on a GPU."""
+
+    def __init__(self, device: str):
+        self.device, self.peak, self._stop = device, 0, threading.Event()
+
+    @staticmethod
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self.resident())
+
+    def __enter__(self) -> "PeakMemory":
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            self.base = self.peak = self.resident()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated()
+        else:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self.peak, self.resident())
+
+    @property
+    def added(self) -> int:
+        return self.peak - self.base
+
+
+def run_build(conv: Conversation, questions: int, threads: int | None) -> dict:
+    """The product's build of `conv` into a fresh local store, then the answer path's reads."""
+    if threads:
+        torch.set_num_threads(threads)
+    config = BuildConfig()
+    device = models.default_device()
+    lm = models.load_llm(config.model)
+    models.load_encoder(config.encoder)
+    with tempfile.TemporaryDirectory() as where:
+        store = LocalStore(where)
+        start = time.perf_counter()
+        with PeakMemory(device) as memory:
+            build_conversation(conv, config, store)
+        seconds = time.perf_counter() - start
+        stored = sum(p.stat().st_size for p in Path(where).rglob("*") if p.is_file())
+        sizes = {r.episode: r.object_bytes for r in read_manifest(store, conv.conversation_id)}
+        answerer = Answerer(store, device=device)
+        read = [sum(sizes[e] for e in answerer.answer(conv.conversation_id, q.question, 1)
+                    .episodes) for q in conv.questions[:questions]]
+    return {"tokens": token_count(lm, conv), "seconds": seconds, "peak_added": memory.added,
+            "stored": stored, "read_per_question": sum(read) / max(len(read), 1),
+            "episodes": len(sizes)}
+
+
+def run_full_prefill(conv: Conversation, questions: int, threads: int | None) -> dict:
+    """One stock prefill of the whole conversation: the full cache a question would read."""
+    if threads:
+        torch.set_num_threads(threads)
+    device = models.default_device()
+    lm = models.load_llm(BuildConfig().model)
+    ids = prompts.context_ids(lm.tokenizer, render_conversation(conv).text).to(device)
+    start = time.perf_counter()
+    with PeakMemory(device) as memory:
+        cache, _ = full_prefill(lm.model, ids)
+    seconds = time.perf_counter() - start
+    element = next(lm.model.parameters()).element_size()
+    stored = sum(dynamic_cache_bytes(cache)) * 2 // element  # as the store keeps it: float16
+    return {"tokens": int(ids.shape[0]), "seconds": seconds, "peak_added": memory.added,
+            "stored": stored, "read_per_question": stored, "episodes": 1}
+
+
+def token_count(lm, conv: Conversation) -> int:
+    return int(prompts.context_ids(lm.tokenizer, render_conversation(conv).text).shape[0])
+
+
+def _child(run, conv: Conversation, questions: int, threads: int | None, queue) -> None:
+    queue.put(run(conv, questions, threads))
+
+
+def in_fresh_process(run, conv: Conversation, questions: int, threads: int | None) -> dict:
+    """`run` in a new process (spawned: nothing of this one's memory carried over)."""
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    child = context.Process(target=_child, args=(run, conv, questions, threads, queue))
+    child.start()
+    result = queue.get()
+    child.join()
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = bench_parser("full_length", __doc__, conversations="30")
+    p.add_argument("--cut-tokens", type=int, default=7600,
+                   help="the cut build's length, at a session boundary (default: 7600)")
+    p.add_argument("--questions", type=int, default=20,
+                   help="questions routed per conversation for the bytes read (default: 20)")
+    add_threads_option(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    a = start_bench(parser, argv)
+    rows = []
+    for conv in bench_conversations(parser, a):
+        tokenizer = models.load_tokenizer(BuildConfig().model)
+        cut = cut_at_session(conv, a.cut_tokens,
+                             lambda text: len(prompts.context_ids(tokenizer, text)))
+        runs = {RUNS[0]: in_fresh_process(run_build, cut, a.questions, a.threads),
+                RUNS[1]: in_fresh_process(run_build, replace(conv, questions=cut.questions),
+                                          a.questions, a.threads),
+                RUNS[2]: in_fresh_process(run_full_prefill, conv, a.questions, a.threads)}
+        base = runs[RUNS[0]]
+        for name, r in runs.items():
+            rows.append(r | {"conversation": conv.conversation_id, "run": name,
+                             "x_seconds": r["seconds"] / base["seconds"],
+                             "peak_mib": r["peak_added"] / 2**20,
+                             "x_peak": r["peak_added"] / max(base["peak_added"], 1),
+                             "stored_mib": r["stored"] / 2**20,
+                             "read_mib": r["read_per_question"] / 2**20})
+            print(rows[-1], file=sys.stderr, flush=True)
+    print_table(rows, COLUMNS)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
