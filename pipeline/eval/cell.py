@@ -34,7 +34,7 @@ from pipeline.eval.metrics import (ADVERSARIAL_CATEGORY, evidence_probe, f1_scor
 from pipeline.eval.reads import (CellCaches, measure_reads, one_cache, question_embeddings,
                                  route_scores, routed, select_read)
 from pipeline.eval.summary import nan_mean
-from pipeline.kv import models, prompts
+from pipeline.kv import methods, models, prompts
 from pipeline.kv.cache import EpisodicCache
 from pipeline.kv.layout import TokenLayout, kept_share, token_layout
 from pipeline.kv.methods.full import Full
@@ -252,7 +252,7 @@ def _built_and_measured(conv: Conversation, questions: list[Question], method: s
                 return built(done.cache, done.stats)
 
             topups = topup_chooser(conv, questions, config, clustered.encoder_fingerprint)
-            if build.scorer == "question":  # an upper bound: one build per question
+            if methods.registered(build.scorer).per_question:  # one build per question
                 caches = CellCaches(functools.lru_cache(maxsize=1)(
                     lambda key: cache_of(question_text(questions[key[0]]))), lambda read, i: (i,))
             else:
