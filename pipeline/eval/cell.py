@@ -227,7 +227,7 @@ def topup_chooser(conv: Conversation, questions: list[Question], config: EvalCon
             conv, encoder, config.encoder,
             encoder_fingerprint or models.encoder_fingerprint(config.encoder))
         embedded = question_embeddings(encoder, questions) if embeddings is None else embeddings
-        count = models.load_llm(config.model).count_tokens
+        count = functools.partial(prompts.count_tokens, models.load_llm(config.model).tokenizer)
         return lambda topup, i, held: select_topup(turns, embedded[i], held, topup, count)
 
     return lambda topup, i, held: chooser()(topup, i, held)
