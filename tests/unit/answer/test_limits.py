@@ -97,7 +97,8 @@ def test_an_entry_checks_a_question_once_and_the_prompt_counts_its_tokens_once(l
     with pytest.raises(LimitError, match="100,000 characters"):
         DEFAULT_LIMITS.checked(HUGE, 8, 0.0)  # no tokenizer: a huge question never reaches one
     with pytest.raises(LimitError, match="field 'temperature' must be"):
-        DEFAULT_LIMITS.checked("Who?", 8, math.nan, ("field 'max_new_tokens'", "field 'temperature'"))
+        DEFAULT_LIMITS.checked("Who?", 8, math.nan,
+                               ("field 'max_new_tokens'", "field 'temperature'"))
     asked = DEFAULT_LIMITS.checked("Who?", 8, 0)
     assert (asked.text, asked.max_new_tokens, asked.temperature) == ("Who?", 8, 0.0)
     counting = StandIn(lm.model)
