@@ -70,16 +70,16 @@ def topup_line(topup: dict) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The arguments, each question and sampling parameter checked against the limits (as the
-    server checks them) before any model or library is loaded; `a.limits` holds them."""
+    server checks them) before any model or library is loaded: this command's one check
+    (`a.asked`: the questions as checked, answered as such); `a.limits` holds the limits."""
     p = build_parser()
     a = p.parse_args(argv)
     try:
         a.limits = AnswerLimits(max_question_tokens=a.max_question_tokens,
                                 max_new_tokens=DEFAULT_LIMITS.max_new_tokens)
-        a.limits.check_sampling(a.max_new_tokens, a.temperature,
-                                ("--max-new-tokens", "--temperature"))
-        for question in a.question:
-            a.limits.check_question(question)
+        a.asked = [a.limits.checked(question, a.max_new_tokens, a.temperature,
+                                    ("--max-new-tokens", "--temperature"))
+                   for question in a.question]
     except ValueError as e:  # LimitError, or a --max-question-tokens below 1
         p.error(str(e).replace("max_question_tokens", "--max-question-tokens"))
     return a
@@ -122,9 +122,8 @@ def main(argv: list[str] | None = None) -> int:
             if len(a.conversation) > 1 and not a.json:
                 print(f"== {cid}", flush=True)
             try:
-                for q in a.question:
-                    print_answer(answerer.answer(cid, q, a.max_new_tokens, a.temperature),
-                                 a.json)
+                for asked in a.asked:
+                    print_answer(answerer.answer_checked(cid, asked), a.json)
             except conversation_faults as e:
                 failed += 1
                 where = f"conversation {cid}: " if len(a.conversation) > 1 else ""

@@ -36,7 +36,6 @@ from pathlib import Path
 import torch
 
 from pipeline.answer.answerer import Answerer
-from pipeline.answer.fetch import fetch_cache
 from pipeline.answer.malloc_tuning import retain_freed_memory
 from pipeline.builder.conversation import build_conversation, files_of, is_built
 from pipeline.cli.bench import bench_parser, start_bench
@@ -48,6 +47,7 @@ from pipeline.config import BuildConfig, TopUpConfig
 from pipeline.corpus.synthetic import make_conversation
 from pipeline.kv import models
 from pipeline.store import cache_format
+from pipeline.store.cache_read import read_cache
 from pipeline.store.disk_tier import DiskTier
 from pipeline.store.local import LocalStore
 from pipeline.store.manifest import ManifestRecord, read_manifest
@@ -96,13 +96,13 @@ def cold_loads(root: Path, records: list[ManifestRecord], dtype: torch.dtype, re
         store_reads = store.reads
         filled = DiskTier(folder, sum(r.object_bytes for r in records))
         for record in records:
-            fetch_cache(store, record.ref, dtype, disk=filled)
+            read_cache(store, record.ref, filled, dtype)
         before_restart = store.reads
         for _ in range(repeats):
             restarted = DiskTier(folder, filled.max_bytes)  # a new replica over the folder
             for record in records:
                 t = time.perf_counter()
-                fetch_cache(store, record.ref, dtype, disk=restarted)
+                read_cache(store, record.ref, restarted, dtype)
                 from_disk.append((time.perf_counter() - t) * 1000)
         restart_reads = store.reads - before_restart
     out = [{"load": "store (cold)", "ms": statistics.median(from_store), "reads": store_reads,

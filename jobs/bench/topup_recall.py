@@ -24,6 +24,7 @@ questions, the evidence turns they lack, and each candidate's recall of them.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 
 import numpy as np
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     topup = TopUpConfig(enabled=True, turns=a.turns, max_tokens=a.tokens)
     routing = RoutingConfig()
     lm, encoder = models.load_llm(config.model), models.load_encoder(config.encoder)
+    count_tokens = functools.partial(prompts.count_tokens, lm.tokenizer)
     full_prefill = config.build_config("full", None).prefill
     rows: dict[str, list[dict]] = {"hit": [], "miss": []}
     for conv in bench_conversations(parser, a):
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             held = held_turns(clustered.members[k] for k in chosen(row, routing.two_below))
             lacking = [t for t in q.evidence if t not in held]
             outcome = "miss" if len(lacking) == len(q.evidence) else "hit"
-            text = select_topup(index, embedding, held, topup, lm.count_tokens)
+            text = select_topup(index, embedding, held, topup, count_tokens)
             record = {"lacking": len(lacking), "text_tokens": text.tokens}
             if lacking:
                 record["text"] = float(np.mean([t in text.turn_ids for t in lacking]))

@@ -2,13 +2,17 @@
 
     lookup.py         the manifest, the model check and the route to the nearest episode
     topup.py          the question-time top-up: its nearest turns, from the turn index
-    fetch.py          the read path: the verified cache the store hands over, through the LRU
+    plan.py           QuestionPlanner: manifest, embed, route, top-up, the one plan step of
+                      the Answerer and the Serve router (the one cache of manifests)
+    fetch.py          the cache a question reads through the LRU (the store verifies the read)
     lru.py            CacheLRU: loaded caches under a byte budget
     decode.py         one answer decoded from one cache; AnswerPieces for a streamed one
-    answerer.py       Answerer: all of the above in one process
+    answerer.py       Answerer: plan, load and decode in one process
     packed.py         several caches' rows packed into one decode step (DecodeRow, packed_step)
     batcher.py        DecodeBatcher: continuous batching on two threads (prefill, decode)
     malloc_tuning.py  glibc malloc thresholds so freed cache memory is reused, not returned
 
-The limits on one answer (AnswerLimits, torch-free) are in pipeline.config.limits.
+The limits on one answer (AnswerLimits, torch-free) are in pipeline.config.limits: checked once
+at each entry (`Answerer.answer`, `jobs.answer`'s arguments, the server's request body), trusted
+past it.
 """

@@ -19,11 +19,11 @@ def question_prompt(lm: models.LoadedModel, cache: EpisodicCache, question: str,
                     max_new_tokens: int, limits: AnswerLimits = DEFAULT_LIMITS,
                     topup: str = "") -> torch.Tensor:
     """[Q] prompt ids asking `question` after `cache` (and the question's top-up text,
-    `pipeline.answer.topup`), or a `LimitError`: the question's characters are bounded before
-    the tokenizer sees them, then its tokens, then the cache, prompt and answer must fit the
-    model's positions."""
-    limits.check_question(question)
-    limits.check_question_tokens(len(prompts.encode(lm.tokenizer, question)))
+    `pipeline.answer.topup`), or a `LimitError`: the question's tokens are over `limits`, or
+    the cache, prompt and answer do not fit the model's positions. The question's characters
+    and the sampling parameters were checked at the entry that took them
+    (`AnswerLimits.checked`): it is tokenised as given."""
+    limits.check_question_tokens(prompts.count_tokens(lm.tokenizer, question))
     ids = prompts.question_ids(lm.tokenizer, question, topup)
     check_positions(cache.next_position, len(ids), max_new_tokens,
                     getattr(lm.model.config, "max_position_embeddings", None))
@@ -67,9 +67,9 @@ def decode_answer(lm: models.LoadedModel, cache: EpisodicCache, question: str,
                   max_new_tokens: int = 32, temperature: float = 0.0,
                   limits: AnswerLimits = DEFAULT_LIMITS, topup: str = "") -> Decoded:
     """The answer text to `question` from `cache` (the cache is left as it was) and the
-    question's top-up text; a request over `limits` is a `LimitError` before anything is
-    decoded."""
-    max_new_tokens, temperature = limits.check_sampling(max_new_tokens, temperature)
+    question's top-up text. The question and the sampling parameters are taken as checked at
+    the entry (`Answerer.answer`, `AnswerLimits.checked`); its tokens and the model's
+    positions are held to `limits` here (`question_prompt`), before anything is decoded."""
     prompt = question_prompt(lm, cache, question, max_new_tokens, limits, topup)
     ids = generate_from_cache(lm, cache, prompt, max_new_tokens, temperature)
     text = lm.tokenizer.decode(ids, skip_special_tokens=True).strip()

@@ -1,5 +1,4 @@
-"""The answer path's reads: an episode's cache as the store hands it over, verified, and the
-cache a question reads through the in-memory LRU.
+"""The answer path's reads: the cache a question reads through the in-memory LRU.
 
 Fetching, the disk tier and the checksum (checked against the manifest beside the parse) are
 the store's (`pipeline.store.cache_read`): a bad object raises `CacheCorruptError` naming it.
@@ -9,22 +8,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
-
 from pipeline.answer.lru import CacheLRU
 from pipeline.kv.cache import EpisodicCache
-from pipeline.store.base import Store
-from pipeline.store.cache_read import read_cache
-from pipeline.store.disk_tier import DiskTier
 from pipeline.store.manifest import CacheRef
-
-
-def fetch_cache(store: Store, ref: CacheRef, dtype: torch.dtype = torch.float32,
-                device: str | torch.device = "cpu", disk: DiskTier | None = None) -> EpisodicCache:
-    """An episode's cache (from the disk tier if given and holding it), its object's SHA-256
-    checked against the manifest while it is parsed; a bad object raises `CacheCorruptError`
-    naming it."""
-    return read_cache(store, ref, disk, dtype, device).cache
 
 
 def resident_read(caches: CacheLRU, refs: tuple[CacheRef, ...],

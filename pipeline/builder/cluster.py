@@ -12,14 +12,15 @@ from pipeline.config import BuildConfig
 from pipeline.corpus.render import cut_at_session, render_conversation
 from pipeline.corpus.schema import Conversation
 from pipeline.episodes import EpisodeConfig, EpisodeSet, build_episodes, member_turn_ids
-from pipeline.kv import models, prompts
-from pipeline.kv.methods.epicache import EpiCache
+from pipeline.kv import methods, models, prompts
 from pipeline.kv.positions import check_fits
 from pipeline.store.turn_index import StoredIndex
 
 
 def is_episodic(config: BuildConfig) -> bool:
-    return config.scorer == EpiCache.name
+    """Whether the configured method builds one cache per episode (`Registered.per_episode`);
+    the others build one per conversation, from one episode of all its windows."""
+    return methods.registered(config.scorer).per_episode
 
 
 @dataclass(frozen=True)

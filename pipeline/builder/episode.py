@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import socket
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -26,15 +26,15 @@ from pipeline.store.turn_index import StoredIndex
 
 
 def build_method(config: BuildConfig) -> Method:
-    """The configured method with its parameters: EpiCache's are `config.scoring` (hashed into
-    the build); the baselines keep their papers' defaults."""
-    return methods.create(config.scorer, **(asdict(config.scoring) if is_episodic(config) else {}))
+    """The configured method with its parameters: those of its own section of the build
+    configuration (hashed into the build), or its defaults (`Method.from_config`)."""
+    return methods.method_class(config.scorer).from_config(config)
 
 
 def episode_scorer(tokenizer, conv: Conversation, patch_text: str, members: tuple[str, ...],
                    config: BuildConfig) -> Scorer:
-    """The method of one episode's build, bound to its patch text and, for EpiCache, the
-    conversation's token layout and the episode's own turns (`members`)."""
+    """The method of one episode's build, bound to its patch text and, for a method built per
+    episode, the conversation's token layout and the episode's own turns (`members`)."""
     inputs = MethodInputs(lambda text: prompts.patch_ids(tokenizer, text), patch_text)
     if is_episodic(config):
         layout = token_layout(tokenizer, conv)

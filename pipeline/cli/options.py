@@ -158,7 +158,7 @@ BUILD_OPTIONS = SHARED_BUILD_OPTIONS + (
     FieldOption("--scorer", "scorer",
                 "how entries are scored for eviction, one of %(choices)s (docs/building.md, "
                 "'Scorers'); epicache builds one cache per episode, the others one per "
-                "conversation", choices=sorted(set(methods.REGISTRY) - {"question"}),
+                "conversation", choices=methods.buildable(),
                 metavar="SCORER"),
     FieldOption("--budget", "budget",
                 "mean entries kept per layer and KV head (--tristate: the bytes of that many "

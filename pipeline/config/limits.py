@@ -1,6 +1,12 @@
 """The limits on one answer, one object shared by `jobs.answer`, the library's `Answerer` and
 the server, so that a request is refused alike wherever it comes from.
 
+They are checked once, at the entry that takes the request: `jobs.answer`'s arguments, the
+server's request body, `Answerer.answer` (the library's entry). The entry hands on a
+`CheckedQuestion`, and the layers under it (the plan, the decode, the Serve decoder) trust it;
+only what needs the tokenizer or the cache is checked where they are, once: the question's
+tokens and the model's positions (`pipeline.answer.decode.question_prompt`).
+
 A question is bounded in tokens, but counting tokens means tokenising, and tokenising unbounded
 text costs unbounded time and memory (a 100,000-character question once grew a process to
 23.6 GB). So a question is first held to a character bound derived from the token limit
@@ -20,6 +26,15 @@ CHARS_PER_TOKEN = 8  # English prose takes about 4 characters a token
 
 class LimitError(ValueError):
     """A request over a limit, or with a parameter out of its range (422 over HTTP)."""
+
+
+@dataclass(frozen=True)
+class CheckedQuestion:
+    """A question and its sampling parameters, held to the limits at the entry that took them
+    (`AnswerLimits.checked`): the layers under it take them as checked."""
+    text: str
+    max_new_tokens: int
+    temperature: float
 
 
 @dataclass(frozen=True)
@@ -80,6 +95,14 @@ class AnswerLimits:
             raise LimitError(f"{temperature_name} must be a number from 0 (greedy) to "
                              f"{self.max_temperature:g}, got {temperature!r}")
         return max_new_tokens, float(value)
+
+
+    def checked(self, question: object, max_new_tokens: object, temperature: object,
+                names: tuple[str, str] = ("max_new_tokens", "temperature")) -> CheckedQuestion:
+        """The question and its sampling parameters, if within the limits (`check_question`,
+        `check_sampling`; no tokenizer): what an entry hands on to the layers under it."""
+        max_new, temp = self.check_sampling(max_new_tokens, temperature, names)
+        return CheckedQuestion(self.check_question(question), max_new, temp)
 
 
 DEFAULT_LIMITS = AnswerLimits()

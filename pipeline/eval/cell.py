@@ -35,7 +35,7 @@ from pipeline.eval.reads import (CellCaches, measure_reads, one_cache, question_
                                  route_scores, routed, select_read)
 from pipeline.eval.summary import nan_mean
 from pipeline.eval.window import Windows, evidence_windows
-from pipeline.kv import models, prompts
+from pipeline.kv import methods, models, prompts
 from pipeline.kv.cache import EpisodicCache
 from pipeline.kv.layout import TokenLayout, kept_share, token_layout
 from pipeline.kv.methods.full import Full
@@ -214,7 +214,8 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
                                      original_element_size=element_size))
         measured = measure_reads(len(questions), reads, one_cache(lambda: cache), measure,
                                  topup_chooser(conv, questions, config), generates)
-    elif prep.windows is not None and build.scorer == "full":  # each question's oracle window
+    elif prep.windows is not None and not methods.registered(build.scorer).evicts:
+        # the full cache of a whole conversation: each question reads its oracle window's
         caches = window_caches(lm, prep.windows, build, element_size, built, layouts)
         measured = measure_reads(len(questions), reads, caches, measure,
                                  topup_chooser(conv, questions, config), generates)
@@ -263,7 +264,7 @@ def topup_chooser(conv: Conversation, questions: list[Question], config: EvalCon
             conv, encoder, config.encoder,
             encoder_fingerprint or models.encoder_fingerprint(config.encoder))
         embedded = question_embeddings(encoder, questions) if embeddings is None else embeddings
-        count = models.load_llm(config.model).count_tokens
+        count = functools.partial(prompts.count_tokens, models.load_llm(config.model).tokenizer)
         return lambda topup, i, held: select_topup(turns, embedded[i], held, topup, count)
 
     return lambda topup, i, held: chooser()(topup, i, held)
@@ -288,7 +289,7 @@ def _built_and_measured(conv: Conversation, questions: list[Question], method: s
                 return built(done.cache, done.stats)
 
             topups = topup_chooser(conv, questions, config, clustered.encoder_fingerprint)
-            if build.scorer == "question":  # an upper bound: one build per question
+            if methods.registered(build.scorer).per_question:  # one build per question
                 caches = CellCaches(functools.lru_cache(maxsize=1)(
                     lambda key: cache_of(question_text(questions[key[0]]))), lambda read, i: (i,))
             else:

@@ -18,7 +18,6 @@ import torch
 
 from pipeline.answer.answerer import Answerer
 from pipeline.answer.decode import decode_answer
-from pipeline.answer.lookup import embed_question, route_records
 from pipeline.config import BuildConfig
 from pipeline.corpus.schema import Conversation
 from pipeline.eval.cell import history_ids, measure_all, prepare
@@ -73,7 +72,6 @@ def compare(answerer: Answerer, conv: Conversation, n_questions: int,
     manifest = answerer.manifest(conv.conversation_id)
     config = BuildConfig.from_json(manifest[0].config_json)
     lm = models.load_llm(config.model, answerer.device)
-    encoder = models.load_encoder(config.encoder, answerer.device)
     probe_config = EvalConfig(BuildConfig(model=config.model,
                                           max_context_tokens=config.max_context_tokens),
                               questions_per_conversation=n_questions)
@@ -87,10 +85,9 @@ def compare(answerer: Answerer, conv: Conversation, n_questions: int,
     timed_answer(lm, none, "Hello?", 2)  # warm-up: the first generate() pays one-time costs
     records = []
     for i, q in enumerate(questions):
-        embedding = embed_question(encoder, q.question)
-        read, _ = route_records(embedding, manifest, answerer.routing)
+        plan = answerer.planner.plan(conv.conversation_id, q.question)  # as answers are planned
+        read, topup = plan.read, plan.topup
         episodic, _ = answerer.load_caches(read)
-        topup = answerer.topups.for_question(manifest, read, embedding, lm.count_tokens)
         nll = {"episodic": measure_all(lm, conv, [q], episodic, probe_config,
                                        [topup])[0]["evidence_nll"],
                "full": reference["full"][i], "none": reference["none"][i]}

@@ -30,7 +30,7 @@ from typing import Any
 
 from pipeline.config import BuildConfig, RoutingConfig, ScoringConfig, TopUpConfig
 from pipeline.config.fields import field_hint, is_optional, parser_of, replace_path
-from pipeline.kv.methods import REGISTRY
+from pipeline.kv.methods import REGISTRY, Registered, registered, sections
 
 ORIGINAL = (("prefill.positions", "original"), ("prefill.compact_recent", 0))
 UNIFORM = (("alpha", 0.0),)  # layer budgets: the same in every layer
@@ -107,14 +107,33 @@ class MethodSpec:
     overrides: tuple[tuple[str, Any], ...]
 
     @property
+    def registration(self) -> Registered:
+        """What its scoring method is (`pipeline.kv.methods.REGISTRY`)."""
+        return registered(self.preset.scorer)
+
+    @property
     def episodic(self) -> bool:
-        """One cache per episode, each question routed (EpiCache)."""
-        return self.preset.scorer == "epicache"
+        """One cache per episode, each question routed (`Registered.per_episode`)."""
+        return self.registration.per_episode
 
     @property
     def history(self) -> bool:
         """Whether it reads a cache of the conversation (not `none`, `rag`)."""
         return self.preset.history
+
+    @property
+    def takes_budget(self) -> bool:
+        """Whether its cache is built under a budget (not the references, `rag` or a method
+        that never evicts)."""
+        return self.history and self.registration.evicts
+
+    def reads_section(self, section: str) -> bool:
+        """Whether its build reads a method section of the configuration (`episodes`, or a
+        method's own parameters: `Registered.section`); the other sections every build reads."""
+        if section == "episodes":
+            return self.episodic
+        readers = sections().get(section)
+        return readers is None or self.preset.scorer in readers
 
     def refuses(self, path: str) -> str | None:
         """Why this method cannot take an override of `path` (None: it takes it): a field it
@@ -122,12 +141,15 @@ class MethodSpec:
         section = path.partition(".")[0]
         if self.preset == NONE:
             return "it takes no overrides (`rag` is no history with the question's top-up)"
-        if not self.history or self.preset.scorer == "full":
+        if not self.takes_budget:
             return None if section == "topup" else "it takes only topup.<field> overrides"
+        if section == "routing" and not self.episodic or not self.reads_section(section):
+            readers = (sections().get(section) or
+                       [name for name, r in REGISTRY.items() if r.per_episode])
+            return (f"{section}.<field> is read by {', '.join(readers)} only (this method reads "
+                    f"one cache, unrouted, at its own parameters)")
         if self.episodic:
             return None
-        if section in ("routing", "scoring", "episodes"):
-            return f"{section}.<field> is EpiCache's (this method reads one cache, unrouted)"
         if path == "alpha" and not self.preset.allocated:
             return "its layer budgets are uniform (alpha is the sensitivity allocation's)"
         return None
@@ -262,7 +284,8 @@ class EvalConfig:
     def build_config(self, method: str, budget: int | None) -> BuildConfig:
         """The build configuration of a cell (it decides the caches and the layer budgets)."""
         scorer = parse_method(method).preset.scorer
-        config = replace(self.build, scorer=scorer, budget=None if scorer == "full" else budget)
+        config = replace(self.build, scorer=scorer,
+                         budget=budget if registered(scorer).evicts else None)
         for path, value in self.changes(method):
             if question_time(path) is None:
                 config = replace_path(config, path, value)

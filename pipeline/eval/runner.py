@@ -55,8 +55,7 @@ def conversation_digest(conv: Conversation) -> str:
 def takes_budget(method: str) -> bool:
     """Whether a method's cache is built under a budget (not the references, `rag` or
     `full+topup...`)."""
-    spec = parse_method(method)
-    return spec.history and spec.preset.scorer != "full"
+    return parse_method(method).takes_budget
 
 
 def shares_build(config: EvalConfig, method: str, other: str) -> bool:
@@ -80,11 +79,13 @@ def cell_key(conv: Conversation, digest: str, method: str, budget: int | None,
             "measure": {k: getattr(config, k) for k in (
                 "max_context_tokens", "questions_per_conversation", "recall_words",
                 "recall_tokens")}}
-    if base == "full" and config.reference_window is not None:  # the oracle windows' caches
+    if spec.history and not spec.takes_budget and config.reference_window is not None:
+        # the full cache of a whole conversation: its oracle windows
         what["measure"]["reference_window"] = config.reference_window
-    if not spec.episodic:  # knobs only EpiCache reads
-        for knob in ("scoring", "episodes", "encoder"):
-            what["build"].pop(knob)
+    for section in [s for s in what["build"] if not spec.reads_section(s)]:
+        what["build"].pop(section)  # knobs only other methods read
+    if not spec.episodic:  # its cache is not routed: the encoder only clusters it into one
+        what["build"].pop("encoder")
     cell = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return f"cells/{conv.conversation_id}/{digest}/{cell}.parquet"
 

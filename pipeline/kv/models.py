@@ -68,10 +68,6 @@ class LoadedModel:
     def config(self):
         return self.model.config
 
-    def count_tokens(self, text: str) -> int:
-        """The tokens of `text` as a prompt continues with it (no special tokens)."""
-        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
 
 def _converted_gguf(gguf: Path) -> Path:
     """A folder with the GGUF converted to safetensors, made once (atomically) per GGUF file."""

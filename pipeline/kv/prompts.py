@@ -39,6 +39,12 @@ def encode(tokenizer, text: str) -> torch.Tensor:
     return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
 
+def count_tokens(tokenizer, text: str) -> int:
+    """The tokens of `text` as a prompt continues with it (no special tokens): the one count of
+    a question (its limit) and of a top-up (its budget), wherever they are counted."""
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 def context_ids(tokenizer, conversation_text: str) -> torch.Tensor:
     """[N] token ids of what the cache holds: the template's opening and the conversation."""
     return encode(tokenizer, prompt_format(tokenizer).prefix + conversation_text)

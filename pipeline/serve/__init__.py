@@ -7,8 +7,8 @@
     schemas.py      the request bodies (pydantic) and parse_body (400 / 422 naming the field)
     openai_chat.py  the OpenAI chat wire format: completion objects, server-sent event chunks
     decoder.py      the Decoder deployment: the model and the LRU of episodic caches
-    ingress.py      the Router deployment: the HTTP ingress (the FastAPI app), the encoder and
-                    the manifests
+    ingress.py      the Router deployment: the HTTP ingress (the FastAPI app), the encoder, the
+                    limits checked on the body, the question planned (pipeline.answer.plan)
     affinity.py     ConversationAffinityRouter: a conversation's calls to one decoder replica
                     (rendezvous hashing, bounded load), Serve's RequestRouter
     app.py          resolve_models, build_app (router bound to decoder), app_builder

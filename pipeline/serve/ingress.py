@@ -1,9 +1,9 @@
-"""The router deployment: the HTTP ingress (the FastAPI app and its endpoints), the encoder and,
-per conversation, the manifest's route index (centroids and window embeddings: read on first use,
-re-read when the manifest object changes) and, with the top-up on, its turn index (read once).
-It embeds the question, picks the episode (or the two it reads together when unsure), finds the
-question's top-up (`pipeline.answer.topup`), and asks the decoder (a `DeploymentHandle`) for the
-answer."""
+"""The router deployment: the HTTP ingress (the FastAPI app and its endpoints) and the encoder.
+It checks a request's body against the limits (the HTTP entry: the layers under it take the
+question as checked), plans the question as the library does (`pipeline.answer.plan`: the
+manifest kept per conversation and re-read when its object changes, the episode or the two read
+together when unsure, the top-up from the turn index), and asks the decoder (a
+`DeploymentHandle`) for the answer."""
 
 import asyncio
 import gc
@@ -12,24 +12,20 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any
 
 from fastapi import FastAPI, Request
 from ray import serve
 from ray.exceptions import RayActorError
 
-from pipeline.answer.lookup import (check_models, embed_question, load_manifest, route_index,
-                                    route_records)
-from pipeline.answer.topup import REPAIR, TopUp, TopUps
-from pipeline.config.limits import LimitError
-from pipeline.corpus.schema import check_safe_id
-from pipeline.kv import models
+from pipeline.answer.lookup import check_models, embed_question
+from pipeline.answer.plan import QuestionPlan, QuestionPlanner, QuestionTools
+from pipeline.answer.topup import REPAIR, TopUp
+from pipeline.config.limits import CheckedQuestion, LimitError
+from pipeline.kv import models, prompts
 from pipeline.serve import openai_chat
 from pipeline.serve.errors import ApiError, add_exception_handlers, classify, is_corrupt
 from pipeline.serve.schemas import AnswerRequest, ChatRequest, parse_body
 from pipeline.serve.settings import ServeSettings
-from pipeline.store.base import ObjectNotFound, manifest_key
 from pipeline.store.manifest import CacheRef, ManifestRecord
 from pipeline.store.uri import open_store
 from pipeline.telemetry import RequestMetrics, name_route, router_metrics
@@ -72,19 +68,11 @@ METRIC_ROUTES = {"/healthz": "healthz", "/v1/conversations/{conversation_id}": "
 app.add_middleware(RequestMetrics, routes=METRIC_ROUTES, status_of=lambda e: classify(e)[0])
 
 
-@dataclass
-class _Conversation:
-    records: list[ManifestRecord]
-    index: Any  # pipeline.routers.RouteIndex
-    stamp: tuple[int, float]  # (size, modified) of the manifest object when read
-    checked: float  # time.monotonic() of the last check against the store
-    prefetched: bool = False  # its other episodes were handed to the decoder's prefetch
-
-
 @serve.deployment(name="EpiCacheRouter")
 @serve.ingress(app)
 class Router:
-    """Embeds the question, routes it to an episode, and asks the decoder for the answer."""
+    """Checks the request, plans the question (`QuestionPlanner`: embedded, routed to an
+    episode, topped up), and asks the decoder for the answer."""
 
     def __init__(self, decoder, settings: ServeSettings, model: str, encoder: str):
 
@@ -97,14 +85,14 @@ class Router:
         self.encoder = models.load_encoder(encoder, "cpu")
         self.encoder_fingerprint = models.encoder_fingerprint(encoder)  # of the files loaded
         self.encoder_lock = threading.Lock()  # a tokenizer is not safe across threads
-        # the top-up: turn indexes read once per conversation, its text counted in the model's
-        # tokens (the tokenizer alone: the model is the decoder's)
-        self.topups = TopUps(self.store, self.settings.topup_config)
+        # the top-up's text is counted in the model's tokens (the tokenizer alone: the model is
+        # the decoder's)
         self.tokenizer = models.load_tokenizer(model) if self.settings.topup else None
         self.tokenizer_lock = threading.Lock()
+        self.planner = QuestionPlanner(self.store, self._tools, self.routing,
+                                       self.settings.topup_config, self.settings.manifest_ttl_s)
         self.topup_counts = {"used": 0, "none": 0, "unavailable": 0}
         self.metrics = router_metrics()  # pipeline.telemetry: exported through Ray
-        self._conversations: dict[str, _Conversation] = {}
         # conversations whose stored data was found damaged (a manifest that does not read, a
         # cache object missing or failing its check) and not answered since: /healthz counts them
         self._corrupt: set[str] = set()
@@ -125,29 +113,14 @@ class Router:
         if not self._authorized(request):
             raise ApiError(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
 
-    def _load_conversation(self, conversation_id: str) -> _Conversation:
-        """Blocking: the cached manifest, re-read if the object changed since it was read."""
-        check_safe_id(conversation_id)
-        now = time.monotonic()
-        known = self._conversations.get(conversation_id)
-        if known is not None and now - known.checked < self.settings.manifest_ttl_s:
-            return known
-        try:
-            info = self.store.info(manifest_key(conversation_id))
-        except ObjectNotFound:
-            self._conversations.pop(conversation_id, None)
-            load_manifest(self.store, conversation_id)  # raises ConversationNotFound
-            raise
-        stamp = (info.size, info.modified)
-        if known is not None and known.stamp == stamp:
-            known.checked = now
-            return known
-        records = load_manifest(self.store, conversation_id)
+    def _tools(self, records: list[ManifestRecord]) -> QuestionTools:
+        """What plans a conversation's questions here: the one encoder and the served model's
+        tokenizer, each under its lock (not safe across threads); a conversation built with
+        another model or encoder (or other files of the encoder) is refused when its manifest
+        is read (the decoder checks the model's files)."""
         check_models(records, self.model_name, self.encoder_name,
-                     encoder_fingerprint=self.encoder_fingerprint)  # the decoder checks the model's
-        conv = _Conversation(records, route_index(records), stamp, now)
-        self._conversations[conversation_id] = conv
-        return conv
+                     encoder_fingerprint=self.encoder_fingerprint)
+        return QuestionTools(self._embed, self._count_tokens)
 
     def _embed(self, question: str):
         with self.encoder_lock:
@@ -155,50 +128,46 @@ class Router:
 
     def _count_tokens(self, text: str) -> int:
         with self.tokenizer_lock:
-            return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            return prompts.count_tokens(self.tokenizer, text)
 
     def _checked(self, question: str, max_new_tokens: int | None, temperature: float | None,
-                 names: tuple[str, str]) -> tuple[str, int, float]:
+                 names: tuple[str, str]) -> CheckedQuestion:
         """The question (its characters: the decoder counts its tokens), max_new_tokens and
         temperature, held to the limits `jobs.answer` holds them to (422 naming the field); a
         field not given takes its default."""
         max_new_tokens = (self.settings.default_max_new_tokens if max_new_tokens is None
                           else max_new_tokens)
         try:
-            self.limits.check_question(question)
-            max_new, temp = self.limits.check_sampling(
-                max_new_tokens, 0.0 if temperature is None else temperature,
-                tuple(f"field '{name}'" for name in names))
+            return self.limits.checked(question, max_new_tokens,
+                                       0.0 if temperature is None else temperature,
+                                       tuple(f"field '{name}'" for name in names))
         except LimitError as e:
             raise ApiError(422, str(e)) from None
-        return question, max_new, temp
 
-    async def _route(self, conversation_id: str,
-                     question: str) -> tuple[list[ManifestRecord], float, dict, TopUp]:
-        """(the manifest records read: one, or two when the router is unsure; the best score;
-        timings; the question's top-up) for a question; the manifest lookup and the top-up
+    async def _plan(self, conversation_id: str, question: str) -> QuestionPlan:
+        """The question's plan (blocking: run in a thread), counted; the first question over a
+        manifest as read hands the conversation's other episodes to the decoder's prefetch (a
+        follow-up often routes to another episode). An error is the answer's (`_fault`)."""
+        try:
+            plan = await asyncio.to_thread(self.planner.plan, conversation_id, question)
+        except ApiError:
+            raise
+        except Exception as e:
+            raise self._fault(e, conversation_id) from None
+        self.metrics.routed(len(plan.read))
+        if plan.first:
+            self._prefetch([r.ref for r in plan.records if r not in plan.read])
+        if plan.topup.status in self.topup_counts:
+            self.topup_counts[plan.topup.status] += 1
+            self.metrics.topup(plan.topup.status)
+        return plan
+
+    @staticmethod
+    def _timings(plan: QuestionPlan) -> dict[str, float]:
+        """The plan's timings as the answer reports them: the manifest lookup and the top-up
         count as route."""
-        t0 = time.perf_counter()
-        conv = await asyncio.to_thread(self._load_conversation, conversation_id)
-        t1 = time.perf_counter()
-        emb = await asyncio.to_thread(self._embed, question)
-        t2 = time.perf_counter()
-        rows, similarity = route_records(emb, conv.records, self.routing, conv.index)
-        self.metrics.routed(len(rows))
-        t3 = time.perf_counter()
-        if not conv.prefetched:  # first touch: a follow-up often routes to another episode
-            conv.prefetched = True
-            self._prefetch([r.ref for r in conv.records if r not in rows])
-        t4 = time.perf_counter()
-        # blocking: a conversation's first question reads its turn index; never raises
-        topup = await asyncio.to_thread(self.topups.for_question, conv.records, rows, emb,
-                                        self._count_tokens)
-        t5 = time.perf_counter()
-        if topup.status in self.topup_counts:
-            self.topup_counts[topup.status] += 1
-            self.metrics.topup(topup.status)
-        timings = {"embed": (t2 - t1) * 1000, "route": (t1 - t0 + t3 - t2 + t5 - t4) * 1000}
-        return rows, similarity, timings, topup
+        t = plan.timings_ms
+        return {"embed": t["embed"], "route": t["manifest"] + t["route"] + t["topup"]}
 
     def _decoder_for(self, conversation_id: str, **options):
         """The decoder handle for a conversation's calls: with affinity, its id rides on the
@@ -247,16 +216,17 @@ class Router:
             raise ApiError(error["status"], error["message"])
         self._mark(conversation_id, corrupt=False)
 
-    async def _ask_decoder(self, rows: list[ManifestRecord], question: str, max_new: int,
-                           temperature: float, topup: TopUp) -> dict:
+    async def _ask_decoder(self, plan: QuestionPlan, question: CheckedQuestion) -> dict:
         """The decoder's whole answer, asked again once if the replica died meanwhile (an
         answer has no side effect; Serve sends the retry to a live or replacement replica); a
         second death (503) or no answer within `decoder_timeout_s` in all (504) is an error,
         never a hang."""
         deadline = time.monotonic() + self.settings.decoder_timeout_s
+        rows = plan.read
         for attempt in (1, 2):
             response = self._decoder_for(rows[0].conversation_id).answer.remote(
-                refs_of(rows), question, max_new, temperature, topup.text)
+                refs_of(rows), question.text, question.max_new_tokens, question.temperature,
+                plan.topup.text)
             try:
                 result = await asyncio.wait_for(response, max(0.0, deadline - time.monotonic()))
                 break
@@ -285,19 +255,19 @@ class Router:
             return {"status": "ok"}
         return {"status": "ok", "model": public_name(self.model_name),
                 "encoder": public_name(self.encoder_name),
-                "conversations_loaded": len(self._conversations),
+                "conversations_loaded": self.planner.loaded,
                 # damaged stored data met and not answered since (the log names them)
                 "conversations_corrupt": len(self._corrupt),
                 "corrupt_conversations": sorted(self._corrupt)[:20],
                 "topup": {"enabled": self.settings.topup, **self.topup_counts,
-                          "index_bytes_fetched": self.topups.fetched_bytes},
+                          "index_bytes_fetched": self.planner.topups.fetched_bytes},
                 "decoder": stats | {"model": public_name(stats["model"])}}
 
     @app.get("/v1/conversations/{conversation_id}")
     async def conversation(self, conversation_id: str, request: Request) -> dict:
         self._authorize(request)
         try:
-            conv = await asyncio.to_thread(self._load_conversation, conversation_id)
+            conv = await asyncio.to_thread(self.planner.conversation, conversation_id)
         except Exception as e:
             raise self._fault(e, conversation_id) from None
         first = conv.records[0]
@@ -321,19 +291,15 @@ class Router:
     async def answer(self, conversation_id: str, request: Request) -> dict:
         self._authorize(request)
         body = await parse_body(request, AnswerRequest, self.settings.max_body_bytes)
-        question, max_new, temperature = self._checked(
-            body.question, body.max_new_tokens, body.temperature, ("max_new_tokens", "temperature"))
-        try:
-            rows, similarity, timings, topup = await self._route(conversation_id, question)
-        except ApiError:
-            raise
-        except Exception as e:
-            raise self._fault(e, conversation_id) from None
-        result = await self._ask_decoder(rows, question, max_new, temperature, topup)
-        timings |= {"fetch": result["fetch_ms"], "decode": result["decode_ms"]}
+        question = self._checked(body.question, body.max_new_tokens, body.temperature,
+                                 ("max_new_tokens", "temperature"))
+        plan = await self._plan(conversation_id, question.text)
+        result = await self._ask_decoder(plan, question)
+        timings = self._timings(plan) | {"fetch": result["fetch_ms"], "decode": result["decode_ms"]}
+        rows = plan.read
         return {"conversation_id": conversation_id, "answer": result["answer"],
                 "episode": rows[0].episode, "episodes": [r.episode for r in rows],
-                "similarity": round(similarity, 6), "topup": public_topup(topup, rows),
+                "similarity": round(plan.similarity, 6), "topup": public_topup(plan.topup, rows),
                 "cache_hit": result["cache_hit"], "replica": result["replica"],
                 "tokens": result["tokens"],
                 "finish_reason": result["finish_reason"],
@@ -352,27 +318,24 @@ class Router:
         if not users:
             raise ApiError(422, "field 'messages': no message with role 'user' (the last one is "
                                 "the question)")
-        question, max_new, temperature = self._checked(
+        question = self._checked(
             openai_chat.message_text(users[-1]),
             body.max_completion_tokens if body.max_completion_tokens is not None
             else body.max_tokens, body.temperature, ("max_tokens", "temperature"))
-        try:
-            rows, similarity, timings, topup = await self._route(body.conversation_id, question)
-        except ApiError:
-            raise
-        except Exception as e:
-            raise self._fault(e, body.conversation_id) from None
+        plan = await self._plan(body.conversation_id, question.text)
+        rows, timings = plan.read, self._timings(plan)
         meta = {"conversation_id": body.conversation_id, "episode": rows[0].episode,
-                "episodes": [r.episode for r in rows], "similarity": round(similarity, 6),
-                "topup": public_topup(topup, rows)}
+                "episodes": [r.episode for r in rows], "similarity": round(plan.similarity, 6),
+                "topup": public_topup(plan.topup, rows)}
         base = openai_chat.completion_base(public_name(self.model_name))
         if not body.stream:
-            result = await self._ask_decoder(rows, question, max_new, temperature, topup)
+            result = await self._ask_decoder(plan, question)
             timings |= {"fetch": result["fetch_ms"], "decode": result["decode_ms"]}
-            return openai_chat.completion(base, question, result, meta, timings)
+            return openai_chat.completion(base, question.text, result, meta, timings)
 
         gen = self._decoder_for(body.conversation_id, stream=True).stream.remote(
-            refs_of(rows), question, max_new, temperature, topup.text)
+            refs_of(rows), question.text, question.max_new_tokens, question.temperature,
+            plan.topup.text)
         try:  # the fetch: a bad cache (or a dead replica) is an HTTP error, not a stream
             first = await asyncio.wait_for(gen.__anext__(), self.settings.decoder_timeout_s)
         except Exception as e:

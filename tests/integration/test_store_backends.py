@@ -20,7 +20,6 @@ import pytest
 
 from jobs import build, gc
 from pipeline.answer.answerer import Answerer
-from pipeline.answer.fetch import fetch_cache
 from pipeline.builder.driver import run_build
 from pipeline.builder.rehearsal import SYNTHETIC_CONFIG, synthetic_cache
 from pipeline.config import DriverOptions, TopUpConfig
@@ -28,6 +27,7 @@ from pipeline.corpus.reader import read_corpus, write_jsonl
 from pipeline.corpus.synthetic import make_corpus
 from pipeline.store import cache_format
 from pipeline.store.base import ObjectNotFound, StoreError, cache_key
+from pipeline.store.cache_read import read_cache
 from pipeline.store.local import LocalStore
 from pipeline.store.manifest import (ManifestRecord, list_conversations, read_manifest,
                                      write_manifest)
@@ -118,14 +118,14 @@ def test_manifest_round_trip_and_checksum_verified_on_read(store):
     assert list_conversations(store) == ["conv-1"]
     cache, header = cache_format.deserialize(store.get(key), back.sha256, key)
     assert header["conversation_id"] == "conv-1" and cache.tokens_seen == 8
-    assert fetch_cache(store, back).tokens_seen == 8  # read by Store.open, hashed beside the parse
+    assert read_cache(store, back).cache.tokens_seen == 8  # by Store.open, hashed beside the parse
     tampered = bytearray(data)
     tampered[-5] ^= 0xFF
     store.put(key, bytes(tampered))
     with pytest.raises(cache_format.CacheCorruptError, match="checksum"):
         cache_format.deserialize(store.get(key), back.sha256, key)
     with pytest.raises(cache_format.CacheCorruptError, match=f"{key} failed its checksum"):
-        fetch_cache(store, back)
+        read_cache(store, back)
 
 
 # ---------------------------------------------------------------------------------------------

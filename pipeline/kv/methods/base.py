@@ -13,10 +13,13 @@ knows no method by name.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, ClassVar
 
 import torch
+
+from pipeline.config import BuildConfig
+from pipeline.kv.methods import Registered, registered
 
 
 @dataclass(frozen=True)
@@ -75,8 +78,21 @@ class Scorer(ABC):
 @dataclass(frozen=True)
 class Method(Scorer):
     """A registered compression method (`pipeline.kv.methods.REGISTRY`): its parameters are its
-    fields; `name` is its registry name."""
+    fields; `name` is its registry name, and its registry line says what it is."""
     name: ClassVar[str]
+
+    @classmethod
+    def registration(cls) -> Registered:
+        """What this method is: per episode or per conversation, per question, whether it
+        evicts, its configuration section (`pipeline.kv.methods.Registered`)."""
+        return registered(cls.name)
+
+    @classmethod
+    def from_config(cls, config: BuildConfig) -> Method:
+        """This method as a build configures it: its parameters are the fields of its own
+        section of `config` (hashed into the build), or its defaults when it has none."""
+        section = cls.registration().section
+        return cls(**asdict(getattr(config, section))) if section else cls()
 
     def bind(self, inputs: MethodInputs) -> Scorer:
         """This method ready for one build (by default it needs nothing from it)."""

@@ -1,7 +1,9 @@
-"""The limits on one answer (`pipeline.config.limits`), held alike by the library's decode path,
-the `Answerer` and the Serve decoder's batcher: a question is bounded in characters before any
-tokenizer sees it, then in tokens; the answer length and the temperature are in range; the
-cached history, prompt and answer fit the model's positions."""
+"""The limits on one answer (`pipeline.config.limits`), checked once at each entry (the
+`Answerer`'s `answer`, `jobs.answer`'s arguments, the server's request body: `checked`) and
+held alike past it: a question is bounded in characters before any tokenizer sees it, then in
+tokens where it is tokenised (the library's decode, the Serve decoder's batcher); the answer
+length and the temperature are in range; the cached history, prompt and answer fit the model's
+positions."""
 
 from __future__ import annotations
 
@@ -90,15 +92,17 @@ def test_the_positions_must_hold_the_cache_the_prompt_and_the_answer():
         check_positions(1000, 21, 4, 1024)
 
 
-def test_a_huge_question_never_reaches_the_tokenizer(lm_and_cache):
+def test_an_entry_checks_a_question_once_and_the_prompt_counts_its_tokens_once(lm_and_cache):
     lm, cache = lm_and_cache
+    with pytest.raises(LimitError, match="100,000 characters"):
+        DEFAULT_LIMITS.checked(HUGE, 8, 0.0)  # no tokenizer: a huge question never reaches one
+    with pytest.raises(LimitError, match="field 'temperature' must be"):
+        DEFAULT_LIMITS.checked("Who?", 8, math.nan,
+                               ("field 'max_new_tokens'", "field 'temperature'"))
+    asked = DEFAULT_LIMITS.checked("Who?", 8, 0)
+    assert (asked.text, asked.max_new_tokens, asked.temperature) == ("Who?", 8, 0.0)
     counting = StandIn(lm.model)
     counting.tokenizer = CountingTokenizer()
-    with pytest.raises(LimitError, match="100,000 characters"):
-        question_prompt(counting, cache, HUGE, 8)
-    with pytest.raises(LimitError, match="100,000 characters"):
-        decode_answer(counting, cache, HUGE, 8)
-    assert counting.tokenizer.seen == []
     limits = AnswerLimits(max_question_tokens=5)  # the character tokenizer: 1 token a character
     with pytest.raises(LimitError, match="6 tokens long"):
         question_prompt(counting, cache, "x" * 6, 8, limits)
@@ -114,19 +118,19 @@ def test_decode_refuses_an_answer_past_the_model_s_positions(lm_and_cache):
     assert decode_answer(lm, cache, "Who?", 2, limits=limits).tokens >= 1
     with pytest.raises(LimitError, match=f"the model has {limit}"):
         decode_answer(lm, cache, "Who?", room + 1, limits=limits)
-    with pytest.raises(LimitError, match="temperature"):
-        decode_answer(lm, cache, "Who?", 2, math.nan)
 
 
 def test_the_batcher_refuses_before_it_queues(lm_and_cache):
+    """Past the router's check of the body: a question over the token limit, or an answer past
+    the model's positions, is refused before it is queued."""
     lm, cache = lm_and_cache
+    limit = lm.model.config.max_position_embeddings
     batcher = DecodeBatcher(lm, limits=AnswerLimits(max_question_tokens=16, max_new_tokens=4))
     try:
-        for question, max_new, temperature, match in (
-                (HUGE, 2, 0.0, "characters long"), ("x" * 17, 2, 0.0, "17 tokens long"),
-                ("Who?", 5, 0.0, "max_new_tokens"), ("Who?", 2, -1.0, "temperature")):
+        for question, max_new, match in (("x" * 17, 2, "17 tokens long"),
+                                         ("Who?", limit, f"the model has {limit}")):
             with pytest.raises(LimitError, match=match):
-                batcher.submit(cache, question, max_new, temperature)
+                batcher.submit(cache, question, max_new)
         assert batcher.stats()["queued"] == 0 and batcher.stats()["failed"] == 0
         assert batcher.submit(cache, "Who?", 2).future.result(timeout=60).tokens >= 1
     finally:

@@ -216,8 +216,8 @@ def test_the_fair_rows_are_spelled_in_the_method_language_and_refuse_what_they_c
     assert config.topup_of("epicache-paper") is None and config.topup_of("none") is None
     assert config.topup_of("rag+topup.max_tokens=64").max_tokens == 64
     assert config.build_config("rag", None) == config.build_config("none", None)  # one cell
-    for bad, reason in (("snapkv+scoring.focus=0.5", "scoring.<field> is EpiCache's"),
-                        ("keydiff+routing.two_below=0", "routing.<field> is EpiCache's"),
+    for bad, reason in (("snapkv+scoring.focus=0.5", "scoring.<field> is read by epicache only"),
+                        ("keydiff+routing.two_below=0", "routing.<field> is read by epicache"),
                         ("streamingllm+episodes.episodes=8", "episodes.<field>"),
                         ("snapkv+alpha=1", "uniform"), ("rag+prefill.block=64", "only topup"),
                         ("full+alpha=0", "only topup"), ("none+topup.enabled=true", "no overrides")):

@@ -91,9 +91,9 @@ def _answered(monkeypatch, capsys, topup: dict, *extra: str) -> tuple[dict, str]
         def __init__(self, store, **kwargs):
             made.update(kwargs)
 
-        def answer(self, cid, question, max_new_tokens, temperature):
+        def answer_checked(self, cid, question):
             return answerer.AnswerResult(
-                cid, question, "Miso", 1, 0.5, False,
+                cid, question.text, "Miso", 1, 0.5, False,
                 {"embed": 1.0, "route": 0.1, "load": 2.0, "topup": 0.3, "decode": 9.0}, [1], topup)
 
     monkeypatch.setattr(answerer, "Answerer", StandInAnswerer)

@@ -86,7 +86,8 @@ def test_help_lists_methods_scorers_and_serve_builder_keys(parsers):
     assert "<path>=<value>" in methods and "--set" in methods and "entries" in methods
     assert len(PRESETS) <= 20  # a short table of presets, the rest is overrides
     scorer = next(a for a in parsers["jobs.build"]._actions if a.dest == "scorer")
-    assert set(scorer.choices) == set(REGISTRY) - {"question"}
+    assert set(scorer.choices) == {n for n, r in REGISTRY.items() if not r.per_question}
+    assert "question" not in scorer.choices and "epicache" in scorer.choices
     build_help = " ".join(parsers["jobs.build"].format_help().split())
     assert all(name in build_help for name in scorer.choices)
     serve_help = " ".join(parsers["jobs.serve"].format_help().split())

@@ -13,7 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from pipeline.answer.fetch import fetch_cache
 from pipeline.kv import models
 from pipeline.kv.methods.epicache import EpiCache
 from pipeline.kv.prefill import PrefillConfig, block_prefill
@@ -130,7 +129,7 @@ def test_fetch_of_a_corrupt_store_object_raises_naming_it(tmp_path, objects):
     store.put(rows[0].object_key, bytes(data))
     disk = DiskTier(tmp_path / "disk", 10**9)
     with pytest.raises(CacheCorruptError, match=rows[0].object_key):
-        fetch_cache(store, rows[0], disk=disk)
+        read_cache(store, rows[0], disk).cache
     assert rows[0].sha256 not in disk  # a bad object never reaches the tier
 
 
@@ -164,7 +163,7 @@ def test_corrupt_disk_file_is_deleted_and_fetched_again_never_served(tmp_path, o
     store = CountingStore(tmp_path / "store")
     rows = _rows(store, data)
     disk = DiskTier(tmp_path / "disk", 10**9)
-    reference = fetch_cache(store, rows[0], disk=disk)
+    reference = read_cache(store, rows[0], disk).cache
     assert len(store.reads) == 1 and rows[0].sha256 in disk
     path = disk.root / f"{rows[0].sha256}.safetensors"
     raw = bytearray(path.read_bytes())
@@ -175,7 +174,7 @@ def test_corrupt_disk_file_is_deleted_and_fetched_again_never_served(tmp_path, o
     assert read_bytes(store, rows[0], disk).from_disk is False  # deleted, fetched again
     assert len(store.reads) == 2 and path.read_bytes() == data[0]
     path.write_bytes(damaged)
-    again = fetch_cache(store, rows[0], disk=disk)  # detected, deleted, fetched from the store
+    again = read_cache(store, rows[0], disk).cache  # detected, deleted, fetched from the store
     assert len(store.reads) == 3 and _same(again, reference)
     assert disk.stats()["corrupt"] == 2 and path.read_bytes() == data[0]
 
@@ -185,11 +184,11 @@ def test_restart_reads_nothing_from_the_store(tmp_path, objects):
     store = CountingStore(tmp_path / "store")
     rows = _rows(store, data)
     first = DiskTier(tmp_path / "disk", 10**9)
-    loaded = [fetch_cache(store, r, disk=first) for r in rows]
+    loaded = [read_cache(store, r, first).cache for r in rows]
     assert len(store.reads) == 3
     restarted = DiskTier(tmp_path / "disk", 10**9)  # a new process over the same folder
     for row, before in zip(rows, loaded):
-        assert _same(fetch_cache(store, row, disk=restarted), before)
+        assert _same(read_cache(store, row, restarted).cache, before)
     assert len(store.reads) == 3 and restarted.stats()["hits"] == 3
 
 
