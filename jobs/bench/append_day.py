@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from pipeline.builder.driver import run_build
-from pipeline.cli.bench import bench_parser, start_bench
+from lab.bench_cli import bench_parser, start_bench
 from pipeline.config import BuildConfig, DriverOptions, EpisodeConfig, GrowthConfig
 from pipeline.corpus.reader import write_jsonl
 from pipeline.corpus.synthetic import make_corpus

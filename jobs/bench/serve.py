@@ -34,9 +34,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import requests
 
-from pipeline.cli.bench import bench_parser, start_bench
+from lab.bench_cli import bench_parser, start_bench
 from pipeline.corpus.reader import read_corpus
-from pipeline.serve.client import (GENERIC_QUESTIONS, Sample, ask, fault_report, fault_rows,
+from lab.load_client import (GENERIC_QUESTIONS, Sample, ask, fault_report, fault_rows,
                                    latency_summary)
 
 STAGES = ("embed", "route", "fetch", "decode")

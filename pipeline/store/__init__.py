@@ -21,7 +21,6 @@
     disk_tier.py    a bounded local-disk tier of cache objects (serving)
     cache_read.py   the read path's one way in: an episode's cache (or bytes), verified, from the
                     disk tier or the store
-    seaweedfs.py    a local S3 server (SeaweedFS) for trying the S3 path and for the tests
 
 The layout of a store is documented in docs/store.md.
 """

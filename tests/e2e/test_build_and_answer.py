@@ -19,7 +19,7 @@ from pipeline.corpus.reader import read_corpus, write_jsonl
 from pipeline.corpus.render import render_conversation
 from pipeline.corpus.synthetic import make_corpus
 from pipeline.episodes import EpisodeConfig
-from pipeline.eval import compare
+from lab import compare
 from pipeline.kv import models, prompts
 from pipeline.kv.budgets import CalibrationConfig
 from pipeline.kv.methods.epicache import EpiCache

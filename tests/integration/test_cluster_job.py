@@ -26,7 +26,7 @@ import yaml
 
 from jobs import build
 from pipeline.builder.driver import run_build
-from pipeline.builder.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES, write_synthetic_corpus
+from lab.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES, write_synthetic_corpus
 from pipeline.config import DriverOptions, ModelFingerprints
 from pipeline.corpus.reader import write_jsonl
 from pipeline.corpus.synthetic import make_corpus

@@ -21,7 +21,7 @@ import ray
 from jobs import build
 from pipeline.builder import driver as build_driver
 from pipeline.builder.driver import run_build
-from pipeline.builder.rehearsal import (SYNTHETIC_CONFIG, SYNTHETIC_STAGES, S3Requests,
+from lab.rehearsal import (SYNTHETIC_CONFIG, SYNTHETIC_STAGES, S3Requests,
                                         synthetic_lines)
 from pipeline.builder.sources import corpus_objects
 from pipeline.config import DriverOptions

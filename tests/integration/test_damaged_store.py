@@ -16,7 +16,7 @@ import pytest
 from jobs import gc, manifests
 from pipeline.builder.conversation import is_built
 from pipeline.builder.driver import run_build
-from pipeline.builder.rehearsal import (SYNTHETIC_CONFIG, SYNTHETIC_FILES, SYNTHETIC_STAGES,
+from lab.rehearsal import (SYNTHETIC_CONFIG, SYNTHETIC_FILES, SYNTHETIC_STAGES,
                                         write_synthetic_corpus)
 from pipeline.builder.repair import find_damage
 from pipeline.config import DriverOptions
@@ -181,7 +181,7 @@ def test_s3_sizes_are_one_listing_per_folder(s3_env):
     object."""
     import uuid
 
-    from pipeline.builder.rehearsal import S3Requests
+    from lab.rehearsal import S3Requests
     from pipeline.store.uri import open_store
 
     s3 = open_store(s3_env.uri(f"sizes/{uuid.uuid4().hex[:12]}"))

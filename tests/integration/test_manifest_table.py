@@ -22,7 +22,7 @@ import pytest
 
 from jobs import gc, manifests
 from pipeline.builder.driver import run_build
-from pipeline.builder.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES, write_synthetic_corpus
+from lab.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES, write_synthetic_corpus
 from pipeline.config import DriverOptions, GrowthConfig
 from pipeline.episodes import EpisodeConfig
 from pipeline.store import table as manifest_table

@@ -20,7 +20,7 @@ import pytest
 
 from jobs import answer, gc, manifests, serve
 from pipeline.builder.conversation import is_built
-from pipeline.builder.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_FILES
+from lab.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_FILES
 from pipeline.serve.errors import classify
 from pipeline.store import cache_format
 from pipeline.store.base import StoreError

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.builder.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_FILES, synthetic_cache
+from lab.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_FILES, synthetic_cache
 from pipeline.store import cache_format
 from pipeline.store.base import cache_key, manifest_key
 from pipeline.store.local import LocalStore

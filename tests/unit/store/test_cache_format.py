@@ -265,7 +265,7 @@ def _synthetic_with(header_changes: dict | None = None, lengths=None) -> bytes:
     from safetensors.torch import load as st_load
     from safetensors.torch import save as st_save
 
-    from pipeline.builder.rehearsal import SYNTHETIC_CONFIG, synthetic_cache
+    from lab.rehearsal import SYNTHETIC_CONFIG, synthetic_cache
 
     data = synthetic_cache("conv-1", 0, 4, SYNTHETIC_CONFIG)
     header = read_header(data) | (header_changes or {})

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.builder.rehearsal import SYNTHETIC_CONFIG, synthetic_cache
+from lab.rehearsal import SYNTHETIC_CONFIG, synthetic_cache
 from pipeline.store import cache_format
 from pipeline.store.cache_format import CacheCorruptError
 from pipeline.store.manifest import MANIFEST_SCHEMA, ManifestError, parse_manifest

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from pipeline.builder.driver import Summary
-from pipeline.eval.command_steps import (Step, build_figure, output_tail, parse_build_summary,
+from lab.command_steps import (Step, build_figure, output_tail, parse_build_summary,
                                          render_report, run_step)
 from tests.support.paths import REPO
 
