@@ -34,10 +34,10 @@ from pathlib import Path
 
 import numpy as np
 
+from lab.bench_cli import bench_conversations, bench_parser, start_bench
 from pipeline.answer.lookup import route_index, route_records
 from pipeline.builder.append import read_stored_cache
 from pipeline.builder.conversation import build_conversation
-from lab.bench_cli import bench_conversations, bench_parser, start_bench
 from pipeline.cli.options import add_threads_option
 from pipeline.config import BuildConfig, GrowthConfig
 from pipeline.corpus.render import render_conversation

@@ -25,8 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipeline.builder.driver import run_build
 from lab.bench_cli import bench_parser, start_bench
+from pipeline.builder.driver import run_build
 from pipeline.config import BuildConfig, DriverOptions, EpisodeConfig, GrowthConfig
 from pipeline.corpus.reader import write_jsonl
 from pipeline.corpus.synthetic import make_corpus

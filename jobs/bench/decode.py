@@ -35,14 +35,14 @@ from pathlib import Path
 
 import torch
 
+from lab.bench_cli import bench_parser, start_bench
+from lab.tables import print_table
 from pipeline.answer.answerer import Answerer
 from pipeline.answer.fetch import fetch_cache
 from pipeline.answer.malloc_tuning import retain_freed_memory
 from pipeline.builder.conversation import build_conversation, files_of, is_built
-from lab.bench_cli import bench_parser, start_bench
 from pipeline.cli.options import (BUILD_OPTIONS, add_model_options, add_options, apply_options,
                                   options_named)
-from lab.tables import print_table
 from pipeline.cli.numbers import positive_int
 from pipeline.config import BuildConfig, TopUpConfig
 from pipeline.corpus.synthetic import make_conversation

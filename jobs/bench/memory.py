@@ -23,10 +23,10 @@ import sys
 import torch
 
 from lab.bench_cli import bench_parser, start_bench
-from pipeline.cli.options import add_model_options, add_prefill_options
-from lab.tables import print_table
-from pipeline.config import BuildConfig
 from lab.bench_support import bench_text, dynamic_cache_bytes, first_layers, full_prefill
+from lab.tables import print_table
+from pipeline.cli.options import add_model_options, add_prefill_options
+from pipeline.config import BuildConfig
 from pipeline.kv import models, prompts
 from pipeline.kv.methods.epicache import EpiCache
 from pipeline.kv.prefill import PrefillConfig, block_prefill

@@ -44,17 +44,17 @@ import psutil
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.builder.driver import run_build
-from lab.rehearsal import (SYNTHETIC_CONFIG, SYNTHETIC_STAGES, S3Requests,
-                                        put_synthetic_corpus, write_synthetic_corpus)
-from pipeline.builder.sources import corpus_objects
+from lab import seaweedfs
 from lab.bench_cli import bench_parser, start_bench
+from lab.rehearsal import (SYNTHETIC_CONFIG, SYNTHETIC_STAGES, S3Requests,
+                           put_synthetic_corpus, write_synthetic_corpus)
+from pipeline.builder.driver import run_build
+from pipeline.builder.sources import corpus_objects
 from pipeline.cli.options import (DRIVER_OPTIONS, add_options, driver_options_from_args,
                                   options_named)
 from pipeline.config import DriverOptions
 from pipeline.corpus.reader import CorpusStream
 from pipeline.ray_runtime import init_ray
-from lab import seaweedfs
 from pipeline.store.base import Store, StoreError, StoreOptions
 from pipeline.store.local import LocalStore
 from pipeline.store.manifest import list_conversations, read_manifest

@@ -35,9 +35,9 @@ import numpy as np
 import requests
 
 from lab.bench_cli import bench_parser, start_bench
-from pipeline.corpus.reader import read_corpus
 from lab.load_client import (GENERIC_QUESTIONS, Sample, ask, fault_report, fault_rows,
-                                   latency_summary)
+                             latency_summary)
+from pipeline.corpus.reader import read_corpus
 
 STAGES = ("embed", "route", "fetch", "decode")
 

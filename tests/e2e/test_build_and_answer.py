@@ -11,6 +11,7 @@ import torch
 from transformers import DynamicCache
 
 from jobs import demo, gc
+from lab import compare
 from pipeline.answer.answerer import Answerer
 from pipeline.answer.decode import generate_from_cache
 from pipeline.builder.driver import run_build
@@ -19,7 +20,6 @@ from pipeline.corpus.reader import read_corpus, write_jsonl
 from pipeline.corpus.render import render_conversation
 from pipeline.corpus.synthetic import make_corpus
 from pipeline.episodes import EpisodeConfig
-from lab import compare
 from pipeline.kv import models, prompts
 from pipeline.kv.budgets import CalibrationConfig
 from pipeline.kv.methods.epicache import EpiCache

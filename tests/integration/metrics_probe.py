@@ -24,9 +24,9 @@ import ray
 from fastapi import FastAPI, Request
 from ray import serve
 
+from lab.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES, write_synthetic_corpus
 from pipeline import telemetry
 from pipeline.builder.driver import run_build
-from lab.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES, write_synthetic_corpus
 from pipeline.config import DriverOptions
 from pipeline.ray_runtime import WORKER_ENV
 from pipeline.serve.errors import ApiError, add_exception_handlers, classify

@@ -25,8 +25,8 @@ import pytest
 import yaml
 
 from jobs import build
-from pipeline.builder.driver import run_build
 from lab.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES, write_synthetic_corpus
+from pipeline.builder.driver import run_build
 from pipeline.config import DriverOptions, ModelFingerprints
 from pipeline.corpus.reader import write_jsonl
 from pipeline.corpus.synthetic import make_corpus

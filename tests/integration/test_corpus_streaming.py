@@ -19,10 +19,10 @@ import pytest
 import ray
 
 from jobs import build
+from lab.rehearsal import (SYNTHETIC_CONFIG, SYNTHETIC_STAGES, S3Requests,
+                           synthetic_lines)
 from pipeline.builder import driver as build_driver
 from pipeline.builder.driver import run_build
-from lab.rehearsal import (SYNTHETIC_CONFIG, SYNTHETIC_STAGES, S3Requests,
-                                        synthetic_lines)
 from pipeline.builder.sources import corpus_objects
 from pipeline.config import DriverOptions
 from pipeline.corpus.reader import CorpusObject, CorpusStream, ReadStats

@@ -16,9 +16,9 @@ import ray
 
 from jobs import build
 from jobs import evaluate as evaluate_job
+from lab.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES
 from pipeline.builder import driver as build_driver
 from pipeline.builder.driver import run_build
-from lab.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES
 from pipeline.config import DriverOptions
 from pipeline.corpus.reader import ReadStats, check_corpus, iter_corpus, read_corpus
 from pipeline.corpus.records import CorpusLimits

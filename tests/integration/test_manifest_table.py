@@ -21,8 +21,8 @@ from dataclasses import replace
 import pytest
 
 from jobs import gc, manifests
-from pipeline.builder.driver import run_build
 from lab.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES, write_synthetic_corpus
+from pipeline.builder.driver import run_build
 from pipeline.config import DriverOptions, GrowthConfig
 from pipeline.episodes import EpisodeConfig
 from pipeline.store import table as manifest_table

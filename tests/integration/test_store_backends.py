@@ -19,10 +19,10 @@ import uuid
 import pytest
 
 from jobs import build, gc
+from lab.rehearsal import SYNTHETIC_CONFIG, synthetic_cache
 from pipeline.answer.answerer import Answerer
 from pipeline.answer.fetch import fetch_cache
 from pipeline.builder.driver import run_build
-from lab.rehearsal import SYNTHETIC_CONFIG, synthetic_cache
 from pipeline.config import DriverOptions, TopUpConfig
 from pipeline.corpus.reader import read_corpus, write_jsonl
 from pipeline.corpus.synthetic import make_corpus

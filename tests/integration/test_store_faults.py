@@ -19,8 +19,8 @@ import uuid
 import pytest
 
 from jobs import answer, gc, manifests, serve
-from pipeline.builder.conversation import is_built
 from lab.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_FILES
+from pipeline.builder.conversation import is_built
 from pipeline.serve.errors import classify
 from pipeline.store import cache_format
 from pipeline.store.base import StoreError
