@@ -31,7 +31,7 @@ from pipeline.corpus.reader import read_corpus, write_jsonl
 from pipeline.corpus.schema import CorpusError
 from pipeline.corpus.synthetic import make_corpus
 from pipeline.kv.errors import ModelNotFoundError
-from pipeline.store.base import StoreError
+from pipeline.store.backends.base import StoreError
 
 # The demo's build: a short conversation has few windows, so 2 medoid windows a patch; a budget
 # of 512, a quarter of the full cache, so that eviction happens.

@@ -48,8 +48,8 @@ from pipeline.eval.metrics import ADVERSARIAL_CATEGORY, retention
 from pipeline.kv import models, prompts
 from pipeline.kv.methods.full import Full
 from pipeline.kv.prefill import block_prefill
-from pipeline.store.local import LocalStore
-from pipeline.store.manifest import read_manifest
+from pipeline.store.backends.local import LocalStore
+from pipeline.store.catalogue.manifest import read_manifest
 
 REBUILD = GrowthConfig(append=False)
 

@@ -31,8 +31,8 @@ from pipeline.config import BuildConfig, DriverOptions, EpisodeConfig, GrowthCon
 from pipeline.corpus.reader import write_jsonl
 from pipeline.corpus.synthetic import make_corpus
 from pipeline.ray_runtime import init_ray
-from pipeline.store.base import ObjectInfo
-from pipeline.store.local import LocalStore
+from pipeline.store.backends.base import ObjectInfo
+from pipeline.store.backends.local import LocalStore
 
 
 class LoggedStore(LocalStore):

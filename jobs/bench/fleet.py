@@ -54,7 +54,7 @@ from pipeline.corpus.reader import read_corpus, write_jsonl
 from pipeline.corpus.synthetic import iter_corpus
 from pipeline.ray_runtime import WORKER_ENV
 from pipeline.serve.settings import DEFAULT_MAX_IMBALANCE, ServeSettings
-from pipeline.store.uri import open_store
+from pipeline.store.backends.uri import open_store
 from pipeline.telemetry import SPECS
 
 APP = "epicache-fleet"

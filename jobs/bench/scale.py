@@ -46,8 +46,8 @@ import pyarrow.compute as pc
 
 from lab import seaweedfs
 from lab.bench_cli import bench_parser, start_bench
-from lab.rehearsal import (SYNTHETIC_CONFIG, SYNTHETIC_STAGES, S3Requests,
-                           put_synthetic_corpus, write_synthetic_corpus)
+from lab.rehearsal import (SYNTHETIC_CONFIG, SYNTHETIC_STAGES, S3Requests, put_synthetic_corpus,
+                           write_synthetic_corpus)
 from pipeline.builder.driver import run_build
 from pipeline.builder.sources import corpus_objects
 from pipeline.cli.options import (DRIVER_OPTIONS, add_options, driver_options_from_args,
@@ -55,12 +55,12 @@ from pipeline.cli.options import (DRIVER_OPTIONS, add_options, driver_options_fr
 from pipeline.config import DriverOptions
 from pipeline.corpus.reader import CorpusStream
 from pipeline.ray_runtime import init_ray
-from pipeline.store.base import Store, StoreError, StoreOptions
-from pipeline.store.local import LocalStore
-from pipeline.store.manifest import list_conversations, read_manifest
-from pipeline.store.table import TABLE_SCHEMA, ManifestTable
-from pipeline.store.table_query import connect, select
-from pipeline.store.uri import open_store
+from pipeline.store.backends.base import Store, StoreError, StoreOptions
+from pipeline.store.backends.local import LocalStore
+from pipeline.store.backends.uri import open_store
+from pipeline.store.catalogue.manifest import list_conversations, read_manifest
+from pipeline.store.catalogue.table import TABLE_SCHEMA, ManifestTable
+from pipeline.store.catalogue.table_query import connect, select
 
 
 class RssSampler:

@@ -19,9 +19,9 @@ from pipeline.config import RoutingConfig, TopUpConfig
 from pipeline.config.limits import DEFAULT_LIMITS, AnswerLimits
 from pipeline.kv import models
 from pipeline.kv.cache import EpisodicCache
-from pipeline.store.base import Store
-from pipeline.store.disk_tier import DiskTier
-from pipeline.store.manifest import ManifestRecord
+from pipeline.store.backends.base import Store
+from pipeline.store.catalogue.manifest import ManifestRecord
+from pipeline.store.objects.disk_tier import DiskTier
 
 
 @dataclass

@@ -2,7 +2,8 @@
 cache a question reads through the in-memory LRU.
 
 Fetching, the disk tier and the checksum (checked against the manifest beside the parse) are
-the store's (`pipeline.store.cache_read`): a bad object raises `CacheCorruptError` naming it.
+the store's (`pipeline.store.objects.cache_read`): a bad object raises `CacheCorruptError` naming
+it.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ import torch
 
 from pipeline.answer.lru import CacheLRU
 from pipeline.kv.cache import EpisodicCache
-from pipeline.store.base import Store
-from pipeline.store.cache_read import read_cache
-from pipeline.store.disk_tier import DiskTier
-from pipeline.store.manifest import CacheRef
+from pipeline.store.backends.base import Store
+from pipeline.store.objects.cache_read import read_cache
+from pipeline.store.objects.cache_ref import CacheRef
+from pipeline.store.objects.disk_tier import DiskTier
 
 
 def fetch_cache(store: Store, ref: CacheRef, dtype: torch.dtype = torch.float32,

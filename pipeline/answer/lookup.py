@@ -17,8 +17,9 @@ import numpy as np
 from pipeline.config import RoutingConfig
 from pipeline.corpus.schema import check_safe_id
 from pipeline.routers import ROUTERS, RouteIndex, chosen
-from pipeline.store.base import Store
-from pipeline.store.manifest import CacheRef, ManifestRecord, read_manifest
+from pipeline.store.backends.base import Store
+from pipeline.store.catalogue.manifest import ManifestRecord, read_manifest
+from pipeline.store.objects.cache_ref import CacheRef
 
 
 class ConversationNotFound(LookupError):

@@ -2,7 +2,7 @@
 
 The cache after an episode's last block is exactly what block prefill continues from: it keeps
 each entry's original position (the scorers read it), the tokens seen and the next position
-(`pipeline.store.cache_format`). So the new turns are block-prefilled into it under the same
+(`pipeline.store.objects.cache_format`). So the new turns are block-prefilled into it under the same
 budgets, scorer and patch, and the episode's focus now includes the new turns the plan gave it.
 Every cache kind goes on this way (original or compact positions, tri-state, merging, DapQ,
 the baselines, the full cache); what differs from a rebuild of the whole history is listed in
@@ -30,9 +30,9 @@ from pipeline.corpus.render import render_conversation
 from pipeline.kv import models, prompts
 from pipeline.kv.cache import EpisodicCache
 from pipeline.kv.prefill import block_prefill
-from pipeline.store import cache_format
-from pipeline.store.base import Store
-from pipeline.store.manifest import ManifestRecord
+from pipeline.store.backends.base import Store
+from pipeline.store.catalogue.manifest import ManifestRecord
+from pipeline.store.objects import cache_format
 
 
 def read_stored_cache(store: Store, record: ManifestRecord, model) -> EpisodicCache:

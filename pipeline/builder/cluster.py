@@ -15,7 +15,7 @@ from pipeline.episodes import EpisodeConfig, EpisodeSet, build_episodes, member_
 from pipeline.kv import models, prompts
 from pipeline.kv.methods.epicache import EpiCache
 from pipeline.kv.positions import check_fits
-from pipeline.store.turn_index import StoredIndex
+from pipeline.store.objects.turn_index import StoredIndex
 
 
 def is_episodic(config: BuildConfig) -> bool:

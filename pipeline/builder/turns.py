@@ -1,4 +1,4 @@
-"""Stage 1's second product: the conversation's turn index (`pipeline.store.turn_index`),
+"""Stage 1's second product: the conversation's turn index (`pipeline.store.objects.turn_index`),
 embedded with the build's encoder and stored before the manifest that names it.
 
 A grown conversation's index is extended: the turns it already holds keep their embeddings (the
@@ -11,10 +11,11 @@ import numpy as np
 
 from pipeline.corpus.render import render_session_header, render_turn
 from pipeline.corpus.schema import Conversation
-from pipeline.store.base import Store
-from pipeline.store.manifest import ManifestRecord
-from pipeline.store.turn_index import (IndexedTurn, StoredIndex, TurnIndex, TurnIndexUnavailable,
-                                       read_turn_index, store_turn_index)
+from pipeline.store.backends.base import Store
+from pipeline.store.catalogue.manifest import ManifestRecord
+from pipeline.store.objects.turn_index import (IndexedTurn, StoredIndex, TurnIndex,
+                                               TurnIndexUnavailable, read_turn_index,
+                                               store_turn_index)
 
 
 def indexed_turns(conv: Conversation) -> tuple[IndexedTurn, ...]:

@@ -24,9 +24,9 @@ from pipeline.kv import models, prompts
 from pipeline.kv.budgets import CalibrationConfig
 from pipeline.kv.methods.epicache import EpiCache
 from pipeline.kv.prefill import PrefillConfig, block_prefill
-from pipeline.store import cache_format, cache_read
-from pipeline.store.manifest import read_manifest
-from pipeline.store.uri import open_store
+from pipeline.store.backends.uri import open_store
+from pipeline.store.catalogue.manifest import read_manifest
+from pipeline.store.objects import cache_format, cache_read
 
 pytestmark = pytest.mark.e2e
 

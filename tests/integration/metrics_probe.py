@@ -30,7 +30,7 @@ from pipeline.builder.driver import run_build
 from pipeline.config import DriverOptions
 from pipeline.ray_runtime import WORKER_ENV
 from pipeline.serve.errors import ApiError, add_exception_handlers, classify
-from pipeline.store.local import LocalStore
+from pipeline.store.backends.local import LocalStore
 
 app = FastAPI()
 add_exception_handlers(app)

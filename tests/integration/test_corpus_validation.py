@@ -23,7 +23,7 @@ from pipeline.config import DriverOptions
 from pipeline.corpus.reader import ReadStats, check_corpus, iter_corpus, read_corpus
 from pipeline.corpus.records import CorpusLimits
 from pipeline.corpus.schema import CorpusError
-from pipeline.store.local import LocalStore
+from pipeline.store.backends.local import LocalStore
 
 
 def record(cid: str, *, text: str = "Hello there.", evidence: list | None = None,

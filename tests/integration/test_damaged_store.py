@@ -21,11 +21,11 @@ from pipeline.builder.driver import run_build
 from pipeline.builder.repair import find_damage
 from pipeline.config import DriverOptions
 from pipeline.serve.errors import classify
-from pipeline.store import cache_read
-from pipeline.store.base import ObjectNotFound
-from pipeline.store.cache_format import CacheCorruptError
-from pipeline.store.local import LocalStore
-from pipeline.store.manifest import read_manifest
+from pipeline.store.backends.base import ObjectNotFound
+from pipeline.store.backends.local import LocalStore
+from pipeline.store.catalogue.manifest import read_manifest
+from pipeline.store.objects import cache_read
+from pipeline.store.objects.cache_format import CacheCorruptError
 from tests.support.stores import put_conversation, store  # noqa: F401  (every backend)
 
 
@@ -182,7 +182,7 @@ def test_s3_sizes_are_one_listing_per_folder(s3_env):
     import uuid
 
     from lab.rehearsal import S3Requests
-    from pipeline.store.uri import open_store
+    from pipeline.store.backends.uri import open_store
 
     s3 = open_store(s3_env.uri(f"sizes/{uuid.uuid4().hex[:12]}"))
     rows = put_conversation(s3, "conv-1", episodes=3)

@@ -24,14 +24,17 @@ LAYERS = [
     ("pipeline.ray_runtime", 0), ("pipeline.telemetry", 0),
     ("pipeline.corpus", 1), ("pipeline.routers", 1),
     ("pipeline.kv", 2), ("pipeline.episodes", 2),
-    ("pipeline.store", 3),
-    ("pipeline.builder", 4),
-    ("pipeline.answer", 5),
-    ("pipeline.eval", 6), ("pipeline.serve", 6),
-    ("pipeline.cli", 7),
-    ("lab", 8),
-    ("jobs", 9), ("jobs.bench", 9),
-    ("tests", 10),
+    # the store's parts: where objects live, what one holds, what the store holds
+    ("pipeline.store", 3), ("pipeline.store.backends", 3),
+    ("pipeline.store.objects", 4),
+    ("pipeline.store.catalogue", 5),
+    ("pipeline.builder", 6),
+    ("pipeline.answer", 7),
+    ("pipeline.eval", 8), ("pipeline.serve", 8),
+    ("pipeline.cli", 9),
+    ("lab", 10),
+    ("jobs", 11), ("jobs.bench", 11),
+    ("tests", 12),
 ]
 
 # Imports inside functions, each with its reason. Anything else goes at the top of its module.
@@ -44,7 +47,7 @@ LAZY = {
     # Start-up time: `jobs.serve --help` and an argument error answer before Ray Serve, torch
     # and the models load.
     ("jobs.serve", "pipeline.serve.app"), ("jobs.serve", "pipeline.ray_runtime"),
-    ("jobs.serve", "pipeline.store.base"), ("jobs.serve", "pipeline.store.uri"),
+    ("jobs.serve", "pipeline.store.backends.base"), ("jobs.serve", "pipeline.store.backends.uri"),
     # Fast failure: the other commands check their arguments and their corpus (or the build its
     # first object) before Ray, torch and the models load; then their heavy part imports them.
     ("jobs.build", "pipeline.builder.driver"), ("jobs.demo", "pipeline.builder.driver"),
@@ -62,7 +65,7 @@ LAZY = {
     # Start-up time: `jobs.answer` refuses a bad argument (a question over the limits included)
     # before torch, transformers and pyarrow load.
     ("jobs.answer", "pipeline.answer.answerer"), ("jobs.answer", "pipeline.answer.lookup"),
-    ("jobs.answer", "pipeline.kv.models"), ("jobs.answer", "pipeline.store.cache_format"),
+    ("jobs.answer", "pipeline.kv.models"), ("jobs.answer", "pipeline.store.objects.cache_format"),
 }
 
 MAX_FILE_LINES = 500  # in pipeline/, lab/ and jobs/

@@ -7,8 +7,8 @@ conversation and episode, the tokens seen, the next position and the position mo
 (`positions`: "original", or "compact": each head's keys rotated at 0, 1, 2, ... and decoding
 continues at `next_position`; with `compact_cut`, the entries of tokens from it on are rotated at
 `compact_base` + their distance from it). Reading checks the SHA-256 recorded in the
-manifest: the read path (`pipeline.store.cache_read`) reads an object once (from the store or
-the local disk tier) and hashes it on a second thread while this one parses it (`verifying`;
+manifest: the read path (`pipeline.store.objects.cache_read`) reads an object once (from the store
+or the local disk tier) and hashes it on a second thread while this one parses it (`verifying`;
 hashlib releases the GIL), and a parse of bytes that fail the checksum is dropped, never
 returned. Parsing unverified bytes is safe: safetensors never executes anything, and every size
 comes from the object itself.
@@ -150,7 +150,7 @@ def deserialize(data: bytes, expected_sha256: str | None, name: str = "cache",
 def parse(data: bytes, name: str = "cache", dtype: torch.dtype = torch.float32,
           device: str | torch.device = "cpu") -> tuple[EpisodicCache, dict]:
     """Parse and rebuild bytes: no hash here (`deserialize` checks it first; the read path,
-    `pipeline.store.cache_read`, beside the parse, in `verifying`)."""
+    `pipeline.store.objects.cache_read`, beside the parse, in `verifying`)."""
     header = read_header(data, name)
     try:
         tensors = st_load(data)
