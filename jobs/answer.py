@@ -29,8 +29,8 @@ from pipeline.config import RoutingConfig
 from pipeline.config.limits import CHARS_PER_TOKEN, DEFAULT_LIMITS, AnswerLimits
 from pipeline.corpus.schema import UnsafeIdError
 from pipeline.routers import ROUTERS
-from pipeline.store.base import StoreError
-from pipeline.store.uri import open_store
+from pipeline.store.backends.base import StoreError
+from pipeline.store.backends.uri import open_store
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.answer.answerer import Answerer
     from pipeline.answer.lookup import ConversationNotFound, ModelMismatchError
     from pipeline.kv.models import ModelNotFoundError
-    from pipeline.store.cache_format import CacheCorruptError
+    from pipeline.store.objects.cache_format import CacheCorruptError
 
     # what fails one conversation, not the run: the others are still answered
     conversation_faults = (ConversationNotFound, UnsafeIdError, ModelMismatchError,

@@ -12,7 +12,7 @@ corpus. Conversations whose manifest already carries this configuration's hash a
 once every object it names is confirmed in the store at its recorded size (--verify: read and
 checksummed too); a missing or damaged object is rebuilt alone ("repaired N" in the summary).
 Committed rows are also appended, in batches, to the store's manifest table
-(`pipeline.store.table`), which the driver keeps equal to the manifests.
+(`pipeline.store.catalogue.table`), which the driver keeps equal to the manifests.
 Alone it starts a local Ray; under `ray job submit` (RAY_ADDRESS set) it joins the cluster.
 The arguments and the corpus's first object are checked before Ray, torch and the models load:
 bad input fails in well under a second.
@@ -32,7 +32,7 @@ from pipeline.cli.parser import add_store_options, make_parser, store_options
 from pipeline.config import BuildConfig
 from pipeline.corpus.schema import CorpusError
 from pipeline.kv.errors import ModelNotFoundError
-from pipeline.store.base import StoreError
+from pipeline.store.backends.base import StoreError
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -31,7 +31,7 @@ from pipeline.corpus.reader import read_corpus, write_jsonl
 from pipeline.corpus.schema import CorpusError
 from pipeline.corpus.synthetic import make_corpus
 from pipeline.kv.errors import ModelNotFoundError
-from pipeline.store.base import StoreError
+from pipeline.store.backends.base import StoreError
 
 # The demo's build: a short conversation has few windows, so 2 medoid windows a patch; a budget
 # of 512, a quarter of the full cache, so that eviction happens.
@@ -59,7 +59,7 @@ def print_question(r: dict) -> None:
 
 
 def print_summary(f: dict, model: str, device: str) -> None:
-    """One line of the three figures (`pipeline.eval.compare.figures`), then what they mean:
+    """One line of the three figures (`lab.compare.figures`), then what they mean:
     retention per question is noisy over a handful of questions, so the retention of the mean
     NLLs is given too."""
     n, ms, size = f["questions"], f["ms_per_token"], f["bytes"]
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     print_outcome(summary, time.perf_counter() - start, opened.store)
     if summary.failed:
         return 1
-    from pipeline.eval import compare  # the comparison's model, after the build
+    from lab import compare  # the comparison's model, after the build
     answerer = compare.answerer(opened.store, a.threads)
     conversations, _ = read_corpus(corpus)
     print(f"\nEach question answered from its episode's cache (and its top-up) and from the "

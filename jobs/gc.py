@@ -29,9 +29,9 @@ import sys
 
 from pipeline.cli.numbers import non_negative
 from pipeline.cli.parser import add_store_options, make_parser, store_options
-from pipeline.store.base import StoreError
-from pipeline.store.garbage import FAULT_KINDS, find_garbage, remove
-from pipeline.store.uri import open_store
+from pipeline.store.backends.base import StoreError
+from pipeline.store.backends.uri import open_store
+from pipeline.store.catalogue.garbage import FAULT_KINDS, find_garbage, remove
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -49,13 +49,15 @@ import pyarrow as pa
 from pipeline.cli.numbers import non_negative
 from pipeline.cli.parser import add_store_options, make_parser, store_options
 from pipeline.corpus.schema import UnsafeIdError
-from pipeline.store import table_sync
-from pipeline.store.base import Store, StoreError
-from pipeline.store.manifest import ManifestError, ManifestRecord, list_conversations, read_manifest
-from pipeline.store.table import PENDING_PREFIX, TABLE_SCHEMA, ManifestTable, TableDamagedError
-from pipeline.store.table_query import Totals, connect, select, totals
-from pipeline.store.table_sync import mismatches, repair
-from pipeline.store.uri import open_store
+from pipeline.store.backends.base import Store, StoreError
+from pipeline.store.backends.uri import open_store
+from pipeline.store.catalogue import table_sync
+from pipeline.store.catalogue.manifest import (ManifestError, ManifestRecord, list_conversations,
+                                               read_manifest)
+from pipeline.store.catalogue.table import (PENDING_PREFIX, TABLE_SCHEMA, ManifestTable,
+                                            TableDamagedError)
+from pipeline.store.catalogue.table_query import Totals, connect, select, totals
+from pipeline.store.catalogue.table_sync import mismatches, repair
 
 _COLUMNS = ("episode", "tokens", "build_seconds", "kv_bytes", "object_bytes", "n_windows",
             "turn_index_key", "turn_index_bytes")

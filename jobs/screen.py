@@ -77,8 +77,8 @@ def screen(convs: list[Conversation], methods: list[str], budgets: list[int],
            config: EvalConfig) -> int:
     """Screen every conversation and print the table. torch and the models load here, once
     the arguments and the corpus are known good."""
+    from lab.screen import screen_conversation, table
     from pipeline.builder.profile import measure_profile
-    from pipeline.eval.screen import screen_conversation, table
     from pipeline.kv import models
 
     lm, encoder = models.load_llm(config.model), models.load_encoder(config.encoder)

@@ -126,8 +126,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from pipeline.ray_runtime import init_ray
     from pipeline.serve.app import APP_NAME, build_app, resolve_models
-    from pipeline.store.base import StoreError
-    from pipeline.store.uri import open_store
+    from pipeline.store.backends.base import StoreError
+    from pipeline.store.backends.uri import open_store
 
     try:
         store = open_store(settings.store, settings.store_options, create=False)

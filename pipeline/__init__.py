@@ -20,5 +20,6 @@ package imports only from packages above it:
     ray_runtime.py the Ray worker environment and joining or starting Ray
     telemetry.py   the metrics the Serve replicas and the build driver export through Ray
 
-`jobs/` holds the commands that wire these together; `kernels/` the Triton kernels.
+`jobs/` holds the commands that wire these together; `kernels/` the Triton kernels; `lab/`
+what the benchmarks, the screen, the demo and the tests run the library with (no part of it).
 """

@@ -62,11 +62,17 @@ def cluster_embeddings(embeddings: np.ndarray, n_clusters: int, seed: int,
         return km.fit_predict(embeddings)
 
 
+def embed_texts(encoder, texts: list[str]) -> np.ndarray:
+    """[texts, dim] unit-norm embeddings in the encoder's space, as the encoder returns them:
+    the one way text enters that space, so the centroids, the windows, the questions (routing,
+    the evaluation) and the top-up's turns never drift apart."""
+    return encoder.encode(texts, normalize_embeddings=True, show_progress_bar=False)
+
+
 def embed_windows(encoder, conv: Conversation, windows: list[list[Turn]]) -> np.ndarray:
     """[windows, dim] unit-norm embeddings of the windows' renderings (float64)."""
     texts = window_texts(conv, windows)
-    return unit(np.asarray(encoder.encode(texts, normalize_embeddings=True,
-                                          show_progress_bar=False), dtype=np.float64))
+    return unit(np.asarray(embed_texts(encoder, texts), dtype=np.float64))
 
 
 def build_episodes(conv: Conversation, encoder, config: EpisodeConfig = EpisodeConfig()) -> EpisodeSet:

@@ -34,22 +34,23 @@ from pathlib import Path
 
 import numpy as np
 
+from lab.bench_cli import bench_conversations, bench_parser, start_bench
 from pipeline.answer.lookup import route_index, route_records
 from pipeline.builder.append import read_stored_cache
 from pipeline.builder.conversation import build_conversation
-from pipeline.cli.bench import bench_conversations, bench_parser, start_bench
 from pipeline.cli.options import add_threads_option
 from pipeline.config import BuildConfig, GrowthConfig
 from pipeline.corpus.render import render_conversation
 from pipeline.corpus.schema import Conversation
+from pipeline.episodes import embed_texts
 from pipeline.eval.cell import history_ids, measure_all
 from pipeline.eval.methods import EvalConfig
 from pipeline.eval.metrics import ADVERSARIAL_CATEGORY, retention
 from pipeline.kv import models, prompts
 from pipeline.kv.methods.full import Full
 from pipeline.kv.prefill import block_prefill
-from pipeline.store.local import LocalStore
-from pipeline.store.manifest import read_manifest
+from pipeline.store.backends.local import LocalStore
+from pipeline.store.catalogue.manifest import read_manifest
 
 REBUILD = GrowthConfig(append=False)
 
@@ -91,8 +92,7 @@ def stored_nll(lm, encoder, store: LocalStore, conv: Conversation, questions: li
     routed by the evaluation's router to their best episode and read from the stored caches."""
     records = sorted(read_manifest(store, conv.conversation_id), key=lambda r: r.episode)
     one, index = dataclasses.replace(config.routing, two_below=0.0), route_index(records)
-    embeddings = encoder.encode([q.question for q in questions], normalize_embeddings=True,
-                                show_progress_bar=False)
+    embeddings = embed_texts(encoder, [q.question for q in questions])
     routed = defaultdict(list)
     for q, e in zip(questions, embeddings):
         routed[route_records(e, records, one, index)[0][0].episode].append(q)

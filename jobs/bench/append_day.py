@@ -25,14 +25,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from lab.bench_cli import bench_parser, start_bench
 from pipeline.builder.driver import run_build
-from pipeline.cli.bench import bench_parser, start_bench
 from pipeline.config import BuildConfig, DriverOptions, EpisodeConfig, GrowthConfig
 from pipeline.corpus.reader import write_jsonl
 from pipeline.corpus.synthetic import make_corpus
 from pipeline.ray_runtime import init_ray
-from pipeline.store.base import ObjectInfo
-from pipeline.store.local import LocalStore
+from pipeline.store.backends.base import ObjectInfo
+from pipeline.store.backends.local import LocalStore
 
 
 class LoggedStore(LocalStore):

@@ -23,13 +23,13 @@ import time
 
 import torch
 
+from lab.bench_cli import bench_parser, start_bench
+from lab.bench_support import bench_text
+from lab.tables import print_table
 from pipeline.answer.decode import generate_from_cache
 from pipeline.answer.packed import DecodeRow, Prefix, packed_step
-from pipeline.cli.bench import bench_parser, start_bench
 from pipeline.cli.options import add_model_options
-from pipeline.cli.tables import print_table
 from pipeline.config import BuildConfig
-from pipeline.eval.bench_support import bench_text
 from pipeline.kv import models, prompts
 from pipeline.kv.prefill import PrefillConfig, block_prefill
 

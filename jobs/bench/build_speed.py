@@ -22,11 +22,11 @@ import sys
 
 import torch
 
-from pipeline.cli.bench import bench_parser, start_bench
+from lab.bench_cli import bench_parser, start_bench
+from lab.bench_support import bench_text, first_layers, full_prefill
+from lab.tables import print_table
 from pipeline.cli.options import add_model_options, add_prefill_options
-from pipeline.cli.tables import print_table
 from pipeline.config import BuildConfig, ScoringConfig
-from pipeline.eval.bench_support import bench_text, first_layers, full_prefill
 from pipeline.kv import models
 from pipeline.kv.prefill import PrefillConfig, block_prefill
 

@@ -18,8 +18,8 @@ in their manifests (same configuration hash) and goes straight to the turns.
 
 Then the cold load itself, per episode of the episodic build, side by side: from the store
 (read, then parsed and rebuilt while its checksum is computed on a second thread: the split is
-printed) and, after a first load filled a local-disk tier (`pipeline.store.disk_tier`), from that tier
-through a fresh `DiskTier` over the same folder, as a restarted replica sees it, with the
+printed) and, after a first load filled a local-disk tier (`pipeline.store.objects.disk_tier`), from
+that tier through a fresh `DiskTier` over the same folder, as a restarted replica sees it, with the
 number of objects each read from the store (counted on the store).
 """
 
@@ -35,22 +35,22 @@ from pathlib import Path
 
 import torch
 
+from lab.bench_cli import bench_parser, start_bench
+from lab.tables import print_table
 from pipeline.answer.answerer import Answerer
 from pipeline.answer.malloc_tuning import retain_freed_memory
 from pipeline.builder.conversation import build_conversation, files_of, is_built
-from pipeline.cli.bench import bench_parser, start_bench
 from pipeline.cli.options import (BUILD_OPTIONS, add_model_options, add_options, apply_options,
                                   options_named)
-from pipeline.cli.tables import print_table
 from pipeline.cli.numbers import positive_int
 from pipeline.config import BuildConfig, TopUpConfig
 from pipeline.corpus.synthetic import make_conversation
 from pipeline.kv import models
-from pipeline.store import cache_format
-from pipeline.store.cache_read import read_cache
-from pipeline.store.disk_tier import DiskTier
-from pipeline.store.local import LocalStore
-from pipeline.store.manifest import ManifestRecord, read_manifest
+from pipeline.store.backends.local import LocalStore
+from pipeline.store.catalogue.manifest import ManifestRecord, read_manifest
+from pipeline.store.objects import cache_format
+from pipeline.store.objects.cache_read import read_cache
+from pipeline.store.objects.disk_tier import DiskTier
 
 STAGES = ("embed", "route", "load", "decode")
 

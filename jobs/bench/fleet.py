@@ -45,16 +45,16 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
-from pipeline.cli.bench import bench_parser, start_bench
+from lab.bench_cli import bench_parser, start_bench
+from lab.load_client import (GENERIC_QUESTIONS, Sample, ask, fault_report, fault_rows,
+                             latency_summary)
 from pipeline.cli.numbers import number
 from pipeline.config import BuildConfig, DriverOptions, EpisodeConfig
 from pipeline.corpus.reader import read_corpus, write_jsonl
 from pipeline.corpus.synthetic import iter_corpus
 from pipeline.ray_runtime import WORKER_ENV
-from pipeline.serve.client import (GENERIC_QUESTIONS, Sample, ask, fault_report, fault_rows,
-                                   latency_summary)
 from pipeline.serve.settings import DEFAULT_MAX_IMBALANCE, ServeSettings
-from pipeline.store.uri import open_store
+from pipeline.store.backends.uri import open_store
 from pipeline.telemetry import SPECS
 
 APP = "epicache-fleet"

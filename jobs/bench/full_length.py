@@ -32,18 +32,18 @@ from pathlib import Path
 
 import torch
 
+from lab.bench_cli import bench_conversations, bench_parser, start_bench
+from lab.bench_support import dynamic_cache_bytes, full_prefill
+from lab.tables import print_table
 from pipeline.answer.answerer import Answerer
 from pipeline.builder.conversation import build_conversation
-from pipeline.cli.bench import bench_conversations, bench_parser, start_bench
 from pipeline.cli.options import add_threads_option
-from pipeline.cli.tables import print_table
 from pipeline.config import BuildConfig
 from pipeline.corpus.render import cut_at_session, render_conversation
 from pipeline.corpus.schema import Conversation
-from pipeline.eval.bench_support import dynamic_cache_bytes, full_prefill
 from pipeline.kv import models, prompts
-from pipeline.store.local import LocalStore
-from pipeline.store.manifest import read_manifest
+from pipeline.store.backends.local import LocalStore
+from pipeline.store.catalogue.manifest import read_manifest
 
 RUNS = ("build, cut", "build, whole", "full prefill, whole")
 COLUMNS = [("conversation", "conversation", ""), ("run", "run", ""), ("tokens", "tokens", ","),

@@ -37,8 +37,8 @@ from pathlib import Path
 
 import torch
 
-from pipeline.cli.bench import bench_parser, start_bench
-from pipeline.eval.command_steps import Step, build_figure, render_report, run_step
+from lab.bench_cli import bench_parser, start_bench
+from lab.command_steps import Step, build_figure, render_report, run_step
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root: every step runs there
 KERNEL_TESTS = "tests/unit/kernels"

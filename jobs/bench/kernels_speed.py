@@ -40,7 +40,7 @@ import torch
 
 from kernels import quant_reference
 from kernels.score import patch_attention_scores_reference
-from pipeline.cli.bench import bench_parser, start_bench
+from lab.bench_cli import bench_parser, start_bench
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 INVALID_SHARE = 0.1  # cached slots marked invalid (evicted), as in a cache mid-build

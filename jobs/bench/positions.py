@@ -25,7 +25,7 @@ import sys
 import time
 from dataclasses import replace
 
-from pipeline.cli.bench import bench_conversations, bench_parser, start_bench
+from lab.bench_cli import bench_conversations, bench_parser, start_bench
 from pipeline.cli.options import PREFILL_BENCH_OPTIONS, add_options, add_threads_option
 from pipeline.config import BuildConfig
 from pipeline.eval.cell import evaluate_cell, prepare

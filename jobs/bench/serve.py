@@ -34,10 +34,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import requests
 
-from pipeline.cli.bench import bench_parser, start_bench
+from lab.bench_cli import bench_parser, start_bench
+from lab.load_client import (GENERIC_QUESTIONS, Sample, ask, fault_report, fault_rows,
+                             latency_summary)
 from pipeline.corpus.reader import read_corpus
-from pipeline.serve.client import (GENERIC_QUESTIONS, Sample, ask, fault_report, fault_rows,
-                                   latency_summary)
 
 STAGES = ("embed", "route", "fetch", "decode")
 

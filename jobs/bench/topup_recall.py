@@ -31,12 +31,12 @@ import numpy as np
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from lab.bench_cli import bench_conversations, bench_parser, start_bench
+from lab.tables import print_table
 from pipeline.answer.topup import held_turns, select_topup
 from pipeline.builder.cluster import cluster_conversation
 from pipeline.builder.turns import index_turns
-from pipeline.cli.bench import bench_conversations, bench_parser, start_bench
 from pipeline.cli.numbers import positive_int
-from pipeline.cli.tables import print_table
 from pipeline.config import BuildConfig, RoutingConfig, TopUpConfig
 from pipeline.eval.cell import history_ids, prepare
 from pipeline.eval.reads import question_embeddings, route_scores

@@ -22,10 +22,10 @@ from pipeline.config import RoutingConfig, TopUpConfig
 from pipeline.config.limits import DEFAULT_LIMITS, AnswerLimits, CheckedQuestion
 from pipeline.kv import models, prompts
 from pipeline.kv.cache import EpisodicCache
-from pipeline.store.base import Store
-from pipeline.store.cache_read import read_cache
-from pipeline.store.disk_tier import DiskTier
-from pipeline.store.manifest import ManifestRecord
+from pipeline.store.backends.base import Store
+from pipeline.store.catalogue.manifest import ManifestRecord
+from pipeline.store.objects.cache_read import read_cache
+from pipeline.store.objects.disk_tier import DiskTier
 
 
 @dataclass

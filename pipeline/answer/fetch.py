@@ -1,7 +1,8 @@
 """The answer path's reads: the cache a question reads through the in-memory LRU.
 
 Fetching, the disk tier and the checksum (checked against the manifest beside the parse) are
-the store's (`pipeline.store.cache_read`): a bad object raises `CacheCorruptError` naming it.
+the store's (`pipeline.store.objects.cache_read`): a bad object raises `CacheCorruptError` naming
+it.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import Callable
 
 from pipeline.answer.lru import CacheLRU
 from pipeline.kv.cache import EpisodicCache
-from pipeline.store.manifest import CacheRef
+from pipeline.store.objects.cache_ref import CacheRef
 
 
 def resident_read(caches: CacheLRU, refs: tuple[CacheRef, ...],

@@ -16,9 +16,11 @@ import numpy as np
 
 from pipeline.config import RoutingConfig
 from pipeline.corpus.schema import check_safe_id
+from pipeline.episodes import embed_texts
 from pipeline.routers import ROUTERS, RouteIndex, chosen
-from pipeline.store.base import Store
-from pipeline.store.manifest import CacheRef, ManifestRecord, read_manifest
+from pipeline.store.backends.base import Store
+from pipeline.store.catalogue.manifest import ManifestRecord, read_manifest
+from pipeline.store.objects.cache_ref import CacheRef
 
 
 class ConversationNotFound(LookupError):
@@ -84,7 +86,7 @@ def check_models(episodes: Iterable[ManifestRecord | CacheRef], model: str | Non
 
 def embed_question(encoder, question: str) -> np.ndarray:
     """The question's unit-norm embedding in the encoder's space (the centroids' space)."""
-    return encoder.encode([question], normalize_embeddings=True, show_progress_bar=False)[0]
+    return embed_texts(encoder, [question])[0]
 
 
 def route_index(records: list[ManifestRecord]) -> RouteIndex:

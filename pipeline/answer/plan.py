@@ -27,8 +27,8 @@ from pipeline.answer.topup import TopUp, TopUps
 from pipeline.config import RoutingConfig, TopUpConfig
 from pipeline.corpus.schema import check_safe_id
 from pipeline.routers import RouteIndex
-from pipeline.store.base import ObjectNotFound, Store, manifest_key
-from pipeline.store.manifest import ManifestRecord
+from pipeline.store.backends.base import ObjectNotFound, Store, manifest_key
+from pipeline.store.catalogue.manifest import ManifestRecord
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ An episode's cache holds its own turns well and the others' hardly at all, so a 
 to the wrong episode is answered nearly without its evidence, and even the evidence a cache
 holds sits far back, at compacted positions (docs/quality.md). Once the question is known, its
 nearest turns in the whole conversation are found in the turn index
-(`pipeline.store.turn_index`; turn-level keys, as LongMemEval found them best), rendered as the
-conversation renders them and prefilled after the cache, before the question, a few hundred
+(`pipeline.store.objects.turn_index`; turn-level keys, as LongMemEval found them best), rendered as
+the conversation renders them and prefilled after the cache, before the question, a few hundred
 tokens at most (`TopUpConfig`). With `skip_held`, the turns the episodes read hold are
 skipped: a question routed right then usually reads no top-up (answers lose: docs/scorecard.md).
 
@@ -24,10 +24,10 @@ from typing import Callable
 import numpy as np
 
 from pipeline.config import TopUpConfig
-from pipeline.store.base import Store
-from pipeline.store.manifest import ManifestRecord
-from pipeline.store.turn_index import (IndexedTurn, TurnIndex, TurnIndexUnavailable,
-                                       read_turn_index)
+from pipeline.store.backends.base import Store
+from pipeline.store.catalogue.manifest import ManifestRecord
+from pipeline.store.objects.turn_index import (IndexedTurn, TurnIndex, TurnIndexUnavailable,
+                                               read_turn_index)
 
 log = logging.getLogger(__name__)
 

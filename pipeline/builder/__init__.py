@@ -16,7 +16,6 @@
     driver.py        the Ray driver: run_build; run_job (an opened job, on Ray)
     job.py           the build as one job: corpus checked and store opened first (no torch,
                      no Ray: open_job), skip report, Summary, BuildError
-    rehearsal.py     synthetic stages for the scale rehearsal and the tests
 
 What a build is configured with (BuildConfig, hashed; DriverOptions, not) is in pipeline.config.
 """

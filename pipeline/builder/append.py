@@ -2,11 +2,12 @@
 
 The cache after an episode's last block is exactly what block prefill continues from: it keeps
 each entry's original position (the scorers read it), the tokens seen and the next position
-(`pipeline.store.cache_format`). So the new turns are block-prefilled into it under the same
-budgets, scorer and patch, and the episode's focus now includes the new turns the plan gave it.
-Every cache kind goes on this way (original or compact positions, tri-state, merging, DapQ,
-the baselines, the full cache); what differs from a rebuild of the whole history is listed in
-docs/building.md. The new version goes under a key of its own; the commit replaces the
+(`pipeline.store.objects.cache_format`), and it is read through the read path's one way in
+(`pipeline.store.objects.cache_read`). So the new turns are block-prefilled into it under the
+same budgets, scorer and patch, and the episode's focus now includes the new turns the plan
+gave it. Every cache kind goes on this way (original or compact positions, tri-state, merging,
+DapQ, the baselines, the full cache); what differs from a rebuild of the whole history is listed
+in docs/building.md. The new version goes under a key of its own; the commit replaces the
 manifest.
 """
 
@@ -30,21 +31,20 @@ from pipeline.corpus.render import render_conversation
 from pipeline.kv import models, prompts
 from pipeline.kv.cache import EpisodicCache
 from pipeline.kv.prefill import block_prefill
-from pipeline.store import cache_format
-from pipeline.store.base import Store
-from pipeline.store.manifest import ManifestRecord
+from pipeline.store.backends.base import Store
+from pipeline.store.catalogue.manifest import ManifestRecord
+from pipeline.store.objects.cache_format import CacheCorruptError
+from pipeline.store.objects.cache_read import read_cache
 
 
 def read_stored_cache(store: Store, record: ManifestRecord, model) -> EpisodicCache:
-    """An episode's cache object, checked against its record (SHA-256, tokens seen), in the
-    model's dtype and on its device."""
+    """An episode's cache object, checked against its record (length and SHA-256 by the read
+    path, then the tokens seen), in the model's dtype and on its device."""
     weight = next(model.parameters())
-    cache, header = cache_format.deserialize(store.get(record.object_key), record.sha256,
-                                             record.object_key, weight.dtype, weight.device)
-    if header.get("tokens_seen") != record.tokens:
-        raise cache_format.CacheCorruptError(
-            f"cache object {record.object_key} has seen {header.get('tokens_seen')} tokens, "
-            f"its manifest says {record.tokens}")
+    cache = read_cache(store, record.ref, dtype=weight.dtype, device=weight.device).cache
+    if cache.tokens_seen != record.tokens:
+        raise CacheCorruptError(f"cache object {record.object_key} has seen {cache.tokens_seen} "
+                                f"tokens, its manifest says {record.tokens}")
     return cache
 
 

@@ -14,7 +14,7 @@ from pipeline.corpus.schema import Conversation
 from pipeline.episodes import EpisodeConfig, EpisodeSet, build_episodes, member_turn_ids
 from pipeline.kv import methods, models, prompts
 from pipeline.kv.positions import check_fits
-from pipeline.store.turn_index import StoredIndex
+from pipeline.store.objects.turn_index import StoredIndex
 
 
 def is_episodic(config: BuildConfig) -> bool:

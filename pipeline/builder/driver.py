@@ -9,7 +9,7 @@ so its memory does not grow with the corpus. Conversations whose manifest alread
 carries this configuration's hash and the fingerprints of the model files the budgets task
 found, and whose objects are all in the store at their recorded sizes, are skipped; one whose
 objects are not has those repaired (`pipeline.builder.repair`). Committed rows are also appended, in batches, to
-the store's manifest table (`pipeline.store.table_sync.IndexWriter`).
+the store's manifest table (`pipeline.store.catalogue.table_sync.IndexWriter`).
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from pipeline.corpus.reader import CorpusStream, ReadStats
 from pipeline.corpus.records import DEFAULT_LIMITS, CorpusLimits
 from pipeline.corpus.schema import Conversation, CorpusError
 from pipeline.ray_runtime import init_ray
-from pipeline.store.base import Store
-from pipeline.store.manifest import ManifestRecord, list_conversations
-from pipeline.store.table_sync import IndexWriter
-from pipeline.store.uri import open_store
+from pipeline.store.backends.base import Store
+from pipeline.store.backends.uri import open_store
+from pipeline.store.catalogue.manifest import ManifestRecord, list_conversations
+from pipeline.store.catalogue.table_sync import IndexWriter
 from pipeline.telemetry import build_metrics
 
 log = logging.getLogger("jobs.build")  # its lines carry the name of the command users run

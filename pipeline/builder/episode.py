@@ -19,10 +19,10 @@ from pipeline.kv.cache import EpisodicCache
 from pipeline.kv.layout import token_layout
 from pipeline.kv.methods.base import Method, MethodInputs, Scorer
 from pipeline.kv.prefill import PrefillStats, block_prefill
-from pipeline.store import cache_format
-from pipeline.store.base import Store, cache_key
-from pipeline.store.manifest import ManifestRecord
-from pipeline.store.turn_index import StoredIndex
+from pipeline.store.backends.base import Store, cache_key
+from pipeline.store.catalogue.manifest import ManifestRecord
+from pipeline.store.objects import cache_format
+from pipeline.store.objects.turn_index import StoredIndex
 
 
 def build_method(config: BuildConfig) -> Method:

@@ -25,8 +25,8 @@ from pipeline.corpus.render import render_conversation
 from pipeline.corpus.schema import Conversation
 from pipeline.episodes import embed_windows, segment, unit
 from pipeline.kv import models, prompts
-from pipeline.store.manifest import ManifestRecord
-from pipeline.store.turn_index import StoredIndex
+from pipeline.store.catalogue.manifest import ManifestRecord
+from pipeline.store.objects.turn_index import StoredIndex
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ from pipeline.builder.sources import corpus_objects
 from pipeline.corpus.reader import SKIP_REPORT, CorpusStream, OnBadRecord, ReadStats
 from pipeline.corpus.records import DEFAULT_LIMITS, CorpusLimits
 from pipeline.corpus.schema import CorpusError
-from pipeline.store.base import Store, StoreOptions
-from pipeline.store.uri import open_store
+from pipeline.store.backends.base import Store, StoreOptions
+from pipeline.store.backends.uri import open_store
 
 SKIPS_SHOWN = 20  # skips printed to stderr; all of them are in the report
 

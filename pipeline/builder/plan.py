@@ -14,8 +14,8 @@ from pipeline.builder.turns import write_turn_index
 from pipeline.config import BuildConfig, GrowthConfig
 from pipeline.corpus.schema import Conversation
 from pipeline.kv import models
-from pipeline.store.base import Store
-from pipeline.store.manifest import ManifestRecord
+from pipeline.store.backends.base import Store
+from pipeline.store.catalogue.manifest import ManifestRecord
 
 
 def plan_conversation(conv: Conversation, config: BuildConfig,

@@ -11,7 +11,7 @@ from pipeline.corpus.render import render_conversation
 from pipeline.corpus.synthetic import make_conversation
 from pipeline.kv import models, prompts
 from pipeline.kv.budgets import ALLOCATORS, Allocator
-from pipeline.store.base import Store, profile_key
+from pipeline.store.backends.base import Store, profile_key
 
 
 def allocator(config: BuildConfig) -> Allocator:

@@ -2,13 +2,13 @@
 
 A build's skip check does not trust a manifest: it confirms that every object the manifest
 names is in the store at its recorded size (one batched size lookup, no download; with
-`--verify` each is also read and checksummed: `pipeline.store.garbage.conversation_faults`).
-What fails is repaired: each damaged episode's cache is block-prefilled again from what its
-manifest record keeps (the patch text, the episode's turns, the turns the caches hold), and a
-damaged turn index is embedded again. The other episodes keep their objects and records, the
-repaired caches go under keys of their own content (nothing served is overwritten: a
-deterministic rebuild writes the very key that was damaged, with the right bytes), and the
-commit replaces the manifest.
+`--verify` each is also read and checksummed:
+`pipeline.store.catalogue.garbage.conversation_faults`). What fails is repaired: each damaged
+episode's cache is block-prefilled again from what its manifest record keeps (the patch text, the
+episode's turns, the turns the caches hold), and a damaged turn index is embedded again. The other
+episodes keep their objects and records, the repaired caches go under keys of their own content
+(nothing served is overwritten: a deterministic rebuild writes the very key that was damaged, with
+the right bytes), and the commit replaces the manifest.
 
 A repaired episode is the episode as a build of its whole history makes it: an episode that was
 appended to comes back as one block prefill of all its turns (docs/building.md). A manifest that
@@ -35,10 +35,10 @@ from pipeline.config import BuildConfig
 from pipeline.corpus.render import render_conversation
 from pipeline.corpus.schema import Conversation
 from pipeline.kv import models, prompts
-from pipeline.store.base import Store
-from pipeline.store.garbage import Fault, conversation_faults
-from pipeline.store.manifest import ManifestRecord
-from pipeline.store.turn_index import StoredIndex
+from pipeline.store.backends.base import Store
+from pipeline.store.catalogue.garbage import Fault, conversation_faults
+from pipeline.store.catalogue.manifest import ManifestRecord
+from pipeline.store.objects.turn_index import StoredIndex
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pipeline.corpus.reader import CorpusObject, local_objects
 from pipeline.corpus.schema import CorpusError
-from pipeline.store.base import Store, StoreOptions
-from pipeline.store.s3 import parse_s3_uri
-from pipeline.store.uri import open_store
+from pipeline.store.backends.base import Store, StoreOptions
+from pipeline.store.backends.s3 import parse_s3_uri
+from pipeline.store.backends.uri import open_store
 
 
 def corpus_objects(uri: str, options: StoreOptions | None = None) -> list[CorpusObject]:

@@ -22,8 +22,8 @@ from pipeline.builder.profile import layer_budgets
 from pipeline.config import BuildConfig, GrowthConfig, ModelFingerprints
 from pipeline.corpus.schema import Conversation
 from pipeline.kv import models
-from pipeline.store.base import Store
-from pipeline.store.manifest import ManifestRecord
+from pipeline.store.backends.base import Store
+from pipeline.store.catalogue.manifest import ManifestRecord
 
 
 @dataclass(frozen=True)

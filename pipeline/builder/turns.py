@@ -1,4 +1,4 @@
-"""Stage 1's second product: the conversation's turn index (`pipeline.store.turn_index`),
+"""Stage 1's second product: the conversation's turn index (`pipeline.store.objects.turn_index`),
 embedded with the build's encoder and stored before the manifest that names it.
 
 A grown conversation's index is extended: the turns it already holds keep their embeddings (the
@@ -11,10 +11,12 @@ import numpy as np
 
 from pipeline.corpus.render import render_session_header, render_turn
 from pipeline.corpus.schema import Conversation
-from pipeline.store.base import Store
-from pipeline.store.manifest import ManifestRecord
-from pipeline.store.turn_index import (IndexedTurn, StoredIndex, TurnIndex, TurnIndexUnavailable,
-                                       read_turn_index, store_turn_index)
+from pipeline.episodes import embed_texts
+from pipeline.store.backends.base import Store
+from pipeline.store.catalogue.manifest import ManifestRecord
+from pipeline.store.objects.turn_index import (IndexedTurn, StoredIndex, TurnIndex,
+                                               TurnIndexUnavailable, read_turn_index,
+                                               store_turn_index)
 
 
 def indexed_turns(conv: Conversation) -> tuple[IndexedTurn, ...]:
@@ -30,8 +32,7 @@ def index_turns(conv: Conversation, encoder, encoder_id: str, encoder_fingerprin
     known = {} if previous is None else {
         (t.turn_id, t.line): row for t, row in zip(previous.turns, previous.embeddings)}
     new = [t for t in turns if (t.turn_id, t.line) not in known]
-    embedded = iter(encoder.encode([t.line for t in new], normalize_embeddings=True,
-                                   show_progress_bar=False) if new else [])
+    embedded = iter(embed_texts(encoder, [t.line for t in new]) if new else [])
     rows = [known[(t.turn_id, t.line)] if (t.turn_id, t.line) in known else next(embedded)
             for t in turns]
     embeddings = np.stack(rows).astype(np.float16) if rows else np.zeros((0, 0), np.float16)

@@ -4,7 +4,5 @@
     numbers.py  argparse types for numbers with a range (finite, at least / above a bound)
     options.py  the options made from the configurations' fields (build, driver, corpus,
                 store, serve, benchmarks), each group added and read back in one place
-    tables.py   fixed-width tables, as the benchmarks print them
-    bench.py    the benchmarks' common opening: their parser, `--threads`, `--corpus`
     evaluation.py  what `jobs.evaluate` and `jobs.scorecard` share: options, checks, the run
 """

@@ -11,7 +11,7 @@ import argparse
 import os
 from pathlib import Path
 
-from pipeline.store.base import StoreOptions
+from pipeline.store.backends.base import StoreOptions
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -62,7 +62,7 @@ def add_store_options(p: argparse.ArgumentParser, help: str = "store folder, or 
                       region: bool = False) -> None:
     """`--store` and `--s3-endpoint` (and `--s3-region`), as every command that opens a store
     takes them; the command passes them on as one `store_options(a)`, whose endpoint the S3
-    backend resolves (`pipeline.store.s3.s3_endpoint`)."""
+    backend resolves (`pipeline.store.backends.s3.s3_endpoint`)."""
     p.add_argument("--store", required=True, type=non_empty, help=help)
     p.add_argument("--s3-endpoint", default=None,
                    help="S3-compatible endpoint URL (default: $EPICACHE_S3_ENDPOINT, else "

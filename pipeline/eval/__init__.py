@@ -12,10 +12,6 @@
                       retrieval, bootstrap intervals and paired differences, each measure's signal
     runner.py         the cells as Ray tasks, finished cells kept for re-runs
     report.py         Markdown tables and the retention plot
-    screen.py         a fast one-prefill proxy for ranking EpiCache recipes
-    compare.py        the demo's comparison: episodic against full-history answers
-    bench_support.py  what the build benchmarks measure with
-    command_steps.py  commands run as a report's steps (`jobs.bench.gpu`)
 
 How quality is measured, and the figures, are in docs/evaluation.md and docs/quality.md.
 """

@@ -41,9 +41,9 @@ from pipeline.kv.layout import TokenLayout, kept_share, token_layout
 from pipeline.kv.methods.full import Full
 from pipeline.kv.prefill import PrefillStats, block_prefill, entry_bytes
 from pipeline.kv.tristate import EntryBytes
-from pipeline.store.manifest import write_manifest
-from pipeline.store.memory import MemoryStore
-from pipeline.store.turn_index import TurnIndex, store_turn_index
+from pipeline.store.backends.memory import MemoryStore
+from pipeline.store.catalogue.manifest import write_manifest
+from pipeline.store.objects.turn_index import TurnIndex, store_turn_index
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import numpy as np
 from pipeline.answer.topup import TopUp
 from pipeline.config import TopUpConfig
 from pipeline.corpus.schema import Question
-from pipeline.episodes import EpisodeSet
+from pipeline.episodes import EpisodeSet, embed_texts
 from pipeline.eval.methods import EvalConfig, Read
 from pipeline.kv.cache import EpisodicCache
 from pipeline.routers import ROUTERS, chosen
@@ -46,8 +46,7 @@ def one_cache(cache: Callable[[], EpisodicCache]) -> CellCaches:
 
 def question_embeddings(encoder, questions: list[Question]) -> np.ndarray:
     """[questions, d] unit-norm embeddings of the questions (the routers' and the top-up's)."""
-    return encoder.encode([q.question for q in questions], normalize_embeddings=True,
-                          show_progress_bar=False)
+    return embed_texts(encoder, [q.question for q in questions])
 
 
 def route_scores(embeddings: np.ndarray, episodes: EpisodeSet) -> dict[str, np.ndarray]:

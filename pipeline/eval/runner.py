@@ -28,8 +28,8 @@ from pipeline.eval.methods import NO_HISTORY, EvalConfig, Read, parse_method
 from pipeline.eval.reads import select_read
 from pipeline.eval.report import records_parquet
 from pipeline.eval.summary import nan_mean
-from pipeline.store.local import LocalStore
-from pipeline.store.uri import open_store
+from pipeline.store.backends.local import LocalStore
+from pipeline.store.backends.uri import open_store
 
 
 def profile(store_uri: str, config: EvalConfig, method: str = "epicache") -> list[float]:

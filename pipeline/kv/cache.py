@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -18,6 +19,19 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kernels.quant import dequantize, quantize_fp8, quantize_int8
 from pipeline.kv.attention import AttentionRequest, Packing, hand_off
 from pipeline.kv.positions import KeyRotation
+
+
+@dataclass(frozen=True)
+class QuantizedTier:
+    """A layer's Quantized entries (tri-state, ARKV), as `EpisodicLayer` holds them: which slots
+    [Hkv, slots], the codes' dtype, the codes as raw bytes [Hkv, slots, d] (int8, or uint8 for
+    float8_e4m3fn) and the per-token, per-head float32 scales [Hkv, slots]."""
+    mask: torch.Tensor
+    code_dtype: torch.dtype
+    key_codes: torch.Tensor
+    value_codes: torch.Tensor
+    key_scales: torch.Tensor
+    value_scales: torch.Tensor
 
 
 class EpisodicLayer(CacheLayerMixin):
@@ -54,6 +68,25 @@ class EpisodicLayer(CacheLayerMixin):
         self.value_codes: torch.Tensor | None = None
         self.key_scales: torch.Tensor | None = None  # [Hkv, slots] float32
         self.value_scales: torch.Tensor | None = None
+
+    @classmethod
+    def from_stored(cls, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
+                    positions: torch.Tensor, *, rope_positions: torch.Tensor, tokens_seen: int,
+                    next_position: int, quantized: QuantizedTier | None = None) -> EpisodicLayer:
+        """A layer as a stored cache reads back (`pipeline.store.objects.cache_format`): keys
+        and values [1, Hkv, slots, d] (Quantized slots dequantized), `valid`, the original
+        `positions` and the positions the keys are rotated at [Hkv, slots], the tokens seen and
+        the next position, and the Quantized tier if it has one."""
+        layer = cls()
+        layer.keys, layer.values, layer.valid, layer.positions = keys, values, valid, positions
+        layer.rope_positions = rope_positions
+        layer.tokens_seen, layer.next_position = tokens_seen, next_position
+        if quantized is not None:
+            layer.quantized, layer.code_dtype = quantized.mask, quantized.code_dtype
+            layer.key_codes, layer.value_codes = quantized.key_codes, quantized.value_codes
+            layer.key_scales, layer.value_scales = quantized.key_scales, quantized.value_scales
+        layer.is_initialized = True
+        return layer
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         _, n_heads, _, dim = key_states.shape
@@ -243,6 +276,13 @@ class EpisodicCache(Cache):
     @classmethod
     def for_model(cls, config) -> EpisodicCache:
         return cls(config.num_hidden_layers)
+
+    @classmethod
+    def from_layers(cls, layers: list[EpisodicLayer]) -> EpisodicCache:
+        """A cache of layers made whole elsewhere (`EpisodicLayer.from_stored`)."""
+        cache = cls(0)
+        cache.layers.extend(layers)
+        return cache
 
     @property
     def tokens_seen(self) -> int:

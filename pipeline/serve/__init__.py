@@ -12,8 +12,6 @@
     affinity.py     ConversationAffinityRouter: a conversation's calls to one decoder replica
                     (rendezvous hashing, bounded load), Serve's RequestRouter
     app.py          resolve_models, build_app (router bound to decoder), app_builder
-    client.py       the load-test client the serving benchmarks share: a timed request, the
-                    fault run's rule
 
 The package sits on `pipeline.answer` (and nothing in the library imports it); `jobs/serve.py`
 is its command. Importing the package imports none of its modules; the HTTP API is documented in

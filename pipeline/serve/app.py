@@ -17,9 +17,9 @@ from pipeline.serve.affinity import ConversationAffinityRouter
 from pipeline.serve.decoder import Decoder
 from pipeline.serve.ingress import Router
 from pipeline.serve.settings import ServeSettings
-from pipeline.store.base import Store
-from pipeline.store.manifest import ManifestError, list_conversations, read_manifest
-from pipeline.store.uri import open_store
+from pipeline.store.backends.base import Store
+from pipeline.store.backends.uri import open_store
+from pipeline.store.catalogue.manifest import ManifestError, list_conversations, read_manifest
 
 APP_NAME = "epicache"
 log = logging.getLogger("epicache.serve")

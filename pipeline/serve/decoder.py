@@ -30,10 +30,10 @@ from pipeline.answer.malloc_tuning import retain_freed_memory
 from pipeline.kv import models
 from pipeline.serve.errors import classify, is_corrupt
 from pipeline.serve.settings import ServeSettings
-from pipeline.store.cache_read import Verified, read_bytes, read_cache
-from pipeline.store.disk_tier import DiskTier
-from pipeline.store.manifest import CacheRef
-from pipeline.store.uri import open_store
+from pipeline.store.backends.uri import open_store
+from pipeline.store.objects.cache_read import Verified, read_bytes, read_cache
+from pipeline.store.objects.cache_ref import CacheRef
+from pipeline.store.objects.disk_tier import DiskTier
 from pipeline.telemetry import decoder_metrics
 
 log = logging.getLogger("epicache.serve")

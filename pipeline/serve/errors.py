@@ -18,9 +18,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pipeline.answer.lookup import ConversationNotFound, ModelMismatchError, NeedsRebuildError
 from pipeline.config.limits import LimitError
 from pipeline.corpus.schema import UnsafeIdError
-from pipeline.store.base import ObjectNotFound, StoreError
-from pipeline.store.cache_format import CacheCorruptError, ChecksumError
-from pipeline.store.manifest import ManifestError
+from pipeline.store.backends.base import ObjectNotFound, StoreError
+from pipeline.store.catalogue.manifest import ManifestError
+from pipeline.store.objects.cache_format import CacheCorruptError, ChecksumError
 
 log = logging.getLogger("epicache.serve")
 

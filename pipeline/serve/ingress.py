@@ -26,8 +26,9 @@ from pipeline.serve import openai_chat
 from pipeline.serve.errors import ApiError, add_exception_handlers, classify, is_corrupt
 from pipeline.serve.schemas import AnswerRequest, ChatRequest, parse_body
 from pipeline.serve.settings import ServeSettings
-from pipeline.store.manifest import CacheRef, ManifestRecord
-from pipeline.store.uri import open_store
+from pipeline.store.backends.uri import open_store
+from pipeline.store.catalogue.manifest import ManifestRecord
+from pipeline.store.objects.cache_ref import CacheRef
 from pipeline.telemetry import RequestMetrics, name_route, router_metrics
 
 log = logging.getLogger("epicache.serve")

@@ -16,8 +16,8 @@ from typing import Any
 from pipeline.config import RoutingConfig, TopUpConfig
 from pipeline.config.fields import parser_of
 from pipeline.config.limits import CHARS_PER_TOKEN, DEFAULT_LIMITS, AnswerLimits
-from pipeline.store.base import StoreOptions
-from pipeline.store.s3 import s3_endpoint
+from pipeline.store.backends.base import StoreOptions
+from pipeline.store.backends.s3 import s3_endpoint
 
 AUTH_ENV = "EPICACHE_SERVE_TOKEN"
 # affinity: how many requests longer than the shortest queue a conversation's replica may be

@@ -1,27 +1,12 @@
-"""The store: where caches, manifests and profiles live, and the index over them.
+"""The store: where caches, manifests and profiles live, and the index over them, in three parts
+that differ in what they know (each imports only from the ones above it):
 
-    base.py         Store (the interface and its capabilities), StoreOptions, StoreError, the
-                    object keys
-    local.py        LocalStore: a directory (the default; file://)
-    s3.py           S3Store: S3 or an S3-compatible server (s3://; endpoint resolved here,
-                    credentials from the AWS chain)
-    memory.py       MemoryStore: a named dict of this process (memory://), for runs that keep
-                    nothing on disk
-    uri.py          BACKENDS (URI scheme -> backend) and open_store, which resolves through it
-    cache_format.py one episode's cache as safetensors (never pickle), checksummed
-                    (its format version: pipeline.config.format_version)
-    turn_index.py   a conversation's turn index (every turn's text and embedding, for the
-                    question-time top-up), checked as a cache object is
-    manifest.py     ManifestRecord (the schema), CacheRef, the per-conversation Parquet
-                    manifest (the commit point)
-    table.py        the manifest table: every episode of a store in one Delta table
-    table_query.py  DuckDB queries of the table (totals, filters, a sandboxed SQL view)
-    table_sync.py   the table kept equal to the manifests: IndexWriter, repair, rebuild
-    garbage.py      what no manifest names (orphans, unfinished writes), and manifest faults
-    disk_tier.py    a bounded local-disk tier of cache objects (serving)
-    cache_read.py   the read path's one way in: an episode's cache (or bytes), verified, from the
-                    disk tier or the store
-    seaweedfs.py    a local S3 server (SeaweedFS) for trying the S3 path and for the tests
+    backends/    where objects live: the Store interface and its backends by URI scheme (a
+                 directory, S3, memory); bytes under keys, nothing about what they hold
+    objects/     what one object holds: an episode's cache (its format and its verified read),
+                 a conversation's turn index, the serving disk tier
+    catalogue/   what a store holds: the per-conversation manifests (the commit point), the
+                 manifest table over them, and what no manifest names (garbage)
 
 The layout of a store is documented in docs/store.md.
 """

@@ -11,6 +11,7 @@ import torch
 from transformers import DynamicCache
 
 from jobs import demo, gc
+from lab import compare
 from pipeline.answer.answerer import Answerer
 from pipeline.answer.decode import generate_from_cache
 from pipeline.builder.driver import run_build
@@ -19,14 +20,13 @@ from pipeline.corpus.reader import read_corpus, write_jsonl
 from pipeline.corpus.render import render_conversation
 from pipeline.corpus.synthetic import make_corpus
 from pipeline.episodes import EpisodeConfig
-from pipeline.eval import compare
 from pipeline.kv import models, prompts
 from pipeline.kv.budgets import CalibrationConfig
 from pipeline.kv.methods.epicache import EpiCache
 from pipeline.kv.prefill import PrefillConfig, block_prefill
-from pipeline.store import cache_format, cache_read
-from pipeline.store.manifest import read_manifest
-from pipeline.store.uri import open_store
+from pipeline.store.backends.uri import open_store
+from pipeline.store.catalogue.manifest import read_manifest
+from pipeline.store.objects import cache_format, cache_read
 
 pytestmark = pytest.mark.e2e
 

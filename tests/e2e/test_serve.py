@@ -29,9 +29,9 @@ from pipeline.answer.answerer import Answerer
 from pipeline.answer.lru import CacheLRU
 from pipeline.config import TopUpConfig
 from pipeline.corpus.reader import read_corpus, write_jsonl
-from pipeline.store.base import manifest_key
-from pipeline.store.local import LocalStore
-from pipeline.store.uri import open_store
+from pipeline.store.backends.base import manifest_key
+from pipeline.store.backends.local import LocalStore
+from pipeline.store.backends.uri import open_store
 from tests.support.paths import REPO
 
 TOKEN = "serve-test-token"
@@ -131,7 +131,7 @@ def _corrupt_copy(store, source_id: str, new_id: str, damage=_flip_a_byte) -> li
     """A conversation whose manifest names damaged copies of `source_id`'s objects (same
     recorded sizes and checksums; `damage` makes each copy's bytes, None: no copy): every
     answer from it must fail. The default flips a byte, so each fails its checksum."""
-    from pipeline.store.manifest import read_manifest, write_manifest
+    from pipeline.store.catalogue.manifest import read_manifest, write_manifest
 
     rows, keys = [], []
     for row in read_manifest(store, source_id):
@@ -378,8 +378,8 @@ def test_a_topped_up_answer_is_that_of_jobs_answer_on_every_endpoint(local_app, 
 def _copy_with_own_index(store, source_id: str, new_id: str) -> str:
     """A copy of `source_id` whose manifest names its own turn index (the source's, bound to
     the copy); returns the index object's key."""
-    from pipeline.store.manifest import read_manifest, write_manifest
-    from pipeline.store.turn_index import read_turn_index, store_turn_index
+    from pipeline.store.catalogue.manifest import read_manifest, write_manifest
+    from pipeline.store.objects.turn_index import read_turn_index, store_turn_index
 
     rows = read_manifest(store, source_id)
     index = read_turn_index(store, rows[0].turn_index, source_id, rows[0].encoder_fingerprint)
@@ -624,7 +624,7 @@ def test_bodies_are_bounded_before_they_are_read(local_app, built):
 
 @e2e
 def test_model_mismatch_is_an_error(local_app, built):
-    from pipeline.store.manifest import read_manifest, write_manifest
+    from pipeline.store.catalogue.manifest import read_manifest, write_manifest
 
     url, _ = local_app
     store = LocalStore(built[1])
@@ -640,7 +640,7 @@ def test_model_mismatch_is_an_error(local_app, built):
 def test_caches_of_other_model_files_or_without_fingerprints_are_409s(local_app, built):
     """Manifests naming the served model but other files of it (a fine-tune in its folder), or
     no files at all (built before fingerprints): 409 naming the fix, no cache fetched."""
-    from pipeline.store.manifest import read_manifest, write_manifest
+    from pipeline.store.catalogue.manifest import read_manifest, write_manifest
 
     url, _ = local_app
     store = LocalStore(built[1])
@@ -661,7 +661,7 @@ def test_caches_of_other_model_files_or_without_fingerprints_are_409s(local_app,
 
 @e2e
 def test_a_changed_manifest_is_read_again(local_app, built):
-    from pipeline.store.manifest import read_manifest, write_manifest
+    from pipeline.store.catalogue.manifest import read_manifest, write_manifest
 
     url, _ = local_app
     store = LocalStore(built[1])
@@ -685,7 +685,7 @@ def test_a_conversation_grown_while_it_is_answered_is_served_at_its_new_version(
     from pipeline.builder.conversation import build_conversation
     from pipeline.config import GrowthConfig
     from pipeline.corpus.schema import Turn
-    from pipeline.store.manifest import read_manifest, write_manifest
+    from pipeline.store.catalogue.manifest import read_manifest, write_manifest
 
     url, _ = local_app
     store, source = LocalStore(built[1]), built[2][1]

@@ -24,13 +24,13 @@ import ray
 from fastapi import FastAPI, Request
 from ray import serve
 
+from lab.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES, write_synthetic_corpus
 from pipeline import telemetry
 from pipeline.builder.driver import run_build
-from pipeline.builder.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES, write_synthetic_corpus
 from pipeline.config import DriverOptions
 from pipeline.ray_runtime import WORKER_ENV
 from pipeline.serve.errors import ApiError, add_exception_handlers, classify
-from pipeline.store.local import LocalStore
+from pipeline.store.backends.local import LocalStore
 
 app = FastAPI()
 add_exception_handlers(app)

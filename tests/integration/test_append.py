@@ -34,10 +34,10 @@ from pipeline.corpus.render import render_conversation
 from pipeline.corpus.schema import Conversation
 from pipeline.corpus.synthetic import make_conversation
 from pipeline.kv import models, prompts
-from pipeline.store.garbage import find_garbage
-from pipeline.store.local import LocalStore
-from pipeline.store.manifest import read_manifest
-from pipeline.store.turn_index import read_turn_index
+from pipeline.store.backends.local import LocalStore
+from pipeline.store.catalogue.garbage import find_garbage
+from pipeline.store.catalogue.manifest import read_manifest
+from pipeline.store.objects.turn_index import read_turn_index
 from tests.support.model_folders import make_encoder_folder, make_llm_folder
 from tests.support.stores import store  # noqa: F401  (a folder, or a prefix in SeaweedFS)
 

@@ -25,17 +25,17 @@ import pytest
 import yaml
 
 from jobs import build
+from lab.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES, write_synthetic_corpus
 from pipeline.builder.driver import run_build
-from pipeline.builder.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES, write_synthetic_corpus
 from pipeline.config import DriverOptions, ModelFingerprints
 from pipeline.corpus.reader import write_jsonl
 from pipeline.corpus.synthetic import make_corpus
 from pipeline.kv import models
-from pipeline.store import cache_format
-from pipeline.store.base import Store, cache_key
-from pipeline.store.local import LocalStore
-from pipeline.store.manifest import list_conversations, read_manifest
-from pipeline.store.uri import open_store
+from pipeline.store.backends.base import Store, cache_key
+from pipeline.store.backends.local import LocalStore
+from pipeline.store.backends.uri import open_store
+from pipeline.store.catalogue.manifest import list_conversations, read_manifest
+from pipeline.store.objects import cache_format
 from tests.support.paths import REPO
 from tests.support.s3_server import free_ports
 

@@ -19,18 +19,17 @@ import pytest
 import ray
 
 from jobs import build
+from lab.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES, S3Requests, synthetic_lines
 from pipeline.builder import driver as build_driver
 from pipeline.builder.driver import run_build
-from pipeline.builder.rehearsal import (SYNTHETIC_CONFIG, SYNTHETIC_STAGES, S3Requests,
-                                        synthetic_lines)
 from pipeline.builder.sources import corpus_objects
 from pipeline.config import DriverOptions
 from pipeline.corpus.reader import CorpusObject, CorpusStream, ReadStats
 from pipeline.corpus.schema import CorpusError
-from pipeline.store.local import LocalStore
-from pipeline.store.manifest import list_conversations
-from pipeline.store.s3 import S3Store
-from pipeline.store.uri import open_store
+from pipeline.store.backends.local import LocalStore
+from pipeline.store.backends.s3 import S3Store
+from pipeline.store.backends.uri import open_store
+from pipeline.store.catalogue.manifest import list_conversations
 from tests.support.paths import REPO
 
 

@@ -16,14 +16,14 @@ import ray
 
 from jobs import build
 from jobs import evaluate as evaluate_job
+from lab.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES
 from pipeline.builder import driver as build_driver
 from pipeline.builder.driver import run_build
-from pipeline.builder.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES
 from pipeline.config import DriverOptions
 from pipeline.corpus.reader import ReadStats, check_corpus, iter_corpus, read_corpus
 from pipeline.corpus.records import CorpusLimits
 from pipeline.corpus.schema import CorpusError
-from pipeline.store.local import LocalStore
+from pipeline.store.backends.local import LocalStore
 
 
 def record(cid: str, *, text: str = "Hello there.", evidence: list | None = None,

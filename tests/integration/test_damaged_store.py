@@ -14,18 +14,18 @@ import struct
 import pytest
 
 from jobs import gc, manifests
+from lab.rehearsal import (SYNTHETIC_CONFIG, SYNTHETIC_FILES, SYNTHETIC_STAGES,
+                           write_synthetic_corpus)
 from pipeline.builder.conversation import is_built
 from pipeline.builder.driver import run_build
-from pipeline.builder.rehearsal import (SYNTHETIC_CONFIG, SYNTHETIC_FILES, SYNTHETIC_STAGES,
-                                        write_synthetic_corpus)
 from pipeline.builder.repair import find_damage
 from pipeline.config import DriverOptions
 from pipeline.serve.errors import classify
-from pipeline.store import cache_read
-from pipeline.store.base import ObjectNotFound
-from pipeline.store.cache_format import CacheCorruptError
-from pipeline.store.local import LocalStore
-from pipeline.store.manifest import read_manifest
+from pipeline.store.backends.base import ObjectNotFound
+from pipeline.store.backends.local import LocalStore
+from pipeline.store.catalogue.manifest import read_manifest
+from pipeline.store.objects import cache_read
+from pipeline.store.objects.cache_format import CacheCorruptError
 from tests.support.stores import put_conversation, store  # noqa: F401  (every backend)
 
 
@@ -181,8 +181,8 @@ def test_s3_sizes_are_one_listing_per_folder(s3_env):
     object."""
     import uuid
 
-    from pipeline.builder.rehearsal import S3Requests
-    from pipeline.store.uri import open_store
+    from lab.rehearsal import S3Requests
+    from pipeline.store.backends.uri import open_store
 
     s3 = open_store(s3_env.uri(f"sizes/{uuid.uuid4().hex[:12]}"))
     rows = put_conversation(s3, "conv-1", episodes=3)

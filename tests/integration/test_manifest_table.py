@@ -21,18 +21,19 @@ from dataclasses import replace
 import pytest
 
 from jobs import gc, manifests
+from lab.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES, write_synthetic_corpus
 from pipeline.builder.driver import run_build
-from pipeline.builder.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_STAGES, write_synthetic_corpus
 from pipeline.config import DriverOptions, GrowthConfig
 from pipeline.episodes import EpisodeConfig
-from pipeline.store import table as manifest_table
-from pipeline.store.base import manifest_key
-from pipeline.store.local import LocalStore
-from pipeline.store.manifest import list_conversations, read_manifest, write_manifest
-from pipeline.store.s3 import S3Store, parse_s3_uri
-from pipeline.store.table import PENDING_PREFIX, ManifestTable, TableError, pending_key, table_row
-from pipeline.store.table_sync import IndexWriter, rebuild
-from pipeline.store.uri import open_store
+from pipeline.store.backends.base import manifest_key
+from pipeline.store.backends.local import LocalStore
+from pipeline.store.backends.s3 import S3Store, parse_s3_uri
+from pipeline.store.backends.uri import open_store
+from pipeline.store.catalogue import table as manifest_table
+from pipeline.store.catalogue.manifest import list_conversations, read_manifest, write_manifest
+from pipeline.store.catalogue.table import (PENDING_PREFIX, ManifestTable, TableError, pending_key,
+                                            table_row)
+from pipeline.store.catalogue.table_sync import IndexWriter, rebuild
 from tests.support.stores import CORRUPT, plant_corrupt_manifest, put_conversation
 
 

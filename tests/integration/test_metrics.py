@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline.store.seaweedfs import free_ports
+from lab.seaweedfs import free_ports
 from pipeline.telemetry import BUILD_SPECS, SPECS
 from tests.support.paths import REPO
 

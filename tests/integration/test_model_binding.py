@@ -22,9 +22,9 @@ from pipeline.corpus.reader import write_jsonl
 from pipeline.corpus.synthetic import make_corpus
 from pipeline.kv import models
 from pipeline.serve.errors import classify
-from pipeline.store import cache_format
-from pipeline.store.local import LocalStore
-from pipeline.store.manifest import read_manifest, write_manifest
+from pipeline.store.backends.local import LocalStore
+from pipeline.store.catalogue.manifest import read_manifest, write_manifest
+from pipeline.store.objects import cache_format
 from tests.support.model_folders import make_encoder_folder, make_llm_folder, save_weights
 from tests.support.stores import put_conversation
 
@@ -166,7 +166,7 @@ def test_a_table_written_before_fingerprints_is_read_then_gains_them(tmp_path, c
     from deltalake import write_deltalake
 
     from jobs import manifests
-    from pipeline.store.table import ManifestTable, table_row, table_rows
+    from pipeline.store.catalogue.table import ManifestTable, table_row, table_rows
 
     store = LocalStore(tmp_path / "store")
     table = ManifestTable(store)

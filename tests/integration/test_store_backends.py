@@ -19,20 +19,20 @@ import uuid
 import pytest
 
 from jobs import build, gc
+from lab.rehearsal import SYNTHETIC_CONFIG, synthetic_cache
 from pipeline.answer.answerer import Answerer
 from pipeline.builder.driver import run_build
-from pipeline.builder.rehearsal import SYNTHETIC_CONFIG, synthetic_cache
 from pipeline.config import DriverOptions, TopUpConfig
 from pipeline.corpus.reader import read_corpus, write_jsonl
 from pipeline.corpus.synthetic import make_corpus
-from pipeline.store import cache_format
-from pipeline.store.base import ObjectNotFound, StoreError, cache_key
-from pipeline.store.cache_read import read_cache
-from pipeline.store.local import LocalStore
-from pipeline.store.manifest import (ManifestRecord, list_conversations, read_manifest,
-                                     write_manifest)
-from pipeline.store.s3 import S3Store
-from pipeline.store.uri import open_store
+from pipeline.store.backends.base import ObjectNotFound, StoreError, cache_key
+from pipeline.store.backends.local import LocalStore
+from pipeline.store.backends.s3 import S3Store
+from pipeline.store.backends.uri import open_store
+from pipeline.store.catalogue.manifest import (ManifestRecord, list_conversations, read_manifest,
+                                               write_manifest)
+from pipeline.store.objects import cache_format
+from pipeline.store.objects.cache_read import read_cache
 from tests.support.paths import REPO
 from tests.support.stores import store  # noqa: F401  (a folder, a prefix in SeaweedFS, memory)
 

@@ -19,16 +19,17 @@ import uuid
 import pytest
 
 from jobs import answer, gc, manifests, serve
+from lab.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_FILES
 from pipeline.builder.conversation import is_built
-from pipeline.builder.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_FILES
 from pipeline.serve.errors import classify
-from pipeline.store import cache_format
-from pipeline.store.base import StoreError
-from pipeline.store.local import LocalStore
-from pipeline.store.manifest import ManifestError, list_conversations, read_manifest, write_manifest
-from pipeline.store.turn_index import (StoredIndex, read_turn_index, serialize,
-                                       store_turn_index, turn_index_key)
-from pipeline.store.uri import open_store
+from pipeline.store.backends.base import StoreError
+from pipeline.store.backends.local import LocalStore
+from pipeline.store.backends.uri import open_store
+from pipeline.store.catalogue.manifest import (ManifestError, list_conversations, read_manifest,
+                                               write_manifest)
+from pipeline.store.objects import cache_format
+from pipeline.store.objects.turn_index import (StoredIndex, read_turn_index, serialize,
+                                               store_turn_index, turn_index_key)
 from tests.support.stores import (
     CORRUPT,
     plant_corrupt_manifest,

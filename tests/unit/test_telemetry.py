@@ -28,10 +28,10 @@ from pipeline.serve import decoder as decoder_module
 from pipeline.serve import ingress
 from pipeline.serve.errors import ApiError, add_exception_handlers, classify
 from pipeline.serve.settings import ServeSettings
-from pipeline.store.base import cache_key
-from pipeline.store.cache_format import serialize, sha256
-from pipeline.store.local import LocalStore
-from pipeline.store.manifest import CacheRef
+from pipeline.store.backends.base import cache_key
+from pipeline.store.backends.local import LocalStore
+from pipeline.store.objects.cache_format import serialize, sha256
+from pipeline.store.objects.cache_ref import CacheRef
 from pipeline.telemetry import SPECS, RequestMetrics, name_route
 from tests.support.paths import REPO
 from tests.support.tiny_models import StandIn, one_torch_thread, random_ids, tiny_model  # noqa: F401

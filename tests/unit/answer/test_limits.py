@@ -139,7 +139,7 @@ def test_the_batcher_refuses_before_it_queues(lm_and_cache):
 
 def test_the_answerer_refuses_before_it_reads_the_store_or_loads_a_model(tmp_path):
     from pipeline.answer.answerer import Answerer
-    from pipeline.store.local import LocalStore
+    from pipeline.store.backends.local import LocalStore
 
     answerer = Answerer(LocalStore(tmp_path))  # empty: a read would be ConversationNotFound
     with pytest.raises(LimitError, match="100,000 characters"):

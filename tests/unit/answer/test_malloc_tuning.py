@@ -20,7 +20,7 @@ SCRIPT = """
 import json, resource, sys
 import torch
 from safetensors.torch import save
-from pipeline.store import cache_format as cache_io
+from pipeline.store.objects import cache_format as cache_io
 from pipeline.answer.malloc_tuning import retain_freed_memory
 if sys.argv[1] == "retain":
     assert retain_freed_memory()

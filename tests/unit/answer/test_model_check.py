@@ -9,7 +9,8 @@ from pipeline.answer.lookup import ModelMismatchError, NeedsRebuildError, check_
 from pipeline.builder.conversation import ModelFilesDifferError, check_same_files
 from pipeline.config import ModelFingerprints
 from pipeline.serve.errors import classify
-from pipeline.store.manifest import CacheRef, ManifestRecord
+from pipeline.store.catalogue.manifest import ManifestRecord
+from pipeline.store.objects.cache_ref import CacheRef
 
 
 def _ref(model_fp: str | None = "m-files", encoder_fp: str | None = "e-files") -> CacheRef:

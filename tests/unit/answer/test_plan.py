@@ -13,7 +13,7 @@ import pytest
 from pipeline.answer.lookup import ConversationNotFound, ModelMismatchError
 from pipeline.answer.plan import QuestionPlanner, QuestionTools
 from pipeline.config import TopUpConfig
-from pipeline.store.local import LocalStore
+from pipeline.store.backends.local import LocalStore
 from tests.support.stores import put_conversation
 
 OFF = TopUpConfig(enabled=False)

@@ -10,9 +10,9 @@ import pytest
 
 from pipeline.answer.topup import TopUp, TopUps, held_turns, render_topup, select_topup
 from pipeline.config import TopUpConfig
-from pipeline.store.manifest import ManifestRecord
-from pipeline.store.memory import MemoryStore
-from pipeline.store.turn_index import IndexedTurn, TurnIndex, store_turn_index
+from pipeline.store.backends.memory import MemoryStore
+from pipeline.store.catalogue.manifest import ManifestRecord
+from pipeline.store.objects.turn_index import IndexedTurn, TurnIndex, store_turn_index
 
 ON = TopUpConfig(enabled=True, turns=3, max_tokens=1000)
 

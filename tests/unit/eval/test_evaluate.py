@@ -203,7 +203,7 @@ def test_a_cell_measures_the_caches_the_product_build_makes(tiny_llm_dir, monkey
     from pipeline.builder import episode as build_stage
     from pipeline.eval import cell as cell_module
     from pipeline.eval.cell import evaluate_cell, prepare
-    from pipeline.store import cache_format
+    from pipeline.store.objects import cache_format
 
     built, stores = [], []
 
@@ -343,7 +343,7 @@ def test_a_failed_cell_is_reported_and_the_others_kept(tmp_path, ray_local):
     finished one is kept under its key and returned."""
     import ray
 
-    from pipeline.store.local import LocalStore
+    from pipeline.store.backends.local import LocalStore
 
     from pipeline.eval.methods import Read
 

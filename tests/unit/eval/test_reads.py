@@ -11,7 +11,7 @@ from pipeline.eval.methods import EvalConfig, Read
 from pipeline.eval.reads import CellCaches, measure_reads, select_read
 from pipeline.eval.report import records_parquet
 from pipeline.eval.runner import kept_cell
-from pipeline.store.local import LocalStore
+from pipeline.store.backends.local import LocalStore
 
 CONFIG = EvalConfig(routing=RoutingConfig("window", 0.02))
 # three episodes; the centroid router is sure of 0, the window router unsure between 1 and 2

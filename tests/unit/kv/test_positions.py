@@ -14,7 +14,7 @@ from pipeline.kv.methods.streamingllm import StreamingLLM
 from pipeline.kv.positions import ContextTooLongError, KeyRotation, check_fits
 from pipeline.kv.prefill import PrefillConfig, block_prefill
 from pipeline.kv.tristate import TriStateConfig
-from pipeline.store import cache_format
+from pipeline.store.objects import cache_format
 from tests.support.tiny_models import StandIn, one_torch_thread, random_ids, tiny_model  # noqa: F401
 
 TRI_CANNOT = PrefillConfig(tristate=TriStateConfig(enabled=True)).cannot_compact

@@ -19,7 +19,7 @@ from pipeline.kv.methods.full import Full
 from pipeline.kv.prefill import PrefillConfig, block_prefill, entry_bytes
 from pipeline.kv.tristate import (EntryBytes, TriStateConfig, heavy_hitter_scores, oq_ratios,
                                   oq_score, plan_tristate)
-from pipeline.store import cache_format
+from pipeline.store.objects import cache_format
 from tests.support.tiny_models import StandIn, one_torch_thread, random_ids, tiny_model  # noqa: F401
 
 D = 16  # tiny models' head_dim

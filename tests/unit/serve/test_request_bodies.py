@@ -14,10 +14,10 @@ from fastapi import FastAPI, Request
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lab.seaweedfs import free_ports
 from pipeline.serve.body import MAX_JSON_DEPTH, json_depth, load_json
 from pipeline.serve.errors import ApiError, add_exception_handlers
 from pipeline.serve.schemas import AnswerRequest, parse_body
-from pipeline.store.seaweedfs import free_ports
 from tests.support import raw_http
 
 MAX_BYTES = 2**20

@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 
 from pipeline.serve.app import resolve_models
-from pipeline.store.base import manifest_key
-from pipeline.store.memory import MemoryStore
+from pipeline.store.backends.base import manifest_key
+from pipeline.store.backends.memory import MemoryStore
 from tests.support.stores import CORRUPT, put_conversation
 
 

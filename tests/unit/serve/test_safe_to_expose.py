@@ -15,9 +15,9 @@ from pipeline.corpus.schema import UnsafeIdError
 from pipeline.serve.errors import classify
 from pipeline.serve.ingress import public_name
 from pipeline.serve.settings import AUTH_ENV, ServeSettings
-from pipeline.store.base import ObjectNotFound, StoreError
-from pipeline.store.cache_format import CacheCorruptError, ChecksumError
-from pipeline.store.manifest import ManifestError
+from pipeline.store.backends.base import ObjectNotFound, StoreError
+from pipeline.store.catalogue.manifest import ManifestError
+from pipeline.store.objects.cache_format import CacheCorruptError, ChecksumError
 
 SECRET_PLACES = ("/srv/private/store", "s3://private-bucket/prefix",
                  "caches/synth-0000/abc/ep0.safetensors", "/srv/models/llama")

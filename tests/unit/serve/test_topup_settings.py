@@ -15,7 +15,7 @@ from pipeline.cli.options import FieldOption
 from pipeline.config import TopUpConfig
 from pipeline.serve.ingress import UNUSABLE_INDEX, public_topup
 from pipeline.serve.settings import ServeSettings
-from pipeline.store.turn_index import StoredIndex
+from pipeline.store.objects.turn_index import StoredIndex
 
 STORE = ["--store", "no-such-store"]
 

@@ -10,13 +10,13 @@ import uuid
 
 import pytest
 
-from pipeline.store.base import StoreError, StoreOptions
-from pipeline.store.local import LocalStore
-from pipeline.store.memory import MemoryStore
-from pipeline.store.s3 import S3Store
-from pipeline.store.table import ManifestTable, TableError
-from pipeline.store.table_sync import IndexWriter
-from pipeline.store.uri import BACKENDS, open_store
+from pipeline.store.backends.base import StoreError, StoreOptions
+from pipeline.store.backends.local import LocalStore
+from pipeline.store.backends.memory import MemoryStore
+from pipeline.store.backends.s3 import S3Store
+from pipeline.store.backends.uri import BACKENDS, open_store
+from pipeline.store.catalogue.table import ManifestTable, TableError
+from pipeline.store.catalogue.table_sync import IndexWriter
 
 
 def _name() -> str:

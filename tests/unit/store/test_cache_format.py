@@ -15,13 +15,13 @@ from pipeline.answer.decode import generate_from_cache
 from pipeline.corpus.schema import UnsafeIdError
 from pipeline.kv.methods.epicache import EpiCache
 from pipeline.kv.prefill import PrefillConfig, block_prefill
-from pipeline.store.base import StoreError, cache_key, check_key, manifest_key
-from pipeline.store.cache_format import (FORMAT, CacheCorruptError, deserialize, read_header,
-                                         serialize, sha256)
-from pipeline.store.local import LocalStore
-from pipeline.store.manifest import (MANIFEST_SCHEMA, ManifestRecord, list_conversations,
-                                     read_manifest, write_manifest)
-from pipeline.store.uri import open_store
+from pipeline.store.backends.base import StoreError, cache_key, check_key, manifest_key
+from pipeline.store.backends.local import LocalStore
+from pipeline.store.backends.uri import open_store
+from pipeline.store.catalogue.manifest import (MANIFEST_SCHEMA, ManifestRecord, list_conversations,
+                                               read_manifest, write_manifest)
+from pipeline.store.objects.cache_format import (FORMAT, CacheCorruptError, deserialize,
+                                                 read_header, serialize, sha256)
 from tests.support.tiny_models import StandIn, one_torch_thread, random_ids, tiny_model  # noqa: F401
 
 NAME = "caches/conv-1/abcd/episode-0.safetensors"
@@ -265,7 +265,7 @@ def _synthetic_with(header_changes: dict | None = None, lengths=None) -> bytes:
     from safetensors.torch import load as st_load
     from safetensors.torch import save as st_save
 
-    from pipeline.builder.rehearsal import SYNTHETIC_CONFIG, synthetic_cache
+    from lab.rehearsal import SYNTHETIC_CONFIG, synthetic_cache
 
     data = synthetic_cache("conv-1", 0, 4, SYNTHETIC_CONFIG)
     header = read_header(data) | (header_changes or {})

@@ -14,17 +14,12 @@ import uuid
 import pytest
 
 from jobs import manifests
-from pipeline.store.local import LocalStore
-from pipeline.store.s3 import S3Store, parse_s3_uri
-from pipeline.store.table import (
-    PENDING_PREFIX,
-    TABLE_KEY,
-    ManifestTable,
-    TableDamagedError,
-    TableError,
-)
-from pipeline.store.table_sync import IndexWriter
-from pipeline.store.uri import open_store
+from pipeline.store.backends.local import LocalStore
+from pipeline.store.backends.s3 import S3Store, parse_s3_uri
+from pipeline.store.backends.uri import open_store
+from pipeline.store.catalogue.table import (PENDING_PREFIX, TABLE_KEY, ManifestTable,
+                                            TableDamagedError, TableError)
+from pipeline.store.catalogue.table_sync import IndexWriter
 from tests.support.stores import put_conversation
 
 CONVERSATIONS = [f"conv-{i}" for i in range(4)]
@@ -136,7 +131,7 @@ def build_three(store, caplog, damage_once_open=None) -> tuple[IndexWriter, list
     """What a build's writer does committing conv-0 again (3 episodes) and two new
     conversations, `damage_once_open` done to the table after the writer opened it; the writer
     and its warnings."""
-    with (caplog.at_level(logging.WARNING, "pipeline.store.table_sync"),
+    with (caplog.at_level(logging.WARNING, "pipeline.store.catalogue.table_sync"),
           IndexWriter(store, flush_rows=2) as writer):
         if damage_once_open is not None:
             damage_once_open(store)

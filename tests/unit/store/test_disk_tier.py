@@ -16,13 +16,13 @@ import torch
 from pipeline.kv import models
 from pipeline.kv.methods.epicache import EpiCache
 from pipeline.kv.prefill import PrefillConfig, block_prefill
-from pipeline.store import cache_format
-from pipeline.store.base import cache_key
-from pipeline.store.cache_format import CacheCorruptError, ChecksumError, serialize, sha256
-from pipeline.store.cache_read import read_bytes, read_cache
-from pipeline.store.disk_tier import DiskTier
-from pipeline.store.local import LocalStore
-from pipeline.store.manifest import CacheRef
+from pipeline.store.backends.base import cache_key
+from pipeline.store.backends.local import LocalStore
+from pipeline.store.objects import cache_format
+from pipeline.store.objects.cache_format import CacheCorruptError, ChecksumError, serialize, sha256
+from pipeline.store.objects.cache_read import read_bytes, read_cache
+from pipeline.store.objects.cache_ref import CacheRef
+from pipeline.store.objects.disk_tier import DiskTier
 from tests.support.tiny_models import StandIn, one_torch_thread, random_ids, tiny_model  # noqa: F401
 
 MODEL = "tiny-llama"

@@ -13,10 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.builder.rehearsal import SYNTHETIC_CONFIG, synthetic_cache
-from pipeline.store import cache_format
-from pipeline.store.cache_format import CacheCorruptError
-from pipeline.store.manifest import MANIFEST_SCHEMA, ManifestError, parse_manifest
+from lab.rehearsal import SYNTHETIC_CONFIG, synthetic_cache
+from pipeline.store.catalogue.manifest import MANIFEST_SCHEMA, ManifestError, parse_manifest
+from pipeline.store.objects import cache_format
+from pipeline.store.objects.cache_format import CacheCorruptError
 from tests.support.stores import put_conversation
 
 FAST = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,4 +1,4 @@
-"""A conversation's turn index object (`pipeline.store.turn_index`): its round trip, its
+"""A conversation's turn index object (`pipeline.store.objects.turn_index`): its round trip, its
 content-addressed key, and every way a stored one can be unusable, each refused with
 `TurnIndexUnavailable` naming the object, never another exception and never a large
 allocation a header asks for."""
@@ -11,11 +11,11 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from pipeline.store import turn_index as turn_index_module
-from pipeline.store.local import LocalStore
-from pipeline.store.turn_index import (IndexedTurn, TurnIndex, TurnIndexUnavailable,
-                                       parse, read_turn_index, serialize, store_turn_index,
-                                       turn_index_key)
+from pipeline.store.backends.local import LocalStore
+from pipeline.store.objects import turn_index as turn_index_module
+from pipeline.store.objects.turn_index import (IndexedTurn, TurnIndex, TurnIndexUnavailable, parse,
+                                               read_turn_index, serialize, store_turn_index,
+                                               turn_index_key)
 from tests.support.stores import tiny_turn_index
 
 FP = "0123456789abcdef0123"  # an encoder fingerprint (the key keeps 16 hex digits)
@@ -145,8 +145,8 @@ def test_a_header_claiming_a_huge_length_is_refused_without_allocating_it(monkey
 
 
 def test_a_manifest_claiming_a_huge_index_is_refused_before_reading():
-    from pipeline.store.memory import MemoryStore
-    from pipeline.store.turn_index import MAX_INDEX_BYTES, StoredIndex, read_turn_index
+    from pipeline.store.backends.memory import MemoryStore
+    from pipeline.store.objects.turn_index import MAX_INDEX_BYTES, StoredIndex, read_turn_index
 
     store = MemoryStore("huge-index-claim")
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.eval.bench_support import dynamic_cache_bytes, first_layers, full_prefill
+from lab.bench_support import dynamic_cache_bytes, first_layers, full_prefill
 from pipeline.kv.methods.epicache import EpiCache
 from pipeline.kv.prefill import PrefillConfig, block_prefill
 from tests.support.tiny_models import one_torch_thread, random_ids, tiny_model  # noqa: F401

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.store.table import _ROW_GROUP, TABLE_SCHEMA, ManifestTable
+from pipeline.store.catalogue.table import _ROW_GROUP, TABLE_SCHEMA, ManifestTable
 
 VIEW = "episodes"  # the DuckDB view name of `jobs.manifests --sql`
 

@@ -15,29 +15,15 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.store.base import ObjectNotFound, Store, StoreError, check_key, manifest_key
-from pipeline.store.turn_index import StoredIndex
+from pipeline.store.backends.base import ObjectNotFound, Store, StoreError, check_key, manifest_key
+from pipeline.store.objects.cache_ref import CacheRef
+from pipeline.store.objects.turn_index import StoredIndex
 
 
 def column(arrow: pa.DataType, *, state: bool = False, **kw: Any) -> Any:
     """A manifest column: the field's Arrow type (and whether it is a state column, written
     only once some episode carries it) in its metadata."""
     return field(metadata={"arrow": arrow, "state": state}, **kw)
-
-
-@dataclass(frozen=True, kw_only=True)
-class CacheRef:
-    """What a reader needs of an episode to fetch and check its cache object: where it is, the
-    bytes to expect, and the models it belongs to (small: it crosses Ray handles)."""
-    conversation_id: str
-    episode: int
-    object_key: str
-    sha256: str
-    object_bytes: int | None
-    model_id: str
-    encoder_id: str
-    model_fingerprint: str | None  # None: built before caches were bound to their model
-    encoder_fingerprint: str | None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,7 +76,7 @@ class ManifestRecord:
     clustered_turns: int | None = column(pa.int32(), default=None)
     clustered_at: str | None = column(pa.string(), default=None)
     appends: int | None = column(pa.int32(), default=None)
-    # The conversation's turn index (pipeline.store.turn_index), the same on every row: what
+    # The conversation's turn index (pipeline.store.objects.turn_index), the same on every row: what
     # the question-time top-up searches. None in manifests written before it: their questions
     # are answered from their episodes alone.
     turn_index_key: str | None = column(pa.string(), default=None)

@@ -27,7 +27,7 @@ from pipeline.kv import models
 from pipeline.kv.cache import EpisodicCache
 from pipeline.kv.methods.full import Full
 from pipeline.kv.prefill import block_prefill
-from pipeline.store import cache_format
+from pipeline.store.objects import cache_format
 
 CACHES = ("episodic", "full")  # the two caches every question is answered from
 

@@ -15,11 +15,11 @@ from typing import NamedTuple
 import torch
 
 from pipeline.kv.cache import EpisodicCache
-from pipeline.store import cache_format
-from pipeline.store.base import ObjectNotFound, Store
-from pipeline.store.cache_format import CacheCorruptError, ChecksumError
-from pipeline.store.disk_tier import SUFFIX, DiskTier
-from pipeline.store.manifest import CacheRef
+from pipeline.store.backends.base import ObjectNotFound, Store
+from pipeline.store.objects import cache_format
+from pipeline.store.objects.cache_format import CacheCorruptError, ChecksumError
+from pipeline.store.objects.cache_ref import CacheRef
+from pipeline.store.objects.disk_tier import SUFFIX, DiskTier
 
 
 class Verified(NamedTuple):

@@ -5,7 +5,7 @@ folder instead of going back to S3. Files are content-addressed (`<sha256>.safet
 manifest's checksum, so no name comes from a request), written to a temporary file and renamed
 into place (a reader never sees half a file), and evicted least recently read first (a read
 touches the file's mtime) so that the folder never holds more than `max_bytes`. The tier keeps
-bytes; the read path (`pipeline.store.cache_read`) verifies every read against the checksum
+bytes; the read path (`pipeline.store.objects.cache_read`) verifies every read against the checksum
 (beside its parse), touches what it served and discards a corrupt or truncated file, which is
 then a miss, never served. Eviction and renames run under an exclusive `flock` on the folder's
 lock file, so replicas sharing one folder on a host keep the bound together; in one process,

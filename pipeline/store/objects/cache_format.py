@@ -7,8 +7,8 @@ conversation and episode, the tokens seen, the next position and the position mo
 (`positions`: "original", or "compact": each head's keys rotated at 0, 1, 2, ... and decoding
 continues at `next_position`; with `compact_cut`, the entries of tokens from it on are rotated at
 `compact_base` + their distance from it). Reading checks the SHA-256 recorded in the
-manifest: the read path (`pipeline.store.cache_read`) reads an object once (from the store or
-the local disk tier) and hashes it on a second thread while this one parses it (`verifying`;
+manifest: the read path (`pipeline.store.objects.cache_read`) reads an object once (from the store
+or the local disk tier) and hashes it on a second thread while this one parses it (`verifying`;
 hashlib releases the GIL), and a parse of bytes that fail the checksum is dropped, never
 returned. Parsing unverified bytes is safe: safetensors never executes anything, and every size
 comes from the object itself.
@@ -28,7 +28,7 @@ import json
 import struct
 import threading
 from contextlib import contextmanager
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Iterator, NamedTuple
 
 import torch
 from safetensors.torch import load as st_load
@@ -36,7 +36,7 @@ from safetensors.torch import save as st_save
 
 from kernels.quant import dequantize
 from pipeline.config.format_version import FORMAT, READABLE_FORMATS
-from pipeline.kv.cache import EpisodicCache
+from pipeline.kv.cache import EpisodicCache, EpisodicLayer, QuantizedTier
 
 _SERIAL_ELEMENTS = 32767  # a copy this small runs on the calling thread (grain: 32,768)
 
@@ -150,7 +150,7 @@ def deserialize(data: bytes, expected_sha256: str | None, name: str = "cache",
 def parse(data: bytes, name: str = "cache", dtype: torch.dtype = torch.float32,
           device: str | torch.device = "cpu") -> tuple[EpisodicCache, dict]:
     """Parse and rebuild bytes: no hash here (`deserialize` checks it first; the read path,
-    `pipeline.store.cache_read`, beside the parse, in `verifying`)."""
+    `pipeline.store.objects.cache_read`, beside the parse, in `verifying`)."""
     header = read_header(data, name)
     try:
         tensors = st_load(data)
@@ -165,83 +165,115 @@ def parse(data: bytes, name: str = "cache", dtype: torch.dtype = torch.float32,
 
 def _rebuild(tensors: dict[str, torch.Tensor], header: dict, dtype: torch.dtype,
              device: str | torch.device) -> EpisodicCache:
-    cache = EpisodicCache(_layer_count(tensors, header))
-    for i, layer in enumerate(cache.layers):
-        lengths = tensors[f"layers.{i}.lengths"].long()
-        keys, values = tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"]
-        positions = tensors[f"layers.{i}.positions"]
-        _check_counts(i, lengths, keys, values, positions)
-        n_heads = lengths.shape[0]
-        quantized = f"layers.{i}.qkeys" in tensors
-        if quantized:  # the Quantized tier: dequantized (kernels.quant dispatch) for the view
-            qlengths = tensors[f"layers.{i}.qlengths"].long()
-            qkeys, qvalues = tensors[f"layers.{i}.qkeys"], tensors[f"layers.{i}.qvalues"]
-            qkey_scales = tensors[f"layers.{i}.qkey_scales"].float()
-            qvalue_scales = tensors[f"layers.{i}.qvalue_scales"].float()
-            qpositions = tensors[f"layers.{i}.qpositions"]
-            _check_counts(i, qlengths, qkeys, qvalues, qpositions)
-            if qkey_scales.shape[0] != qkeys.shape[0] or qvalue_scales.shape[0] != qkeys.shape[0]:
-                raise ValueError(f"layer {i}: scales do not match the quantized entries")
-        else:
-            qlengths = torch.zeros_like(lengths)
-            qpositions = positions.new_zeros(0)
-        counts_list = lengths.tolist()
-        if not quantized and _in_token_order(positions, counts_list):
-            # The common case, as `serialize` writes it: each head's entries already in token
-            # order, so each head is one copy (and dtype conversion) into its padded row.
-            slots = max(counts_list, default=0)
-            valid = torch.arange(slots)[None, :] < lengths[:, None]
-            layer.keys = _padded(keys, counts_list, slots, dtype, device)
-            layer.values = _padded(values, counts_list, slots, dtype, device)
-            layer.positions = _padded(positions, counts_list, slots, torch.long, "cpu")
-        else:
-            # Both tiers, merged per head in token order.
-            heads = torch.cat([torch.repeat_interleave(torch.arange(n_heads), lengths),
-                               torch.repeat_interleave(torch.arange(n_heads), qlengths)])
-            all_positions = torch.cat([positions, qpositions])
-            span = int(all_positions.max().item()) + 1 if all_positions.numel() else 1
-            order = torch.argsort(heads * span + all_positions)
-            counts = lengths + qlengths
-            slots = int(counts.max().item()) if counts.numel() else 0
-            valid = torch.arange(slots)[None, :] < counts[:, None]
-            is_quantized = torch.cat([torch.zeros(int(lengths.sum()), dtype=torch.bool),
-                                      torch.ones(int(qlengths.sum()), dtype=torch.bool)])[order]
-            layer.positions = torch.zeros(n_heads, slots, dtype=torch.long)
-            layer.positions[valid] = all_positions[order]
-            for name, original in (("keys", keys), ("values", values)):
-                rows = original.to(device, dtype)
-                if quantized:
-                    codes = qkeys if name == "keys" else qvalues
-                    scales = qkey_scales if name == "keys" else qvalue_scales
-                    rows = torch.cat([rows, dequantize(codes.to(device), scales.to(device),
-                                                       dtype=dtype)])
-                padded = rows.new_zeros(1, n_heads, slots, rows.shape[-1])
-                padded[0][valid.to(device)] = rows[order.to(device)]
-                setattr(layer, name, padded)
-            if quantized:
-                mask = torch.zeros(n_heads, slots, dtype=torch.bool)
-                mask[valid] = is_quantized
-                layer.quantized = mask.to(device)
-                layer.code_dtype = qkeys.dtype
-                raw = torch.uint8 if qkeys.dtype == torch.float8_e4m3fn else torch.int8
-                for name, rows in (("key_codes", qkeys.view(raw)),
-                                   ("value_codes", qvalues.view(raw)),
-                                   ("key_scales", qkey_scales), ("value_scales", qvalue_scales)):
-                    full = rows.new_zeros(n_heads, slots, *rows.shape[1:])
-                    full[mask] = rows[order[is_quantized] - lengths.sum()]
-                    setattr(layer, name, full.to(device))
-        layer.valid, layer.positions = valid.to(device), layer.positions.to(device)
-        layer.tokens_seen = int(header["tokens_seen"])
-        layer.next_position = int(header.get("next_position", layer.tokens_seen))
-        # A compacted cache holds each head's entries at positions 0, 1, 2, ... in token order,
-        # except, with `compact_cut`, those of later tokens, at their spacing from `compact_base`.
-        rank = torch.arange(slots, device=device).expand(n_heads, -1)
-        cut = header.get("compact_cut")
-        layer.rope_positions = layer.positions if header.get("positions") != "compact" else \
-            rank if cut is None else torch.where(layer.positions < cut, rank,
-                                                 int(header["compact_base"]) + layer.positions - cut)
-        layer.is_initialized = True
-    return cache
+    return EpisodicCache.from_layers([_layer(i, tensors, header, dtype, device)
+                                      for i in range(_layer_count(tensors, header))])
+
+
+class _StoredTier(NamedTuple):
+    """A layer's Quantized entries as stored: entries per head, codes, scales, positions."""
+    lengths: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_scales: torch.Tensor
+    value_scales: torch.Tensor
+    positions: torch.Tensor
+
+
+def _layer(i: int, tensors: dict[str, torch.Tensor], header: dict, dtype: torch.dtype,
+           device: str | torch.device) -> EpisodicLayer:
+    """Layer `i`, padded per head, its Quantized entries (if any) dequantized for the view."""
+    lengths = tensors[f"layers.{i}.lengths"].long()
+    keys, values = tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"]
+    positions = tensors[f"layers.{i}.positions"]
+    _check_counts(i, lengths, keys, values, positions)
+    stored = _stored_tier(i, tensors)
+    counts_list = lengths.tolist()
+    tier = None
+    if stored is None and _in_token_order(positions, counts_list):
+        # The common case, as `serialize` writes it: each head's entries already in token
+        # order, so each head is one copy (and dtype conversion) into its padded row.
+        slots = max(counts_list, default=0)
+        valid = torch.arange(slots)[None, :] < lengths[:, None]
+        keys = _padded(keys, counts_list, slots, dtype, device)
+        values = _padded(values, counts_list, slots, dtype, device)
+        positions = _padded(positions, counts_list, slots, torch.long, "cpu")
+    else:
+        keys, values, valid, positions, tier = _merged(lengths, keys, values, positions, stored,
+                                                       dtype, device)
+    n_heads, slots = valid.shape
+    valid, positions = valid.to(device), positions.to(device)
+    tokens_seen = int(header["tokens_seen"])
+    # A compacted cache holds each head's entries at positions 0, 1, 2, ... in token order,
+    # except, with `compact_cut`, those of later tokens, at their spacing from `compact_base`.
+    rank = torch.arange(slots, device=device).expand(n_heads, -1)
+    cut = header.get("compact_cut")
+    rope_positions = positions if header.get("positions") != "compact" else \
+        rank if cut is None else torch.where(positions < cut, rank,
+                                             int(header["compact_base"]) + positions - cut)
+    return EpisodicLayer.from_stored(
+        keys, values, valid, positions, rope_positions=rope_positions, tokens_seen=tokens_seen,
+        next_position=int(header.get("next_position", tokens_seen)), quantized=tier)
+
+
+def _stored_tier(i: int, tensors: dict[str, torch.Tensor]) -> _StoredTier | None:
+    """Layer `i`'s stored Quantized entries, checked; None for a layer without them."""
+    if f"layers.{i}.qkeys" not in tensors:
+        return None
+    stored = _StoredTier(tensors[f"layers.{i}.qlengths"].long(), tensors[f"layers.{i}.qkeys"],
+                         tensors[f"layers.{i}.qvalues"], tensors[f"layers.{i}.qkey_scales"].float(),
+                         tensors[f"layers.{i}.qvalue_scales"].float(),
+                         tensors[f"layers.{i}.qpositions"])
+    _check_counts(i, stored.lengths, stored.keys, stored.values, stored.positions)
+    entries = stored.keys.shape[0]
+    if stored.key_scales.shape[0] != entries or stored.value_scales.shape[0] != entries:
+        raise ValueError(f"layer {i}: scales do not match the quantized entries")
+    return stored
+
+
+def _merged(lengths: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+            positions: torch.Tensor, stored: _StoredTier | None, dtype: torch.dtype,
+            device: str | torch.device):
+    """Both tiers (the Quantized one dequantized, `kernels.quant` dispatch), merged per head in
+    token order: keys and values [1, Hkv, slots, d], valid and positions [Hkv, slots] (on the
+    CPU), and the Quantized tier as the layer holds it (None without one)."""
+    n_heads = lengths.shape[0]
+    qlengths = torch.zeros_like(lengths) if stored is None else stored.lengths
+    qpositions = positions.new_zeros(0) if stored is None else stored.positions
+    heads = torch.cat([torch.repeat_interleave(torch.arange(n_heads), lengths),
+                       torch.repeat_interleave(torch.arange(n_heads), qlengths)])
+    all_positions = torch.cat([positions, qpositions])
+    span = int(all_positions.max().item()) + 1 if all_positions.numel() else 1
+    order = torch.argsort(heads * span + all_positions)
+    counts = lengths + qlengths
+    slots = int(counts.max().item()) if counts.numel() else 0
+    valid = torch.arange(slots)[None, :] < counts[:, None]
+    is_quantized = torch.cat([torch.zeros(int(lengths.sum()), dtype=torch.bool),
+                              torch.ones(int(qlengths.sum()), dtype=torch.bool)])[order]
+    merged_positions = torch.zeros(n_heads, slots, dtype=torch.long)
+    merged_positions[valid] = all_positions[order]
+    padded = {}
+    for name, original in (("keys", keys), ("values", values)):
+        rows = original.to(device, dtype)
+        if stored is not None:
+            codes = stored.keys if name == "keys" else stored.values
+            scales = stored.key_scales if name == "keys" else stored.value_scales
+            rows = torch.cat([rows, dequantize(codes.to(device), scales.to(device), dtype=dtype)])
+        padded[name] = rows.new_zeros(1, n_heads, slots, rows.shape[-1])
+        padded[name][0][valid.to(device)] = rows[order.to(device)]
+    if stored is None:
+        return padded["keys"], padded["values"], valid, merged_positions, None
+    mask = torch.zeros(n_heads, slots, dtype=torch.bool)
+    mask[valid] = is_quantized
+    raw = torch.uint8 if stored.keys.dtype == torch.float8_e4m3fn else torch.int8
+    held = {}
+    for name, rows in (("key_codes", stored.keys.view(raw)),
+                       ("value_codes", stored.values.view(raw)),
+                       ("key_scales", stored.key_scales), ("value_scales", stored.value_scales)):
+        full = rows.new_zeros(n_heads, slots, *rows.shape[1:])
+        full[mask] = rows[order[is_quantized] - lengths.sum()]
+        held[name] = full.to(device)
+    tier = QuantizedTier(mask.to(device), stored.keys.dtype, **held)
+    return padded["keys"], padded["values"], valid, merged_positions, tier
 
 
 def _layer_count(tensors: dict[str, torch.Tensor], header: dict) -> int:

@@ -2,7 +2,7 @@
 
 Writes are atomic (a reader never sees half an object) and keys are built only from sanitised
 ids (`cache_key`, `manifest_key`, `profile_key`). Each backend is one module behind `Store`
-(`local`, `s3`, `memory`), registered by its URI scheme in `pipeline.store.uri.BACKENDS`;
+(`local`, `s3`, `memory`), registered by its URI scheme in `pipeline.store.backends.uri.BACKENDS`;
 `open_store` picks one from a URI. What callers ask of a backend beyond bytes (where an outside
 engine finds its objects, what that engine needs to reach them, how to open a sibling URI) is a
 capability here, so nothing outside `pipeline/store/` tests a store's class.
@@ -13,8 +13,8 @@ from __future__ import annotations
 import io
 import re
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 

@@ -15,8 +15,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import BinaryIO
 
-from pipeline.store.base import (ObjectInfo, ObjectNotFound, Partial, Store, StoreError,
-                                 StoreOptions, check_key)
+from pipeline.store.backends.base import (ObjectInfo, ObjectNotFound, Partial, Store, StoreError,
+                                          StoreOptions, check_key)
 
 S3_ENDPOINT_ENV = "EPICACHE_S3_ENDPOINT"
 # boto3's own endpoint variables, read here too so that the store's client and the manifest

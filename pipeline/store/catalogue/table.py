@@ -10,10 +10,10 @@ overwrite with a predicate on their ids), so a rebuilt conversation never shows 
 On S3 the table's credentials come from the store (`Store.storage_options`): resolved from
 boto3's chain each time the table is opened, handed to delta-rs in memory only, never in a log
 line or an error. Commits are put-if-absent (`AWS_CONDITIONAL_PUT=etag`), so a second writer can
-never overwrite a commit. Keeping it equal to the manifests is `pipeline.store.table_sync`;
-querying it is `pipeline.store.table_query`. A table whose own files are damaged raises
-`TableDamagedError`, whatever call found it: readers fall back to the manifests, and
-`table_sync.rebuild` removes it and creates it anew.
+never overwrite a commit. Keeping it equal to the manifests is
+`pipeline.store.catalogue.table_sync`; querying it is `pipeline.store.catalogue.table_query`. A
+table whose own files are damaged raises `TableDamagedError`, whatever call found it: readers fall
+back to the manifests, and `table_sync.rebuild` removes it and creates it anew.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 
 from pipeline.corpus.schema import check_safe_id
-from pipeline.store.base import Store, StoreError
-from pipeline.store.manifest import MANIFEST_SCHEMA, STATE_SCHEMA, ManifestRecord
+from pipeline.store.backends.base import Store, StoreError
+from pipeline.store.catalogue.manifest import MANIFEST_SCHEMA, STATE_SCHEMA, ManifestRecord
 
 log = logging.getLogger(__name__)
 TABLE_KEY = "index/episodes"

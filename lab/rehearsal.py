@@ -30,10 +30,10 @@ from pipeline.builder.tasks import Planned, Stages, WorkerStamp
 from pipeline.config import BuildConfig, GrowthConfig, ModelFingerprints
 from pipeline.corpus.schema import Conversation
 from pipeline.episodes import Episode, EpisodeConfig, EpisodeSet
-from pipeline.store import cache_format
-from pipeline.store.base import Store, cache_key
-from pipeline.store.manifest import ManifestRecord
-from pipeline.store.s3 import S3Store
+from pipeline.store.backends.base import Store, cache_key
+from pipeline.store.backends.s3 import S3Store
+from pipeline.store.catalogue.manifest import ManifestRecord
+from pipeline.store.objects import cache_format
 
 LAYERS, KV_HEADS, HEAD_DIM, DIM = 2, 2, 8, 8
 SYNTHETIC_FILES = ModelFingerprints("synthetic-model", "synthetic-encoder")  # no files to read
@@ -85,7 +85,7 @@ def synthetic_plan(conv: Conversation, config: BuildConfig, previous: list[Manif
 
 def synthetic_cache(conversation_id: str, episode: int, entries: int, config: BuildConfig,
                     turns: int = 0) -> bytes:
-    """A tiny random cache in the real format (`pipeline.store.cache_format` reads it back);
+    """A tiny random cache in the real format (`pipeline.store.objects.cache_format` reads it back);
     each length of the conversation (`turns`) gets other content."""
     gen = torch.Generator().manual_seed(_seed(conversation_id, episode, turns))
     tensors = {}

@@ -6,10 +6,10 @@ line in `BACKENDS`.
 
 from __future__ import annotations
 
-from pipeline.store.base import Store, StoreError, StoreOptions
-from pipeline.store.local import LocalStore
-from pipeline.store.memory import MemoryStore
-from pipeline.store.s3 import S3Store
+from pipeline.store.backends.base import Store, StoreError, StoreOptions
+from pipeline.store.backends.local import LocalStore
+from pipeline.store.backends.memory import MemoryStore
+from pipeline.store.backends.s3 import S3Store
 
 BACKENDS: dict[str, type[Store]] = {
     "file": LocalStore,
@@ -21,7 +21,7 @@ BACKENDS: dict[str, type[Store]] = {
 def open_store(uri: str, options: StoreOptions | None = None, *, create: bool = True) -> Store:
     """The store `uri` names: a local folder (path or file://), `s3://bucket/prefix` or
     `memory://name`. `options` is how to reach it beyond the URI (S3: the endpoint, else as
-    `pipeline.store.s3.s3_endpoint` resolves it, and the region). Opening S3 checks
+    `pipeline.store.backends.s3.s3_endpoint` resolves it, and the region). Opening S3 checks
     the bucket: a missing bucket is a `StoreError` (buckets are never created; an empty prefix
     is an empty store). A folder or a memory store is created unless `create=False`, which
     read-only commands pass so that a store that does not exist is a `StoreError` naming it.

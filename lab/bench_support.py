@@ -1,8 +1,8 @@
 """What the build benchmarks measure with: a synthetic conversation of an exact length and its
 episode patch, a model cut to its first layers, and a stock full prefill to compare with.
 
-In the library (not in `jobs/bench/`) so the tests can hold these shortcuts to what they claim:
-that they do not change what the benchmarks measure.
+Here (not in `jobs/bench/`, which nothing imports) so the tests can hold these shortcuts to what
+they claim: that they do not change what the benchmarks measure.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from pipeline.builder.cluster import cluster_conversation
 from pipeline.builder.episode import episode_scorer
 from pipeline.builder.profile import allocator
 from pipeline.corpus.render import render_conversation, render_header
+from pipeline.episodes import embed_texts
 from pipeline.eval.cell import prepare, probe_pairs
 from pipeline.eval.metrics import continuation_nlls
 from pipeline.kv import prompts
@@ -64,8 +65,7 @@ def screen_conversation(lm, encoder, conv, methods, budgets, config, profile) ->
                             Full(), None, PrefillConfig())
     refs = {"full": recall_nlls(lm, conv, questions, full, config),
             "none": recall_nlls(lm, conv, questions, none, config)}
-    embeddings = encoder.encode([q.question for q in questions], normalize_embeddings=True,
-                                show_progress_bar=False)
+    embeddings = embed_texts(encoder, [q.question for q in questions])
     records = []
     for method in methods:
         clustered = cluster_conversation(conv, config.build_config(method, budgets[0]))

@@ -23,7 +23,7 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from pipeline.corpus.schema import check_safe_id
-from pipeline.store.base import ObjectNotFound, Store, StoreError
+from pipeline.store.backends.base import ObjectNotFound, Store, StoreError
 
 FORMAT = 1
 MAX_TURNS = 1_000_000  # a header claiming more is corrupt (limits what a reader allocates)
