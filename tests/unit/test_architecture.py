@@ -178,7 +178,7 @@ def test_the_library_holds_no_lab_code():
     for a, b, _ in IMPORTS:
         users[b].add(a)
     for entry in REGISTRY.values():
-        users[f"pipeline.kv.methods.{entry.split(':')[0]}"].add("pipeline.kv.methods")
+        users[f"pipeline.kv.methods.{entry.where.split(':')[0]}"].add("pipeline.kv.methods")
     lab_only = [m for m, path in MODULES.items()
                 if m.startswith("pipeline.") and path.name != "__init__.py"
                 and not any(u.startswith(("pipeline.", "jobs.")) and not u.startswith("jobs.bench.")
