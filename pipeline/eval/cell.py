@@ -3,9 +3,10 @@
 A cell builds the caches its method needs through the product's build (`pipeline.builder`,
 into an in-memory store: one cache per conversation; one per episode for EpiCache, routed per
 question; one per question for the `question` upper bound), then measures every question with
-`pipeline.eval.metrics`. The two references, the full
-cache (`full`) and no history (`none`), are cells of their own, computed once per conversation;
-retention is derived from them when the records are gathered (`pipeline.eval.summary`).
+`pipeline.eval.metrics`. The two references, the full cache (`full`; for a whole conversation
+longer than the model, each question's oracle window: `pipeline.eval.window`) and no history
+(`none`), are cells of their own, computed once per conversation; retention is derived from
+them when the records are gathered (`pipeline.eval.summary`).
 """
 
 from __future__ import annotations
