@@ -8,7 +8,9 @@ they claim: that they do not change what the benchmarks measure.
 from __future__ import annotations
 
 import copy
+import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -79,3 +81,35 @@ def full_prefill(model: torch.nn.Module, ids: torch.Tensor, chunk: int | None = 
 def dynamic_cache_bytes(cache: DynamicCache) -> list[int]:
     """Bytes of each layer's key and value tensors."""
     return [layer.keys.nbytes + layer.values.nbytes for layer in cache.layers]
+
+
+def cuda_peak_extra(call: Callable[[], object]) -> int:
+    """Bytes the CUDA allocator held at its peak during the call beyond what was held before."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = call()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del result
+    return peak
+
+
+def _proc_status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.M).group(1)) * 1024
+
+
+def cpu_peak_extra(call: Callable[[], object]) -> int:
+    """Peak resident bytes of this process during the call above its resident bytes before it
+    (Linux: the kernel's high-water mark, reset first). Run it in a fresh process: what an
+    earlier call left in the allocator would hide the call's own peak."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak resident size (VmHWM) to the current one
+    base = _proc_status_bytes("VmRSS")
+    result = call()
+    peak = _proc_status_bytes("VmHWM") - base
+    del result
+    return peak
+

@@ -9,7 +9,7 @@ the product's build (`pipeline.builder.conversation.build_conversation`, the def
 configuration, into a local store) of the cut and of the whole conversation, and transformers'
 stock prefill (one forward, DynamicCache) of the whole conversation, the cache a full-history
 answer would read. Reported: tokens, seconds, the peak memory the run adds to the loaded model
-(resident set sampled every 5 ms on CPU; `torch.cuda.max_memory_allocated` on a GPU), bytes
+(the kernel's resident high-water mark on CPU, reset first; the allocator's peak on a GPU), bytes
 stored per conversation (every object the build wrote: caches, manifest, turn index; for the
 full prefill, its cache in the store's float16), and bytes read per question: the cache
 objects of the episodes the answer path reads for each of the first `--questions` questions
@@ -22,18 +22,17 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import os
 import sys
 import tempfile
-import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from lab.bench_cli import bench_conversations, bench_parser, start_bench
-from lab.bench_support import dynamic_cache_bytes, full_prefill
+from lab.bench_support import cpu_peak_extra, cuda_peak_extra, dynamic_cache_bytes, full_prefill
 from lab.tables import print_table
 from pipeline.answer.answerer import Answerer
 from pipeline.builder.conversation import build_conversation
@@ -53,45 +52,11 @@ COLUMNS = [("conversation", "conversation", ""), ("run", "run", ""), ("tokens", 
            ("read_mib", "read per question MiB", ".2f")]
 
 
-class PeakMemory:
-    """The most memory a block of work adds: the resident set sampled on CPU, the allocator's
-    peak on a GPU."""
-
-    def __init__(self, device: str):
-        self.device, self.peak, self._stop = device, 0, threading.Event()
-
-    @staticmethod
-    def resident() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, self.resident())
-
-    def __enter__(self) -> "PeakMemory":
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-        else:
-            self.base = self.peak = self.resident()
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            self.peak = torch.cuda.max_memory_allocated()
-        else:
-            self._stop.set()
-            self._thread.join()
-            self.peak = max(self.peak, self.resident())
-
-    @property
-    def added(self) -> int:
-        return self.peak - self.base
+def measured(call: Callable[[], object], device: str) -> tuple[float, int]:
+    """The seconds a call takes and the peak memory it adds (`lab.bench_support`)."""
+    start = time.perf_counter()
+    peak = (cuda_peak_extra if device == "cuda" else cpu_peak_extra)(call)
+    return time.perf_counter() - start, peak
 
 
 def run_build(conv: Conversation, questions: int, threads: int | None) -> dict:
@@ -104,16 +69,13 @@ def run_build(conv: Conversation, questions: int, threads: int | None) -> dict:
     models.load_encoder(config.encoder)
     with tempfile.TemporaryDirectory() as where:
         store = LocalStore(where)
-        start = time.perf_counter()
-        with PeakMemory(device) as memory:
-            build_conversation(conv, config, store)
-        seconds = time.perf_counter() - start
+        seconds, peak = measured(lambda: build_conversation(conv, config, store), device)
         stored = sum(p.stat().st_size for p in Path(where).rglob("*") if p.is_file())
         sizes = {r.episode: r.object_bytes for r in read_manifest(store, conv.conversation_id)}
         answerer = Answerer(store, device=device)
         read = [sum(sizes[e] for e in answerer.answer(conv.conversation_id, q.question, 1)
                     .episodes) for q in conv.questions[:questions]]
-    return {"tokens": token_count(lm, conv), "seconds": seconds, "peak_added": memory.added,
+    return {"tokens": token_count(lm, conv), "seconds": seconds, "peak_added": peak,
             "stored": stored, "read_per_question": sum(read) / max(len(read), 1),
             "episodes": len(sizes)}
 
@@ -125,13 +87,11 @@ def run_full_prefill(conv: Conversation, questions: int, threads: int | None) ->
     device = models.default_device()
     lm = models.load_llm(BuildConfig().model)
     ids = prompts.context_ids(lm.tokenizer, render_conversation(conv).text).to(device)
-    start = time.perf_counter()
-    with PeakMemory(device) as memory:
-        cache, _ = full_prefill(lm.model, ids)
-    seconds = time.perf_counter() - start
+    caches = []
+    seconds, peak = measured(lambda: caches.append(full_prefill(lm.model, ids)[0]), device)
     element = next(lm.model.parameters()).element_size()
-    stored = sum(dynamic_cache_bytes(cache)) * 2 // element  # as the store keeps it: float16
-    return {"tokens": int(ids.shape[0]), "seconds": seconds, "peak_added": memory.added,
+    stored = sum(dynamic_cache_bytes(caches[0])) * 2 // element  # as the store keeps it: float16
+    return {"tokens": int(ids.shape[0]), "seconds": seconds, "peak_added": peak,
             "stored": stored, "read_per_question": stored, "episodes": 1}
 
 

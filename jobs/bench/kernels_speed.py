@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,7 @@ import torch
 from kernels import quant_reference
 from kernels.score import patch_attention_scores_reference
 from lab.bench_cli import bench_parser, start_bench
+from lab.bench_support import cpu_peak_extra, cuda_peak_extra
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 INVALID_SHARE = 0.1  # cached slots marked invalid (evicted), as in a cache mid-build
@@ -119,24 +119,6 @@ def time_interleaved(calls: dict[str, Callable[[], object]], device: str,
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def cuda_peak_extra(call: Callable[[], object]) -> int:
-    """Bytes the allocator held at its peak during the call beyond what was held before."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    result = call()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    del result
-    return peak
-
-
-def _proc_status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.M).group(1)) * 1024
-
-
 def cpu_memory_probe(shape_key: str, impl: str, dtype: str, threads: int) -> int:
     """In this (fresh) process: peak resident bytes of one call above the resident bytes
     before it."""
@@ -144,16 +126,10 @@ def cpu_memory_probe(shape_key: str, impl: str, dtype: str, threads: int) -> int
     q, kc, kp, valid = score_inputs(SHAPES[shape_key], DTYPES[dtype], "cpu")
     call = score_implementations("cpu")[impl]
     scale = q.shape[-1] ** -0.5
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak resident size (VmHWM) to the current one
-    base = _proc_status_bytes("VmRSS")
-    result = call(q, kc, kp, valid, scale)
-    peak = _proc_status_bytes("VmHWM") - base
-    del result
-    return peak
+    return cpu_peak_extra(lambda: call(q, kc, kp, valid, scale))
 
 
-def cpu_peak_extra(shape_key: str, impl: str, dtype: str, threads: int) -> int | None:
+def cpu_peak_extra_probe(shape_key: str, impl: str, dtype: str, threads: int) -> int | None:
     """Run `cpu_memory_probe` in a child process; None if the platform cannot measure it."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     cmd = [sys.executable, "-m", "jobs.bench.kernels_speed", "--memory-probe", shape_key, impl,
@@ -179,7 +155,7 @@ def bench_scoring(shape_key: str, device: str, dtype: str, reps: int, threads: i
         if device == "cuda":
             peak = cuda_peak_extra(call)
         else:
-            peak = cpu_peak_extra(shape_key, name, dtype, threads)
+            peak = cpu_peak_extra_probe(shape_key, name, dtype, threads)
         max_err = (call() - expected).abs().max().item()
         rows.append({"op": "score", "shape": shape.label, "impl": name,
                      "ms": seconds[name] * 1e3, "peak_extra_mib": None if peak is None
