@@ -209,15 +209,17 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
                  **footprint, **record}
                 for q, topup, record in zip(chosen, topups, measured)]
 
+    def full_cache(ids: torch.Tensor) -> EpisodicCache:  # the references': nothing evicted
+        return built(*block_prefill(lm.model, ids, Full(), None, build.prefill,
+                                    original_element_size=element_size))
+
     if not spec.history:  # the reference: the same prompt without the turns
-        cache = built(*block_prefill(lm.model, history_ids(lm.tokenizer, conv, turns=False),
-                                     Full(), None, build.prefill,
-                                     original_element_size=element_size))
+        cache = full_cache(history_ids(lm.tokenizer, conv, turns=False))
         measured = measure_reads(len(questions), reads, one_cache(lambda: cache), measure,
                                  topup_chooser(conv, questions, config), generates)
     elif prep.windows is not None and not methods.registered(build.scorer).evicts:
         # the full cache of a whole conversation: each question reads its oracle window's
-        caches = window_caches(lm, prep.windows, build, element_size, built, layouts)
+        caches = window_caches(prep.windows, lm.tokenizer, full_cache, layouts)
         measured = measure_reads(len(questions), reads, caches, measure,
                                  topup_chooser(conv, questions, config), generates)
     else:
@@ -235,17 +237,15 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
     return [r | select_read(r, method, config) for r in records]  # every read's fields kept
 
 
-def window_caches(lm: models.LoadedModel, windows: Windows, build: BuildConfig,
-                  element_size: int, built: Callable, layouts: dict[int, TokenLayout]
-                  ) -> CellCaches:
-    """The full caches of the oracle windows, each question reading its own, built one at a
-    time (its questions measured together); each cache's layout kept in `layouts` for the
-    evidence diagnostics."""
+def window_caches(windows: Windows, tokenizer, full_cache: Callable[[torch.Tensor], EpisodicCache],
+                  layouts: dict[int, TokenLayout]) -> CellCaches:
+    """The full caches of the oracle windows (`full_cache` of each one's ids), each question
+    reading its own, built one at a time (its questions measured together); each cache's layout
+    kept in `layouts` for the evidence diagnostics."""
     def window_cache(key: tuple[int, ...]) -> EpisodicCache:
         window = windows.windows[key[0]]
-        cache = built(*block_prefill(lm.model, history_ids(lm.tokenizer, window), Full(), None,
-                                     build.prefill, original_element_size=element_size))
-        layouts[id(cache)] = token_layout(lm.tokenizer, window)
+        cache = full_cache(history_ids(tokenizer, window))
+        layouts[id(cache)] = token_layout(tokenizer, window)
         return cache
 
     return CellCaches(functools.lru_cache(maxsize=1)(window_cache),

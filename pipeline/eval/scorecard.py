@@ -170,14 +170,20 @@ def _row_mean(records: dict[Key, dict], keys: list[Key], field: str) -> float:
 SESSIONS_PER_BIN = 5  # the evidence's session, reported in bins of this many sessions
 
 
+def evidence_third(position: float | None) -> str | None:
+    """The third of the conversation (its tokens) a relative position falls in."""
+    if position is None or np.isnan(position):
+        return None
+    return ("first", "middle", "last")[min(int(position * 3), 2)]
+
+
 def position_groups(record: dict) -> dict[str, str | None]:
     """Where a question's evidence lies (from its no-history record, laid out over the whole
     conversation): its third of the conversation's tokens and its first session's bin."""
-    position, session = record.get("evidence_position"), record.get("evidence_session")
-    third = None if position is None or not np.isfinite(position) else \
-        ("first", "middle", "last")[min(int(position * 3), 2)]
-    low = None if session is None else SESSIONS_PER_BIN * ((int(session) - 1) // SESSIONS_PER_BIN) + 1
-    return {"third": third,
+    session = record.get("evidence_session")
+    low = None if session is None else \
+        SESSIONS_PER_BIN * ((int(session) - 1) // SESSIONS_PER_BIN) + 1
+    return {"third": evidence_third(record.get("evidence_position")),
             "sessions": None if low is None else f"{low}-{low + SESSIONS_PER_BIN - 1}"}
 
 
@@ -195,8 +201,9 @@ def breakdown(rows: Rows, keys: list[Key]) -> list[dict]:
         for name, group_of in by.items():
             groups: dict = {}
             for k in keys:
-                if group_of(k) is not None:
-                    groups.setdefault(group_of(k), []).append(k)
+                group = group_of(k)
+                if group is not None:
+                    groups.setdefault(group, []).append(k)
             for group, own in sorted(groups.items(), key=lambda g: str(g[0])):
                 out.append({"method": method, "budget": budget, "by": name, "group": group,
                             "answer": bootstrap_retention(rows.arrays((method, budget), own,

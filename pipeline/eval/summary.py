@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from pipeline.eval.metrics import retention
+from pipeline.eval.scorecard import evidence_third
 
 
 def with_retention(records: list[dict]) -> list[dict]:
@@ -26,18 +27,12 @@ def with_retention(records: list[dict]) -> list[dict]:
     return out
 
 
-def _third(position: float | None) -> str | None:
-    if position is None or np.isnan(position):
-        return None
-    return ("first", "middle", "last")[min(int(position * 3), 2)]
-
-
 def summarise_by(records: list[dict], key: str) -> list[dict]:
     """Retention of the mean NLLs per (method, budget, group), the groups being the values of
     `key` ("route_hit", or "evidence_third": the evidence's relative position in thirds). The
     references are the full and no-history NLLs of the same questions."""
     def group_of(r):
-        return _third(r.get("evidence_position")) if key == "evidence_third" else r.get(key)
+        return evidence_third(r.get("evidence_position")) if key == "evidence_third" else r.get(key)
 
     refs = {(r["conversation_id"], r["question_index"], r["method"]): r["evidence_nll"]
             for r in records if r["method"] in ("full", "none")}

@@ -49,26 +49,20 @@ def evidence_windows(conv: Conversation, questions: list[Question] | tuple[Quest
     sessions = sorted({t.session for t in conv.turns})
     session_of = {t.turn_id: t.session for t in conv.turns}
     candidates: list[Conversation] = []
+    spans: list[tuple[int, int]] = []  # each candidate's first and last session
     for first in sessions:
         window = window_from(conv, first, max_tokens, count_tokens)
-        if candidates and candidates[-1].meta["window"]["last_session"] == \
-                window.meta["window"]["last_session"]:
+        last = window.turns[-1].session
+        if spans and spans[-1][1] == last:
             continue  # inside the previous window: it adds nothing that one lacks
         candidates.append(window)
-    used: dict[int, int] = {}  # candidate -> index among the windows read
+        spans.append((first, last))
+    used: dict[int, int] = {}  # candidate -> index among the windows read, in first-read order
     chosen: list[int | None] = []
     for q in questions:
         lo = min(session_of[t] for t in q.evidence)
         hi = max(session_of[t] for t in q.evidence)
-        holding = [(abs((w.meta["window"]["first_session"] + w.meta["window"]["last_session"])
-                        - (lo + hi)), i) for i, w in enumerate(candidates)
-                   if w.meta["window"]["first_session"] <= lo and
-                   hi <= w.meta["window"]["last_session"]]
-        if not holding:
-            chosen.append(None)
-            continue
-        best = min(holding)[1]
-        chosen.append(used.setdefault(best, len(used)))
-    order = sorted(used, key=used.get)
-    return Windows(tuple(candidates[i] for i in order), tuple(chosen))
-
+        holding = [(abs(first + last - lo - hi), i) for i, (first, last) in enumerate(spans)
+                   if first <= lo and hi <= last]
+        chosen.append(used.setdefault(min(holding)[1], len(used)) if holding else None)
+    return Windows(tuple(candidates[i] for i in used), tuple(chosen))
