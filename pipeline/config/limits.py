@@ -96,7 +96,6 @@ class AnswerLimits:
                              f"{self.max_temperature:g}, got {temperature!r}")
         return max_new_tokens, float(value)
 
-
     def checked(self, question: object, max_new_tokens: object, temperature: object,
                 names: tuple[str, str] = ("max_new_tokens", "temperature")) -> CheckedQuestion:
         """The question and its sampling parameters, if within the limits (`check_question`,
