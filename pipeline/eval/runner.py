@@ -288,14 +288,17 @@ def run_cells(convs: list[Conversation], methods: list[str], budgets: list[int],
     finished under `out` by an earlier run.
 
     With `equal_entries` (a method), every other method with a budget (but its variants that
-    share its caches, which read what they read from the same cells) runs at that method's
+    share its caches, which read what they read from the same cells, and, when it is built per
+    episode, the other methods built per episode: they hold the same budget per episode and
+    read what their routes join, so they are compared at its budget) runs at that method's
     decode-time entries: for each conversation and budget B, its cache budget is the mean
     decode-time entries (cache entries + top-up tokens) of `equal_entries` at B, less its own
     mean top-up tokens (its top-up takes nothing from its cache, so these are known from the
     no-history cell); its records are reported at B (`cache_budget`: the cache's)."""
     profiles = profiles_of(config, methods, out, in_process)
     matched = [m for m in methods if equal_entries and takes_budget(m)
-               and not shares_build(config, m, equal_entries)]
+               and not shares_build(config, m, equal_entries)
+               and not (parse_method(m).episodic and parse_method(equal_entries).episodic)]
     topped = tuple(dict.fromkeys(config.read_of(m) for m in matched
                                  if config.topup_of(m) is not None))
     plan = CellPlan(config, out, profiles)

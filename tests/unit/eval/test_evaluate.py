@@ -371,12 +371,14 @@ def test_the_fair_rows_run_at_the_defaults_decode_time_entries(tmp_path, tiny_ll
     """`jobs.evaluate --methods rag,full+topup.enabled=true,snapkv+topup.enabled=true,snapkv`
     with `--equal-entries epicache`: the topped-up rows read top-ups, every row with a budget
     runs at the default's mean decode-time entries (a topped-up one's cache budget less its
-    top-up), reported at the default's budget; the summary carries the headline with its
+    top-up), reported at the default's budget, but for another method built per episode (a
+    candidate default), which holds the default's budget per episode; the summary carries the headline with its
     intervals; an override a method cannot take is refused before any work (exit 2)."""
     corpus = tmp_path / "corpus.jsonl"
     write_jsonl(make_corpus(1, 500, seed=11), corpus)
     out = tmp_path / "out"
-    methods = "epicache,rag,full+topup.enabled=true,snapkv+topup.enabled=true,snapkv"
+    methods = ("epicache,rag,full+topup.enabled=true,snapkv+topup.enabled=true,snapkv,"
+               "epicache+scoring.sink=2")
     args = ["--corpus", str(corpus), "--out", str(out), "--model", tiny_llm_dir,
             "--budgets", "32", "--block", "64", "--medoids", "1",
             "--questions-per-conversation", "4", "--in-process", "--equal-entries", "epicache"]
@@ -393,6 +395,7 @@ def test_the_fair_rows_run_at_the_defaults_decode_time_entries(tmp_path, tiny_ll
     assert {r["budget"] for r in rows["snapkv"] + rows["snapkv+topup.enabled=true"]} == {32}
     assert {r["cache_budget"] for r in rows["snapkv"]} == {round(target)}
     assert {r["cache_budget"] for r in rows["snapkv+topup.enabled=true"]} == {round(target - topup)}
+    assert {(r["budget"], r["cache_budget"]) for r in rows["epicache+scoring.sink=2"]} == {(32, 32)}
     for r in records:
         for field in ("evidence_nll", "answer_nll", "topup_tokens", "topup_recall",
                       "kept_entries", "decode_entries", "evidence_nlls", "topup_turn_ids"):
