@@ -59,11 +59,14 @@ class ScoringConfig:
     over the patch queries (and the query heads of a KV group), the patch's own keys in the
     softmax, token by token, the whole medoid patch. The default keeps the episode's own turns
     first (`focus`), whole (`utterance`), ranked by the attention of the patch's first 256
-    tokens: measured in docs/quality.md."""
+    tokens, with the first 4 tokens (the attention sinks) always kept: measured in
+    docs/quality.md and docs/changelog.md."""
     pool: int = 0  # max-pool the scores over this many neighbouring entries (SnapKV); 0: off
     utterance: bool = True  # score whole lines (turns): keep or evict utterances whole
     focus: float = 10.0  # weight the episode's own turns' scores by (1 + focus)
-    sink: int = 0  # always keep the first `sink` tokens
+    # always keep the first `sink` tokens: without them most heads of a small budget hold no
+    # attention sink (StreamingLLM), and at full length the answers lose (docs/changelog.md)
+    sink: int = 4
     recent: int = 0  # always keep the `recent` most recent tokens
     patch_tokens: int | None = 256  # cap on the patched prompt's length (its first tokens)
 
