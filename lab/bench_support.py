@@ -112,4 +112,3 @@ def cpu_peak_extra(call: Callable[[], object]) -> int:
     peak = _proc_status_bytes("VmHWM") - base
     del result
     return peak
-

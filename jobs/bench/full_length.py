@@ -128,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     a = start_bench(parser, argv)
     rows = []
+    tokenizer = models.load_tokenizer(BuildConfig().model)
     for conv in bench_conversations(parser, a):
-        tokenizer = models.load_tokenizer(BuildConfig().model)
         cut = cut_at_session(conv, a.cut_tokens,
                              lambda text: len(prompts.context_ids(tokenizer, text)))
         runs = {RUNS[0]: in_fresh_process(run_build, cut, a.questions, a.threads),

@@ -296,9 +296,10 @@ def run_cells(convs: list[Conversation], methods: list[str], budgets: list[int],
     mean top-up tokens (its top-up takes nothing from its cache, so these are known from the
     no-history cell); its records are reported at B (`cache_budget`: the cache's)."""
     profiles = profiles_of(config, methods, out, in_process)
+    episodic_default = bool(equal_entries) and parse_method(equal_entries).episodic
     matched = [m for m in methods if equal_entries and takes_budget(m)
                and not shares_build(config, m, equal_entries)
-               and not (parse_method(m).episodic and parse_method(equal_entries).episodic)]
+               and not (episodic_default and parse_method(m).episodic)]
     topped = tuple(dict.fromkeys(config.read_of(m) for m in matched
                                  if config.topup_of(m) is not None))
     plan = CellPlan(config, out, profiles)

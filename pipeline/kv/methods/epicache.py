@@ -4,8 +4,8 @@ rendered like the conversation) attends to.
 Its parameters are `ScoringConfig` (torch-free, hashed into the build): `paper()` is the paper's
 recipe (max attention over the patch queries, token by token, the whole medoid patch); the
 default keeps the episode's own turns first (`focus`), whole (`utterance`), ranked by the
-attention of the patch's first 256 tokens, and the first 4 tokens always (docs/quality.md). `bind` shapes the patch attention
-as the parameters say (`pipeline.kv.methods.shaping`).
+attention of the patch's first 256 tokens, and the first 4 tokens always (docs/quality.md).
+`bind` shapes the patch attention as the parameters say (`pipeline.kv.methods.shaping`).
 """
 
 from __future__ import annotations
