@@ -232,15 +232,15 @@ def run_mode(mode: str, settings: ServeSettings, model: str, encoder: str,
     finally:
         serve.delete(APP)
     load = Counter(s.replica for s in ok)
-    before_kill = [s for s in ok if killer is None or killer.at is None or s.end <= killer.at]
+    hits = [s.cache_hit if s.ok else None for s in samples]
+    finished_before_kill = [killer is None or killer.at is None or s.end <= killer.at
+                            for s in samples]
+    before_kill = [s for s, before in zip(samples, finished_before_kill) if before and s.ok]
     return {"mode": mode, "warmup": len(warm), "warmup_errors": sum(not s.ok for s in warm),
             "requests": len(samples), "errors": len(samples) - len(ok),
             "error_examples": sorted({f"{s.status} {s.error[:100]}" for s in samples + warm
                                       if not s.ok})[:3],
-            "lru_hit_rate": hit_rate(s.cache_hit if s.ok else None for s in samples),
-            "hits": [s.cache_hit if s.ok else None for s in samples],
-            "before_kill": [killer is None or killer.at is None or s.end <= killer.at
-                            for s in samples],
+            "lru_hit_rate": hit_rate(hits), "hits": hits, "before_kill": finished_before_kill,
             "objects_per_question": fetched["epicache_store_objects_fetched"] / max(1, len(ok)),
             "mib_per_question": fetched["epicache_store_bytes_fetched"] / max(1, len(ok)) / 2**20,
             "requests_per_s": len(samples) / wall, "latency_ms": latency_summary(samples),
