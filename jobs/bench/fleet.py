@@ -319,12 +319,12 @@ def format_table(results: list[dict]) -> str:
 def format_ratios(base: dict, aff: dict) -> str:
     def ratio(x: float, y: float) -> str:
         return f"{x / y:.2f}x" if y else "-"
-    hits = "lru_hit_rate_before_kill" if "lru_hit_rate_before_kill" in aff else "lru_hit_rate"
+    killed = "lru_hit_rate_before_kill" in aff  # then compared on the requests before the kill
+    hits = "lru_hit_rate_before_kill" if killed else "lru_hit_rate"
     return "\n".join([
         f"store bytes / question, affinity / default: "
         f"{ratio(aff['mib_per_question'], base['mib_per_question'])} (goal <= 0.33x)",
-        f"LRU hit rate, affinity / default"
-        f"{', requests before the kill' if hits != 'lru_hit_rate' else ''}: "
+        f"LRU hit rate, affinity / default{', requests before the kill' if killed else ''}: "
         f"{ratio(aff[hits] or 0, base[hits] or 0)} (goal >= 2x)",
         f"requests/s, affinity / default: "
         f"{ratio(aff['requests_per_s'], base['requests_per_s'])} (goal >= 1x)",

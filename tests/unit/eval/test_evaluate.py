@@ -373,7 +373,8 @@ def test_the_fair_rows_run_at_the_defaults_decode_time_entries(tmp_path, tiny_ll
     runs at the default's mean decode-time entries (a topped-up one's cache budget less its
     top-up), reported at the default's budget, but for another method built per episode (a
     candidate default), which holds the default's budget per episode; the summary carries the
-    headline with its intervals; an override a method cannot take is refused before any work (exit 2)."""
+    headline with its intervals; an override a method cannot take is refused before any work
+    (exit 2)."""
     corpus = tmp_path / "corpus.jsonl"
     write_jsonl(make_corpus(1, 500, seed=11), corpus)
     out = tmp_path / "out"
