@@ -45,6 +45,7 @@ FULL_LENGTH_ROWS = ("full", "epicache", "epicache-episode", f"streamingllm{COMPA
                     f"streamingllm{COMPACT}+topup.enabled=true",
                     f"snapkv{COMPACT}+topup.enabled=true", f"keydiff{COMPACT}+topup.enabled=true",
                     "rag", "full+topup.enabled=true")
+TUNING = ("locomo-26", "locomo-30", "locomo-41")  # the only conversations tuned on
 CUT_TOKENS = 7600  # the model's 8,192 positions hold the full-history reference (or window)
 
 # the summary's parts the page is made from, written beside it (`<page>.json`)
@@ -70,8 +71,11 @@ def build_parser(full_length: bool = False) -> argparse.ArgumentParser:
                            f"tokens (default: {CUT_TOKENS})")
         if action.dest == "reference_window" and full_length:
             action.default = CUT_TOKENS
-    p.add_argument("--tuning", default="26,30,41",
-                   help="the conversations tuned on, reported apart from the untouched others")
+    p.add_argument("--tuning", default=None,
+                   help="the conversations tuned on, reported apart from the untouched others; "
+                        "each must be evaluated (default: LoCoMo "
+                        f"{', '.join(t.removeprefix('locomo-') for t in TUNING)}, those of them "
+                        "evaluated)")
     p.add_argument("--page", default="docs/scorecard-full.md" if full_length else
                    "docs/scorecard.md", help="the scorecard page to write (its plots beside it)")
     p.add_argument("--f1-questions", type=count, default=0 if full_length else 8, metavar="N",
@@ -97,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
                              generate_questions=a.f1_questions, generate_methods=answered)
         writable_folder(page.parent, "--page")
         convs, read = read_corpus(a, out)
-        tuning = [c.conversation_id for c in select_conversations(convs, a.tuning, a.corpus)]
+        tuning = [c.conversation_id for c in convs if c.conversation_id in TUNING] \
+            if a.tuning is None else \
+            [c.conversation_id for c in select_conversations(convs, a.tuning, a.corpus)]
     except (CorpusError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -418,7 +418,8 @@ def test_the_scorecard_writes_its_page_with_both_groups_and_generated_answers(tm
     """`jobs.scorecard` on two conversations, one tuned on: the page has a table per group with
     the headline measures, the plots beside it, the signal and the F1 of the answers generated
     (the default's through the product's answer path, the full history's from its cache); a
-    --tuning id the corpus lacks is refused before any work."""
+    --tuning id the corpus lacks is refused before any work; without --tuning, only LoCoMo's
+    tuning conversations are, so a corpus without them is all untouched."""
     from jobs import scorecard as scorecard_job
 
     corpus = tmp_path / "corpus.jsonl"
@@ -445,6 +446,9 @@ def test_the_scorecard_writes_its_page_with_both_groups_and_generated_answers(tm
                 if r.get("prediction") is not None}
     assert answered == {(c.conversation_id, m, 0) for c in convs for m in ("epicache", "full")}
     assert text.count("| epicache | 32 | 1 |") == 2  # one answer a conversation, in each group
+    # without --tuning, the LoCoMo tuning set among those evaluated: here none, all untouched
+    assert scorecard_job.main(args) == 0
+    assert "## Tuning" not in page.read_text() and "## Untouched" in page.read_text()
 
 
 @pytest.mark.e2e
