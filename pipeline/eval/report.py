@@ -65,6 +65,15 @@ def _entries(row: dict) -> str:
     return f"{cache + topup:,.0f} ({cache:,.0f} + {topup:,.0f})"
 
 
+def _lead(lead: dict, fair: dict, measure: str) -> str:
+    """The default's lead at the row's budget and, where the row reads other entries than
+    the default there, at the row's own entries (`equal entries`)."""
+    same = _pct(lead.get(measure), True)
+    if measure not in fair:
+        return same
+    return f"{same}; equal entries: {_pct(fair[measure], True)}"
+
+
 SCORECARD_HEAD = ["row", "budget", "decode-time entries (cache + top-up)", "answer",
                   "copy-free evidence", "over retrieval", "default - row: answer",
                   "default - row: copy-free", "evidence recall (copy-prone)", "route hit",
@@ -80,12 +89,13 @@ def scorecard_table(card: dict, default: str | None = None) -> str:
                                               r["method"] != default, order[r["method"]]))
     for r in rows:
         lead = r.get("default_minus_row") or {}
+        fair = r.get("default_minus_row_at_its_entries") or {}
         name = f"**{r['method']}**" if r["method"] == default else r["method"]
         hit = r.get("route_hit")
         lines.append("| " + " | ".join([
             name, str(r["budget"] or "-"), _entries(r), _pct(r["answer"]),
             _pct(r["copy_free"]), _pct(r.get("over_retrieval")),
-            _pct(lead.get("answer"), True), _pct(lead.get("copy_free"), True),
+            _lead(lead, fair, "answer"), _lead(lead, fair, "copy_free"),
             _pct(r["evidence"]), "-" if hit is None or not math.isfinite(hit) else
             f"{100 * hit:.0f}%", f"{r['questions']} ({r['copy_free']['questions']} copy-free)"])
             + " |")
@@ -333,7 +343,11 @@ How to read it:
   to the retrieved turns (0: as retrieval alone, 100: as the full history with them).
 - **default - row**: the default's retention less the row's, with the 90% interval of a paired
   bootstrap (the same resampled questions for both): an interval above 0 is a lead the
-  questions support.
+  questions support. A row that reads more or fewer entries than the default at its budget
+  (a question-time variant of the default, say a larger top-up) is also given **equal
+  entries**: the default's retention read off its curve (linear in mean decode-time entries
+  between its budgets) at the row's entries, less the row's; `-` outside the default's
+  budgets (no extrapolation).
 - **decode-time entries**: what a question reads before its own prompt, per layer and KV head:
   cache entries + top-up tokens.
 - Every figure is over tens of questions per conversation: read the intervals, not the

@@ -18,6 +18,7 @@ carries its interval and its count.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -33,6 +34,9 @@ RESAMPLES = 2000
 # A measure whose none -> full gap's lower bound is below this has too little signal to judge a
 # method in that group: retention divides by the gap.
 LOW_SIGNAL_NATS = 0.25
+# A row whose mean decode-time entries differ from the default's at its budget by more than this
+# share reads more (or less) than the default: it is also compared at its own entries.
+EQUAL_ENTRIES_SLACK = 0.02
 
 Key = tuple[str, int]  # (conversation, question index)
 
@@ -145,6 +149,39 @@ def paired_difference(a: np.ndarray, b: np.ndarray, index: np.ndarray) -> dict:
     return interval(point, draws)
 
 
+def lead_at_equal_entries(rows: Rows, default: str, row: tuple[str, int | None],
+                          keys: list[Key], measure: str, index: np.ndarray) -> dict | None:
+    """The default's retention at the row's mean decode-time entries, less the row's: the
+    default's curve (retention against mean entries, linear between its budgets) read at the
+    row's entries, every resample drawing its own curve from the same questions as the row's
+    (paired). The fair comparison for a row that reads more than the default at its budget,
+    e.g. a larger top-up read from the default's caches. None where the default has fewer than
+    two budgets or the row's entries lie outside its curve: no extrapolation."""
+    budgets = sorted(b for m, b in rows.by_row if m == default and b is not None)
+    if len(budgets) < 2:
+        return None
+
+    def entries(of: tuple[str, int | None]) -> np.ndarray:
+        got = rows.by_row[of]
+        return np.array([got[k]["decode_entries"] if k in got else np.nan for k in keys])
+
+    curve = [(rows.arrays((default, b), keys, measure), entries((default, b))) for b in budgets]
+    triple, own = rows.arrays(row, keys, measure), entries(row)
+
+    def lead(ix: np.ndarray) -> np.ndarray:  # ix [draws, questions] -> [draws]
+        with np.errstate(invalid="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # a draw of all-NaN entries
+            xs = np.stack([np.nanmean(e[ix], axis=1) for _, e in curve])
+            ys = np.stack([retention_of_means(*(x[ix] for x in t)) for t, _ in curve])
+            at = np.nanmean(own[ix], axis=1)
+        return np.array([np.interp(a, x, y) if np.all(np.diff(x) > 0) and x[0] <= a <= x[-1]
+                         else np.nan for a, x, y in zip(at, xs.T, ys.T)]) - \
+            retention_of_means(*(x[ix] for x in triple))
+
+    point = lead(np.arange(len(keys))[None, :])[0]
+    return interval(point, lead(index)) if np.isfinite(point) else None
+
+
 def signal(rows: Rows, keys: list[Key], measure: str) -> dict:
     """How much the full history is better than no history on `measure` over `keys`: the gap of
     the mean NLLs in nats (interval), the share of questions it is better on, and whether it is
@@ -246,6 +283,13 @@ def group_scorecard(records: list[dict], default: str | None,
         if default is not None and (default, budget) in rows.by_row and method != default:
             line["default_minus_row"] = {m: paired_difference(
                 rows.arrays((default, budget), keys, m), triples[m], index) for m in HEADLINE}
+            theirs = _row_mean(rows.by_row[(default, budget)], keys, "decode_entries")
+            if budget is not None and abs(line["decode_entries"] / theirs - 1) > \
+                    EQUAL_ENTRIES_SLACK:
+                fair = {m: lead_at_equal_entries(rows, default, (method, budget), keys, m,
+                                                 index) for m in HEADLINE}
+                line["default_minus_row_at_its_entries"] = {
+                    m: lead for m, lead in fair.items() if lead is not None}
         table.append(line)
     by_conversation = {}
     for cid in sorted({k[0] for k in keys}):

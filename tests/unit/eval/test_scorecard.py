@@ -101,3 +101,27 @@ def test_a_measure_with_a_small_gap_is_marked_low_signal_and_groups_are_separate
     # the same seed: the intervals are reproducible
     twice = [json.dumps(group_scorecard(_run(), "epicache"), sort_keys=True) for _ in range(2)]
     assert twice[0] == twice[1]  # NaN-safe
+
+
+def test_a_row_reading_more_entries_is_compared_with_the_default_at_its_entries():
+    """A variant of the default that reads 150 entries at budget 512, where the default reads
+    100 at 512 (60% retention) and 200 at 1024 (80%): the fair comparison is the default's
+    curve at 150 (70%), not its 512 row; a row outside the curve gets none."""
+    rng = np.random.default_rng(1)
+    records = []
+    for q in range(30):
+        low = 5.0 + rng.normal(0, 0.3)
+        def at(share, budget, entries, method="epicache"):
+            return _record(method, budget, q, low - share + rng.normal(0, 0.02), {"a": low},
+                           decode_entries=entries)
+        records += [_record("none", None, q, low, {"a": low}),
+                    _record("full", None, q, low - 1.0, {"a": low - 1.0}),
+                    at(0.6, 512, 100.0), at(0.8, 1024, 200.0),
+                    at(0.75, 512, 150.0, "wider"), at(0.9, 1024, 400.0, "wider")]
+    rows = {(r["method"], r["budget"]): r for r in group_scorecard(records, "epicache")["rows"]}
+    wider = rows[("wider", 512)]
+    assert wider["default_minus_row"]["answer"]["value"] == pytest.approx(-0.15, abs=0.02)
+    fair = wider["default_minus_row_at_its_entries"]["answer"]
+    assert fair["value"] == pytest.approx(-0.05, abs=0.02) and fair["lo"] < fair["value"]
+    assert rows[("wider", 1024)]["default_minus_row_at_its_entries"] == {}  # past the curve
+    assert "default_minus_row_at_its_entries" not in rows[("epicache", 1024)]
