@@ -73,7 +73,7 @@ def test_reads_are_named_by_route_and_top_up():
     assert CONFIG.read_of("epicache+topup.skip_held=true").prefix != default.prefix
     assert CONFIG.read_of("none") == Read(None, None)
     prefixes = {Read(None, None).prefix, default.prefix, CONFIG.read_of("epicache-episode").prefix,
-                CONFIG.read_of("epicache+topup.turns=8").prefix,
+                CONFIG.read_of("epicache+topup.turns=4").prefix,
                 CONFIG.read_of("epicache+routing.router=centroid").prefix,
                 CONFIG.read_of("snapkv+topup.enabled=true").prefix}
     assert len(prefixes) == 6 and all(p.startswith("read") and p.endswith("_") for p in prefixes)
