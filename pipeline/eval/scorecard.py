@@ -101,9 +101,10 @@ class Rows:
         return np.array([nll_triple(got[k], self.none[k], self.full[k], measure) if k in got
                          else nan for k in keys], dtype=float).reshape(-1, 3).T
 
-    def answer_nlls(self, row: tuple[str, int | None], keys: list[Key]) -> np.ndarray:
+    def values(self, row: tuple[str, int | None], keys: list[Key], field: str) -> np.ndarray:
+        """The row's `field` per question of `keys` (NaN where the row lacks the question)."""
         got = self.by_row.get(row, {})
-        return np.array([got[k]["answer_nll"] if k in got else float("nan") for k in keys],
+        return np.array([got[k][field] if k in got else float("nan") for k in keys],
                         dtype=float)
 
 
@@ -161,12 +162,9 @@ def lead_at_equal_entries(rows: Rows, default: str, row: tuple[str, int | None],
     if len(budgets) < 2:
         return None
 
-    def entries(of: tuple[str, int | None]) -> np.ndarray:
-        got = rows.by_row[of]
-        return np.array([got[k]["decode_entries"] if k in got else np.nan for k in keys])
-
-    curve = [(rows.arrays((default, b), keys, measure), entries((default, b))) for b in budgets]
-    triple, own = rows.arrays(row, keys, measure), entries(row)
+    curve = [(rows.arrays((default, b), keys, measure),
+              rows.values((default, b), keys, "decode_entries")) for b in budgets]
+    triple, own = rows.arrays(row, keys, measure), rows.values(row, keys, "decode_entries")
 
     def lead(ix: np.ndarray) -> np.ndarray:  # ix [draws, questions] -> [draws]
         with np.errstate(invalid="ignore"), warnings.catch_warnings():
@@ -258,7 +256,7 @@ def group_scorecard(records: list[dict], default: str | None,
     rows = Rows.of(records)
     keys = rows.keys(conversations)
     index = resamples(len(keys))
-    rag, ceiling = rows.answer_nlls((RAG, None), keys), rows.answer_nlls((CEILING, None), keys)
+    rag, ceiling = (rows.values((r, None), keys, "answer_nll") for r in (RAG, CEILING))
     has_retrieval_rows = np.isfinite(rag).any() and np.isfinite(ceiling).any()
     table = []
     for (method, budget), got in rows.by_row.items():
