@@ -343,7 +343,8 @@ How to read it:
   to the retrieved turns (0: as retrieval alone, 100: as the full history with them).
 - **default - row**: the default's retention less the row's, with the 90% interval of a paired
   bootstrap (the same resampled questions for both): an interval above 0 is a lead the
-  questions support. A row that reads more or fewer entries than the default at its budget
+  questions support. On copy-free both rows are read over the evidence turns neither row's
+  top-up holds, so a lead can differ from the difference of the two copy-free columns. A row that reads more or fewer entries than the default at its budget
   (a question-time variant of the default, say a larger top-up) is also given **equal
   entries**: the default's retention read off its curve (linear in mean decode-time entries
   between its budgets) at the row's entries, less the row's; none where the row's entries

@@ -6,7 +6,9 @@ history (1), over the questions of a group:
 - `answer`: the teacher-forced NLL of the gold answer after the question;
 - `copy_free`: evidence recall over the evidence turns the question's top-up does not hold (a
   turn the top-up holds is probed by its own line a few dozen tokens after it: a copy), the
-  references read over the same turns.
+  references read over the same turns. Where two rows are compared (the default's lead), both
+  are read over the turns neither's top-up holds: a larger top-up leaves fewer, harder turns,
+  and rows read over different turns are not comparable.
 
 Beside them `evidence`, today's evidence recall over every evidence turn (a diagnostic,
 copy-prone where a top-up is read), and `over_retrieval`: (rag - m) / (rag - full+top-up) on
@@ -50,9 +52,10 @@ def _mean(values: Iterable[float]) -> float:
     return float(np.mean(values)) if values else float("nan")
 
 
-def copy_free_turns(record: dict) -> list[str]:
-    """The evidence turns a record's read probed that its top-up does not hold."""
-    held = set(record.get("topup_turn_ids") or ())
+def copy_free_turns(record: dict, *paired: dict) -> list[str]:
+    """The evidence turns a record's read probed that neither its top-up nor those of the
+    `paired` records (the same question in the rows it is compared with) hold."""
+    held = {t for r in (record, *paired) for t in r.get("topup_turn_ids") or ()}
     return [t for t in record.get("evidence_probed") or () if t not in held]
 
 
@@ -61,14 +64,16 @@ def turn_nlls(record: dict) -> dict[str, float]:
     return dict(zip(record.get("evidence_probed") or (), record.get("evidence_nlls") or ()))
 
 
-def nll_triple(record: dict, none: dict, full: dict, measure: str) -> tuple[float, float, float]:
+def nll_triple(record: dict, none: dict, full: dict, measure: str,
+               paired: Iterable[dict] = ()) -> tuple[float, float, float]:
     """(method, no history, full history) NLLs of one question on `measure` (NaN: undefined,
-    e.g. copy-free where the top-up holds every evidence turn)."""
+    e.g. copy-free where the top-up holds every evidence turn; `paired`: see
+    `copy_free_turns`)."""
     if measure == "answer":
         return record["answer_nll"], none["answer_nll"], full["answer_nll"]
     if measure == "evidence":
         return record["evidence_nll"], none["evidence_nll"], full["evidence_nll"]
-    turns = copy_free_turns(record)
+    turns = copy_free_turns(record, *paired)
     got, low, high = turn_nlls(record), turn_nlls(none), turn_nlls(full)
     return (_mean(got.get(t) for t in turns), _mean(low.get(t) for t in turns),
             _mean(high.get(t) for t in turns))
@@ -93,12 +98,15 @@ class Rows:
         return sorted(k for k in self.full if k in self.none and
                       (conversations is None or k[0] in conversations))
 
-    def arrays(self, row: tuple[str, int | None], keys: list[Key],
-               measure: str) -> np.ndarray:
-        """[3, questions]: the row's, no history's and full history's NLLs on `measure`."""
+    def arrays(self, row: tuple[str, int | None], keys: list[Key], measure: str,
+               paired: Iterable[tuple[str, int | None]] = ()) -> np.ndarray:
+        """[3, questions]: the row's, no history's and full history's NLLs on `measure`
+        (copy-free over the turns no top-up of the row and the `paired` rows holds)."""
         got = self.by_row.get(row, {})
+        others = [self.by_row.get(p, {}) for p in paired]
         nan = (float("nan"),) * 3
-        return np.array([nll_triple(got[k], self.none[k], self.full[k], measure) if k in got
+        return np.array([nll_triple(got[k], self.none[k], self.full[k], measure,
+                                    [o[k] for o in others if k in o]) if k in got
                          else nan for k in keys], dtype=float).reshape(-1, 3).T
 
     def values(self, row: tuple[str, int | None], keys: list[Key], field: str) -> np.ndarray:
@@ -162,9 +170,11 @@ def lead_at_equal_entries(rows: Rows, default: str, row: tuple[str, int | None],
     if len(budgets) < 2:
         return None
 
-    curve = [(rows.arrays((default, b), keys, measure),
-              rows.values((default, b), keys, "decode_entries")) for b in budgets]
-    triple, own = rows.arrays(row, keys, measure), rows.values(row, keys, "decode_entries")
+    curve_rows = [(default, b) for b in budgets]
+    curve = [(rows.arrays(r, keys, measure, [row, *curve_rows]),
+              rows.values(r, keys, "decode_entries")) for r in curve_rows]
+    triple = rows.arrays(row, keys, measure, curve_rows)
+    own = rows.values(row, keys, "decode_entries")
 
     def lead(ix: np.ndarray) -> np.ndarray:  # ix [draws, questions] -> [draws]
         with np.errstate(invalid="ignore"), warnings.catch_warnings():
@@ -280,7 +290,9 @@ def group_scorecard(records: list[dict], default: str | None,
                 np.stack([triples["answer"][0], rag, ceiling]), index)
         if default is not None and (default, budget) in rows.by_row and method != default:
             line["default_minus_row"] = {m: paired_difference(
-                rows.arrays((default, budget), keys, m), triples[m], index) for m in HEADLINE}
+                rows.arrays((default, budget), keys, m, [(method, budget)]),
+                rows.arrays((method, budget), keys, m, [(default, budget)]), index)
+                for m in HEADLINE}
             theirs = _row_mean(rows.by_row[(default, budget)], keys, "decode_entries")
             if budget is not None and abs(line["decode_entries"] / theirs - 1) > \
                     EQUAL_ENTRIES_SLACK:

@@ -42,6 +42,31 @@ def test_copy_free_evidence_reads_only_the_turns_the_top_up_does_not_hold():
     assert nll_triple(topped, none, full, "answer") == (3.5, 4.0, 3.0)
     every = _record("rag", None, 0, 3.5, {"a": 0.5}, topup=("a",))
     assert all(math.isnan(x) for x in nll_triple(every, none, full, "copy_free"))
+    # beside a row whose top-up holds "b": no turn is left to compare the two on
+    other = _record("rag", None, 0, 3.5, {"a": 0.5, "b": 0.5}, topup=("b",))
+    assert copy_free_turns(topped, other) == []
+
+
+def test_two_rows_are_compared_on_copy_free_over_the_turns_neither_top_up_holds():
+    """The default (no top-up) recalls the easy turn "a" fully and the hard turn "b" at 20%; a
+    row whose top-up holds "a" recalls "b" as well as the default. Each row's own copy-free
+    figure reads its own turns (60% and 20%), but the lead compares them on "b" alone: 0, not
+    the 40 points the easy turn the row's top-up took away would give."""
+    records = []
+    for q in range(20):
+        low, high = 5.0 + 0.01 * q, 3.0 + 0.01 * q
+        hard = low - 0.2 * (low - high)
+        records += [_record("none", None, q, low, {"a": low, "b": low}),
+                    _record("full", None, q, high, {"a": high, "b": high}),
+                    _record("epicache", 512, q, hard, {"a": high, "b": hard}),
+                    _record("wide+topup.enabled=true", 512, q, hard, {"a": high, "b": hard},
+                            topup=("a",))]
+    rows = {r["method"]: r for r in group_scorecard(records, "epicache")["rows"]}
+    assert rows["epicache"]["copy_free"]["value"] == pytest.approx(0.6)
+    assert rows["wide+topup.enabled=true"]["copy_free"]["value"] == pytest.approx(0.2)
+    lead = rows["wide+topup.enabled=true"]["default_minus_row"]
+    assert lead["copy_free"]["value"] == pytest.approx(0.0, abs=1e-9)
+    assert lead["answer"]["value"] == pytest.approx(0.0, abs=1e-9)
 
 
 def _run(n: int = 40, seed: int = 0, gap: float = 1.0) -> list[dict]:
