@@ -344,8 +344,9 @@ How to read it:
 - **default - row**: the default's retention less the row's, with the 90% interval of a paired
   bootstrap (the same resampled questions for both): an interval above 0 is a lead the
   questions support. On copy-free both rows are read over the evidence turns neither row's
-  top-up holds, so a lead can differ from the difference of the two copy-free columns. A row that reads more or fewer entries than the default at its budget
-  (a question-time variant of the default, say a larger top-up) is also given **equal
+  top-up holds, so a lead can differ from the difference of the two copy-free columns. A row
+  that reads more or fewer entries than the default at its budget (a question-time variant of
+  the default, say a larger top-up) is also given **equal
   entries**: the default's retention read off its curve (linear in mean decode-time entries
   between its budgets) at the row's entries, less the row's; none where the row's entries
   lie outside the default's budgets (no extrapolation).
