@@ -346,10 +346,10 @@ How to read it:
   questions support. On copy-free both rows are read over the evidence turns neither row's
   top-up holds, so a lead can differ from the difference of the two copy-free columns. A row
   that reads more or fewer entries than the default at its budget (a question-time variant of
-  the default, say a larger top-up) is also given **equal
-  entries**: the default's retention read off its curve (linear in mean decode-time entries
-  between its budgets) at the row's entries, less the row's; none where the row's entries
-  lie outside the default's budgets (no extrapolation).
+  the default, say a larger top-up) is also given **equal entries**: the default's retention
+  read off its curve (linear in mean decode-time entries between its budgets) at the row's
+  entries, less the row's; none where the row's entries lie outside the default's budgets (no
+  extrapolation).
 - **decode-time entries**: what a question reads before its own prompt, per layer and KV head:
   cache entries + top-up tokens.
 - Every figure is over tens of questions per conversation: read the intervals, not the
