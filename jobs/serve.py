@@ -4,13 +4,14 @@
     serve run jobs.serve:app_builder store=URI [decoder_gpus=1 ...]
 
 Two deployments. The *router* (the HTTP ingress, FastAPI) holds the encoder and, per
-conversation, the manifest's centroids (read on first use, re-read when the manifest object
-changes); it embeds the question and picks the episode. The *decoder* holds the model and a
-byte-bounded LRU of episodic caches fetched from the store (checksum verified; the previous
-turn's cache always stays resident) and decodes, whole or streamed. The router calls the
-decoder through a `DeploymentHandle`, so each scales on its own (`--decoder-replicas`,
-`--decoder-autoscale MIN:MAX`, `--decoder-gpus`). The HTTP API is documented in
-docs/serving.md.
+conversation, the manifest's routing embeddings (read on first use, re-read when the manifest
+object changes, kept under --manifest-cache-bytes); it embeds the question, picks the episode
+and renders a chat request's earlier messages, its live tail, with the model's chat template.
+The *decoder* holds the model and a byte-bounded LRU of episodic caches fetched from the store
+(checksum verified; the previous turn's cache always stays resident) and decodes, whole or
+streamed. The router calls the decoder through a `DeploymentHandle`, so each scales on its own
+(`--decoder-replicas`, `--decoder-autoscale MIN:MAX`, `--decoder-gpus`). The HTTP API is
+documented in docs/serving.md.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ package (it sits above `pipeline.cli`, below the commands).
                       fault run's rule
     rehearsal.py      synthetic stages, corpora and caches with no model (the scale rehearsal
                       and the tests), and an S3 request counter
+    synthetic_manifests.py  a read-only store of synthetic manifests made on demand (the
+                      router's soak, `jobs.bench.router_soak`, and the plan's tests)
     seaweedfs.py      a local S3 server (SeaweedFS) for trying the S3 path and for the tests
     screen.py         a fast one-prefill proxy for ranking EpiCache recipes (`jobs.screen`)
     compare.py        the demo's comparison: episodic against full-history answers (`jobs.demo`)

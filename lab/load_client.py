@@ -29,6 +29,7 @@ class Sample:
     end: float = 0.0  # when answered (or failed)
     replica: str | None = None  # the decoder replica that answered
     conversation: str = ""
+    live_tokens: int = 0  # the live tail's tokens, as the server counted them
 
     @property
     def hang(self) -> bool:
@@ -36,12 +37,16 @@ class Sample:
 
 
 def ask(session: requests.Session, url: str, cid: str, question: str, max_new_tokens: int,
-        headers: dict, timeout: float) -> Sample:
-    """One question to the answer endpoint, timed; a failure is a Sample, never an exception."""
+        headers: dict, timeout: float, live: list[dict] | None = None) -> Sample:
+    """One question to the answer endpoint (after the `live` tail's messages, when given),
+    timed; a failure is a Sample, never an exception."""
+    payload = {"question": question, "max_new_tokens": max_new_tokens}
+    if live:
+        payload["live"] = live
     t = time.perf_counter()
     try:
         r = session.post(f"{url}/v1/conversations/{cid}/answer", headers=headers, timeout=timeout,
-                         json={"question": question, "max_new_tokens": max_new_tokens})
+                         json=payload)
     except requests.RequestException as e:
         end = time.perf_counter()
         return Sample(False, (end - t) * 1000, 0, error=type(e).__name__, start=t, end=end,
@@ -53,7 +58,8 @@ def ask(session: requests.Session, url: str, cid: str, question: str, max_new_to
                       conversation=cid)
     body = r.json()
     return Sample(True, latency, 200, body["timings_ms"], body.get("cache_hit"), start=t, end=end,
-                  replica=body.get("replica"), conversation=cid)
+                  replica=body.get("replica"), conversation=cid,
+                  live_tokens=body.get("live_tokens", 0))
 
 
 def latency_summary(samples: list[Sample]) -> dict:

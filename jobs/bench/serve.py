@@ -2,7 +2,7 @@
 
     python -m jobs.bench.serve --url http://127.0.0.1:8000 --corpus corpus.jsonl \
         [--conversations 3] [--requests 200] [--concurrency 1,8] [--max-new-tokens 16] \
-        [--kill-decoder-after N]
+        [--live-tokens 256] [--kill-decoder-after N]
 
 Each (conversation, question) pair is asked once first (warm-up, not measured: it fetches the
 caches), then `--requests` questions cycle over the pairs from `--concurrency` client threads
@@ -10,6 +10,11 @@ caches), then `--requests` questions cycle over the pairs from `--concurrency` c
 client latency p50/p95, the server's per-stage split, the cache hit rate and the share of the
 turn spent on embed + route + fetch (the goal: at most 5% with a warm cache), and exits 1 if
 any request failed.
+
+The live-tail case: the same questions at the first level again, each after a chat session of
+about `--live-tokens` tokens (a system prompt and user / assistant messages, sent as the answer
+body's `live`: read by the decoder after the cache and the top-up, before the question), printed
+beside the plain run with its ratios (requests/s, latency, decode time); 0 skips it.
 
 `--kill-decoder-after N` is the fault run: once N requests have completed, the decoder replica
 that answers /healthz is killed (SIGKILL to its pid; the app must run on this machine). It
@@ -118,12 +123,39 @@ def kill_report(samples: list[Sample], killer: DecoderKiller, url: str, headers:
             **fault_report(samples, killer.at)}
 
 
+# what a chat session since the last build says, repeated to the length asked (`live_tail`)
+LIVE_LINES = (("user", "We finally went to the lake last Sunday, the water was still cold."),
+              ("assistant", "That sounds lovely! Did you manage to swim at all?"),
+              ("user", "Only for a minute. Then we had lunch at the old boathouse cafe."),
+              ("assistant", "The boathouse cafe is a nice spot. What did you order there?"))
+
+
+def live_tail(tokens: int) -> list[dict]:
+    """A chat session of about `tokens` tokens as a chat template renders it (~0.75 words a
+    token, ~5 tokens of a message's turn markers; the server counts the exact figure): a system
+    prompt, then user and assistant messages in turn; [] for 0."""
+    if tokens <= 0:
+        return []
+
+    def estimate(messages: list[dict]) -> float:
+        return sum(len(m["content"].split()) / 0.75 + 5 for m in messages)
+
+    messages = [{"role": "system", "content": "You answer questions about our conversations."}]
+    while True:
+        role, text = LIVE_LINES[(len(messages) - 1) % len(LIVE_LINES)]
+        more = messages + [{"role": role, "content": text}]
+        if estimate(more) > tokens:
+            return messages
+        messages = more
+
+
 def run_bench(url: str, pairs: list[tuple[str, str]], n_requests: int = 200,
               concurrency: int = 8, max_new_tokens: int = 16, token: str | None = None,
               warmup: bool = True, seed: int = 0, timeout: float = 300.0,
-              kill_decoder_after: int | None = None) -> dict:
+              kill_decoder_after: int | None = None, live: list[dict] | None = None) -> dict:
     """Warm up, then run the bounded load (killing the decoder replica once
-    `kill_decoder_after` requests completed, if given); returns the measured figures."""
+    `kill_decoder_after` requests completed, if given; each question after the `live` tail,
+    if given); returns the measured figures."""
     url = url.rstrip("/")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     if warmup:
@@ -141,7 +173,7 @@ def run_bench(url: str, pairs: list[tuple[str, str]], n_requests: int = 200,
     def one(pair: tuple[str, str]) -> Sample:
         if not hasattr(local, "session"):
             local.session = requests.Session()
-        sample = ask(local.session, url, *pair, max_new_tokens, headers, timeout)
+        sample = ask(local.session, url, *pair, max_new_tokens, headers, timeout, live)
         if killer is not None:
             killer.completed()
         return sample
@@ -168,6 +200,7 @@ def run_bench(url: str, pairs: list[tuple[str, str]], n_requests: int = 200,
                           "p50": round(float(np.percentile(v, 50)), 2),
                           "p95": round(float(np.percentile(v, 95)), 2)} for k, v in stage.items()},
         "cache_hit_rate": round(sum(hits) / len(hits), 4) if hits else None,
+        "live_tokens": round(float(np.mean([s.live_tokens for s in ok])), 1) if ok else 0.0,
         "overhead_share": round(float(overhead / server_turn), 4) if server_turn else None,
         # the client's view: what the turn cost end to end beyond the decode itself
         "client_overhead_share": round(float(1 - stage["decode"].sum() / lat.sum()), 4)
@@ -196,6 +229,26 @@ def format_table(r: dict) -> str:
     lines = [f"| {'metric'.ljust(width)} | value |", f"| {'-' * width} | --- |"]
     lines += [f"| {a.ljust(width)} | {b} |" for a, b in rows]
     return "\n".join(lines)
+
+
+def format_live(plain: dict, live: dict) -> str:
+    """The live-tail case beside the plain run at the same level, with their ratios."""
+    rows = [("live tail (tokens read before each question)", "0", f"{live['live_tokens']:.0f}", ""),
+            ("requests/s", f"{plain['requests_per_s']:.2f}", f"{live['requests_per_s']:.2f}",
+             f"{live['requests_per_s'] / plain['requests_per_s']:.2f}x")]
+    for name, key in (("latency p50 (client)", "p50"), ("latency p95 (client)", "p95")):
+        a, b = plain["latency_ms"][key], live["latency_ms"][key]
+        rows.append((name, f"{a:.0f} ms", f"{b:.0f} ms", f"{b / a:.2f}x"))
+    a, b = plain["stages_ms"]["decode"]["mean"], live["stages_ms"]["decode"]["mean"]
+    rows.append(("decode mean (server: prefill to last token)", f"{a:.0f} ms", f"{b:.0f} ms",
+                 f"{b / a:.2f}x"))
+    rows.append(("errors", str(plain["errors"]), str(live["errors"]), ""))
+    width = max(len(r[0]) for r in rows)
+    head = f"live tail at concurrency {live['concurrency']}"
+    lines = [f"| {head.ljust(width)} | plain | live tail | live / plain |",
+             f"| {'-' * width} | --- | --- | --- |"]
+    return "\n".join(lines + [f"| {r[0].ljust(width)} | {r[1]} | {r[2]} | {r[3]} |"
+                              for r in rows])
 
 
 def format_kill(k: dict) -> str:
@@ -250,6 +303,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "run on this machine) once N requests have completed, and report how "
                         "the requests around it ended (default: no kill)")
     p.add_argument("--max-new-tokens", type=int, default=16, help="answer length at most (tokens)")
+    p.add_argument("--live-tokens", type=int, default=256,
+                   help="the live-tail case: the first level again, each question after a chat "
+                        "session of about this many tokens (the answer body's 'live'); 0: no "
+                        "such case")
     p.add_argument("--no-warmup", action="store_true",
                    help="measure from the first request (no warm-up pass over the questions)")
     p.add_argument("--token", default=os.environ.get("EPICACHE_SERVE_TOKEN"),
@@ -272,12 +329,19 @@ def main(argv: list[str] | None = None) -> int:
             print(format_table(results[-1]), flush=True)
             if results[-1]["kill"] is not None:
                 print(format_kill(results[-1]["kill"]), flush=True)
+        if a.live_tokens > 0 and a.kill_decoder_after is None:
+            live = run_bench(a.url, pairs, a.requests, a.concurrency[0], a.max_new_tokens,
+                             a.token, warmup=False, timeout=a.timeout,
+                             live=live_tail(a.live_tokens))
+            results[0]["live"] = live  # beside the level it is compared with
+            print(format_live(results[0], live), flush=True)
     except (ValueError, RuntimeError, OSError, requests.RequestException) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if len(results) > 1:
         print(format_ratios(results))
-    for r in results:
+    runs = results + ([results[0]["live"]] if "live" in results[0] else [])
+    for r in runs:
         if r["errors"]:
             print(f"errors at concurrency {r['concurrency']}: " + "; ".join(r["error_examples"]),
                   file=sys.stderr)
@@ -288,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     if kill is not None:  # the fault run: failures around the kill are expected, hangs are not
         return 1 if (not kill["killed"] or kill["hangs"] or kill["failed_after_recovery"]
                      or not kill["replaced"]) else 0
-    return 1 if any(r["errors"] for r in results) else 0
+    return 1 if any(r["errors"] for r in runs) else 0
 
 if __name__ == "__main__":
     raise SystemExit(main())

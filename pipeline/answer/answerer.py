@@ -2,26 +2,30 @@
 
 A question is planned (`pipeline.answer.plan`: manifest, embed, route, top-up) as the Serve
 router plans it; here the cache(s) it reads are then loaded into a byte-bounded LRU and the
-answer decoded. The Serve application (`pipeline.serve`) splits the same steps over two
-deployments: the router plans, the decoder loads and decodes the requests in flight together.
+answer decoded, after the top-up and the caller's live tail (a chat session's messages that no
+cache holds, rendered by the model's chat template), as the server reads them. The Serve
+application (`pipeline.serve`) splits the same steps over two deployments: the router plans
+(and renders the live tail), the decoder loads and decodes the requests in flight together.
 """
 
 from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pipeline.answer.decode import decode_answer
+from pipeline.answer.decode import decode_answer, question_prompt, teacher_forced_nll
 from pipeline.answer.fetch import resident_read
 from pipeline.answer.lookup import check_models, embed_question
 from pipeline.answer.lru import CacheLRU
 from pipeline.answer.plan import QuestionPlanner, QuestionTools
 from pipeline.answer.topup import TopUps
 from pipeline.config import RoutingConfig, TopUpConfig
-from pipeline.config.limits import DEFAULT_LIMITS, AnswerLimits, CheckedQuestion
+from pipeline.config.limits import DEFAULT_LIMITS, AnswerLimits, CheckedQuestion, LimitError
 from pipeline.kv import models, prompts
 from pipeline.kv.cache import EpisodicCache
+from pipeline.kv.prompts import LIVE_ROLES, ChatTurn
 from pipeline.store.backends.base import Store
 from pipeline.store.catalogue.manifest import ManifestRecord
 from pipeline.store.objects.cache_read import read_cache
@@ -40,6 +44,7 @@ class AnswerResult:
     episodes: list[int] = field(default_factory=list)  # read (two when the router was unsure)
     # the question-time top-up (`TopUp.as_dict`): the turns prefilled after the cache, or why none
     topup: dict = field(default_factory=dict)
+    live_tokens: int = 0  # the live tail's, read after the top-up
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -95,17 +100,38 @@ class Answerer:
         return resident_read(self.caches, refs, lambda ref: read_cache(
             self.store, ref, self.disk, lm.model.dtype, self.device).cache)
 
-    def answer(self, conversation_id: str, question: str, max_new_tokens: int = 32,
-               temperature: float = 0.0) -> AnswerResult:
-        """The answer to `question`, held to the limits first (the library's entry)."""
-        return self.answer_checked(conversation_id,
-                                   self.limits.checked(question, max_new_tokens, temperature))
+    def check_live(self, live: Sequence[ChatTurn]) -> None:
+        """A live tail's roles and characters, before any model is loaded (`LimitError`)."""
+        for i, turn in enumerate(live):
+            if turn.role not in LIVE_ROLES:
+                raise LimitError(f"live message {i}: its role is one of {', '.join(LIVE_ROLES)}, "
+                                 f"not {turn.role!r}")
+        self.limits.check_live_chars(prompts.live_chars(live))
 
-    def answer_checked(self, conversation_id: str, question: CheckedQuestion) -> AnswerResult:
-        """The answer to a question an entry held to the limits (`jobs.answer`'s arguments):
-        planned, its cache(s) loaded, decoded."""
+    def live_text(self, lm: models.LoadedModel, live: Sequence[ChatTurn]) -> tuple[str, int]:
+        """The live tail's text as the model's chat template renders it and its tokens, held to
+        the limit (`LimitError`), as the server's router renders and counts it."""
+        text = prompts.live_text(lm.tokenizer, live)
+        tokens = len(prompts.live_ids(lm.tokenizer, text)) if text else 0
+        self.limits.check_live_tokens(tokens)
+        return text, tokens
+
+    def answer(self, conversation_id: str, question: str, max_new_tokens: int = 32,
+               temperature: float = 0.0, live: Sequence[ChatTurn] = ()) -> AnswerResult:
+        """The answer to `question` (after the `live` tail: the session's messages before it,
+        which no cache holds), held to the limits first (the library's entry)."""
+        checked = self.limits.checked(question, max_new_tokens, temperature)
+        self.check_live(live)
+        return self.answer_checked(conversation_id, checked, live)
+
+    def answer_checked(self, conversation_id: str, question: CheckedQuestion,
+                       live: Sequence[ChatTurn] = ()) -> AnswerResult:
+        """The answer to a question an entry held to the limits (`jobs.answer`'s arguments;
+        `live` checked by `check_live`): planned, its cache(s) loaded, the live tail rendered
+        and counted, decoded."""
         plan = self.planner.plan(conversation_id, question.text)
         lm = models.load_llm(plan.records[0].model_id, self.device)
+        live_text, live_tokens = self.live_text(lm, live)
         timings = {k: plan.timings_ms[k] for k in ("embed", "route")}
         t = time.perf_counter()
         cache, hit = self.load_caches(plan.read)
@@ -113,8 +139,25 @@ class Answerer:
         timings["topup"] = plan.timings_ms["topup"]
         t = time.perf_counter()
         decoded = decode_answer(lm, cache, question.text, question.max_new_tokens,
-                                question.temperature, self.limits, plan.topup.text)
+                                question.temperature, self.limits, plan.topup.text, live_text)
         timings["decode"] = (time.perf_counter() - t) * 1000
         return AnswerResult(conversation_id, question.text, decoded.text, plan.read[0].episode,
                             plan.similarity, hit, {k: round(v, 2) for k, v in timings.items()},
-                            [r.episode for r in plan.read], plan.topup.as_dict())
+                            [r.episode for r in plan.read], plan.topup.as_dict(), live_tokens)
+
+    def answer_nll(self, conversation_id: str, question: str, answer: str,
+                   live: Sequence[ChatTurn] = ()) -> float:
+        """The teacher-forced NLL of `answer` (nats a token) on the prompt the question is
+        answered with here and by the server: its plan (caches, top-up), the live tail, on the
+        batcher's forward (`decode.teacher_forced_nll`). What tells a prompt path that reaches
+        the decoder from one that does not; no endpoint serves it."""
+        checked = self.limits.checked(question, 1, 0.0)
+        self.check_live(live)
+        plan = self.planner.plan(conversation_id, checked.text)
+        lm = models.load_llm(plan.records[0].model_id, self.device)
+        live_text, _ = self.live_text(lm, live)
+        cache, _ = self.load_caches(plan.read)
+        answer_tokens = max(1, prompts.count_tokens(lm.tokenizer, answer.strip()))
+        prompt = question_prompt(lm, cache, checked.text, answer_tokens, self.limits,
+                                 plan.topup.text, live_text)
+        return teacher_forced_nll(lm, cache, prompt, answer)

@@ -129,16 +129,19 @@ class DecodeBatcher:
 
     # -- the callers' side --------------------------------------------------------------------
     def submit(self, cache: EpisodicCache, question: str, max_new_tokens: int,
-               temperature: float = 0.0, streamer=None, topup: str = "") -> DecodeJob:
-        """Queue a request (`topup`: the question's top-up text, `pipeline.answer.topup`); its
-        `future` gets the `Decoded` answer (or the error). The question and the sampling
+               temperature: float = 0.0, streamer=None, topup: str = "",
+               live: str = "") -> DecodeJob:
+        """Queue a request (`topup`: the question's top-up text, `pipeline.answer.topup`;
+        `live`: its live tail's text, `pipeline.kv.prompts.live_text`, read after the top-up);
+        its `future` gets the `Decoded` answer (or the error). The question and the sampling
         parameters were checked at the entry (the router's request body); a question over the
         token limit, or an answer past the model's positions, is a `LimitError` here, before it
         is queued: the question is tokenised on the caller's thread. The first request over a
         cache computes the instruction's entries for it here too (a forward of its 37 tokens),
-        so that the batch never waits on it. A prompt with a top-up does not open with the
-        instruction: it is prefilled whole."""
-        prompt = question_prompt(self.lm, cache, question, max_new_tokens, self.limits, topup)
+        so that the batch never waits on it. A prompt with a top-up or a live tail does not open
+        with the instruction: it is prefilled whole."""
+        prompt = question_prompt(self.lm, cache, question, max_new_tokens, self.limits, topup,
+                                 live)
         prefix = self._prefix(cache) if self._opens_with_prefix(prompt) else None
         job = DecodeJob(cache, question, max_new_tokens, temperature, streamer,
                         next_ids=prompt, prefix=prefix)

@@ -1,18 +1,23 @@
-"""Loaded caches kept resident under a byte budget, least recently used evicted first."""
+"""Values kept resident under a byte budget, least recently used evicted first: the decoder's
+loaded caches, the router's conversation manifests (`pipeline.answer.plan`).
+
+torch is imported only to size a cache (`resident_bytes`), so that the plan step, which keeps
+manifests here, loads without it."""
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
-
-from pipeline.kv.cache import EpisodicCache
+if TYPE_CHECKING:
+    from pipeline.kv.cache import EpisodicCache
 
 
 def resident_bytes(cache: EpisodicCache) -> int:
     """Bytes a loaded cache holds in memory (padded slots, masks and positions included)."""
+    import torch
+
     total = 0
     for layer in cache.layers:
         for t in (getattr(layer, "keys", None), getattr(layer, "values", None), layer.valid,
@@ -23,7 +28,8 @@ def resident_bytes(cache: EpisodicCache) -> int:
 
 
 class CacheLRU:
-    """Loaded episodic caches under a byte budget, least recently used evicted first.
+    """Loaded values (episodic caches by default, sized by `resident_bytes`) under a byte
+    budget, least recently used evicted first.
 
     The most recently used entry is never evicted, whatever its size, so the cache of the
     previous turn is always resident (a budget of 0 keeps exactly that one). Concurrent
@@ -92,6 +98,18 @@ class CacheLRU:
             self._entries[key] = (value, size)
             self._entries.move_to_end(key, last=False)
             self.bytes += size
+            return True
+
+    def discard(self, key: object, value: object | None = None) -> bool:
+        """Drop `key` (only while it still holds `value`, when given: a stale entry is dropped
+        without dropping a fresher one another thread put there meanwhile); False if absent.
+        Its next `get_or_load` loads it again, once, whoever asks."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or (value is not None and entry[0] is not value):
+                return False
+            del self._entries[key]
+            self.bytes -= entry[1]
             return True
 
     def stats(self) -> dict:

@@ -8,13 +8,23 @@ route index (`lookup.route_index`) and what embeds its questions and counts thei
 each index read once). A kept manifest is re-read when its object has changed, checked at most
 every `manifest_ttl_s` (never, by default: the library's answerer reads a manifest once).
 
+A service runs for months over a corpus larger than its memory, so the kept manifests are a
+byte-bounded LRU (`manifest_cache_bytes`, `CacheLRU`): an evicted conversation is read again
+at its next question. A kept manifest's embeddings are numpy arrays, one copy (the records'
+`centroid` and `window_embeddings` are read-only views of the route index's rows): as Python
+float lists a long conversation's windows took about a megabyte, 3.5 times what is kept. Two
+first questions about one conversation read its manifest once: the second waits for the first
+one's read.
+
 The plan trusts its question: the limits were checked at the entry that took it
 (`AnswerLimits.checked`: `jobs.answer`'s arguments, the server's request body, `Answerer.answer`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -23,6 +33,7 @@ from typing import Callable
 import numpy as np
 
 from pipeline.answer.lookup import load_manifest, route_index, route_records
+from pipeline.answer.lru import CacheLRU
 from pipeline.answer.topup import TopUp, TopUps
 from pipeline.config import RoutingConfig, TopUpConfig
 from pipeline.corpus.schema import check_safe_id
@@ -39,15 +50,56 @@ class QuestionTools:
     count_tokens: Callable[[str], int]
 
 
+# the router's kept manifests: about a thousand long conversations (~250 KiB each kept)
+DEFAULT_MANIFEST_CACHE_BYTES = 256 * 2**20
+
+
 @dataclass
 class KnownConversation:
     """A conversation's manifest as read, with what its questions are planned with."""
-    records: list[ManifestRecord]
+    records: list[ManifestRecord]  # embeddings as views of `index` (`compact_records`)
     index: RouteIndex
     tools: QuestionTools
     stamp: tuple[int, float] | None  # (size, modified) of the manifest object; None: not kept
     checked: float  # time.monotonic() of the last check against the store
     planned: bool = False  # a question was planned over it
+    nbytes: int = 0  # what it holds in memory, about (`kept_bytes`): its size in the LRU
+
+
+def compact_records(records: list[ManifestRecord]) -> tuple[list[ManifestRecord], RouteIndex]:
+    """The records and their route index, each record's `centroid` and `window_embeddings`
+    (None stays None) a read-only view of the index's rows: one numpy copy of the embeddings
+    instead of the float lists the manifest is read as (unit norm, float64: the index's)."""
+    index = route_index(records)
+    for array in (index.centroids, index.windows, index.window_episode):
+        array.flags.writeable = False
+    kept, start = [], 0
+    for e, record in enumerate(records):
+        windows = None
+        if index.has_windows:
+            n = len(record.window_embeddings)
+            windows, start = index.windows[start:start + n], start + n
+        kept.append(dataclasses.replace(record, centroid=index.centroids[e],
+                                        window_embeddings=windows))
+    return kept, index
+
+
+def _object_bytes(value: object) -> int:
+    """Bytes of a manifest field's value, about: an array's own (a view's header only), a
+    list's items with the list."""
+    if isinstance(value, (list, tuple)):
+        return sys.getsizeof(value) + sum(_object_bytes(v) for v in value)
+    return sys.getsizeof(value)
+
+
+def kept_bytes(records: list[ManifestRecord], index: RouteIndex) -> int:
+    """What a kept manifest holds in memory, about: the route index's arrays and each record's
+    fields (the embeddings in it are views of the index)."""
+    total = sum(sys.getsizeof(a) for a in (index.centroids, index.windows, index.window_episode))
+    for record in records:
+        total += sys.getsizeof(record) + sys.getsizeof(record.__dict__)
+        total += sum(_object_bytes(getattr(record, f.name)) for f in dataclasses.fields(record))
+    return total
 
 
 @dataclass(frozen=True)
@@ -67,17 +119,19 @@ class QuestionPlan:
 
 class QuestionPlanner:
     """Plans questions over the conversations of `store`, keeping their manifests (the one
-    manifest cache of the answer path). `tools(records)` gives what embeds and counts for a
-    conversation, or raises (`ModelMismatchError`) to refuse it: a refused manifest is not
-    kept."""
+    manifest cache of the answer path) under `manifest_cache_bytes`, least recently used
+    evicted first. `tools(records)` gives what embeds and counts for a conversation, or raises
+    (`ModelMismatchError`) to refuse it: a refused manifest is not kept."""
 
     def __init__(self, store: Store, tools: Callable[[list[ManifestRecord]], QuestionTools],
                  routing: RoutingConfig = RoutingConfig(), topup: TopUpConfig = TopUpConfig(),
-                 manifest_ttl_s: float = math.inf):
+                 manifest_ttl_s: float = math.inf,
+                 manifest_cache_bytes: int = DEFAULT_MANIFEST_CACHE_BYTES):
         self.store, self.tools, self.routing = store, tools, routing
         self.manifest_ttl_s = manifest_ttl_s
         self.topups = TopUps(store, topup)
-        self._manifests: dict[str, KnownConversation] = {}
+        self._manifests = CacheLRU(manifest_cache_bytes,
+                                   sizeof=lambda conv: conv.nbytes)  # of KnownConversation
         self._lock = threading.Lock()
 
     @property
@@ -85,32 +139,44 @@ class QuestionPlanner:
         """The conversations whose manifests are kept."""
         return len(self._manifests)
 
+    def manifest_stats(self) -> dict:
+        """The kept manifests: entries, bytes, max_bytes, hits, misses (reads), evictions."""
+        return self._manifests.stats()
+
     def _stamp(self, conversation_id: str) -> tuple[int, float]:
         """The manifest object's (size, modified); `ConversationNotFound` if it is gone."""
         try:
             info = self.store.info(manifest_key(conversation_id))
         except ObjectNotFound:
-            self._manifests.pop(conversation_id, None)
+            self._manifests.discard(conversation_id)
             load_manifest(self.store, conversation_id)  # raises ConversationNotFound
             raise
         return info.size, info.modified
 
-    def conversation(self, conversation_id: str) -> KnownConversation:
-        """Blocking: the kept manifest, read (and its tools made) on first use and again when
-        its object changed; `ConversationNotFound` if it was never built."""
-        check_safe_id(conversation_id)
-        now = time.monotonic()
-        known = self._manifests.get(conversation_id)
-        if known is not None and now - known.checked < self.manifest_ttl_s:
-            return known
+    def _read(self, conversation_id: str) -> KnownConversation:
+        """The manifest read, its tools made (or the conversation refused), kept compact."""
         stamp = None if math.isinf(self.manifest_ttl_s) else self._stamp(conversation_id)
-        if known is not None and known.stamp == stamp:
-            known.checked = now
-            return known
-        records = load_manifest(self.store, conversation_id)
-        conv = KnownConversation(records, route_index(records), self.tools(records), stamp, now)
-        self._manifests[conversation_id] = conv
-        return conv
+        read = load_manifest(self.store, conversation_id)
+        tools = self.tools(read)
+        records, index = compact_records(read)
+        return KnownConversation(records, index, tools, stamp, time.monotonic(),
+                                 nbytes=kept_bytes(records, index))
+
+    def conversation(self, conversation_id: str) -> KnownConversation:
+        """Blocking: the kept manifest, read (and its tools made) on first use, after an
+        eviction, and again when its object changed; `ConversationNotFound` if it was never
+        built. Concurrent first uses read it once (the others wait for that read)."""
+        check_safe_id(conversation_id)
+        while True:
+            known, kept = self._manifests.get_or_load(conversation_id,
+                                                      lambda: self._read(conversation_id))
+            now = time.monotonic()
+            if not kept or now - known.checked < self.manifest_ttl_s:
+                return known
+            if known.stamp == self._stamp(conversation_id):
+                known.checked = now
+                return known
+            self._manifests.discard(conversation_id, known)  # changed: read again, once
 
     def plan(self, conversation_id: str, question: str) -> QuestionPlan:
         """Blocking: the question's reads and top-up (its text counted with the conversation's

@@ -39,14 +39,17 @@ class CheckedQuestion:
 
 @dataclass(frozen=True)
 class AnswerLimits:
-    """The largest question (tokens), the largest answer (new tokens) and the temperatures
-    accepted; `max_question_chars` follows from the first."""
+    """The largest question (tokens), the largest answer (new tokens), the temperatures
+    accepted and the largest live tail (tokens: the messages of a chat client's session read
+    before the question, `pipeline.kv.prompts.live_text`); `max_question_chars` and
+    `max_live_chars` follow from the token limits."""
     max_question_tokens: int = 512
     max_new_tokens: int = 512
     max_temperature: float = 2.0
+    max_live_tokens: int = 2048
 
     def __post_init__(self) -> None:
-        for name in ("max_question_tokens", "max_new_tokens"):
+        for name in ("max_question_tokens", "max_new_tokens", "max_live_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -79,6 +82,26 @@ class AnswerLimits:
         if tokens > self.max_question_tokens:
             raise LimitError(f"the question is {tokens} tokens long; the limit is "
                              f"{self.max_question_tokens} tokens")
+
+    @property
+    def max_live_chars(self) -> int:
+        """The character bound on a live tail, checked before it is rendered and tokenised."""
+        return self.max_live_tokens * CHARS_PER_TOKEN
+
+    def check_live_chars(self, chars: int, name: str = "the live tail") -> None:
+        """A live tail's characters (its messages' roles and text, summed:
+        `pipeline.kv.prompts.live_chars`) within their bound, before any template renders them
+        or any tokenizer sees them; `name` is what the caller calls it (a field)."""
+        if chars > self.max_live_chars:
+            raise LimitError(f"{name}: the live tail is {chars:,} characters long; the limit is "
+                             f"{self.max_live_chars:,} characters ({self.max_live_tokens} "
+                             f"tokens)")
+
+    def check_live_tokens(self, tokens: int, name: str = "the live tail") -> None:
+        """The exact bound on a live tail, once it is rendered and tokenised."""
+        if tokens > self.max_live_tokens:
+            raise LimitError(f"{name}: the live tail is {tokens} tokens long; the limit is "
+                             f"{self.max_live_tokens} tokens")
 
     def check_sampling(self, max_new_tokens: object, temperature: object,
                        names: tuple[str, str] = ("max_new_tokens", "temperature"),

@@ -8,7 +8,8 @@
     openai_chat.py  the OpenAI chat wire format: completion objects, server-sent event chunks
     decoder.py      the Decoder deployment: the model and the LRU of episodic caches
     ingress.py      the Router deployment: the HTTP ingress (the FastAPI app), the encoder, the
-                    limits checked on the body, the question planned (pipeline.answer.plan)
+                    limits checked on the body, the question planned (pipeline.answer.plan),
+                    the live tail rendered with the model's chat template
     affinity.py     ConversationAffinityRouter: a conversation's calls to one decoder replica
                     (rendezvous hashing, bounded load), Serve's RequestRouter
     app.py          resolve_models, build_app (router bound to decoder), app_builder

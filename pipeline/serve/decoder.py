@@ -123,14 +123,16 @@ class Decoder:
         return cache, hit, ms
 
     async def answer(self, ref: CacheRef | tuple[CacheRef, ...], question: str, max_new_tokens: int,
-                     temperature: float, topup: str = "") -> dict:
+                     temperature: float, topup: str = "", live: str = "") -> dict:
         """{"answer", "tokens", "finish_reason", "cache_hit", "replica", "fetch_ms", "decode_ms",
         "queue_ms"} or {"error": {"status", "message"}}; `topup`: the question's top-up text
-        (the router's, `pipeline.answer.topup`), read after the cache."""
+        (the router's, `pipeline.answer.topup`), read after the cache; `live`: the request's
+        live tail as the router rendered it (`pipeline.kv.prompts.live_text`), read after the
+        top-up."""
         try:
             cache, hit, fetch_ms = await asyncio.to_thread(self._cache, ref)
             job = await asyncio.to_thread(self.batcher.submit, cache, question, max_new_tokens,
-                                          temperature, None, topup)
+                                          temperature, None, topup, live)
         except Exception as e:
             return _decoder_error(e, ref)
         try:
@@ -146,17 +148,17 @@ class Decoder:
                 "decode_ms": round(job.decode_ms, 3), "queue_ms": round(job.queue_ms, 3)}
 
     async def stream(self, ref: CacheRef | tuple[CacheRef, ...], question: str, max_new_tokens: int,
-                     temperature: float, topup: str = "") -> AsyncIterator[dict]:
+                     temperature: float, topup: str = "", live: str = "") -> AsyncIterator[dict]:
         """First {"cache_hit", "fetch_ms"} (or {"error": ...}: a bad cache or a request over
         the limits is an HTTP status, not a stream), then {"text": piece}s, then
         {"done": {"tokens", "finish_reason", "decode_ms", "queue_ms"}} (or {"error": ...});
-        `topup` as for `answer`."""
+        `topup` and `live` as for `answer`."""
         streamer = AsyncTextIteratorStreamer(self.lm.tokenizer, skip_prompt=True,
                                              skip_special_tokens=True)
         try:
             cache, hit, fetch_ms = await asyncio.to_thread(self._cache, ref)
             job = await asyncio.to_thread(self.batcher.submit, cache, question, max_new_tokens,
-                                          temperature, streamer, topup)
+                                          temperature, streamer, topup, live)
         except Exception as e:
             yield _decoder_error(e, ref)
             return

@@ -1,9 +1,10 @@
 """The router deployment: the HTTP ingress (the FastAPI app and its endpoints) and the encoder.
 It checks a request's body against the limits (the HTTP entry: the layers under it take the
 question as checked), plans the question as the library does (`pipeline.answer.plan`: the
-manifest kept per conversation and re-read when its object changes, the episode or the two read
-together when unsure, the top-up from the turn index), and asks the decoder (a
-`DeploymentHandle`) for the answer."""
+manifest kept per conversation under a byte bound and re-read when its object changes, the
+episode or the two read together when unsure, the top-up from the turn index), renders the
+request's live tail (a chat client's session, which no cache holds) with the model's chat
+template, and asks the decoder (a `DeploymentHandle`) for the answer."""
 
 import asyncio
 import gc
@@ -22,9 +23,10 @@ from pipeline.answer.plan import QuestionPlan, QuestionPlanner, QuestionTools
 from pipeline.answer.topup import REPAIR, TopUp
 from pipeline.config.limits import CheckedQuestion, LimitError
 from pipeline.kv import models, prompts
+from pipeline.kv.prompts import LIVE_ROLES, ChatTurn
 from pipeline.serve import openai_chat
 from pipeline.serve.errors import ApiError, add_exception_handlers, classify, is_corrupt
-from pipeline.serve.schemas import AnswerRequest, ChatRequest, parse_body
+from pipeline.serve.schemas import AnswerRequest, ChatMessage, ChatRequest, parse_body
 from pipeline.serve.settings import ServeSettings
 from pipeline.store.backends.uri import open_store
 from pipeline.store.catalogue.manifest import ManifestRecord
@@ -86,12 +88,13 @@ class Router:
         self.encoder = models.load_encoder(encoder, "cpu")
         self.encoder_fingerprint = models.encoder_fingerprint(encoder)  # of the files loaded
         self.encoder_lock = threading.Lock()  # a tokenizer is not safe across threads
-        # the top-up's text is counted in the model's tokens (the tokenizer alone: the model is
-        # the decoder's)
-        self.tokenizer = models.load_tokenizer(model) if self.settings.topup else None
+        # the top-up's text and the live tail are counted in the model's tokens, the live tail
+        # rendered by its chat template (the tokenizer alone: the model is the decoder's)
+        self.tokenizer = models.load_tokenizer(model)
         self.tokenizer_lock = threading.Lock()
         self.planner = QuestionPlanner(self.store, self._tools, self.routing,
-                                       self.settings.topup_config, self.settings.manifest_ttl_s)
+                                       self.settings.topup_config, self.settings.manifest_ttl_s,
+                                       self.settings.manifest_cache_bytes)
         self.topup_counts = {"used": 0, "none": 0, "unavailable": 0}
         self.metrics = router_metrics()  # pipeline.telemetry: exported through Ray
         # conversations whose stored data was found damaged (a manifest that does not read, a
@@ -145,6 +148,38 @@ class Router:
         except LimitError as e:
             raise ApiError(422, str(e)) from None
 
+    def _live_turns(self, messages: list[tuple[str, str]], field: str) -> list[ChatTurn]:
+        """A live tail's messages as (role, text) pairs, each role one the chat template reads
+        (OpenAI's "developer" is a system message; a tool's output has no turn here: 422
+        naming the message), its text within the limit's character bound before any tokenizer
+        sees it (422 naming `field`)."""
+        turns = []
+        for i, (role, text) in enumerate(messages):
+            role = "system" if role == "developer" else role
+            if role not in LIVE_ROLES:
+                raise ApiError(422, f"field '{field}.{i}.role': a live tail's messages are "
+                                    f"{', '.join(LIVE_ROLES)} or developer, not {role!r}")
+            turns.append(ChatTurn(role, text))
+        try:
+            self.limits.check_live_chars(prompts.live_chars(turns), f"field '{field}'")
+        except LimitError as e:
+            raise ApiError(422, str(e)) from None
+        return turns
+
+    def _live_text(self, turns: list[ChatTurn], field: str) -> tuple[str, int]:
+        """Blocking: the live tail as the decoder reads it (`prompts.live_text`, the model's
+        chat template) and its tokens, held to the limit (422 naming `field`)."""
+        if not turns:
+            return "", 0
+        with self.tokenizer_lock:
+            text = prompts.live_text(self.tokenizer, turns)
+            tokens = len(prompts.live_ids(self.tokenizer, text))
+        try:
+            self.limits.check_live_tokens(tokens, f"field '{field}'")
+        except LimitError as e:
+            raise ApiError(422, str(e)) from None
+        return text, tokens
+
     async def _plan(self, conversation_id: str, question: str) -> QuestionPlan:
         """The question's plan (blocking: run in a thread), counted; the first question over a
         manifest as read hands the conversation's other episodes to the decoder's prefetch (a
@@ -157,7 +192,8 @@ class Router:
             raise self._fault(e, conversation_id) from None
         self.metrics.routed(len(plan.read))
         if plan.first:
-            self._prefetch([r.ref for r in plan.records if r not in plan.read])
+            read = {r.episode for r in plan.read}
+            self._prefetch([r.ref for r in plan.records if r.episode not in read])
         if plan.topup.status in self.topup_counts:
             self.topup_counts[plan.topup.status] += 1
             self.metrics.topup(plan.topup.status)
@@ -217,17 +253,18 @@ class Router:
             raise ApiError(error["status"], error["message"])
         self._mark(conversation_id, corrupt=False)
 
-    async def _ask_decoder(self, plan: QuestionPlan, question: CheckedQuestion) -> dict:
-        """The decoder's whole answer, asked again once if the replica died meanwhile (an
-        answer has no side effect; Serve sends the retry to a live or replacement replica); a
-        second death (503) or no answer within `decoder_timeout_s` in all (504) is an error,
-        never a hang."""
+    async def _ask_decoder(self, plan: QuestionPlan, question: CheckedQuestion,
+                           live: str = "") -> dict:
+        """The decoder's whole answer (`live`: the live tail's text, read after the top-up),
+        asked again once if the replica died meanwhile (an answer has no side effect; Serve
+        sends the retry to a live or replacement replica); a second death (503) or no answer
+        within `decoder_timeout_s` in all (504) is an error, never a hang."""
         deadline = time.monotonic() + self.settings.decoder_timeout_s
         rows = plan.read
         for attempt in (1, 2):
             response = self._decoder_for(rows[0].conversation_id).answer.remote(
                 refs_of(rows), question.text, question.max_new_tokens, question.temperature,
-                plan.topup.text)
+                plan.topup.text, live)
             try:
                 result = await asyncio.wait_for(response, max(0.0, deadline - time.monotonic()))
                 break
@@ -241,6 +278,22 @@ class Router:
                 raise ApiError(*classify(e)) from None
         self._raise_if_error(result, rows[0].conversation_id)
         return result
+
+    @staticmethod
+    def _question_message(messages: list[ChatMessage]) -> tuple[ChatMessage, list[ChatMessage]]:
+        """A chat request's question (its last message, a user's) and the messages before it
+        (the live tail); 422 naming the field when the last message is not a user's (nothing
+        after the question is dropped unread)."""
+        users = [i for i, m in enumerate(messages) if m.role == "user"]
+        if not users:
+            raise ApiError(422, "field 'messages': no message with role 'user' (the last one is "
+                                "the question)")
+        last = users[-1]
+        if last != len(messages) - 1:
+            raise ApiError(422, f"field 'messages.{last + 1}': the last message must be the "
+                                f"question, a 'user' message; a {messages[last + 1].role!r} "
+                                "message after it is not read")
+        return messages[last], messages[:last]
 
     # -- endpoints ----------------------------------------------------------------------------
     @app.get("/healthz")
@@ -257,6 +310,8 @@ class Router:
         return {"status": "ok", "model": public_name(self.model_name),
                 "encoder": public_name(self.encoder_name),
                 "conversations_loaded": self.planner.loaded,
+                # the kept manifests' LRU: entries, bytes (at most max_bytes), reads, evictions
+                "manifests": self.planner.manifest_stats(),
                 # damaged stored data met and not answered since (the log names them)
                 "conversations_corrupt": len(self._corrupt),
                 "corrupt_conversations": sorted(self._corrupt)[:20],
@@ -294,13 +349,16 @@ class Router:
         body = await parse_body(request, AnswerRequest, self.settings.max_body_bytes)
         question = self._checked(body.question, body.max_new_tokens, body.temperature,
                                  ("max_new_tokens", "temperature"))
+        turns = self._live_turns([(m.role, m.content) for m in body.live or ()], "live")
+        live, live_tokens = await asyncio.to_thread(self._live_text, turns, "live")
         plan = await self._plan(conversation_id, question.text)
-        result = await self._ask_decoder(plan, question)
+        result = await self._ask_decoder(plan, question, live)
         timings = self._timings(plan) | {"fetch": result["fetch_ms"], "decode": result["decode_ms"]}
         rows = plan.read
         return {"conversation_id": conversation_id, "answer": result["answer"],
                 "episode": rows[0].episode, "episodes": [r.episode for r in rows],
                 "similarity": round(plan.similarity, 6), "topup": public_topup(plan.topup, rows),
+                "live_tokens": live_tokens,
                 "cache_hit": result["cache_hit"], "replica": result["replica"],
                 "tokens": result["tokens"],
                 "finish_reason": result["finish_reason"],
@@ -315,28 +373,28 @@ class Router:
         name_route(request.scope, "chat_stream" if body.stream else "chat")
         if body.n not in (None, 1):
             raise ApiError(422, "field 'n': only n=1 is supported")
-        users = [m for m in body.messages if m.role == "user"]
-        if not users:
-            raise ApiError(422, "field 'messages': no message with role 'user' (the last one is "
-                                "the question)")
+        asked, earlier = self._question_message(body.messages)
         question = self._checked(
-            openai_chat.message_text(users[-1]),
+            openai_chat.message_text(asked),
             body.max_completion_tokens if body.max_completion_tokens is not None
             else body.max_tokens, body.temperature, ("max_tokens", "temperature"))
+        turns = self._live_turns([(m.role, openai_chat.message_text(m)) for m in earlier],
+                                 "messages")
+        live, live_tokens = await asyncio.to_thread(self._live_text, turns, "messages")
         plan = await self._plan(body.conversation_id, question.text)
         rows, timings = plan.read, self._timings(plan)
         meta = {"conversation_id": body.conversation_id, "episode": rows[0].episode,
                 "episodes": [r.episode for r in rows], "similarity": round(plan.similarity, 6),
-                "topup": public_topup(plan.topup, rows)}
+                "topup": public_topup(plan.topup, rows), "live_tokens": live_tokens}
         base = openai_chat.completion_base(public_name(self.model_name))
         if not body.stream:
-            result = await self._ask_decoder(plan, question)
+            result = await self._ask_decoder(plan, question, live)
             timings |= {"fetch": result["fetch_ms"], "decode": result["decode_ms"]}
             return openai_chat.completion(base, question.text, result, meta, timings)
 
         gen = self._decoder_for(body.conversation_id, stream=True).stream.remote(
             refs_of(rows), question.text, question.max_new_tokens, question.temperature,
-            plan.topup.text)
+            plan.topup.text, live)
         try:  # the fetch: a bad cache (or a dead replica) is an HTTP error, not a stream
             first = await asyncio.wait_for(gen.__anext__(), self.settings.decoder_timeout_s)
         except Exception as e:

@@ -1,6 +1,7 @@
-"""The OpenAI chat wire format: the question in a chat request, the completion object, and the
-server-sent event chunks of a streamed answer (each object with an `epicache` extra: episode,
-similarity, top-up, cache hit, timings)."""
+"""The OpenAI chat wire format: the text of a chat request's messages (the last is the question,
+the earlier ones its live tail), the completion object, and the server-sent event chunks of a
+streamed answer (each object with an `epicache` extra: episode, similarity, top-up, live tokens,
+cache hit, timings)."""
 
 import asyncio
 import json
@@ -32,7 +33,8 @@ def _rounded(timings: dict) -> dict:
 
 def completion(base: dict, question: str, result: dict, meta: dict, timings: dict) -> dict:
     """The `chat.completion` object of a decoder's whole answer."""
-    prompt_tokens = len(question.split())  # approximate: the router has no tokenizer
+    # the question approximate (its words: the decoder counts its tokens), the live tail exact
+    prompt_tokens = len(question.split()) + meta.get("live_tokens", 0)
     return {**base, "object": "chat.completion",
             "choices": [{"index": 0, "finish_reason": result["finish_reason"],
                          "message": {"role": "assistant", "content": result["answer"]}}],

@@ -11,11 +11,21 @@ from pipeline.serve.body import check_media_type, load_json, read_body
 from pipeline.serve.errors import ApiError, describe
 
 
+class LiveMessage(BaseModel):
+    """A message of the answer body's live tail (the chat route reads its earlier messages)."""
+    model_config = ConfigDict(extra="forbid")
+    role: StrictStr
+    content: StrictStr
+
+
 class AnswerRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     question: StrictStr
     max_new_tokens: StrictInt | None = None
     temperature: StrictFloat | None = None  # a number: not "0.5", not true
+    # the session the client is in, which no cache holds: read after the top-up, before the
+    # question (pipeline.kv.prompts.live_text)
+    live: list[LiveMessage] | None = None
 
 
 class ContentPart(BaseModel):

@@ -95,12 +95,23 @@ class ServeSettings:
     manifest_ttl_s: float = setting(
         5.0, "seconds a manifest is trusted before the store is checked for changes",
         flag="--manifest-ttl")
+    manifest_cache_bytes: int = setting(
+        256 * 2**20,  # pipeline.answer.plan's default (not imported here: slow to import)
+        "bytes of conversation manifests (their routing embeddings) a router replica keeps, "
+        "least recently used evicted first; an evicted one is read again at its next question "
+        "(default: 256 MiB, about a thousand long conversations)")
     max_question_tokens: int = setting(
         DEFAULT_LIMITS.max_question_tokens,
         f"longest question accepted, in the model's tokens (longer: 422; one over "
         f"{CHARS_PER_TOKEN} characters a token is refused before it is tokenised)")
     max_new_tokens_limit: int = setting(
         DEFAULT_LIMITS.max_new_tokens, "largest max_new_tokens a request may ask for (larger: 422)")
+    max_live_tokens: int = setting(
+        DEFAULT_LIMITS.max_live_tokens,
+        f"longest live tail accepted (a chat request's messages before its question, the "
+        f"answer body's 'live'), in the model's tokens as the chat template renders them "
+        f"(longer: 422; over {CHARS_PER_TOKEN} characters a token is refused before it is "
+        f"tokenised)")
     max_body_bytes: int = setting(
         2**20, "largest request body in bytes (larger: 413, refused before it is read whole)")
     default_max_new_tokens: int = setting(
@@ -135,7 +146,8 @@ class ServeSettings:
             if not 0 <= lo <= hi or hi < 1:
                 raise ValueError(f"decoder autoscale needs 0 <= min <= max, max >= 1; got {lo}:{hi}")
         for name in ("router_replicas", "decoder_replicas", "max_question_tokens",
-                     "max_new_tokens_limit", "default_max_new_tokens", "decoder_max_ongoing",
+                     "max_new_tokens_limit", "max_live_tokens", "default_max_new_tokens",
+                     "decoder_max_ongoing",
                      "max_batch", "max_batch_tokens", "max_body_bytes", "topup_turns",
                      "topup_max_tokens"):
             if getattr(self, name) < 1:
@@ -167,8 +179,8 @@ class ServeSettings:
         if self.affinity_max_imbalance < 0:
             raise ValueError(f"affinity_max_imbalance must be >= 0, got "
                              f"{self.affinity_max_imbalance}")
-        if self.cache_bytes < 0 or self.manifest_ttl_s < 0:
-            raise ValueError("cache_bytes and manifest_ttl_s must be >= 0")
+        if self.cache_bytes < 0 or self.manifest_ttl_s < 0 or self.manifest_cache_bytes < 0:
+            raise ValueError("cache_bytes, manifest_ttl_s and manifest_cache_bytes must be >= 0")
         if self.disk_cache_bytes < 0 or self.prefetch_workers < 0:
             raise ValueError("disk_cache_bytes and prefetch_workers must be >= 0")
 
@@ -182,7 +194,8 @@ class ServeSettings:
     def limits(self) -> AnswerLimits:
         """The limits on one answer, as `jobs.answer` and the library's `Answerer` hold them."""
         return AnswerLimits(max_question_tokens=self.max_question_tokens,
-                            max_new_tokens=self.max_new_tokens_limit)
+                            max_new_tokens=self.max_new_tokens_limit,
+                            max_live_tokens=self.max_live_tokens)
 
     @property
     def routing_config(self) -> RoutingConfig:

@@ -450,10 +450,106 @@ def test_chat_completions_stream_read_by_the_openai_client(local_app, built):
     whole = client.chat.completions.create(
         model="SmolLM2-135M-Instruct", messages=messages, max_tokens=MAX_NEW,
         extra_body={"conversation_id": cid})
-    plain = _answer(url, cid, question).json()
-    assert streamed and streamed == whole.choices[0].message.content == plain["answer"]
-    assert whole.model_extra["epicache"]["episode"] == plain["episode"]
-    assert whole.usage.completion_tokens == plain["tokens"]
+    # the earlier messages are the live tail: the answer route reads the same as its `live`
+    native = _answer(url, cid, question, live=messages[:-1]).json()
+    assert streamed and streamed == whole.choices[0].message.content == native["answer"]
+    live_tokens = whole.model_extra["epicache"]["live_tokens"]
+    assert live_tokens == native["live_tokens"] > 0
+    assert chunks[0].model_extra["epicache"]["live_tokens"] == live_tokens
+    assert whole.model_extra["epicache"]["episode"] == native["episode"]
+    assert whole.usage.completion_tokens == native["tokens"]
+
+
+# A fact planted in the session the client is in: no cache and no turn of the corpus holds it
+PARROT = "Zephyrino"
+LIVE_TAIL = [
+    {"role": "system", "content": "You answer questions about a long conversation."},
+    {"role": "user", "content": f"Something new since we last talked: my neighbour bought a "
+                                f"parrot and named it {PARROT}."},
+    {"role": "assistant", "content": f"{PARROT}, what a name for a parrot!"}]
+PARROT_QUESTION = "What is the name of my neighbour's parrot?"
+
+
+@e2e
+def test_a_chat_requests_earlier_messages_reach_the_decoder(local_app, built):
+    """A chat request whose earlier message plants a fact the caches do not hold: over HTTP its
+    live tail is read (its tokens in `epicache`, whole and streamed; the native route's `live`
+    the same), and the answer is the library's on the same path (plan, caches, top-up, tail).
+    On that path the gold answer's teacher-forced NLL with the tail is well below its NLL
+    without it: the tail reaches the decoder."""
+    from pipeline.kv.prompts import ChatTurn
+
+    url, _ = local_app
+    _, store_dir, conversations, _ = built
+    conv = conversations[0]
+    assert not any(PARROT in t.text for c in conversations for t in c.turns)
+    chat = {"conversation_id": conv.conversation_id, "max_tokens": MAX_NEW,
+            "messages": [*LIVE_TAIL, {"role": "user", "content": PARROT_QUESTION}]}
+    r = requests.post(f"{url}/v1/chat/completions", headers=AUTH, json=chat, timeout=300)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    meta = body["epicache"]
+
+    answerer = Answerer(LocalStore(store_dir), topup=TOPUP)  # the local app's plan
+    turns = [ChatTurn(m["role"], m["content"]) for m in LIVE_TAIL]
+    lib = answerer.answer(conv.conversation_id, PARROT_QUESTION, MAX_NEW, live=turns)
+    assert meta["live_tokens"] == lib.live_tokens > 0
+    assert (meta["episodes"], meta["topup"]["turn_ids"]) == (lib.episodes, lib.topup["turn_ids"])
+    assert body["choices"][0]["message"]["content"] == lib.answer
+    assert body["usage"]["prompt_tokens"] >= lib.live_tokens
+
+    without = requests.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=300,
+                            json=chat | {"messages": chat["messages"][-1:]}).json()
+    assert without["epicache"]["live_tokens"] == 0
+    assert without["epicache"]["episodes"] == meta["episodes"]  # routed by the question alone
+
+    nll_live = answerer.answer_nll(conv.conversation_id, PARROT_QUESTION, PARROT, live=turns)
+    nll_plain = answerer.answer_nll(conv.conversation_id, PARROT_QUESTION, PARROT)
+    assert nll_live < 0.5 * nll_plain and nll_plain - nll_live > 1.0, (nll_live, nll_plain)
+
+    chunks = _sse_chunks(requests.post(f"{url}/v1/chat/completions", headers=AUTH, stream=True,
+                                       json=chat | {"stream": True}, timeout=300))
+    assert chunks[0]["epicache"]["live_tokens"] == chunks[-1]["epicache"]["live_tokens"] == \
+        lib.live_tokens
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == lib.answer
+    native = _answer(url, conv.conversation_id, PARROT_QUESTION, live=LIVE_TAIL).json()
+    assert (native["answer"], native["live_tokens"]) == (lib.answer, lib.live_tokens)
+
+
+@e2e
+def test_a_live_tail_over_its_limit_is_a_422_naming_the_field(local_app, built):
+    """Over its tokens (the router renders and counts it) or its characters (before any
+    tokenizer): 422 naming the field, on both routes; a role with no turn here, or a message
+    after the question, 422 naming the message."""
+    url, _ = local_app
+    cid = built[2][0].conversation_id
+    chat = f"{url}/v1/chat/completions"
+
+    def refused(r) -> str:
+        assert r.status_code == 422, (r.status_code, r.text)
+        return r.json()["error"]["message"]
+
+    def ask(earlier: list[dict], **extra) -> requests.Response:
+        return requests.post(chat, headers=AUTH, timeout=120, json={
+            "conversation_id": cid, "max_tokens": MAX_NEW, **extra,
+            "messages": [*earlier, {"role": "user", "content": "Who?"}]})
+
+    long_tail = [{"role": "user", "content": "why " * 3000}]  # ~3,000 tokens, 12,000 characters
+    message = refused(ask(long_tail))
+    assert message.startswith("field 'messages': ") and "the limit is 2048 tokens" in message
+    assert "field 'messages'" in refused(ask(long_tail, stream=True))  # a status, not a stream
+    message = refused(ask([{"role": "user", "content": "why " * 5000}]))
+    assert "field 'messages'" in message and "the limit is 16,384 characters" in message
+    message = refused(_answer(url, cid, "Who?", live=long_tail))
+    assert message.startswith("field 'live': ") and "2048 tokens" in message
+    assert "field 'messages.1.role'" in refused(ask([
+        {"role": "user", "content": "Call the tool."}, {"role": "tool", "content": "42"}]))
+    assert "field 'messages.1'" in refused(requests.post(chat, headers=AUTH, timeout=60, json={
+        "conversation_id": cid, "messages": [{"role": "user", "content": "Who?"},
+                                             {"role": "assistant", "content": "Ann"}]}))
+    assert "field 'live.0.content'" in refused(_answer(url, cid, "Who?",
+                                                       live=[{"role": "user"}]))
+    assert ask(LIVE_TAIL).status_code == 200  # and a tail within the limit is answered
 
 
 @e2e

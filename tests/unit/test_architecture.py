@@ -60,6 +60,9 @@ LAZY = {
     ("jobs.screen", "pipeline.kv.models"),
     # Start-up time: `jobs.bench.fleet --help` and a bad value answer before torch loads.
     ("jobs.bench.fleet", "pipeline.builder.driver"), ("jobs.bench.fleet", "pipeline.serve.app"),
+    # A type only (TYPE_CHECKING): the LRU that keeps the router's manifests (pipeline.answer.plan)
+    # loads without torch; torch itself is imported where a cache is sized.
+    ("pipeline.answer.lru", "pipeline.kv.cache"),
     # Only `jobs.manifests --check-models` reads model files; listing a store needs no torch.
     ("jobs.manifests", "pipeline.kv.models"),
     # Start-up time: `jobs.answer` refuses a bad argument (a question over the limits included)

@@ -293,6 +293,54 @@ def test_requests_with_and_without_topups_batch_together_and_answer_as_alone(lm_
     assert all(_same_state(b, _state(c)) for b, c in zip(before, caches))
 
 
+LIVE = ("\n\nuser: My parrot is called Zephyrino.\nassistant: What a name!\n\n",
+        "\n\nsystem: Answer in one word.\n\n")
+
+
+def test_a_live_tail_is_read_after_the_top_up_and_batches_as_alone(lm_and_caches):
+    """The live tail (`prompts.live_text`: the session's messages, which no cache holds) is
+    read after the top-up and before the question: its prompt is prefilled whole, beside the
+    others, and each answer is `decode_answer`'s alone, with the same top-up and tail."""
+    lm, caches = lm_and_caches
+    asks = [(caches[1], "", ""), (caches[1], "", LIVE[0]), (caches[1], TOPUPS[0], LIVE[0]),
+            (caches[1], TOPUPS[0], LIVE[1]), (caches[2], "", "")]
+    before = [_state(c) for c in caches]
+    alone = [decode_answer(lm, c, QUESTIONS[1], 16, topup=t, live=live) for c, t, live in asks]
+    # the live tail is read: the same question over the same cache answers otherwise
+    assert alone[1].text != alone[0].text and len({a.text for a in alone[:4]}) >= 3
+    batcher = DecodeBatcher(lm, max_batch=8)
+    try:
+        with batcher._wake:  # all queued before the prefill thread admits any: one batch
+            jobs = [batcher.submit(c, QUESTIONS[1], 16, topup=t, live=live)
+                    for c, t, live in asks]
+        got = [j.future.result(timeout=60) for j in jobs]
+    finally:
+        batcher.close()
+    assert got == alone
+    assert [j.prefix is not None for j in jobs] == [True, False, False, False, True]
+    assert all(_same_state(b, _state(c)) for b, c in zip(before, caches))
+
+
+def test_teacher_forced_nll_is_that_of_one_forward_over_the_prompt_and_the_answer(lm_and_caches):
+    """`teacher_forced_nll` steps the answer through the batcher's rows; the same prompt and
+    answer in one plain forward over the cache (the evaluation's `continuation_nll`) give the
+    same NLL, and the cache is left as it was."""
+    from pipeline.answer.decode import question_prompt, teacher_forced_nll
+    from pipeline.eval.metrics import continuation_nll
+    from pipeline.kv import prompts
+
+    lm, caches = lm_and_caches
+    before = _state(caches[0])
+    prompt = question_prompt(lm, caches[0], QUESTIONS[1], 8, topup=TOPUPS[1], live=LIVE[0])
+    nll = teacher_forced_nll(lm, caches[0], prompt, "Zephyrino")
+    reference = continuation_nll(lm.model, caches[0], prompt,
+                                 prompts.encode(lm.tokenizer, "Zephyrino"))
+    assert nll == pytest.approx(reference, abs=1e-4)
+    assert _same_state(before, _state(caches[0]))
+    with pytest.raises(ValueError):
+        teacher_forced_nll(lm, caches[0], prompt, "  ")
+
+
 def _job(batcher, cache, question, n, temperature=0.0):
     """A job as `submit` makes it (its prompt tokenised), queued by the caller."""
     from pipeline.answer.batcher import DecodeJob
