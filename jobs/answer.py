@@ -25,10 +25,9 @@ from pipeline.answer.malloc_tuning import retain_freed_memory
 from pipeline.cli.numbers import non_negative
 from pipeline.cli.options import add_topup_options, topup_config_from_args
 from pipeline.cli.parser import add_store_options, make_parser, store_options
-from pipeline.config import RoutingConfig
+from pipeline.config import ROUTER_NAMES, RoutingConfig
 from pipeline.config.limits import CHARS_PER_TOKEN, DEFAULT_LIMITS, AnswerLimits
 from pipeline.corpus.schema import UnsafeIdError
-from pipeline.routers import ROUTERS
 from pipeline.store.backends.base import StoreError
 from pipeline.store.backends.uri import open_store
 
@@ -49,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-question-tokens", type=int, default=DEFAULT_LIMITS.max_question_tokens,
                    help=f"longest question (tokens); one over {CHARS_PER_TOKEN} characters a "
                         "token is refused before it is tokenised")
-    p.add_argument("--route-by", default=RoutingConfig.router, choices=sorted(ROUTERS),
+    p.add_argument("--route-by", default=RoutingConfig.router, choices=sorted(ROUTER_NAMES),
                    help="how a question picks its episode (docs/serving.md#routing)")
     p.add_argument("--two-below", type=non_negative, default=RoutingConfig.two_below,
                    help="read the best two episodes together when their route scores differ by "

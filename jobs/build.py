@@ -15,7 +15,9 @@ Committed rows are also appended, in batches, to the store's manifest table
 (`pipeline.store.catalogue.table`), which the driver keeps equal to the manifests.
 Alone it starts a local Ray; under `ray job submit` (RAY_ADDRESS set) it joins the cluster.
 The arguments and the corpus's first object are checked before Ray, torch and the models load:
-bad input fails in well under a second.
+bad input fails in well under a second. An option the chosen method does not read (`--focus`
+or `--episodes` with a baseline's `--scorer`, `--budget` with `--scorer full`) is refused (exit
+2), never ignored: the configuration hash covers only what the method reads.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from pipeline.builder.job import BuildError, BuildJob, configure_logging, open_j
 from pipeline.cli.options import (BUILD_OPTIONS, add_corpus_options, add_driver_options,
                                   add_options, build_config_from_args, driver_options_from_args,
                                   limits_from_args)
-from pipeline.cli.parser import add_store_options, make_parser, store_options
+from pipeline.cli.parser import add_store_options, make_parser, parse_noting_given, store_options
 from pipeline.config import BuildConfig
 from pipeline.corpus.schema import CorpusError
 from pipeline.kv.errors import ModelNotFoundError
@@ -39,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = make_parser("jobs.build", __doc__)
     p.add_argument("--corpus", required=True,
                    help="JSONL file, LoCoMo .json, or a folder of them; local or s3://bucket/key")
-    add_store_options(p, "store folder (or file://), or s3://bucket/prefix", region=True)
+    add_store_options(p, "store folder (or file://), or s3://bucket/prefix")
     add_options(p, BUILD_OPTIONS, BuildConfig())
     add_corpus_options(p)
     add_driver_options(p)
@@ -52,10 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
+    """The arguments, noting which options were given: `config_from_args` refuses one the
+    chosen method does not read, even at its default value."""
+    return parse_noting_given(build_parser(), argv)
 
 
 def config_from_args(a: argparse.Namespace) -> BuildConfig:
+    """The build configuration; ValueError naming an option the method does not read."""
     return build_config_from_args(a)
 
 

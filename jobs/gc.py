@@ -36,7 +36,7 @@ from pipeline.store.catalogue.garbage import FAULT_KINDS, find_garbage, remove
 
 def build_parser() -> argparse.ArgumentParser:
     p = make_parser("jobs.gc", __doc__)
-    add_store_options(p, region=True)
+    add_store_options(p)
     p.add_argument("--verify", action="store_true",
                    help="read every object a manifest names and check its size and SHA-256 "
                         "(and parse each turn index)")

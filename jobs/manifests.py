@@ -42,9 +42,6 @@ import argparse
 import csv
 import json
 import sys
-from collections.abc import Iterable, Iterator
-
-import pyarrow as pa
 
 from pipeline.cli.numbers import non_negative
 from pipeline.cli.parser import add_store_options, make_parser, store_options
@@ -52,87 +49,23 @@ from pipeline.corpus.schema import UnsafeIdError
 from pipeline.store.backends.base import Store, StoreError
 from pipeline.store.backends.uri import open_store
 from pipeline.store.catalogue import table_sync
-from pipeline.store.catalogue.manifest import (ManifestError, ManifestRecord, list_conversations,
-                                               read_manifest)
-from pipeline.store.catalogue.table import (PENDING_PREFIX, TABLE_SCHEMA, ManifestTable,
-                                            TableDamagedError)
+from pipeline.store.catalogue.audit import (Filters, ModelFiles, checked_rows, manifest_rows,
+                                            pending_conversations, rows_totals)
+from pipeline.store.catalogue.table import TABLE_SCHEMA, ManifestTable, TableDamagedError
 from pipeline.store.catalogue.table_query import Totals, connect, select, totals
-from pipeline.store.catalogue.table_sync import mismatches, repair
-
-_COLUMNS = ("episode", "tokens", "build_seconds", "kv_bytes", "object_bytes", "n_windows",
-            "turn_index_key", "turn_index_bytes")
+from pipeline.store.catalogue.table_sync import repair
 
 
-def summarise(record: ManifestRecord) -> dict:
-    budgets, peaks = record.layer_budgets or [], record.peak_entries_per_layer or []
-    return {"conversation_id": record.conversation_id,
-            **{k: getattr(record, k) for k in _COLUMNS},
-            "mean_budget": sum(budgets) / len(budgets) if budgets else None,
-            "max_peak_entries": max(peaks, default=None), "max_peak_over_budget": max(
-                (p - b for p, b in zip(peaks, budgets)), default=None),
-            "scorer": record.scorer, "config_hash": record.config_hash,
-            "model_id": record.model_id, "encoder_id": record.encoder_id,
-            "model_fingerprint": record.model_fingerprint,
-            "encoder_fingerprint": record.encoder_fingerprint,
-            "episode_note": record.episode_note, "worker": record.worker}
+def current_fingerprint(kind: str, name: str) -> str | None:
+    """The fingerprint of the model's (`kind` "model") or encoder's files as they are here now;
+    None where they are not here (`--check-models`; only then is torch loaded)."""
+    from pipeline.kv import models
 
-
-class ModelFiles:
-    """Flags episodes by the model files they were built with: "none" (no fingerprint: built
-    before caches were bound to their model), and with `check`, "stale" (other files than the
-    model's here now) or "unknown" (its files are not here)."""
-
-    def __init__(self, check: bool):
-        self.check = check
-        self.unbound = self.stale = 0
-        self._now: dict[tuple[str, str], str | None] = {}
-
-    def _current(self, kind: str, name: str) -> str | None:
-        from pipeline.kv import models
-
-        if (kind, name) not in self._now:
-            fingerprint = models.llm_fingerprint if kind == "model" else \
-                models.encoder_fingerprint
-            try:
-                self._now[kind, name] = fingerprint(name)
-            except models.ModelNotFoundError:
-                self._now[kind, name] = None
-        return self._now[kind, name]
-
-    def flag(self, r: dict) -> str:
-        """The row's model files cell: its model fingerprint, and what is wrong with it."""
-        if r["model_fingerprint"] is None or r["encoder_fingerprint"] is None:
-            self.unbound += 1
-            return "none"
-        if not self.check:
-            return r["model_fingerprint"]
-        now = [self._current(kind, r[f"{kind}_id"]) for kind in ("model", "encoder")]
-        if None in now:
-            return f"{r['model_fingerprint']} unknown"
-        if now != [r["model_fingerprint"], r["encoder_fingerprint"]]:
-            self.stale += 1
-            return f"{r['model_fingerprint']} stale"
-        return r["model_fingerprint"]
-
-    def mark(self, r: dict) -> None:
-        """The row's "model_files" cell, set (and counted); a JSON row carries it only with
-        --check-models, so the rows stay the table's columns otherwise."""
-        r["model_files"] = self.flag(r)
-
-    def json(self, r: dict) -> str:
-        return json.dumps(r if self.check else {k: v for k, v in r.items() if k != "model_files"})
-
-    def warn(self) -> None:
-        """What needs a rebuild, on stderr."""
-        if self.unbound:
-            print(f"warning: {self.unbound} episode(s) have no model fingerprint (built before "
-                  "caches were bound to their model's files): they are not served; rebuild "
-                  "them: python -m jobs.build --force ...", file=sys.stderr)
-        if self.stale:
-            print(f"warning: {self.stale} episode(s) were built with other files of their "
-                  "model or encoder than the ones here now (stale): they are refused by a "
-                  "reader loading these files; rebuild them: python -m jobs.build ...",
-                  file=sys.stderr)
+    fingerprint = models.llm_fingerprint if kind == "model" else models.encoder_fingerprint
+    try:
+        return fingerprint(name)
+    except models.ModelNotFoundError:
+        return None
 
 
 def _cell(value, spec: str) -> str:
@@ -193,21 +126,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    filters = {"conversations": a.conversation, "config_hashes": a.config_hash,
-               "models": a.model}
+    filters = Filters(a.conversation, a.config_hash, a.model)
     try:
         store = open_store(a.store, store_options(a), create=False)
         if a.rebuild or a.compact:
             return maintain(store, a.rebuild, a.retain_hours)
         table = ManifestTable(store)
         if a.sql is not None:
-            if any(filters.values()) or a.manifests or a.totals:
+            if any(filters.query.values()) or a.manifests or a.totals:
                 raise ValueError("--sql queries the whole table: put the conditions in the "
                                  "query (columns conversation_id, config_hash, model_id, ...)")
             return run_sql(table, a.sql, a.json)
-        files = ModelFiles(a.check_models)
+        files = ModelFiles(current_fingerprint if a.check_models else None)
         code = listing(store, table, filters, a, files)
-        files.warn()
+        for line in files.warnings():
+            print(f"warning: {line}", file=sys.stderr)
         return code
     except TableDamagedError as e:  # --sql and --compact need the table itself
         needs = "--sql" if a.sql is not None else "--compact" if a.compact else None
@@ -219,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def listing(store: Store, table: ManifestTable, filters: dict, a: argparse.Namespace,
+def listing(store: Store, table: ManifestTable, filters: Filters, a: argparse.Namespace,
             files: ModelFiles) -> int:
     """The rows (or --totals) from the table where there is one, else from the manifests; a
     damaged table is named on stderr and the manifests are read instead (exit code 2)."""
@@ -236,33 +169,22 @@ def listing(store: Store, table: ManifestTable, filters: dict, a: argparse.Names
         return 2
 
 
-def from_manifests(store: Store, filters: dict, as_json: bool, files: ModelFiles,
+def from_manifests(store: Store, filters: Filters, as_json: bool, files: ModelFiles,
                    only_totals: bool = False) -> int:
     """The per-conversation manifests, read one by one (stores without a table, or with a
     damaged one); `only_totals`: their totals line alone, as the table would give it."""
-    rows, corrupt = [], []
-    keep = lambda r: all(  # noqa: E731
-        not values or getattr(r, column) in values for column, values in
-        (("config_hash", filters["config_hashes"]), ("model_id", filters["models"])))
-    for cid in filters["conversations"] or list_conversations(store):
-        try:
-            rows.extend(summarise(r) for r in (read_manifest(store, cid) or []) if keep(r))
-        except ManifestError as e:
-            corrupt.append(e)
+    rows, corrupt = manifest_rows(store, filters)
     for e in corrupt:
         print(f"error: {e}", file=sys.stderr)
     code = 2 if corrupt else 0
     if only_totals:
-        print_totals(Totals(len(rows), len({r["conversation_id"] for r in rows}),
-                            *(sum(r[k] or 0 for r in rows)
-                              for k in ("tokens", "object_bytes", "kv_bytes"))),
-                     as_json, "from the manifests")
+        print_totals(rows_totals(rows), as_json, "from the manifests")
         return code
     for r in rows:
         files.mark(r)
     if as_json:
         for r in rows:
-            print(files.json(r))
+            print(json.dumps(files.shown(r)))
         return code
     print(f"{'conversation':<16} {'ep':>2} {'tokens':>7} {'build s':>8} {'KV MiB':>7} "
           f"{'budget':>7} {'peak':>7} {'peak-budget':>11} {'index KiB':>9} {'scorer':<12} "
@@ -276,16 +198,16 @@ def from_manifests(store: Store, filters: dict, as_json: bool, files: ModelFiles
     return code
 
 
-def from_table(store: Store, table: ManifestTable, filters: dict, as_json: bool,
+def from_table(store: Store, table: ManifestTable, filters: Filters, as_json: bool,
                only_totals: bool, files: ModelFiles) -> int:
     """The table's rows (streamed), each conversation's shown once its manifest was read and
     found to match them, then the totals (from the table alone); a conversation whose manifest
     does not back its rows is left out and named on stderr (exit code 2). Warns when a build
     left rows pending. The table is read before a line is printed, so a damaged one
     (`TableDamagedError`) is found before any row is shown."""
-    rows = None if only_totals else select(table, TABLE_SCHEMA.names, **filters)
-    t = totals(table, **filters)
-    pending = {k.removeprefix(PENDING_PREFIX) for k in store.list(PENDING_PREFIX)}
+    rows = None if only_totals else select(table, TABLE_SCHEMA.names, **filters.query)
+    t = totals(table, **filters.query)
+    pending = pending_conversations(store)
     if pending:
         print(f"warning: {len(pending)} conversation(s) committed since the table's last append "
               "(an interrupted build): `python -m jobs.manifests --compact` brings it up to date",
@@ -296,10 +218,9 @@ def from_table(store: Store, table: ManifestTable, filters: dict, as_json: bool,
             print(f"{'conversation':<16} {'ep':>2} {'tokens':>7} {'build s':>8} {'KV MiB':>7} "
                   f"{'obj MiB':>7} {'index KiB':>9} {'scorer':<12} {'config':<16} "
                   f"{'model files':<22} note")
-        whole = not (filters["config_hashes"] or filters["models"])
-        for r in checked_rows(store, rows, pending, whole, faults):
+        for r in checked_rows(store, rows, pending, filters.whole, faults):
             files.mark(r)
-            print(files.json(r) if as_json else _table_line(r))
+            print(json.dumps(files.shown(r)) if as_json else _table_line(r))
     for reason in faults.values():
         print(f"error: {reason}", file=sys.stderr)
     if faults:
@@ -322,32 +243,6 @@ def print_totals(t: Totals, as_json: bool, source: str) -> None:
     print(f"total: {t.episodes:,} episodes of {t.conversations:,} conversations; "
           f"{t.tokens:,} tokens; objects {t.object_bytes / 2**30:.3f} GiB "
           f"({t.object_bytes:,} bytes); KV {t.kv_bytes / 2**30:.3f} GiB; {source}")
-
-
-_CHECK_CHUNK = 1_000  # conversations checked against their manifests at a time
-
-
-def checked_rows(store: Store, batches: Iterable[pa.RecordBatch], pending: set[str], whole: bool,
-                 faults: dict[str, str]) -> Iterator[dict]:
-    """The rows of `batches` (sorted by conversation), `_CHECK_CHUNK` conversations at a time,
-    those whose manifest does not back them left out and their reasons put in `faults`. A
-    pending conversation is passed unchecked: the table is known to lag its manifest."""
-    chunk: list[dict] = []
-    ids: set[str] = set()
-
-    def sound() -> list[dict]:
-        found = mismatches(store, [r for r in chunk if r["conversation_id"] not in pending], whole)
-        faults.update(found)
-        return [r for r in chunk if r["conversation_id"] not in found]
-
-    for batch in batches:
-        for row in batch.to_pylist():
-            if len(ids) >= _CHECK_CHUNK and row["conversation_id"] not in ids:
-                yield from sound()
-                chunk, ids = [], set()
-            chunk.append(row)
-            ids.add(row["conversation_id"])
-    yield from sound()
 
 
 def _table_line(r: dict) -> str:

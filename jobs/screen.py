@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipeline.cli.options import PREFILL_OPTIONS, add_options, options_named
+from pipeline.cli.options import PREFILL_OPTIONS, add_budgets_option, add_options, options_named
 from pipeline.cli.parser import make_parser
 from pipeline.config import BuildConfig
 from pipeline.corpus.reader import iter_corpus, select_conversations
@@ -35,8 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default="epicache-paper,epicache",
                    help="comma-separated EpiCache recipes: jobs.evaluate's epicache presets, "
                         "with overrides +PATH=VALUE (python -m jobs.evaluate --help)")
-    p.add_argument("--budgets", default="512,1024",
-                   help="comma-separated budgets: mean entries kept per layer and KV head")
+    add_budgets_option(p, "512,1024")
     add_options(p, options_named(PREFILL_OPTIONS, "--max-context-tokens"), SCREEN_BUILD)
     p.add_argument("--questions-per-conversation", type=int, default=40,
                    help="the first N questions of each conversation")
@@ -52,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         for m in methods:
             if not parse_method(m).episodic:
                 raise ValueError(f"{m!r}: the screen runs EpiCache recipes only")
-        budgets = parse_budgets(a.budgets)
+        budgets = a.budgets
         convs = list(iter_corpus(a.corpus))
         if a.conversations:
             convs = select_conversations(convs, a.conversations, a.corpus)
@@ -60,17 +59,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return screen(convs, methods, budgets, config)
-
-
-def parse_budgets(text: str) -> list[int]:
-    """`--budgets`: comma-separated positive integers; ValueError naming the option."""
-    try:
-        budgets = [int(b) for b in text.split(",") if b.strip()]
-    except ValueError:
-        budgets = []
-    if not budgets or min(budgets) < 1:
-        raise ValueError(f"--budgets takes comma-separated positive integers, got {text!r}")
-    return budgets
 
 
 def screen(convs: list[Conversation], methods: list[str], budgets: list[int],

@@ -30,7 +30,7 @@ from pipeline.kv.eviction import TokenEviction
 from pipeline.kv.layout import kept_share, token_layout
 from pipeline.kv.methods.full import Full
 from pipeline.kv.prefill import PrefillConfig, block_prefill, layer_state
-from pipeline.routers import ROUTERS, ranked
+from pipeline.routers import ranked, router
 
 
 def recall_nlls(lm, conv, questions, cache, config) -> list[float]:
@@ -70,8 +70,8 @@ def screen_conversation(lm, encoder, conv, methods, budgets, config, profile) ->
     for method in methods:
         clustered = cluster_conversation(conv, config.build_config(method, budgets[0]))
         episodes, index = clustered.episodes.episodes, clustered.episodes.route_index()
-        router = ROUTERS[config.route_of(method)[0]]
-        routes = [ranked(router.scores(e, index))[0] for e in embeddings]
+        chooses = router(config.route_of(method)[0])
+        routes = [ranked(chooses.scores(e, index))[0] for e in embeddings]
         for budget in budgets:
             build = config.build_config(method, budget)
             layer_budgets = [budget] * lm.config.num_hidden_layers

@@ -8,13 +8,20 @@ compare the question with.
 
 - `centroid`: the nearest centroid (the paper's rule).
 - `window`: the episode of the nearest window (a centroid averages an episode's topics away).
+
+Each is registered by name in `pipeline.config.registry.ROUTERS` (one line: a new router is its
+class here and that line); `router(name)` makes it, and `ROUTERS` lists them all.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
+
+from pipeline.config import registry
 
 
 def unit(x: np.ndarray) -> np.ndarray:
@@ -57,6 +64,12 @@ class RouteIndex:
         return best
 
 
+class Router(Protocol):
+    """Scores each episode of an index for a question embedding (higher: the better episode)."""
+
+    def scores(self, question: np.ndarray, index: RouteIndex) -> np.ndarray: ...
+
+
 @dataclass(frozen=True)
 class CentroidRouter:
     def scores(self, question: np.ndarray, index: RouteIndex) -> np.ndarray:
@@ -69,7 +82,28 @@ class WindowRouter:
         return index.per_episode_max(index.windows @ unit(np.asarray(question, dtype=np.float64)))
 
 
-ROUTERS = {"centroid": CentroidRouter(), "window": WindowRouter()}
+def router(name: str) -> Router:
+    """The registered router called `name` (ValueError naming the known ones)."""
+    return registry.ROUTERS.load(name)()
+
+
+class Routers(Mapping):
+    """Every registered router by name (`pipeline.config.registry.ROUTERS`), each made when it
+    is looked up: what a caller iterates over, or finds a router in by name."""
+
+    def __getitem__(self, name: str) -> Router:
+        if name not in registry.ROUTERS:
+            raise KeyError(name)
+        return router(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(registry.ROUTERS)
+
+    def __len__(self) -> int:
+        return len(registry.ROUTERS)
+
+
+ROUTERS = Routers()
 
 
 def ranked(scores: np.ndarray) -> list[int]:

@@ -1,7 +1,7 @@
 """Conversations that grow: a session appended to the stored caches against a rebuild, per step.
 
     python -m jobs.bench.append --corpus ../shared/data/locomo --conversations 26,30,41 \\
-        [--start-tokens 3000] [--cut-tokens 7600] [--budgets 1024 512] [--questions 40] \\
+        [--start-tokens 3000] [--cut-tokens 7600] [--budgets 1024,512] [--questions 40] \\
         [--max-growth 2.0] [--out append.json]
 
 Each conversation is built at its first sessions (the longest run of whole sessions within
@@ -38,7 +38,7 @@ from lab.bench_cli import bench_conversations, bench_parser, start_bench
 from pipeline.answer.lookup import route_index, route_records
 from pipeline.builder.append import read_stored_cache
 from pipeline.builder.conversation import build_conversation
-from pipeline.cli.options import add_threads_option
+from pipeline.cli.options import add_budgets_option, add_threads_option
 from pipeline.config import BuildConfig, GrowthConfig
 from pipeline.corpus.render import render_conversation
 from pipeline.corpus.schema import Conversation
@@ -206,8 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the first build: the most whole sessions within this many tokens")
     p.add_argument("--cut-tokens", type=int, default=7600,
                    help="grown one session at a time up to this many tokens")
-    p.add_argument("--budgets", type=int, nargs="+", default=[1024, 512],
-                   help="cache budgets (entries per layer and KV head), each a run of its own")
+    add_budgets_option(p, "1024,512")
     p.add_argument("--questions", type=int, default=40,
                    help="questions per step at most (those whose evidence is in the sessions)")
     p.add_argument("--max-growth", type=float, default=GrowthConfig().max_growth,

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from lab.bench_cli import bench_parser, start_bench
 from pipeline.builder.driver import run_build
+from pipeline.cli.options import add_budget_option
 from pipeline.config import BuildConfig, DriverOptions, EpisodeConfig, GrowthConfig
 from pipeline.corpus.reader import write_jsonl
 from pipeline.corpus.synthetic import make_corpus
@@ -137,8 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-tokens", type=int, default=1500,
                    help="each conversation's length on day 2 (estimated tokens)")
     p.add_argument("--seed", type=int, default=0, help="the corpus's seed")
-    p.add_argument("--budget", type=int, default=BuildConfig().budget,
-                   help="cache budget (entries per layer and KV head)")
+    add_budget_option(p, BuildConfig().budget)
     p.add_argument("--episodes", type=int, default=EpisodeConfig().episodes,
                    help="episodes per conversation")
     return p

@@ -28,7 +28,7 @@ from lab.bench_support import bench_text
 from lab.tables import print_table
 from pipeline.answer.decode import generate_from_cache
 from pipeline.answer.packed import DecodeRow, Prefix, packed_step
-from pipeline.cli.options import add_model_options
+from pipeline.cli.options import add_budget_option, add_model_options
 from pipeline.config import BuildConfig
 from pipeline.kv import models, prompts
 from pipeline.kv.prefill import PrefillConfig, block_prefill
@@ -77,8 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench_parser("batch", __doc__)
     add_model_options(p)
     p.add_argument("--tokens", type=int, default=4000, help="conversation length (tokens)")
-    p.add_argument("--budget", type=int, default=512,
-                   help="mean entries kept per layer and KV head")
+    add_budget_option(p, 512)
     p.add_argument("--batches", default="1,2,4,8", help="comma-separated batch sizes")
     p.add_argument("--new-tokens", type=int, default=16, help="answer tokens per request")
     return p

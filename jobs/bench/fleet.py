@@ -51,6 +51,7 @@ from lab.bench_cli import bench_parser, start_bench
 from lab.load_client import (GENERIC_QUESTIONS, Sample, ask, fault_report, fault_rows,
                              latency_summary)
 from pipeline.cli.numbers import number
+from pipeline.cli.options import add_budget_option
 from pipeline.config import BuildConfig, DriverOptions, EpisodeConfig
 from pipeline.corpus.reader import read_corpus, write_jsonl
 from pipeline.corpus.synthetic import iter_corpus
@@ -361,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--conversations", type=COUNT, default=200, help="conversations in the store")
     p.add_argument("--target-tokens", type=COUNT, default=400, help="tokens per conversation")
     p.add_argument("--episodes", type=COUNT, default=2, help="episodes per conversation")
-    p.add_argument("--budget", type=COUNT, default=128, help="entries per layer and head")
+    add_budget_option(p, 128)
     p.add_argument("--replicas", type=COUNT, default=4, help="decoder replicas")
     p.add_argument("--cache-bytes", type=COUNT, default=256 * 2**20,
                    help="each replica's LRU in bytes (default 256 MiB: about a tenth of the store)")

@@ -17,7 +17,7 @@ import numpy as np
 from pipeline.config import RoutingConfig
 from pipeline.corpus.schema import check_safe_id
 from pipeline.episodes import embed_texts
-from pipeline.routers import ROUTERS, RouteIndex, chosen
+from pipeline.routers import RouteIndex, chosen, router
 from pipeline.store.backends.base import Store
 from pipeline.store.catalogue.manifest import ManifestRecord, read_manifest
 from pipeline.store.objects.cache_ref import CacheRef
@@ -104,7 +104,7 @@ def route_records(question_embedding: np.ndarray, records: list[ManifestRecord],
     and the best score. A conversation whose manifest has no window embeddings (built before
     them) is routed by its centroids."""
     index = route_index(records) if index is None else index
-    router = config.router if index.has_windows else "centroid"
-    scores = ROUTERS[router].scores(question_embedding, index)
+    name = config.router if index.has_windows else "centroid"
+    scores = router(name).scores(question_embedding, index)
     read = chosen(scores, config.two_below)
     return [records[k] for k in read], float(scores[read[0]])

@@ -15,6 +15,7 @@ episode alone and the answer says so (`TopUp.note`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections import OrderedDict
@@ -86,6 +87,8 @@ def select_topup(index: TurnIndex, question_embedding: np.ndarray, held: set[str
     for i in nearest:
         if index.turns[i].turn_id in held:
             continue
+        if line_tokens(count_tokens, index.turns[i].line) > config.max_tokens - tokens + SLACK:
+            continue  # cannot fit (a quick bound; the rendered text is counted below)
         text = render_topup([index.turns[j] for j in sorted(chosen + [int(i)])])
         n = count_tokens(text)
         if n <= config.max_tokens:
@@ -95,6 +98,17 @@ def select_topup(index: TurnIndex, question_embedding: np.ndarray, held: set[str
         return TopUp(status="none")
     turns = [index.turns[j] for j in sorted(chosen)]
     return TopUp(render_topup(turns), tuple(t.turn_id for t in turns), tokens, "used")
+
+
+# a line's own tokens can exceed what it adds to the rendered text by a token or two (the
+# tokenizer joins it to the newline before it): a turn is skipped unseen only past this slack
+SLACK = 4
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def line_tokens(count_tokens: Callable[[str], int], line: str) -> int:
+    """A turn line's tokens alone (memoised: a long top-up tries every turn of the index)."""
+    return count_tokens(line)
 
 
 def held_turns(member_lists) -> set[str]:

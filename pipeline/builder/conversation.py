@@ -53,7 +53,8 @@ def stored_version(store: Store, conversation_id: str, config: BuildConfig,
                    files: ModelFingerprints, conv: Conversation | None = None,
                    verify: bool = False) -> StoredVersion:
     """The conversation's stored build, and why it is built again (None when current): this
-    configuration, these model files, (given the record `conv`) the same turns, and every
+    configuration (`BuildConfig.matches`: its hash, or a stored configuration that hashes as it
+    under today's rules), these model files, (given the record `conv`) the same turns, and every
     object the manifest names in the store at its recorded size (`find_damage`; with `verify`
     also read and checksummed). "grown" is the one reason an append may answer, "damaged" the
     one a repair may. A manifest without fingerprints predates them; a corrupt manifest is not
@@ -65,7 +66,7 @@ def stored_version(store: Store, conversation_id: str, config: BuildConfig,
         return StoredVersion("corrupt manifest", None)
     if not records:
         return StoredVersion("no manifest", None)
-    if any(r.config_hash != config.hash for r in records):
+    if not all(config.matches(h, j) for h, j in {(r.config_hash, r.config_json) for r in records}):
         return StoredVersion("configuration changed", records)
     if any(built_with(r) != files for r in records):
         return StoredVersion("model files changed", records)

@@ -10,18 +10,14 @@ from pipeline.config import BuildConfig
 from pipeline.corpus.render import render_conversation
 from pipeline.corpus.synthetic import make_conversation
 from pipeline.kv import models, prompts
-from pipeline.kv.budgets import ALLOCATORS, Allocator
+from pipeline.kv.budgets import Allocator, allocator_class
 from pipeline.store.backends.base import Store, profile_key
 
 
 def allocator(config: BuildConfig) -> Allocator:
-    """The layer-budget allocator the configuration names."""
-    cls = ALLOCATORS.get(config.allocator)
-    if cls is None:
-        raise ValueError(f"unknown allocator {config.allocator!r}; known: {', '.join(ALLOCATORS)}")
-    if cls.name == "variance":
-        return cls(temperature=config.variance_temperature)
-    return cls(alpha=config.alpha)
+    """The layer-budget allocator the configuration names, with its parameters (ValueError
+    naming the known ones for another name)."""
+    return allocator_class(config.allocator).from_config(config)
 
 
 def calibration_text(config: BuildConfig) -> str:
@@ -63,8 +59,11 @@ def layer_profile(store: Store, config: BuildConfig) -> list[float]:
 
 
 def layer_budgets(store: Store, config: BuildConfig, n_layers: int) -> list[int] | None:
+    """Each layer's budget (None: no eviction); uniform, with no profile, where the allocator
+    needs none."""
     if config.budget is None:
         return None
-    if config.allocator == "sensitivity" and config.alpha == 0:
+    strategy = allocator(config)
+    if not strategy.needs_profile:
         return [config.budget] * n_layers
-    return allocator(config).allocate(layer_profile(store, config), config.budget)
+    return strategy.allocate(layer_profile(store, config), config.budget)

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from pipeline.cli.numbers import positive_int
-from pipeline.cli.options import (SHARED_BUILD_OPTIONS, add_corpus_options, add_options,
-                                  eval_build_config_from_args, limits_from_args)
+from pipeline.cli.options import (SHARED_BUILD_OPTIONS, add_budgets_option, add_corpus_options,
+                                  add_options, eval_build_config_from_args, limits_from_args)
 from pipeline.cli.parser import writable_folder
 from pipeline.config import BuildConfig
 from pipeline.corpus.reader import (SKIP_REPORT, ReadStats, check_corpus, iter_corpus,
@@ -35,10 +35,9 @@ def add_evaluation_options(p: argparse.ArgumentParser, methods: tuple[str, ...],
     p.add_argument("--methods", default=",".join(methods),
                    help="comma-separated, each <preset> or <preset>+<path>=<value>+... "
                         f"({describe_methods()}; what each does: docs/evaluation.md)")
-    p.add_argument("--budgets", default=budgets,
-                   help="comma-separated budgets, one cell each; a budget is the mean entries "
-                        "kept per layer and KV head (tri-state variants: the bytes of that many "
-                        "Original float16 entries)")
+    add_budgets_option(p, budgets, "comma-separated budgets, one cell each; a budget is the "
+                       "mean entries kept per layer and KV head (tri-state variants: the bytes "
+                       "of that many Original float16 entries)")
     p.add_argument("--questions-per-conversation", type=positive_int, default=None,
                    help="the first N questions of each conversation (default: all)")
     p.add_argument("--limit-conversations", type=positive_int, default=None,
@@ -57,8 +56,9 @@ def add_evaluation_options(p: argparse.ArgumentParser, methods: tuple[str, ...],
     p.add_argument("--reference-window", type=positive_int, default=None, metavar="TOKENS",
                    help="the full-history reference of each question: the full cache of the "
                         "window of whole sessions, at most TOKENS, that holds its evidence (for "
-                        "whole conversations longer than the model; questions no window holds "
-                        "are left out); default: the full cache of the conversation")
+                        "whole conversations longer than the model; a question whose evidence "
+                        "spreads past one window reads its evidence sessions, reported apart); "
+                        "default: the full cache of the conversation")
     p.add_argument("--in-process", action="store_true",
                    help="run the cells one after another in this process instead of as Ray "
                         "tasks (one GPU, or a machine without Ray)")
@@ -75,14 +75,11 @@ def methods_and_budgets(a: argparse.Namespace) -> tuple[list[str], list[int]]:
             parse_method(m)
         except ValueError as e:
             bad[m] = str(e)
-    try:
-        budgets = [int(b) for b in a.budgets.split(",") if b.strip()]
-    except ValueError:
-        raise ValueError(f"--budgets takes comma-separated integers, got {a.budgets!r}") from None
+    budgets = list(a.budgets)  # positive integers: `--budgets` is parsed so
     if bad:
         raise ValueError("; ".join(bad.values()))
-    if not methods or not budgets or min(budgets) < 1:
-        raise ValueError("need at least one method and positive budgets")
+    if not methods:
+        raise ValueError("need at least one method")
     return methods, budgets
 
 

@@ -42,3 +42,21 @@ non_negative = number(float, at_least=0)
 count = number(int, at_least=0)
 positive_int = number(int, at_least=1)
 port_number = number(int, at_least=1, at_most=65535)
+
+
+def budget_list(text: str) -> list[int]:
+    """An argparse `type`: `--budgets`, comma-separated positive integers ("512,1024"), in the
+    order given, each once (blanks between commas ignored); otherwise `ArgumentTypeError`."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"takes comma-separated positive integers, got {text!r}")
+    budgets: list[int] = []
+    for part in parts:
+        try:
+            budget = positive_int(part)
+        except (ValueError, argparse.ArgumentTypeError):
+            raise argparse.ArgumentTypeError(
+                f"takes comma-separated positive integers, got {text!r}") from None
+        if budget not in budgets:
+            budgets.append(budget)
+    return budgets

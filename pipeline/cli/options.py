@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Callable, Sequence, TypeVar
 
-from pipeline.cli.numbers import count, finite, non_negative, positive_int
+from pipeline.cli.numbers import budget_list, count, finite, non_negative, positive_int
+from pipeline.cli.parser import GIVEN
 from pipeline.config import (ALLOCATOR_NAMES, STORE_DTYPES, BuildConfig, DriverOptions, MergeConfig,
-                             ScoringConfig, TopUpConfig, TriStateConfig)
+                             ScoringConfig, TopUpConfig, TriStateConfig, registry)
 from pipeline.config.fields import (choices_of, field_hint, field_of, get_path, parser_of,
                                     replace_path)
 from pipeline.corpus.records import CorpusLimits
@@ -111,6 +112,23 @@ def apply_options(config: C, options: Sequence[FieldOption], a: argparse.Namespa
 # The build configuration: the groups `jobs.build` and `jobs.evaluate` share, then the build's own
 # ---------------------------------------------------------------------------------------------
 
+# One cache's budget is `--budget N`, a list of them (one run each) `--budgets N,N,...`, in
+# every command: the same words, the same parsing (`pipeline.cli.numbers`).
+BUDGET_HELP = "mean entries kept per layer and KV head"
+
+
+def add_budget_option(p: argparse.ArgumentParser, default: int, help: str = BUDGET_HELP) -> None:
+    """`--budget N`: the one budget of a command that builds one cache size."""
+    p.add_argument("--budget", type=positive_int, default=default, help=help)
+
+
+def add_budgets_option(p: argparse.ArgumentParser, default: str,
+                       help: str = f"comma-separated budgets, one run each: {BUDGET_HELP}") -> None:
+    """`--budgets N,N,...`: the budgets of a command that runs each of them (a list of positive
+    integers once parsed, the default too)."""
+    p.add_argument("--budgets", type=budget_list, default=default, metavar="N,N,...", help=help)
+
+
 MODEL_OPTIONS = (
     FieldOption("--model", "model", "LLM: packaged name or local HF folder"),
     FieldOption("--encoder", "encoder", "sentence encoder (episodes and routing)"),
@@ -161,8 +179,8 @@ BUILD_OPTIONS = SHARED_BUILD_OPTIONS + (
                 "conversation", choices=methods.buildable(),
                 metavar="SCORER"),
     FieldOption("--budget", "budget",
-                "mean entries kept per layer and KV head (--tristate: the bytes of that many "
-                "Original entries)"),
+                f"{BUDGET_HELP} (--tristate: the bytes of that many Original entries; a method "
+                "that does not evict takes none)", type=positive_int),
     FieldOption("--full", "budget", "no eviction: store the full cache", const=None),
     FieldOption("--focus", "scoring.focus",
                 "weight the episode's own turns' scores by 1 + FOCUS (0: off)"),
@@ -210,15 +228,53 @@ def _calibration_sink(config: BuildConfig) -> BuildConfig:
 
 def build_config_from_args(a: argparse.Namespace, options: Sequence[FieldOption] = BUILD_OPTIONS,
                            base: BuildConfig | None = None) -> BuildConfig:
-    """The build configuration the options say. The parameters of a strategy left off
-    (tri-state, merging) are dropped, so they do not change the configuration's hash."""
-    config = _calibration_sink(apply_options(base or BuildConfig(), options, a))
+    """The build configuration the options say, what its method does not read refused
+    (`refuse_unread`). The parameters of a strategy left off (tri-state, merging) are dropped,
+    and a method that does not evict is built without a budget, so neither changes the
+    configuration's hash."""
+    base = base or BuildConfig()
+    config = _calibration_sink(apply_options(base, options, a))
+    refuse_unread(config, given_options(a, options, base))
     prefill = config.prefill
     if not prefill.tristate.enabled:
         prefill = dataclasses.replace(prefill, tristate=TriStateConfig())
     if not prefill.merge.enabled:
         prefill = dataclasses.replace(prefill, merge=MergeConfig())
-    return dataclasses.replace(config, prefill=prefill)
+    budget = config.budget if registry.reads(config.scorer, "budget") else None
+    return dataclasses.replace(config, prefill=prefill, budget=budget)
+
+
+def given_options(a: argparse.Namespace, options: Sequence[FieldOption],
+                  base: Any) -> list[FieldOption]:
+    """The options of `options` the command line gave: as noted by
+    `pipeline.cli.parser.parse_noting_given`, else (a namespace made otherwise) those set or
+    holding another value than `base`'s."""
+    given = getattr(a, GIVEN, None)
+    if given is not None:
+        return [o for o in options if o.dest in given]
+    return [o for o in options if (getattr(a, o.dest) if o.is_flag else
+                                   o.apply(base, a) != base)]
+
+
+def refuse_unread(config: BuildConfig, given: Sequence[FieldOption]) -> None:
+    """ValueError naming the first option given that the configured method does not read
+    (`pipeline.config.registry.reads`: a section only other methods read, or a budget where
+    it does not evict): such an option would change nothing in the caches, so it is refused
+    rather than ignored. `--full` says what a method that does not evict is, so it passes."""
+    method = config.scorer
+    for option in given:
+        if registry.reads(method, option.path) or (option.path == "budget" and option.is_flag):
+            continue
+        section = option.path.partition(".")[0]
+        readers = ", ".join(registry.readers(section)) or "no registered method"
+        if section == "budget":
+            why = "it does not evict (its cache is the full cache, built without a budget)"
+        elif section == registry.EPISODES:
+            why = (f"it builds one cache per conversation (the episodes' options are read by "
+                   f"the methods built per episode: {readers})")
+        else:
+            why = f"it runs at its own parameters (the {section} options are read by {readers})"
+        raise ValueError(f"{option.flag} is not read by --scorer {method}: {why}")
 
 
 def eval_build_config_from_args(a: argparse.Namespace) -> BuildConfig:
@@ -293,7 +349,8 @@ def limits_from_args(a: argparse.Namespace) -> CorpusLimits:
 
 SERVE_OPTIONS = tuple(
     FieldOption(f.metadata.get("flag") or "--" + f.name.replace("_", "-"), f.name,
-                f.metadata["help"], metavar=f.metadata.get("metavar"))
+                f.metadata["help"], metavar=f.metadata.get("metavar"),
+                zero_is_none=f.metadata.get("zero_is_none", False))
     for f in dataclasses.fields(ServeSettings) if f.metadata.get("cli", True))
 # The fields' own defaults, not an instance's: an instance would resolve the token and the
 # endpoint from the environment, and --help would print them.
@@ -315,7 +372,8 @@ def _serve_help(name: str) -> str:
 # `jobs.answer`'s top-up: the options `jobs.serve` has, said once (ServeSettings' help)
 TOPUP_OPTIONS = (
     FieldOption("--topup", "enabled", _serve_help("topup")),
-    FieldOption("--topup-turns", "turns", _serve_help("topup_turns"), type=positive_int),
+    FieldOption("--topup-turns", "turns", _serve_help("topup_turns"), type=non_negative,
+                zero_is_none=True),
     FieldOption("--topup-max-tokens", "max_tokens", _serve_help("topup_max_tokens"),
                 type=positive_int),
     FieldOption("--topup-skip-held", "skip_held", _serve_help("topup_skip_held")),
@@ -348,7 +406,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
 
 
 PREFILL_BENCH_OPTIONS = (
-    FieldOption("--budget", "budget", "mean entries kept per layer and KV head"),
+    FieldOption("--budget", "budget", BUDGET_HELP, type=positive_int),
     FieldOption("--block", "prefill.block", "block-prefill block size (tokens)"),
 )
 

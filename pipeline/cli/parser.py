@@ -33,6 +33,27 @@ def make_parser(module: str, doc: str, epilog: str | None = None) -> argparse.Ar
                                    epilog=epilog, formatter_class=HelpFormatter)
 
 
+GIVEN = "given_options"  # the parsed namespace's set of the options the command line gave
+
+
+def parse_noting_given(parser: argparse.ArgumentParser,
+                       argv: list[str] | None = None) -> argparse.Namespace:
+    """`parser.parse_args(argv)`, plus the dests of the options the command line gave, as the
+    attribute `GIVEN`: a command can then refuse an option its configuration does not read even
+    when it is given at its default value (a comparison with the default could not tell)."""
+    a = parser.parse_args(argv)
+    saved = [(action, action.default, action.required) for action in parser._actions]
+    try:  # parsed again with no defaults: the namespace holds only what was given
+        for action in parser._actions:
+            action.default, action.required = argparse.SUPPRESS, False
+        given = frozenset(vars(parser.parse_args(argv)))
+    finally:
+        for action, default, required in saved:
+            action.default, action.required = default, required
+    setattr(a, GIVEN, given)
+    return a
+
+
 def non_empty(text: str) -> str:
     """An argparse `type`: text that is not empty or blank (an empty --store would be the
     current folder)."""
@@ -58,19 +79,19 @@ def writable_folder(path: str | Path, option: str = "--out") -> Path:
     return folder
 
 
-def add_store_options(p: argparse.ArgumentParser, help: str = "store folder, or s3://bucket/prefix",
-                      region: bool = False) -> None:
-    """`--store` and `--s3-endpoint` (and `--s3-region`), as every command that opens a store
-    takes them; the command passes them on as one `store_options(a)`, whose endpoint the S3
-    backend resolves (`pipeline.store.backends.s3.s3_endpoint`)."""
+def add_store_options(p: argparse.ArgumentParser,
+                      help: str = "store folder, or s3://bucket/prefix") -> None:
+    """`--store`, `--s3-endpoint` and `--s3-region`, as every command that opens a store takes
+    them (`jobs.serve` from its settings' fields of the same names); the command passes them on
+    as one `store_options(a)`, whose endpoint the S3 backend resolves
+    (`pipeline.store.backends.s3.s3_endpoint`)."""
     p.add_argument("--store", required=True, type=non_empty, help=help)
     p.add_argument("--s3-endpoint", default=None,
                    help="S3-compatible endpoint URL (default: $EPICACHE_S3_ENDPOINT, else "
                         "$AWS_ENDPOINT_URL_S3 / $AWS_ENDPOINT_URL, else AWS)")
-    if region:
-        p.add_argument("--s3-region", default=None, help="S3 region (default: the AWS chain)")
+    p.add_argument("--s3-region", default=None, help="S3 region (default: the AWS chain)")
 
 
 def store_options(a: argparse.Namespace) -> StoreOptions:
     """The store options `add_store_options` parsed, as `open_store` takes them."""
-    return StoreOptions(endpoint=a.s3_endpoint, region=getattr(a, "s3_region", None))
+    return StoreOptions(endpoint=a.s3_endpoint, region=a.s3_region)

@@ -2,13 +2,17 @@
 its input with these before torch, transformers or Ray load. Lowest in the layers: nothing here
 imports another part of the pipeline.
 
+    registry.py        the pluggable parts by name, one line each: the compression methods
+                       (what each is and which sections it reads), the routers, the layer
+                       allocators; readable before torch (nothing imported until used)
     stages.py          each stage's frozen dataclass (episodes, scoring, tri-state, merging,
                        prefill, calibration, routing, top-up, growth), the default models, the names
                        of the layer allocators and routers
     build.py           BuildConfig (the stages nested, hashed into every manifest),
                        ModelFingerprints (the model files a build is bound to), DriverOptions
-    hashing.py         what the build hash covers, and how earlier builds' configurations read
-                       back (the compatibility rules: ADDED_LATER, PREFILL_BEFORE, RETIRED)
+    hashing.py         what the build hash covers (what the method reads), and how earlier
+                       builds' configurations read back (the compatibility rules: ADDED_LATER,
+                       PREFILL_BEFORE, RETIRED, UNREAD_AS)
     format_version.py  the cache object format's version (hashed; the store writes it)
     fields.py          fields by dotted path: type, value, a changed copy, text cast to a value
     limits.py          AnswerLimits: the bounds on one question and answer, wherever it is asked

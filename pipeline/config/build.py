@@ -2,8 +2,9 @@
 files' fingerprints it is bound to; and how a build runs on Ray (not hashed).
 
 Two builds with the same hash produce the same caches, so a re-run skips conversations whose
-manifest carries the current hash and rebuilds those that do not. What the hash covers, and how
-earlier builds' configurations read back, is `pipeline.config.hashing`.
+manifest carries the current hash and rebuilds those that do not. What the hash covers (what
+the build's method reads), and how earlier builds' configurations read back, is
+`pipeline.config.hashing`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ STORE_DTYPES = ("float16", "bfloat16", "float32")
 class BuildConfig:
     model: str = DEFAULT_LLM
     encoder: str = DEFAULT_ENCODER
-    scorer: str = "epicache"  # a method's name in pipeline.kv.methods.REGISTRY
+    scorer: str = "epicache"  # a method's name in pipeline.config.registry.METHODS
     budget: int | None = 1024  # mean entries per layer and KV head; None = full cache
     # Sharpness of the sensitivity-aware layer allocation; 0 = uniform budgets, the default:
     # with SmolLM2 uniform budgets beat the allocation (docs/quality.md). The paper used ~1-2.
@@ -63,6 +64,11 @@ class BuildConfig:
     def from_json(cls, text: str) -> "BuildConfig":
         """A configuration `to_json` wrote, this build's or an earlier one's."""
         return cls(**hashing.stage_fields(json.loads(text)))
+
+    def matches(self, stored_hash: str, stored_json: str | None) -> bool:
+        """Whether a manifest's configuration (its `config_hash` and `config_json`) is this
+        build (`hashing.is_current`): what the skip check asks of a stored conversation."""
+        return hashing.is_current(self, stored_hash, stored_json)
 
 
 @dataclass(frozen=True)

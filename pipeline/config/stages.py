@@ -10,11 +10,12 @@
                        (pipeline.builder.growth)
     RoutingConfig      how a question picks its episode (pipeline.routers; not hashed)
 
-with the default models and the names of the scorers, layer allocators and routers. They live
-apart from the code that runs them (as transformers keeps a model's configuration apart from its
-modelling code) so that a command parses its options and checks its input before torch,
-transformers or Ray load: `pipeline.config.build.BuildConfig` nests them, and the command line
-(`pipeline.cli.options`) reads their fields.
+with the default models and the names of the layer allocators and routers (as registered in
+`pipeline.config.registry`). They live apart from the code that runs them (as transformers
+keeps a model's configuration apart from its modelling code) so that a command parses its
+options and checks its input before torch, transformers or Ray load:
+`pipeline.config.build.BuildConfig` nests them, and the command line (`pipeline.cli.options`)
+reads their fields.
 """
 
 from __future__ import annotations
@@ -22,14 +23,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from pipeline.config.registry import ALLOCATORS, ROUTERS
+
 DEFAULT_LLM = "SmolLM2-135M-Instruct"
 DEFAULT_ENCODER = "all-MiniLM-L6-v2"
 
-# The layer allocators' names (`pipeline.kv.budgets.ALLOCATORS`, a test keeps them equal) and the
-# routers' (`pipeline.routers.ROUTERS`), for the command line's choices before torch loads. The
-# methods are named by their own registry, which imports none of them: `pipeline.kv.methods`.
-ALLOCATOR_NAMES = ("sensitivity", "variance")
-ROUTER_NAMES = ("centroid", "window")  # pipeline.routers.ROUTERS
+# The layer allocators' and the routers' names, as registered (`pipeline.config.registry`, which
+# imports none of them), for the command line's choices before torch loads.
+ALLOCATOR_NAMES = tuple(ALLOCATORS)
+ROUTER_NAMES = tuple(ROUTERS)
 
 PositionMode = Literal["auto", "original", "compact"]
 POSITION_MODES: tuple[str, ...] = ("auto", "original", "compact")
@@ -186,12 +188,12 @@ class RoutingConfig:
     measured on LoCoMo 26, 30 and 41 and checked on 42, 43 and 44 (docs/quality.md): the
     nearest window's episode, and the best two episodes read together when their scores are
     within 0.02 (about one question in six, about 1.1x the bytes read)."""
-    router: str = "window"  # a name in pipeline.routers.ROUTERS
+    router: str = "window"  # a name in pipeline.config.registry.ROUTERS
     two_below: float = 0.02  # read the best two episodes when their scores differ less; 0: never
 
     def __post_init__(self):
-        if self.router not in ROUTER_NAMES:
-            raise ValueError(f"router must be one of {ROUTER_NAMES}, got {self.router!r}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"router must be one of {tuple(ROUTERS)}, got {self.router!r}")
         if self.two_below < 0:
             raise ValueError(f"two_below must be >= 0, got {self.two_below}")
 
@@ -209,7 +211,9 @@ class TopUpConfig:
     the tuning set (26, 30, 41) and on the untouched ones measured (docs/quality.md, "At full
     length: the larger top-up"); the smaller top-up was chosen on the 7,600-token cuts."""
     enabled: bool = True
-    turns: int = 8  # the question's nearest turns searched
+    # the question's nearest turns searched; None: every turn, nearest first, as many as
+    # `max_tokens` holds (retrieval sized by its tokens: `rag` at a row's decode-time entries)
+    turns: int | None = 8
     max_tokens: int = 256  # the top-up's tokens at most (turns past it are left out)
     # only the turns nearer the question than every turn the episodes read hold: a question
     # whose episode holds its nearest turn (routed right, most likely) reads no top-up
@@ -222,7 +226,7 @@ class TopUpConfig:
     def __post_init__(self):
         if self.nearer_than_held and not self.skip_held:
             raise ValueError("nearer_than_held compares with the turns skipped: it needs skip_held")
-        if self.turns < 1:
+        if self.turns is not None and self.turns < 1:
             raise ValueError(f"turns must be >= 1, got {self.turns}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")

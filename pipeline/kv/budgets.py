@@ -5,10 +5,12 @@ token see only the first `sink` tokens and the most recent ones (a simulated bud
 `window` tokens). A layer whose Key states move a lot under that mask (low cosine similarity)
 is sensitive and gets more budget.
 
-Allocators are small classes behind one interface (`Allocator`: a per-model profile measured
-once, then integer layer budgets from it): `SensitivityAllocator` (EpiCache, the default) and
-`VarianceAllocator` (D2O §4.1: layers whose cumulative attention varies less, i.e. denser
-attention, get more budget).
+Allocators are small classes behind one interface (`Allocator`: made from the build
+configuration, a per-model profile measured once, then integer layer budgets from it):
+`SensitivityAllocator` (EpiCache, the default) and `VarianceAllocator` (D2O §4.1: layers whose
+cumulative attention varies less, i.e. denser attention, get more budget). Each is registered by
+name in `pipeline.config.registry.ALLOCATORS` (one line: a new allocator is its class here and
+that line); `allocator_class(name)` finds it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from pipeline.config import CalibrationConfig
+from pipeline.config import BuildConfig, CalibrationConfig, registry
 from pipeline.kv.attention import attention_column_sums
 
 
@@ -139,6 +141,17 @@ class Allocator(ABC):
     """Layer budgets from a per-model profile (measured once on the calibration text)."""
     name: ClassVar[str]
 
+    @classmethod
+    @abstractmethod
+    def from_config(cls, config: BuildConfig) -> Allocator:
+        """This allocator with the build configuration's parameters for it."""
+
+    @property
+    def needs_profile(self) -> bool:
+        """Whether its budgets come from a measured profile (False: the same in every layer,
+        and no profile is measured or read)."""
+        return True
+
     @abstractmethod
     def measure(self, model: torch.nn.Module, input_ids: torch.Tensor,
                 config: CalibrationConfig) -> np.ndarray: ...
@@ -152,6 +165,14 @@ class SensitivityAllocator(Allocator):
     """EpiCache §3.2: Key similarity under a sink + recent mask; weights (1 - minmax)^alpha."""
     alpha: float = 1.0
     name: ClassVar[str] = "sensitivity"
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(alpha=config.alpha)
+
+    @property
+    def needs_profile(self) -> bool:
+        return self.alpha != 0  # alpha 0: uniform budgets
 
     def measure(self, model, input_ids, config):
         return layer_similarity(model, input_ids, config)
@@ -168,6 +189,10 @@ class VarianceAllocator(Allocator):
     temperature: float = 1.0
     name: ClassVar[str] = "variance"
 
+    @classmethod
+    def from_config(cls, config):
+        return cls(temperature=config.variance_temperature)
+
     def measure(self, model, input_ids, config):
         return attention_variance(model, input_ids)
 
@@ -175,4 +200,6 @@ class VarianceAllocator(Allocator):
         return allocate_from_weights(variance_weights(profile, self.temperature), mean_budget)
 
 
-ALLOCATORS: dict[str, type[Allocator]] = {c.name: c for c in (SensitivityAllocator, VarianceAllocator)}
+def allocator_class(name: str) -> type[Allocator]:
+    """The registered allocator called `name` (ValueError naming the known ones)."""
+    return registry.ALLOCATORS.load(name)

@@ -46,6 +46,7 @@ class ServeSettings:
     s3_endpoint: str | None = setting(
         None, "S3-compatible endpoint URL (default: $EPICACHE_S3_ENDPOINT, else "
               "$AWS_ENDPOINT_URL_S3 / $AWS_ENDPOINT_URL, else AWS)")
+    s3_region: str | None = setting(None, "S3 region (default: the AWS chain)")
     model: str | None = setting(None, "LLM (default: the model named in the store's manifests)")
     encoder: str | None = setting(
         None, "sentence encoder (default: the encoder named in the store's manifests)")
@@ -62,7 +63,10 @@ class ServeSettings:
         TopUpConfig.enabled, "top up each question: after routing, prefill the question's nearest "
                              "turns of the whole conversation (its turn index) after the cache, "
                              "right before the question (docs/serving.md#top-up)")
-    topup_turns: int = setting(TopUpConfig.turns, "top-up: the question's nearest turns searched")
+    topup_turns: int | None = setting(
+        TopUpConfig.turns, "top-up: the question's nearest turns searched (0: every turn, as "
+                           "many as --topup-max-tokens holds)", zero_is_none=True,
+        parse=lambda text: None if text.strip().lower() in ("0", "none") else int(text))
     topup_max_tokens: int = setting(
         TopUpConfig.max_tokens, "top-up: its text's tokens at most (turns past it are left out)")
     topup_skip_held: bool = setting(
@@ -150,7 +154,7 @@ class ServeSettings:
                      "decoder_max_ongoing",
                      "max_batch", "max_batch_tokens", "max_body_bytes", "topup_turns",
                      "topup_max_tokens"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.default_max_new_tokens > self.max_new_tokens_limit:
             raise ValueError(f"default_max_new_tokens ({self.default_max_new_tokens}) is over "
@@ -187,8 +191,9 @@ class ServeSettings:
     @property
     def store_options(self) -> StoreOptions:
         """How the deployments reach the store: the endpoint resolved here, where the command
-        runs, so that every replica uses the one the operator's environment named."""
-        return StoreOptions(endpoint=self.s3_endpoint)
+        runs, so that every replica uses the one the operator's environment named, and the
+        region given (None: each replica's AWS chain)."""
+        return StoreOptions(endpoint=self.s3_endpoint, region=self.s3_region)
 
     @property
     def limits(self) -> AnswerLimits:

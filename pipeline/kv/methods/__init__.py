@@ -11,59 +11,32 @@
     question.py       the question as the patch: an upper bound (one build per question)
     full.py           the full cache (no eviction)
 
-To add a method: one module here with a `Method` subclass, and one line in `REGISTRY` naming
-its class and saying what it is (`Registered`: one cache per episode or per conversation, one
-build per question, whether it evicts, the build configuration's section holding its
-parameters). The build, the evaluation and the command lines ask the registry what a method is,
-never its name; the registry names each method's module without importing it, so the command
-line checks a method before torch loads, and `method_class` imports the module on first use.
+To add a method: one module here with a `Method` subclass, and one registry line naming its
+class and saying what it is (`Registered`: one cache per episode or per conversation, one build
+per question, whether it evicts, the build configuration's section holding its parameters). The
+lines are `pipeline.config.registry.METHODS` (here `REGISTRY`): beside the configuration, so
+that the build's hash can ask which sections a method reads (`pipeline.config.registry.reads`)
+and a command line can check a method before torch loads. A line names its method's module
+without importing it; `method_class` imports it on first use. The build, the evaluation and the
+command lines ask the registry what a method is, never its name.
 Tri-state, D2O merging, DapQ and compact positions are not methods: they wrap any method's
 eviction (`pipeline.kv.compression`).
 """
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass
+from pipeline.config.registry import METHODS, Registered, sections
 
+__all__ = ["REGISTRY", "Registered", "buildable", "create", "method_class", "registered",
+           "sections"]
 
-@dataclass(frozen=True)
-class Registered:
-    """A method's registration: where its class is ("module:class" in this package) and what it
-    is, readable before torch loads (the command lines check a method with it)."""
-    where: str
-    # one cache per episode, each question routed to its episode(s); else one per conversation
-    per_episode: bool = False
-    # one build per question (the question is its patch): an upper bound the evaluation
-    # measures, never built ahead of its questions (`jobs.build` does not offer it)
-    per_question: bool = False
-    evicts: bool = True  # False: the full cache, built without a budget
-    # the `BuildConfig` section its parameters are (its fields by name; `Method.from_config`);
-    # None: it runs at its dataclass defaults
-    section: str | None = None
-
-
-# name -> its registration: a method's one registry line
-REGISTRY: dict[str, Registered] = {
-    "epicache": Registered("epicache:EpiCache", per_episode=True, section="scoring"),
-    "streamingllm": Registered("streamingllm:StreamingLLM"),
-    "snapkv": Registered("snapkv:SnapKV"),
-    "infinipot": Registered("infinipot:InfiniPot"),
-    "kvzip": Registered("kvzip:KVzip"),
-    "keydiff": Registered("keydiff:KeyDiff"),
-    "knorm": Registered("knorm:Knorm"),
-    "oldest": Registered("oldest:Oldest"),
-    "random": Registered("random_scores:Random"),
-    "question": Registered("question:Question", per_question=True),
-    "full": Registered("full:Full", evicts=False),
-}
+# name -> its registration: a method's one registry line (`pipeline.config.registry.METHODS`)
+REGISTRY = METHODS
 
 
 def registered(name: str) -> Registered:
     """What the method called `name` is (ValueError naming the known ones); imports nothing."""
-    if name not in REGISTRY:
-        raise ValueError(f"unknown method {name!r}; known: {', '.join(sorted(REGISTRY))}")
-    return REGISTRY[name]
+    return REGISTRY.entry(name)
 
 
 def buildable() -> list[str]:
@@ -71,19 +44,9 @@ def buildable() -> list[str]:
     return sorted(name for name, entry in REGISTRY.items() if not entry.per_question)
 
 
-def sections() -> dict[str, list[str]]:
-    """The build configuration's method sections and the methods that read each."""
-    readers: dict[str, list[str]] = {}
-    for name, entry in REGISTRY.items():
-        if entry.section is not None:
-            readers.setdefault(entry.section, []).append(name)
-    return readers
-
-
 def method_class(name: str) -> type:
     """The registered `Method` subclass called `name` (ValueError naming the known ones)."""
-    module, cls = registered(name).where.split(":")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
+    return REGISTRY.load(name)
 
 
 def create(name: str, **parameters):

@@ -123,3 +123,20 @@ def test_top_ups_fetch_the_index_once_and_answer_from_the_episode_alone_without_
 
 def test_held_turns_of_records_without_members_is_empty():
     assert held_turns([None, ("a",), ["b"]]) == {"a", "b"}
+
+
+def test_a_top_up_sized_by_its_tokens_alone_reads_the_nearest_turns_that_fit():
+    """turns=None: every turn, nearest first, as many as `max_tokens` holds (retrieval at a
+    row's decode-time entries): the same turns as a cap on their number that is never
+    reached, and more than the default's 8 when the tokens allow."""
+    index = _index(40, dim=40)
+    question = np.linspace(1.0, 0.0, 40).astype(np.float32)  # turn 0 nearest, then 1, 2, ...
+    budget = words(render_topup(list(index.turns[:12])))
+    wide = select_topup(index, question, set(), dataclasses.replace(ON, turns=None,
+                                                                     max_tokens=budget), words)
+    assert wide.turn_ids == tuple(t.turn_id for t in index.turns[:12])
+    assert wide == select_topup(index, question, set(),
+                                dataclasses.replace(ON, turns=40, max_tokens=budget), words)
+    assert wide.tokens == budget
+    with pytest.raises(ValueError, match="turns must be >= 1"):
+        TopUpConfig(turns=0)

@@ -53,7 +53,7 @@ def test_good_arguments_carry_the_limits():
 
 
 @pytest.mark.parametrize("option, value", [
-    ("--topup-turns", "0"), ("--topup-turns", "-2"), ("--topup-turns", "two"),
+    ("--topup-turns", "-2"), ("--topup-turns", "two"),
     ("--topup-max-tokens", "0"), ("--topup-max-tokens", "1.5"), ("--topup", "yes")])
 def test_bad_topup_values_are_argument_errors(option, value, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -73,6 +73,8 @@ def test_topup_options_make_the_answerers_configuration():
     assert config() == TopUpConfig()
     assert config("--topup", "--topup-turns", "2", "--topup-max-tokens", "64") == \
         TopUpConfig(enabled=True, turns=2, max_tokens=64)
+    # 0 turns: no cap on their number, as many as the tokens hold
+    assert config("--topup-turns", "0").turns is None
     assert config("--topup", "--no-topup").enabled is False  # the last one given wins
     assert config("--no-topup", "--topup").enabled is True
     assert config("--topup-skip-held").skip_held and not config().skip_held

@@ -4,12 +4,14 @@ half-written."""
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 
 import pytest
 
 from jobs import build, evaluate, gc, make_corpus, manifests
+from pipeline.cli.numbers import budget_list
 from pipeline.corpus import reader
 from pipeline.corpus.reader import read_corpus
 
@@ -38,6 +40,9 @@ REFUSED = [
     (build, CORPUS + STORE, "--calibration-window", "0"),
     (build, CORPUS + STORE, "--cpus-per-task", "-1"),
     (build, CORPUS + STORE, "--gpus-per-task", "nan"),
+    (build, CORPUS + STORE, "--budget", "0"),
+    (evaluate, CORPUS, "--budgets", "512,0"),
+    (evaluate, CORPUS, "--budgets", "512,x"),
 ]
 
 
@@ -95,3 +100,12 @@ def test_make_corpus_leaves_no_half_written_corpus(tmp_path, capsys, monkeypatch
     assert make_corpus.main([*args, "--seed", "1"]) == 0
     assert out.read_bytes() != before and len(read_corpus(out)[0]) == 3
     assert os.listdir(tmp_path) == ["corpus.jsonl"]
+
+
+def test_a_budget_list_is_positive_integers_each_once():
+    """`--budgets` (`pipeline.cli.numbers.budget_list`): in the order given, each once, blanks
+    between commas ignored; anything else names the whole text."""
+    assert budget_list("512, 1024,512,") == [512, 1024]
+    for text in ("", " , ", "512,x", "0", "-4,512", "1.5", "512 1024"):
+        with pytest.raises(argparse.ArgumentTypeError, match="comma-separated positive integers"):
+            budget_list(text)

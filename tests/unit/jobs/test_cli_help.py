@@ -105,6 +105,24 @@ def test_route_by_names_only_the_routers_that_exist(parsers):
         assert not re.search(r"\b(knn|expand|expandwin)\b", text), (name, text)
 
 
+def test_budgets_are_spelled_and_parsed_one_way(parsers):
+    """One cache's budget is `--budget N`, the budgets of a command that runs several
+    `--budgets N,N,...`, in every command, parsed by the same types (`pipeline.cli.numbers`)."""
+    from pipeline.cli.numbers import budget_list, positive_int
+
+    wrong, lists = [], []
+    for name, parser in parsers.items():
+        for action in parser._actions:
+            flags = [f for f in action.option_strings if "budget" in f]
+            if flags == ["--budgets"] and action.type is budget_list:
+                lists.append(name)
+                assert budget_list(action.default), name  # a list of budgets, parsed as given
+            elif flags and (flags != ["--budget"] or action.type is not positive_int):
+                wrong.append(f"{name}: {flags} parsed by {getattr(action.type, '__name__', None)}")
+    assert not wrong, "\n".join(wrong)
+    assert {"jobs.evaluate", "jobs.scorecard", "jobs.screen", "jobs.bench.append"} <= set(lists)
+
+
 _CODE_BLOCK = re.compile(r"```[a-z]*\n(.*?)```", flags=re.S)
 
 

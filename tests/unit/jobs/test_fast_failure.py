@@ -11,8 +11,9 @@ import sys
 
 import pytest
 
-from pipeline.config import ALLOCATOR_NAMES
-from pipeline.kv.budgets import ALLOCATORS
+from pipeline.config import ALLOCATOR_NAMES, ROUTER_NAMES
+from pipeline.kv.budgets import Allocator, allocator_class
+from pipeline.routers import ROUTERS
 from tests.support.paths import REPO
 
 HEAVY = ("torch", "transformers", "ray")
@@ -38,8 +39,14 @@ CASES = {
     "evaluate": ("jobs.evaluate --corpus {tmp}/bad.jsonl --out {tmp}/eval", _BAD_CORPUS_ERROR),
     "screen": ("jobs.screen --corpus {tmp}/bad.jsonl", _BAD_CORPUS_ERROR),
     "screen budgets": ("jobs.screen --corpus {tmp}/bad.jsonl --budgets 512,x",
-                       "--budgets takes comma-separated positive integers"),
-    "demo": ("jobs.demo --out {tmp}/demo --budget 0", "budget must be positive, got 0"),
+                       "argument --budgets: takes comma-separated positive integers, got '512,x'"),
+    "evaluate budgets": ("jobs.evaluate --corpus {tmp}/bad.jsonl --budgets 0,512",
+                         "argument --budgets: takes comma-separated positive integers"),
+    "demo": ("jobs.demo --out {tmp}/demo --budget 0", "argument --budget: must be at least 1, got 0"),
+    "build unread option": ("jobs.build --corpus {tmp}/bad.jsonl --store {tmp}/store "
+                            "--scorer snapkv --focus 3",
+                            "--focus is not read by --scorer snapkv: it runs at its own "
+                            "parameters (the scoring options are read by epicache)"),
     "gc": ("jobs.gc --store {tmp}/none", "store folder {tmp}/none does not exist"),
     "manifests": ("jobs.manifests --store {tmp}/none", "store folder {tmp}/none does not exist"),
     "make_corpus": ("jobs.make_corpus --out {tmp}/c.jsonl --conversations 0 --target-tokens 9",
@@ -48,6 +55,10 @@ CASES = {
     "epicache build": ("jobs.epicache build --corpus {tmp}/bad.jsonl --store {tmp}/store",
                        _BAD_CORPUS_ERROR),
 }
+
+
+# the cases refused by argparse itself (a number's or a list's type): the usage, then the line
+ARGPARSE_ERRORS = {"make_corpus", "screen budgets", "evaluate budgets", "demo"}
 
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess:
@@ -63,7 +74,7 @@ def test_bad_input_fails_with_one_line_before_torch_transformers_and_ray(tmp_pat
     assert done.returncode == 2, done.stderr
     err = done.stderr.strip().splitlines()
     assert "Traceback" not in done.stderr and message in err[-1], done.stderr
-    if case != "make_corpus":  # argparse's own errors print the usage first
+    if case not in ARGPARSE_ERRORS:  # argparse's own errors print the usage first
         assert len(err) == 1 and err[0].startswith("error: "), done.stderr
     assert done.stdout.strip().splitlines()[-1] == "heavy:", done.stdout
     assert [p.name for p in tmp_path.iterdir()] == ["bad.jsonl"]  # nothing written
@@ -101,6 +112,9 @@ def test_a_heavy_import_is_seen():
 
 
 def test_the_names_offered_without_torch_are_the_registries_names():
-    """The command line offers allocators by the names in `pipeline.config` (methods by their
-    registry, `pipeline.kv.methods.REGISTRY`, which names them without importing them)."""
-    assert ALLOCATOR_NAMES == tuple(ALLOCATORS)
+    """The command line offers allocators and routers by the names in `pipeline.config`, read
+    from their registries (`pipeline.config.registry`, which names them without importing
+    them), and each name is the class it loads."""
+    for name in ALLOCATOR_NAMES:
+        assert issubclass(allocator_class(name), Allocator) and allocator_class(name).name == name
+    assert tuple(ROUTERS) == ROUTER_NAMES

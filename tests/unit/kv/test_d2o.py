@@ -13,7 +13,7 @@ from pipeline.config import BuildConfig
 from pipeline.eval.cell import cache_footprint
 from pipeline.eval.methods import EvalConfig, parse_method
 from pipeline.kv.attention import attention_column_sums
-from pipeline.kv.budgets import (ALLOCATORS, VarianceAllocator, allocate_from_weights,
+from pipeline.kv.budgets import (VarianceAllocator, allocate_from_weights, allocator_class,
                                  attention_variance, variance_weights)
 from pipeline.kv.cache import EpisodicCache
 from pipeline.kv.eviction import Compression
@@ -197,7 +197,7 @@ def test_variance_allocation():
     assert budgets[2] > budgets[0] > budgets[3] >= budgets[1]
     assert VarianceAllocator(temperature=1e9).allocate(variance, 100) == [100] * 4
     assert allocate_from_weights([1, 1, 1], 10) == [10, 10, 10]
-    assert set(ALLOCATORS) == {"sensitivity", "variance"}
+    assert allocator_class("variance") is VarianceAllocator
 
 
 # --------------------------------------------------------------------------------------------

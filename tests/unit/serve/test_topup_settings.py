@@ -45,14 +45,21 @@ def test_serve_run_keys_set_the_topup_both_ways():
         config(topup="maybe")
 
 
-@pytest.mark.parametrize("key", ["topup_turns", "topup_max_tokens"])
-def test_a_topup_bound_below_one_is_refused(key, capsys):
+@pytest.mark.parametrize("key, value", [("topup_turns", "-1"), ("topup_max_tokens", "0")])
+def test_a_topup_bound_below_one_is_refused(key, value, capsys):
     with pytest.raises(ValueError, match=key):
-        ServeSettings.from_strings({"store": "s", key: "0"})
+        ServeSettings.from_strings({"store": "s", key: value})
     import jobs.serve
 
-    assert jobs.serve.main([*STORE, "--" + key.replace("_", "-"), "0"]) == 2
+    assert jobs.serve.main([*STORE, "--" + key.replace("_", "-"), value]) == 2
     assert key in capsys.readouterr().err
+
+
+def test_topup_turns_0_reads_as_many_turns_as_the_tokens_hold():
+    assert ServeSettings.from_strings({"store": "s", "topup_turns": "0"}).topup_config.turns \
+        is None
+    assert settings_from_args(parse_args([*STORE, "--topup-turns", "0"])).topup_config.turns \
+        is None
 
 
 @pytest.mark.parametrize("default", [False, True])
