@@ -32,7 +32,8 @@ from pipeline.cli.numbers import count
 from pipeline.cli.parser import make_parser, writable_folder
 from pipeline.corpus.reader import select_conversations
 from pipeline.corpus.schema import CorpusError
-from pipeline.eval.report import scorecard_page, write_report
+from pipeline.eval.page import scorecard_page
+from pipeline.eval.report import write_report
 
 ROWS = ("full", "epicache", "epicache-episode", "streamingllm",
         "streamingllm+topup.enabled=true", "snapkv+topup.enabled=true",

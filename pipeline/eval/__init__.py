@@ -11,7 +11,9 @@
     scorecard.py      the headline measures (answer, copy-free evidence recall), over
                       retrieval, bootstrap intervals and paired differences, each measure's signal
     runner.py         the cells as Ray tasks, finished cells kept for re-runs
-    report.py         Markdown tables and the retention plot
+    report.py         the evaluation's outputs: Markdown tables, the retention plot
+    page.py           the scorecard page: headline, best rows, costs, leads by group and per
+                      conversation, signal, plots
 
 How quality is measured, and the figures, are in docs/evaluation.md and docs/quality.md.
 """

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -45,13 +45,16 @@ from pipeline.kv.tristate import EntryBytes
 from pipeline.store.backends.memory import MemoryStore
 from pipeline.store.catalogue.manifest import write_manifest
 from pipeline.store.objects.turn_index import TurnIndex, store_turn_index
+from pipeline.store.objects.turn_index import serialize as serialize_turn_index  # its bytes
 
 
 @dataclass(frozen=True)
 class Prepared:
     """A conversation ready to evaluate: cut to fit, its questions chosen; with an oracle-window
     reference (`EvalConfig.reference_window`), the windows its questions read and each one's
-    (`pipeline.eval.window`), the questions no window holds left out (`dropped_by_window`)."""
+    (`pipeline.eval.window`: a run of sessions, or a question's evidence sessions where its
+    evidence spreads past one run), the questions no window holds left out
+    (`dropped_by_window`)."""
     conversation: Conversation
     questions: tuple[Question, ...]
     dropped_by_cut: int
@@ -186,25 +189,23 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
     element_size = store_dtype(build)[1]  # Original entries counted as the build stores them
     sizes = entry_bytes(lm.model, element_size)
     layout = token_layout(lm.tokenizer, conv)
-    merged: dict[int, int] = {}  # id(cache) -> entries merged (D2O) by its build
     layouts: dict[int, TokenLayout] = {}  # id(cache) -> its layout, where not `layout` (windows)
-    seconds = []
+    builds = CellBuilds(sizes)
+    built, costs = builds.built, builds.costs
     # episodic cells answer through the product's answer path instead (`_answered`)
     def generates(read: Read, i: int) -> bool:
         return read in answered and config.generates(i) and not spec.episodic
 
-    def built(cache: EpisodicCache, stats: PrefillStats) -> EpisodicCache:
-        merged[id(cache)] = stats.merged_entries
-        seconds.append(stats.seconds)
-        return cache
-
     def measure(cache: EpisodicCache, indices: list[int], topups: list[TopUp],
                 answer: list[bool]) -> list[dict]:
         chosen = [questions[i] for i in indices]
-        footprint = cache_footprint(cache, sizes, merged.get(id(cache), 0))  # joined: 0
+        footprint = cache_footprint(cache, sizes, builds.merged.get(id(cache), 0))  # joined: 0
         kept = float(np.mean(cache.entries_per_layer()))
         measured = measure_all(lm, conv, chosen, cache, config, topups, answer)
         return [{"kept_entries": kept, "decode_entries": kept + topup.tokens,
+                 # a cold question fetches its cache(s) and, topped up, the turn index
+                 "fetched_bytes": footprint["kv_bytes"] +
+                 (costs["turn_index_bytes"] if topup.tokens else 0),
                  **evidence_diagnostics(conv, q, layouts.get(id(cache), layout), cache),
                  **footprint, **record}
                 for q, topup, record in zip(chosen, topups, measured)]
@@ -216,25 +217,51 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
     if not spec.history:  # the reference: the same prompt without the turns
         cache = full_cache(history_ids(lm.tokenizer, conv, turns=False))
         measured = measure_reads(len(questions), reads, one_cache(lambda: cache), measure,
-                                 topup_chooser(conv, questions, config), generates)
+                                 topup_chooser(conv, questions, config, costs=costs),
+                                 generates)
     elif prep.windows is not None and not methods.registered(build.scorer).evicts:
         # the full cache of a whole conversation: each question reads its oracle window's
         caches = window_caches(prep.windows, lm.tokenizer, full_cache, layouts)
         measured = measure_reads(len(questions), reads, caches, measure,
-                                 topup_chooser(conv, questions, config), generates)
+                                 topup_chooser(conv, questions, config, costs=costs), generates)
     else:
         measured = _built_and_measured(conv, questions, method, build,
                                        None if build.budget is None else layer_budgets,
-                                       config, built, measure, reads, generates, answered)
-    elapsed = time.perf_counter() - start
+                                       config, built, measure, reads, generates, answered, costs)
     records = [{"conversation_id": conv.conversation_id, "method": method,
                 "budget": budget if build.budget is not None and spec.history else None,
                 "question_index": i, "question": q.question, "answer": q.answer,
                 "category": q.category, "evidence": list(q.evidence), "episode": 0,
-                "route_similarity": float("nan"), "route_hit": None,
-                **record, "cell_seconds": elapsed, "build_seconds": sum(seconds)}
+                "route_similarity": float("nan"), "route_hit": None, **record,
+                "cell_seconds": time.perf_counter() - start, **builds.fields(),
+                "conversation_tokens": prep.tokens,
+                # whole conversations: the kind of full-history reference the question reads
+                "reference": None if prep.windows is None else prep.windows.kind(i)}
                for i, (q, record) in enumerate(zip(questions, measured))]
     return [r | select_read(r, method, config) for r in records]  # every read's fields kept
+
+
+@dataclass
+class CellBuilds:
+    """What a cell's builds cost, counted as each cache is built (`built`): their seconds, the
+    tokens they ran through the model (patches included), the bytes the caches take stored, and
+    the turn index's bytes where a top-up reads it (`topup_chooser`); and the entries each
+    build merged (D2O), by cache."""
+    sizes: EntryBytes
+    merged: dict[int, int] = field(default_factory=dict)  # id(cache) -> entries merged
+    seconds: float = 0.0
+    costs: dict = field(default_factory=lambda: {"build_tokens": 0, "stored_cache_bytes": 0,
+                                                 "turn_index_bytes": 0})
+
+    def built(self, cache: EpisodicCache, stats: PrefillStats) -> EpisodicCache:
+        self.merged[id(cache)] = stats.merged_entries
+        self.seconds += stats.seconds
+        self.costs["build_tokens"] += stats.tokens + stats.patch_tokens
+        self.costs["stored_cache_bytes"] += cache_footprint(cache, self.sizes)["kv_bytes"]
+        return cache
+
+    def fields(self) -> dict:
+        return {"build_seconds": self.seconds, **self.costs}
 
 
 def window_caches(windows: Windows, tokenizer, full_cache: Callable[[torch.Tensor], EpisodicCache],
@@ -254,16 +281,20 @@ def window_caches(windows: Windows, tokenizer, full_cache: Callable[[torch.Tenso
 
 def topup_chooser(conv: Conversation, questions: list[Question], config: EvalConfig,
                   encoder_fingerprint: str | None = None, embeddings: np.ndarray | None = None,
-                  index: TurnIndex | None = None) -> Callable[[TopUpConfig, int, set[str]], TopUp]:
+                  index: TurnIndex | None = None,
+                  costs: dict | None = None) -> Callable[[TopUpConfig, int, set[str]], TopUp]:
     """A question's top-up given the turns its cache holds whole, chosen as the answer path
     chooses it (`pipeline.answer.topup`) from the conversation's turn index as `jobs.build`
-    stores it (`index`, or embedded on the first top-up asked for)."""
+    stores it (`index`, or embedded on the first top-up asked for); the index's stored bytes
+    go to `costs["turn_index_bytes"]`."""
     @functools.cache
     def chooser() -> Callable[[TopUpConfig, int, set[str]], TopUp]:
         encoder = models.load_encoder(config.encoder)
         turns = index if index is not None else index_turns(
             conv, encoder, config.encoder,
             encoder_fingerprint or models.encoder_fingerprint(config.encoder))
+        if costs is not None:
+            costs["turn_index_bytes"] = len(serialize_turn_index(turns))
         embedded = question_embeddings(encoder, questions) if embeddings is None else embeddings
         count = functools.partial(prompts.count_tokens, models.load_llm(config.model).tokenizer)
         return lambda topup, i, held: select_topup(turns, embedded[i], held, topup, count)
@@ -275,7 +306,7 @@ def _built_and_measured(conv: Conversation, questions: list[Question], method: s
                         build: BuildConfig, budgets: list[int] | None, config: EvalConfig,
                         built: Callable, measure: Callable, reads: tuple[Read, ...],
                         generates: Callable[[Read, int], bool],
-                        answered: tuple[Read, ...]) -> list[dict]:
+                        answered: tuple[Read, ...], costs: dict) -> list[dict]:
     """Build a method's caches through the product's build into an in-memory store, and
     measure each question on the cache(s) each read picks."""
     store = MemoryStore(f"eval-{uuid.uuid4().hex}")
@@ -289,7 +320,8 @@ def _built_and_measured(conv: Conversation, questions: list[Question], method: s
                 store.delete(done.record.object_key)  # measured as built; nothing kept
                 return built(done.cache, done.stats)
 
-            topups = topup_chooser(conv, questions, config, clustered.encoder_fingerprint)
+            topups = topup_chooser(conv, questions, config, clustered.encoder_fingerprint,
+                                   costs=costs)
             if methods.registered(build.scorer).per_question:  # one build per question
                 caches = CellCaches(functools.lru_cache(maxsize=1)(
                     lambda key: cache_of(question_text(questions[key[0]]))), lambda read, i: (i,))
@@ -312,7 +344,7 @@ def _built_and_measured(conv: Conversation, questions: list[Question], method: s
                                            EpisodicCache.joined([caches[k] for k in key])),
             routed(scores), lambda key: held_turns(members[k] for k in key)),
             measure, topup_chooser(conv, questions, config, clustered.encoder_fingerprint,
-                                   embeddings, index), generates)
+                                   embeddings, index, costs), generates)
         if answered:
             write_manifest(store, conv.conversation_id, [done.record for done in episodes])
             _answered(store, conv.conversation_id, questions, answered, config, records)

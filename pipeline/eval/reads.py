@@ -93,11 +93,12 @@ def measure_reads(n_questions: int, reads: tuple[Read, ...], caches: CellCaches,
 READ_FIELD = re.compile(r"read[0-9a-f]{8}_(.+)")  # `Read.prefix` and a measured field
 
 
-def select_read(record: dict, method: str, config: EvalConfig) -> dict:
+def select_read(record: dict, method: str, config: EvalConfig, read: Read | None = None) -> dict:
     """The record as `method` reads it: its read's measured fields under their plain names
-    (every read's prefixed fields, and another read's plain ones, left out), and for an episodic method the episode (or two) its route
-    picked."""
-    read = config.read_of(method)
+    (every read's prefixed fields, and another read's plain ones, left out), and for an
+    episodic method the episode (or two) its route picked. `read`: another read than the
+    method's own (`rag` at a row's decode-time entries)."""
+    read = config.read_of(method) if read is None else read
     fields = {k[len(read.prefix):]: v for k, v in record.items() if k.startswith(read.prefix)}
     if not fields:
         raise KeyError(f"the cell holds no read of {method!r} (its fields {read.prefix}*)")

@@ -14,7 +14,7 @@ import io
 import json
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -79,13 +79,16 @@ def cell_key(conv: Conversation, digest: str, method: str, budget: int | None,
             "measure": {k: getattr(config, k) for k in (
                 "max_context_tokens", "questions_per_conversation", "recall_words",
                 "recall_tokens")}}
-    if spec.history and not spec.takes_budget and config.reference_window is not None:
-        # the full cache of a whole conversation: its oracle windows
+    if config.reference_window is not None:
+        # whole conversations: the window picks the questions measured (those a window
+        # holds), and the full cache of a conversation is its oracle windows (the questions
+        # spread past one window read their evidence sessions since `reference` 2)
         what["measure"]["reference_window"] = config.reference_window
+        what["measure"]["reference"] = 2
     for section in [s for s in what["build"] if not spec.reads_section(s)]:
         what["build"].pop(section)  # knobs only other methods read
-    if not spec.episodic:  # its cache is not routed: the encoder only clusters it into one
-        what["build"].pop("encoder")
+    # the encoder stays for every cell: it routes an episodic one, and chooses the top-up of
+    # every read that has one (any cell's)
     cell = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return f"cells/{conv.conversation_id}/{digest}/{cell}.parquet"
 
@@ -107,6 +110,11 @@ class Cell:
     label: int | None = None
     answered: tuple[Read, ...] = ()  # the reads whose answers it generates (F1)
     answer_settings: tuple = ()  # (questions sampled, answer length)
+    # rows reported with a read of their own, at a budget of their own: (method, budget, read),
+    # e.g. `rag` at the default's decode-time entries (a wider top-up on the no-history cell)
+    sized: list[tuple[str, int | None, Read]] = field(default_factory=list)
+    kept_records: list[dict] | None = None  # kept by an earlier run, without some of `reads`
+    computed_by: str | None = None  # the method that computes it, where none of `methods` does
 
     def add(self, method: str, config: EvalConfig, reads: tuple[Read, ...] = ()) -> None:
         self.methods.append(method)
@@ -115,9 +123,14 @@ class Cell:
             self.answered = tuple(dict.fromkeys((*self.answered, config.read_of(method))))
             self.answer_settings = (config.generate_questions, config.max_new_tokens)
 
+    def add_sized(self, method: str, budget: int | None, read: Read) -> None:
+        """`method`'s records at `budget`, read with `read` instead of its own."""
+        self.sized.append((method, budget, read))
+        self.reads = tuple(dict.fromkeys((*self.reads, read)))
+
     @property
     def method(self) -> str:
-        return self.methods[0]
+        return self.computed_by or self.methods[0]
 
     @property
     def key(self) -> str:
@@ -130,11 +143,23 @@ class Cell:
 
 
 def records_of(cell_records: list[dict], cell: Cell, config: EvalConfig) -> list[dict]:
-    """A cell's records as each of its methods reads them, at the cell's reported budget."""
+    """A cell's records as each of its methods reads them, at the cell's reported budget, and
+    its sized rows' (`Cell.add_sized`) at theirs."""
     budget = cell.budget if cell.label is None else cell.label
     return [select_read(r, m, config) | {
         "budget": budget if r.get("budget") is not None else None,
-        "cache_budget": r.get("budget")} for m in cell.methods for r in cell_records]
+        "cache_budget": r.get("budget")} for m in cell.methods for r in cell_records] + [
+        select_read(r, m, config, read) | {"budget": b, "cache_budget": r.get("budget")}
+        for m, b, read in cell.sized for r in cell_records]
+
+
+def merged_records(kept_records: list[dict] | None, computed: list[dict]) -> list[dict]:
+    """A cell's records computed for the reads it lacked, joined with those kept before (the
+    same questions: every read's fields on one record), so a kept cell only ever gains reads."""
+    if not kept_records or [r["question_index"] for r in kept_records] != \
+            [r["question_index"] for r in computed]:
+        return computed
+    return [old | new for old, new in zip(kept_records, computed)]
 
 
 def collect_cells(pending: dict, kept: LocalStore, config: EvalConfig) -> tuple[list[dict], list[dict]]:
@@ -150,6 +175,7 @@ def collect_cells(pending: dict, kept: LocalStore, config: EvalConfig) -> tuple[
             except Exception as e:
                 failed.append(cell_failure(cell, e))
             else:
+                cell_records = merged_records(cell.kept_records, cell_records)
                 kept.put(cell.key, records_parquet(cell_records))
                 records.extend(records_of(cell_records, cell, config))
             bar.update(1)
@@ -170,13 +196,19 @@ def compute_in_process(cells: list[Cell], kept: LocalStore,
     for cell in tqdm(cells, unit="cell", desc="evaluate"):
         try:
             cell_records = evaluate_cell(cell.prep, cell.method, cell.budget, config,
-                                         cell.layer_budgets, cell.reads, cell.answered)
+                                         cell.layer_budgets, missing_reads(cell),
+                                         cell.answered)
         except Exception as e:  # noqa: BLE001 - a failed cell is reported; the others run
             failed.append(cell_failure(cell, e))
             continue
+        cell_records = merged_records(cell.kept_records, cell_records)
         kept.put(cell.key, records_parquet(cell_records))
         records.extend(records_of(cell_records, cell, config))
     return records, failed
+
+
+def holds_read(cell_records: list[dict], read: Read) -> bool:
+    return all(f"{read.prefix}evidence_nll" in r for r in cell_records)
 
 
 def kept_cell(kept: LocalStore, key: str, reads: tuple[Read, ...] = ()) -> list[dict] | None:
@@ -185,8 +217,14 @@ def kept_cell(kept: LocalStore, key: str, reads: tuple[Read, ...] = ()) -> list[
     if not kept.exists(key):
         return None
     cell_records = pq.read_table(io.BytesIO(kept.get(key))).to_pylist()
-    missing = any(f"{read.prefix}evidence_nll" not in r for read in reads for r in cell_records)
-    return None if missing else cell_records
+    return cell_records if all(holds_read(cell_records, read) for read in reads) else None
+
+
+def missing_reads(cell: Cell) -> tuple[Read, ...]:
+    """The reads a cell must measure: those its kept records lack (all when none are kept)."""
+    if not cell.kept_records:
+        return cell.reads
+    return tuple(r for r in cell.reads if not holds_read(cell.kept_records, r))
 
 
 def kept_or_none(kept: LocalStore, cell: Cell) -> list[dict] | None:
@@ -254,12 +292,24 @@ class CellPlan:
         cell.add(method, self.config, reads)
         return cell
 
+    def add_sized(self, conv: Conversation, digest: str, prep, method: str, budget: int,
+                  read: Read) -> Cell:
+        """A row of no history (`rag`) reported at `budget`, reading `read`: one more read of
+        the conversation's no-history cell (computed again only for the reads it lacks)."""
+        key = cell_key(conv, digest, NO_HISTORY, None, self.config, None)
+        cell = self.todo.setdefault((key, None), Cell(conv.conversation_id, None, key, [], prep,
+                                                      computed_by=NO_HISTORY))
+        cell.add_sized(method, budget, read)
+        return cell
+
     def run(self, in_process: bool) -> tuple[list[dict], list[dict], int]:
         """Every cell's records (kept ones read back), the failed cells, and how many were reused."""
         records, compute, reused = [], [], 0
         for cell in self.todo.values():
             kept_records = kept_or_none(self.kept, cell)
             if kept_records is None:
+                if not cell.answered and self.kept.exists(cell.key):  # it lacks some reads
+                    cell.kept_records = kept_cell(self.kept, cell.key)
                 compute.append(cell)
             else:
                 records.extend(records_of(kept_records, cell, self.config))
@@ -270,7 +320,7 @@ class CellPlan:
             computed, failed = compute_in_process(compute, self.kept, self.config)
         else:
             pending = {ray_tasks().cell.remote(c.prep, c.method, c.budget, self.config,
-                                               c.layer_budgets, c.reads, c.answered): c
+                                               c.layer_budgets, missing_reads(c), c.answered): c
                        for c in compute}
             computed, failed = collect_cells(pending, self.kept, self.config)
         return records + computed, failed, reused
@@ -278,6 +328,12 @@ class CellPlan:
     def cell_records(self, cell: Cell) -> list[dict]:
         """A finished cell's records as kept (every read's fields)."""
         return kept_or_none(self.kept, cell) or []
+
+
+def sized_retrieval(read: Read, tokens: int) -> Read:
+    """Retrieval's read at `tokens` top-up tokens: the question's nearest turns, as many as fit
+    (no cap on their number)."""
+    return Read(read.route, replace(read.topup, turns=None, max_tokens=max(1, tokens)))
 
 
 def run_cells(convs: list[Conversation], methods: list[str], budgets: list[int],
@@ -294,12 +350,17 @@ def run_cells(convs: list[Conversation], methods: list[str], budgets: list[int],
     decode-time entries: for each conversation and budget B, its cache budget is the mean
     decode-time entries (cache entries + top-up tokens) of `equal_entries` at B, less its own
     mean top-up tokens (its top-up takes nothing from its cache, so these are known from the
-    no-history cell); its records are reported at B (`cache_budget`: the cache's)."""
+    no-history cell); its records are reported at B (`cache_budget`: the cache's). A row of
+    retrieval alone (`rag`: no history, a top-up) is also read at those entries: its top-up
+    the question's nearest turns, as many as fit the mean entries less the no-history prompt's,
+    reported at B beside its own row (at its own top-up, reported without a budget)."""
     profiles = profiles_of(config, methods, out, in_process)
     episodic_default = bool(equal_entries) and parse_method(equal_entries).episodic
     matched = [m for m in methods if equal_entries and takes_budget(m)
                and not shares_build(config, m, equal_entries)
                and not (episodic_default and parse_method(m).episodic)]
+    retrieval = [m for m in methods if equal_entries and not parse_method(m).history
+                 and config.topup_of(m) is not None]
     topped = tuple(dict.fromkeys(config.read_of(m) for m in matched
                                  if config.topup_of(m) is not None))
     plan = CellPlan(config, out, profiles)
@@ -317,7 +378,7 @@ def run_cells(convs: list[Conversation], methods: list[str], budgets: list[int],
             for b in (budgets if takes_budget(m) else [None]):
                 plan.add(conv, digest, prep, m, b)
     records, failed, reused = plan.run(in_process)
-    if matched:
+    if matched or retrieval:
         second = CellPlan(config, out, profiles)
         for conv in convs:
             none_cell, digest, prep = references[conv.conversation_id]
@@ -332,6 +393,12 @@ def run_cells(convs: list[Conversation], methods: list[str], budgets: list[int],
                         r[f"{read.prefix}topup_tokens"] for r in none_records)
                     cache_budget = b if math.isnan(target) else max(1, round(target - topup))
                     second.add(conv, digest, prep, m, cache_budget, label=b)
+                prompt = nan_mean(r["kept_entries"] for r in none_records)
+                if math.isnan(target) or math.isnan(prompt):
+                    continue
+                for m in retrieval:
+                    second.add_sized(conv, digest, prep, m, b, sized_retrieval(
+                        config.read_of(m), round(target - prompt)))
         more, failed_too, reused_too = second.run(in_process)
         records, failed, reused = records + more, failed + failed_too, reused + reused_too
     return Outcome(records, failed, reused, preps if in_process else ray_tasks().get(preps))

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.eval.methods import NO_HISTORY
+from pipeline.eval.window import EVIDENCE_SESSIONS, SESSION_RUN
 
 MEASURES = ("answer", "copy_free", "evidence")
 HEADLINE = ("answer", "copy_free")
@@ -93,10 +94,13 @@ class Rows:
             by_row.setdefault((r["method"], r["budget"]), {})[question_key(r)] = r
         return cls(by_row, by_row.get((NO_HISTORY, None), {}), by_row.get(("full", None), {}))
 
-    def keys(self, conversations: set[str] | None = None) -> list[Key]:
-        """The questions both references hold (of `conversations`, when given), in order."""
+    def keys(self, conversations: set[str] | None = None,
+             reference: str | None = None) -> list[Key]:
+        """The questions both references hold (of `conversations`, when given; whose
+        full-history reference is of kind `reference`, when given), in order."""
         return sorted(k for k in self.full if k in self.none and
-                      (conversations is None or k[0] in conversations))
+                      (conversations is None or k[0] in conversations) and
+                      (reference is None or self.full[k].get("reference") == reference))
 
     def arrays(self, row: tuple[str, int | None], keys: list[Key], measure: str,
                paired: Iterable[tuple[str, int | None]] = ()) -> np.ndarray:
@@ -158,6 +162,17 @@ def paired_difference(a: np.ndarray, b: np.ndarray, index: np.ndarray) -> dict:
     return interval(point, draws)
 
 
+def nats_difference(a: np.ndarray, b: np.ndarray, index: np.ndarray) -> dict:
+    """Row b's mean NLL less row a's over the questions both define (positive: a is better),
+    with the interval of a paired bootstrap; `a`, `b` [3, n] as `Rows.arrays` gives them."""
+    diff = b[0] - a[0]
+    ok = np.isfinite(diff)
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        draws = np.nanmean(np.where(ok, diff, np.nan)[index], axis=1)
+    return interval(float(np.nanmean(diff)) if ok.any() else float("nan"), draws)
+
+
 def lead_at_equal_entries(rows: Rows, default: str, row: tuple[str, int | None],
                           keys: list[Key], measure: str, index: np.ndarray) -> dict | None:
     """The default's retention at the row's mean decode-time entries, less the row's: the
@@ -208,6 +223,17 @@ def signal(rows: Rows, keys: list[Key], measure: str) -> dict:
     return out | {"low": not out["lo"] >= LOW_SIGNAL_NATS}
 
 
+def retrieval_signal(rag: np.ndarray, ceiling: np.ndarray) -> dict:
+    """The gap "over retrieval" divides by: the mean answer NLL of `rag` less the ceiling's
+    (the full history with the same top-up), in nats, with its interval; `low` where its lower
+    bound is under `LOW_SIGNAL_NATS`, as for the none -> full gap."""
+    ok = np.isfinite(rag) & np.isfinite(ceiling)
+    diff = (rag - ceiling)[ok]
+    draws = diff[resamples(len(diff))].mean(axis=1) if len(diff) else np.array([])
+    out = interval(float(diff.mean()) if len(diff) else float("nan"), draws)
+    return out | {"questions": int(ok.sum()), "low": not out["lo"] >= LOW_SIGNAL_NATS}
+
+
 def _row_mean(records: dict[Key, dict], keys: list[Key], field: str) -> float:
     return _mean(records[k].get(field) for k in keys if k in records)
 
@@ -232,17 +258,39 @@ def position_groups(record: dict) -> dict[str, str | None]:
             "sessions": None if low is None else f"{low}-{low + SESSIONS_PER_BIN - 1}"}
 
 
-def breakdown(rows: Rows, keys: list[Key]) -> list[dict]:
+# LoCoMo's question categories (5, adversarial, is never evaluated)
+CATEGORIES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}
+
+
+def retrieval_holds(record: dict | None) -> str | None:
+    """Whether a retrieval row's top-up holds a question's evidence turns: all, some or none."""
+    if record is None:
+        return None
+    evidence, held = set(record.get("evidence") or ()), set(record.get("topup_turn_ids") or ())
+    if not evidence:
+        return None
+    return "all" if evidence <= held else "some" if evidence & held else "none"
+
+
+def breakdown(rows: Rows, keys: list[Key], default: str | None = None) -> list[dict]:
     """Answer retention (90% interval) of every row but the references, per group of
-    questions: by the evidence's third and session bin, and for a routed row by whether its
-    route read an evidence episode (`route_hit`)."""
+    questions: by the evidence's third and session bin, by LoCoMo category, by whether
+    retrieval's turns hold the evidence (`rag` at the row's budget: at the default's entries
+    there, its own top-up for a row without a budget), and for a routed row by whether its
+    route read an evidence episode (`route_hit`); with the default's paired lead over the row
+    in each group where the default runs at the row's budget."""
     where = {k: position_groups(rows.none[k]) for k in keys}
     out = []
     for (method, budget), got in rows.by_row.items():
         if method in (NO_HISTORY, "full") or not any(k in got for k in keys):
             continue
+        retrieval = rows.by_row.get((RAG, budget)) or rows.by_row.get((RAG, None), {})
         by = {"third": lambda k: where[k]["third"], "sessions": lambda k: where[k]["sessions"],
+              "category": lambda k: CATEGORIES.get(got[k].get("category")) if k in got else None,
+              "retrieval": lambda k: retrieval_holds(retrieval.get(k)),
               "route_hit": lambda k: got[k].get("route_hit") if k in got else None}
+        compared = default is not None and method != default and \
+            (default, budget) in rows.by_row
         for name, group_of in by.items():
             groups: dict = {}
             for k in keys:
@@ -250,24 +298,118 @@ def breakdown(rows: Rows, keys: list[Key]) -> list[dict]:
                 if group is not None:
                     groups.setdefault(group, []).append(k)
             for group, own in sorted(groups.items(), key=lambda g: str(g[0])):
-                out.append({"method": method, "budget": budget, "by": name, "group": group,
-                            "answer": bootstrap_retention(rows.arrays((method, budget), own,
-                                                                      "answer"),
-                                                          resamples(len(own)))})
+                index = resamples(len(own))
+                line = {"method": method, "budget": budget, "by": name, "group": group,
+                        "answer": bootstrap_retention(rows.arrays((method, budget), own,
+                                                                  "answer"), index)}
+                if compared:
+                    line["default_minus_row"] = paired_difference(
+                        rows.arrays((default, budget), own, "answer"),
+                        rows.arrays((method, budget), own, "answer"), index)
+                out.append(line)
     return out
 
 
+def best_rows(table: list[dict], rows: Rows, keys: list[Key], index: np.ndarray,
+              default: str | None = None) -> list[dict]:
+    """Per budget and headline measure, the row with the highest retention among those read
+    there (a budget's rows, and the rows without one that read no more entries than the
+    default there: `rag` at its own top-up or at another size; the references and the ceiling
+    left out), and its paired lead over the next best."""
+    out = []
+    budgets = sorted({r["budget"] for r in table if r["budget"] is not None})
+    for budget in budgets:
+        cap = next((r["decode_entries"] for r in table if (r["method"], r["budget"]) ==
+                    (default, budget)), float("inf"))
+        here = [r for r in table if r["method"] not in ("full", CEILING) and (
+            r["budget"] == budget or r["budget"] is None and
+            not r["decode_entries"] > cap * (1 + EQUAL_ENTRIES_SLACK))]
+        for measure in HEADLINE:
+            ranked = sorted((r for r in here if np.isfinite(r[measure]["value"])),
+                            key=lambda r: -r[measure]["value"])
+            if len(ranked) < 2:
+                continue
+            first, second = ranked[:2]
+            a, b = ((r["method"], r["budget"]) for r in (first, second))
+            out.append({"budget": budget, "measure": measure,
+                        "best": {"method": a[0], "budget": a[1],
+                                 measure: first[measure]},
+                        "next": {"method": b[0], "budget": b[1], measure: second[measure]},
+                        "lead": paired_difference(rows.arrays(a, keys, measure, [b]),
+                                                  rows.arrays(b, keys, measure, [a]), index)})
+    return out
+
+
+def per_conversation(rows: Rows, keys: list[Key], default: str | None) -> list[dict]:
+    """Per conversation and budget: the default's answer retention and its paired lead over
+    every other row there, each with its interval over that conversation's questions alone
+    (the pooled intervals hold for these conversations together, not for each)."""
+    out = []
+    if default is None:
+        return out
+    for cid in sorted({k[0] for k in keys}):
+        own = [k for k in keys if k[0] == cid]
+        index = resamples(len(own))
+        for (method, budget) in sorted((r for r in rows.by_row if r[0] == default),
+                                       key=lambda r: r[1] or 0):
+            line = {"conversation_id": cid, "budget": budget, "questions": len(own),
+                    "answer": bootstrap_retention(rows.arrays((method, budget), own, "answer"),
+                                                  index), "leads": {}}
+            for other in rows.by_row:
+                if other[0] in (NO_HISTORY, "full", default) or other[1] not in (budget, None):
+                    continue
+                line["leads"][f"{other[0]}@{other[1] or '-'}"] = paired_difference(
+                    rows.arrays((method, budget), own, "answer"),
+                    rows.arrays(other, own, "answer"), index)
+            out.append(line)
+    return out
+
+
+def per_conversation_mean(records: dict[Key, dict], keys: list[Key], value) -> float:
+    """The mean over conversations of `value(record)` of each conversation's first record (a
+    figure of the conversation, not of a question: bytes stored, build tokens)."""
+    first: dict[str, dict] = {}
+    for k in keys:
+        if k in records:
+            first.setdefault(k[0], records[k])
+    return _mean(value(r) for r in first.values())
+
+
+def costs(got: dict[Key, dict], keys: list[Key]) -> dict:
+    """What a row costs beside what it answers: tokens prefilled at question time (its top-up;
+    the question itself is the same in every row), bytes stored per conversation (its caches,
+    and the turn index where it reads a top-up), bytes a cold question fetches (the cache(s)
+    it reads and the turn index), and the tokens its build ran through the model per
+    conversation, also in prefills of the conversation."""
+    topped = {k[0] for k in keys if k in got and (got[k].get("topup_tokens") or 0) > 0}
+
+    def stored(r: dict) -> float:
+        index = r.get("turn_index_bytes") or 0 if r["conversation_id"] in topped else 0
+        return (r.get("stored_cache_bytes") or float("nan")) + index
+
+    def prefills(r: dict) -> float:
+        tokens = r.get("conversation_tokens")
+        return (r.get("build_tokens") or float("nan")) / tokens if tokens else float("nan")
+
+    return {"question_prefill": _row_mean(got, keys, "topup_tokens"),
+            "stored_bytes": per_conversation_mean(got, keys, stored),
+            "fetched_bytes": _row_mean(got, keys, "fetched_bytes"),
+            "build_tokens": per_conversation_mean(got, keys, lambda r: r.get("build_tokens")),
+            "build_prefills": per_conversation_mean(got, keys, prefills)}
+
+
 def group_scorecard(records: list[dict], default: str | None,
-                    conversations: set[str] | None = None) -> dict:
+                    conversations: set[str] | None = None, reference: str | None = None) -> dict:
     """The scorecard of one group of conversations (all when None): per (method, budget) row,
     each measure's retention with its interval, "over retrieval", the default's paired lead
     on each headline measure, and the decode-time entries; and each measure's signal, for the
     group and per conversation."""
     rows = Rows.of(records)
-    keys = rows.keys(conversations)
+    keys = rows.keys(conversations, reference)
     index = resamples(len(keys))
     rag, ceiling = (rows.values((r, None), keys, "answer_nll") for r in (RAG, CEILING))
     has_retrieval_rows = np.isfinite(rag).any() and np.isfinite(ceiling).any()
+    retrieval_gap = retrieval_signal(rag, ceiling) if has_retrieval_rows else None
     table = []
     for (method, budget), got in rows.by_row.items():
         if method in (NO_HISTORY,) or not any(k in got for k in keys):
@@ -283,16 +425,19 @@ def group_scorecard(records: list[dict], default: str | None,
                                   if k in got and got[k].get("route_hit") is not None),
                "f1": _row_mean(got, keys, "f1"),
                "answered": sum(1 for k in keys if k in got and got[k].get("prediction")
-                               is not None)}
+                               is not None), **costs(got, keys)}
         line |= {m: bootstrap_retention(t, index) for m, t in triples.items()}
         if has_retrieval_rows:
             line["over_retrieval"] = bootstrap_retention(
-                np.stack([triples["answer"][0], rag, ceiling]), index)
+                np.stack([triples["answer"][0], rag, ceiling]), index) | {
+                "low": retrieval_gap["low"]}
         if default is not None and (default, budget) in rows.by_row and method != default:
             line["default_minus_row"] = {m: paired_difference(
                 rows.arrays((default, budget), keys, m, [(method, budget)]),
                 rows.arrays((method, budget), keys, m, [(default, budget)]), index)
                 for m in HEADLINE}
+            line["default_minus_row_nats"] = nats_difference(
+                rows.arrays((default, budget), keys, "answer"), triples["answer"], index)
             theirs = _row_mean(rows.by_row[(default, budget)], keys, "decode_entries")
             if budget is not None and abs(line["decode_entries"] / theirs - 1) > \
                     EQUAL_ENTRIES_SLACK:
@@ -305,14 +450,33 @@ def group_scorecard(records: list[dict], default: str | None,
     for cid in sorted({k[0] for k in keys}):
         own = [k for k in keys if k[0] == cid]
         by_conversation[cid] = {m: signal(rows, own, m) for m in MEASURES}
-    return {"questions": len(keys), "rows": table, "breakdown": breakdown(rows, keys),
+    return {"questions": len(keys), "rows": table, "breakdown": breakdown(rows, keys, default),
+            "best": best_rows(table, rows, keys, index, default),
+            "per_conversation": per_conversation(rows, keys, default),
             "signal": {m: signal(rows, keys, m) for m in MEASURES},
+            "retrieval_signal": retrieval_gap,
             "signal_by_conversation": by_conversation}
+
+
+SPREAD = "-spread"  # a group's questions whose evidence spreads past one oracle window
 
 
 def scorecard(records: list[dict], default: str | None,
               groups: dict[str, list[str]] | None = None) -> dict:
-    """`group_scorecard` of every group (name -> conversation ids); one group `all` when none."""
-    if not groups:
-        return {"all": group_scorecard(records, default)}
-    return {name: group_scorecard(records, default, set(ids)) for name, ids in groups.items()}
+    """`group_scorecard` of every group (name -> conversation ids; one group `all` when none).
+    Where some questions' full-history reference is their evidence sessions (whole
+    conversations, evidence spread past one window: `pipeline.eval.window`), a group's card
+    holds the questions read against an oracle window, and `<group>-spread` those."""
+    groups = groups or {"all": None}
+    kinds = {r.get("reference") for r in records if r["method"] == "full"} - {None}
+    out = {}
+    for name, ids in groups.items():
+        conversations = None if ids is None else set(ids)
+        if EVIDENCE_SESSIONS not in kinds:
+            out[name] = group_scorecard(records, default, conversations)
+            continue
+        out[name] = group_scorecard(records, default, conversations, SESSION_RUN)
+        spread = group_scorecard(records, default, conversations, EVIDENCE_SESSIONS)
+        if spread["questions"]:
+            out[name + SPREAD] = spread
+    return out

@@ -392,7 +392,14 @@ def test_the_fair_rows_run_at_the_defaults_decode_time_entries(tmp_path, tiny_ll
         assert sum(r["topup_tokens"] > 0 for r in rows[name]) >= len(rows[name]) / 2, name
     assert all(r["topup_tokens"] == 0 for r in rows["snapkv"])
     target = sum(r["decode_entries"] for r in rows["epicache"]) / len(rows["epicache"])
-    topup = sum(r["topup_tokens"] for r in rows["rag"]) / len(rows["rag"])
+    own_rag = [r for r in rows["rag"] if r["budget"] is None]
+    topup = sum(r["topup_tokens"] for r in own_rag) / len(own_rag)
+    # rag also at the default's entries: reported at its budget, as many nearest turns as fit
+    # the entries less its no-history prompt (here a little less than its own top-up)
+    sized = [r for r in rows["rag"] if r["budget"] == 32]
+    assert len(sized) == len(own_rag)
+    assert all(r["topup_tokens"] <= round(target - r["kept_entries"]) for r in sized)
+    assert sum(r["decode_entries"] for r in sized) / len(sized) > 0.8 * target
     assert {r["budget"] for r in rows["snapkv"] + rows["snapkv+topup.enabled=true"]} == {32}
     assert {r["cache_budget"] for r in rows["snapkv"]} == {round(target)}
     assert {r["cache_budget"] for r in rows["snapkv+topup.enabled=true"]} == {round(target - topup)}

@@ -142,3 +142,51 @@ def test_a_cell_that_generates_answers_is_kept_apart_and_serves_a_run_that_does_
     other.add("epicache", EvalConfig(generate=True, generate_questions=3,
                                      generate_methods=("epicache",)))
     assert kept_or_none(kept, other) is None  # other answers asked for: computed again
+
+
+def test_a_cell_key_holds_everything_its_records_depend_on():
+    """The oracle window picks the questions every cell measures, and the encoder chooses the
+    top-up any cell's reads may read: changing either gives every cell a new key (a cell kept
+    before would pair other questions, or stale top-ups)."""
+    from pipeline.corpus.synthetic import make_corpus
+    from pipeline.eval.methods import NO_HISTORY
+    from pipeline.eval.runner import cell_key, conversation_digest
+
+    conv = make_corpus(1, 300, seed=1)[0]
+    digest = conversation_digest(conv)
+    whole = EvalConfig(reference_window=7600)
+    other_encoder = EvalConfig(replace_build(encoder="another-encoder"))
+    for method, budget in ((NO_HISTORY, None), ("rag", None), ("full", None),
+                           ("snapkv", 512), ("epicache", 512)):
+        plain = cell_key(conv, digest, method, budget, CONFIG, None)
+        assert cell_key(conv, digest, method, budget, whole, None) != plain, method
+        assert cell_key(conv, digest, method, budget, other_encoder, None) != plain, method
+    # rag and the no-history reference share their cell (rag is a read of it)
+    assert cell_key(conv, digest, "rag", None, CONFIG, None) == \
+        cell_key(conv, digest, NO_HISTORY, None, CONFIG, None)
+
+
+def replace_build(**changes):
+    from dataclasses import replace
+
+    from pipeline.config import BuildConfig
+    return replace(BuildConfig(), **changes)
+
+
+def test_a_kept_cell_gains_the_reads_it_lacked_and_loses_none(tmp_path):
+    """A run asking a kept cell for one more read measures that read alone, and keeps the cell
+    with every read's fields; a computed cell for other questions replaces the kept one."""
+    from pipeline.eval.runner import Cell, merged_records, missing_reads
+
+    wide = Read(None, TopUpConfig(turns=None, max_tokens=700))
+    plain_read = CONFIG.read_of("rag")
+    kept_records = [{"question_index": 0, f"{plain_read.prefix}evidence_nll": 2.0}]
+    cell = Cell("c", None, "cells/c/d/x.parquet", ["rag"], kept_records=kept_records)
+    cell.add("rag", CONFIG)
+    cell.add_sized("rag", 512, wide)
+    assert missing_reads(cell) == (wide,)
+    computed = [{"question_index": 0, f"{wide.prefix}evidence_nll": 1.5}]
+    merged = merged_records(kept_records, computed)
+    assert merged == [kept_records[0] | computed[0]]
+    assert merged_records(kept_records, [{"question_index": 1}]) == [{"question_index": 1}]
+    assert missing_reads(Cell("c", None, "k", ["rag"], reads=(wide,))) == (wide,)

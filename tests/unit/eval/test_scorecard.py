@@ -150,3 +150,105 @@ def test_a_row_reading_more_entries_is_compared_with_the_default_at_its_entries(
     assert fair["value"] == pytest.approx(-0.05, abs=0.02) and fair["lo"] < fair["value"]
     assert rows[("wider", 1024)]["default_minus_row_at_its_entries"] == {}  # past the curve
     assert "default_minus_row_at_its_entries" not in rows[("epicache", 1024)]
+
+
+def _costed(n: int = 24) -> list[dict]:
+    """Two conversations; the default reads a top-up and stores 4 MiB of caches a conversation
+    built from 3 prefills of it, rag at the default's entries (budget 512) reads more turns,
+    holding the evidence turn "a" on the even questions only, and the ceiling is 0.1 nats
+    better than rag alone on answers (a low gap)."""
+    rng = np.random.default_rng(3)
+    records = []
+    for q in range(n):
+        conv = "c1" if q < n // 2 else "c2"
+        low = 5.0 + rng.normal(0, 0.3)
+        common = {"conv": conv, "category": 1 + q % 2, "evidence": ["a"],
+                  "conversation_tokens": 1000, "turn_index_bytes": 2 ** 20}
+        held = ("a",) if q % 2 == 0 else ("x",)
+        records += [
+            _record("none", None, q, low, {"a": low}, **common),
+            _record("full", None, q, low - 1.0, {"a": low - 1.0}, **common),
+            _record("epicache", 512, q, low - 0.6 - (0.4 if q % 2 else 0), {"a": low - 0.6},
+                    topup=("y",), stored_cache_bytes=4 * 2 ** 20, build_tokens=3000,
+                    fetched_bytes=2 ** 20 + 2 ** 20, **common),
+            _record(RAG, 512, q, low - 0.8, {"a": low - 0.8}, topup=held + ("z",), **common),
+            _record(RAG, None, q, low - 0.5, {"a": low - 0.5}, topup=("y",), **common),
+            _record(CEILING, None, q, low - 0.6, {"a": low - 0.6}, topup=("y",), **common)]
+    return records
+
+
+def test_each_row_carries_its_costs_beside_its_answers():
+    card = group_scorecard(_costed(), "epicache")
+    rows = {(r["method"], r["budget"]): r for r in card["rows"]}
+    default = rows[("epicache", 512)]
+    # its caches and the turn index, once a conversation (not once a question)
+    assert default["stored_bytes"] == 5 * 2 ** 20
+    assert default["fetched_bytes"] == 2 * 2 ** 20
+    assert default["build_tokens"] == 3000 and default["build_prefills"] == pytest.approx(3.0)
+    assert default["question_prefill"] == 10
+    assert rows[("full", None)]["question_prefill"] == 0  # no top-up: nothing at question time
+    # the answer lead in nats: rag at 512 is 0.8 nats better than no history, the default
+    # 0.6 on the even questions and 1.0 on the odd: on average as good
+    nats = rows[(RAG, 512)]["default_minus_row_nats"]
+    assert nats["value"] == pytest.approx(0.0, abs=0.01) and nats["lo"] < 0 < nats["hi"]
+
+
+def test_over_retrieval_is_flagged_where_its_gap_is_too_small_to_judge_by():
+    card = group_scorecard(_costed(), "epicache")
+    assert card["retrieval_signal"]["value"] == pytest.approx(0.1, abs=0.01)
+    assert card["retrieval_signal"]["low"]
+    rows = {(r["method"], r["budget"]): r for r in card["rows"]}
+    assert rows[("epicache", 512)]["over_retrieval"]["low"]
+    assert not group_scorecard(_run(), "epicache")["retrieval_signal"]["low"]
+
+
+def test_leads_by_category_and_by_whether_retrievals_turns_hold_the_evidence():
+    """The default answers the odd questions (category 2, where rag's turns miss the evidence)
+    0.4 nats better than the even ones: against rag at its budget it leads there and trails
+    on the others."""
+    card = group_scorecard(_costed(), "epicache")
+    lines = {(line["method"], line["budget"], line["by"], line["group"]): line
+             for line in card["breakdown"]}
+    miss = lines[(RAG, 512, "retrieval", "none")]["default_minus_row"]
+    hold = lines[(RAG, 512, "retrieval", "all")]["default_minus_row"]
+    assert miss["value"] == pytest.approx(0.2, abs=0.02) and miss["lo"] > 0
+    assert hold["value"] == pytest.approx(-0.2, abs=0.02) and hold["hi"] < 0
+    assert lines[(RAG, 512, "category", "temporal")]["default_minus_row"]["value"] == \
+        pytest.approx(miss["value"])
+    # a row without a budget is grouped by rag's own top-up (which never holds "a"), and has
+    # no lead: the default runs at no budget there
+    assert {g for m, b, by, g in lines if (m, by) == (CEILING, "retrieval")} == {"none"}
+    assert "default_minus_row" not in lines[(CEILING, None, "category", "multi-hop")]
+
+
+def test_the_best_row_at_each_budget_is_named_with_its_lead_over_the_next():
+    card = group_scorecard(_costed(), "epicache")
+    [answers] = [b for b in card["best"] if b["measure"] == "answer"]
+    # epicache and rag@512 both reach 0.8 of the gap on average, rag alone 0.5
+    assert {answers["best"]["method"], answers["next"]["method"]} == {"epicache", RAG}
+    assert answers["budget"] == 512 and answers["lead"]["lo"] < 0 < answers["lead"]["hi"]
+
+
+def test_intervals_are_given_per_conversation_too():
+    card = group_scorecard(_costed(), "epicache")
+    lines = {line["conversation_id"]: line for line in card["per_conversation"]}
+    assert set(lines) == {"c1", "c2"} and lines["c1"]["questions"] == 12
+    lead = lines["c1"]["leads"]["rag@-"]
+    assert lead["lo"] <= lead["value"] <= lead["hi"]
+    assert set(lines["c1"]["leads"]) == {"rag@512", "rag@-", f"{CEILING}@-"}
+
+
+def test_a_row_without_a_budget_competes_only_where_it_reads_no_more_than_the_default():
+    """A wide retrieval row answers best of all but reads 10x the default's entries: it is not
+    the best row at the default's budget; a narrow one that answers better is."""
+    records = _costed()
+    for r in [r for r in records if (r["method"], r["budget"]) == (RAG, None)]:
+        wide = dict(r, method="rag+topup.max_tokens=2000", decode_entries=2000.0,
+                    answer_nll=r["answer_nll"] - 2.0)
+        narrow = dict(r, method="rag+topup.max_tokens=90", decode_entries=90.0,
+                      answer_nll=r["answer_nll"] - 1.0)
+        records += [wide, narrow]
+    [answers] = [b for b in group_scorecard(records, "epicache")["best"]
+                 if b["measure"] == "answer"]
+    assert answers["best"]["method"] == "rag+topup.max_tokens=90"
+    assert answers["best"]["budget"] is None and answers["lead"]["lo"] > 0

@@ -6,7 +6,8 @@ from __future__ import annotations
 from pipeline.corpus.render import render_conversation
 from pipeline.corpus.schema import Conversation, Question, Turn
 from pipeline.corpus.synthetic import make_corpus
-from pipeline.eval.window import evidence_windows
+from pipeline.eval.window import (EVIDENCE_SESSIONS, SESSION_RUN, evidence_windows,
+                                  sessions_window)
 
 
 def chars(text: str) -> int:
@@ -42,7 +43,7 @@ def _conversation(sessions: int, turns_per_session: int = 3) -> Conversation:
     return Conversation("c", ("A", "B"), turns)
 
 
-def test_a_question_reads_the_window_centred_on_its_evidence_and_none_when_it_spans_more():
+def test_a_question_reads_the_window_centred_on_its_evidence_or_its_evidence_sessions():
     conv = _conversation(9)
     per_session = chars(render_conversation(_conversation(1)).text)
     limit = 3 * per_session + 10  # about three sessions a window
@@ -50,8 +51,33 @@ def test_a_question_reads_the_window_centred_on_its_evidence_and_none_when_it_sp
     spread = Question("q", "a", ("D1:1", "D9:1"))
     early = Question("q", "a", ("D1:3",))
     found = evidence_windows(conv, [middle, spread, early], limit, chars)
-    assert found.of_question[1] is None
     window = found.windows[found.of_question[0]].meta["window"]
     assert (window["first_session"] + window["last_session"]) / 2 == 5  # centred on session 5
     assert found.windows[found.of_question[2]].meta["window"]["first_session"] == 1
-    assert len(found.windows) == 2  # only the windows read
+    assert [found.kind(i) for i in range(3)] == [SESSION_RUN, EVIDENCE_SESSIONS, SESSION_RUN]
+    # spread past one window: sessions 1 and 9 whole, in order, nothing between them
+    sessions = found.windows[found.of_question[1]]
+    assert sessions_of(sessions) == [1, 1, 1, 9, 9, 9]
+    assert len(found.windows) == 3  # only the windows read
+
+
+def test_evidence_sessions_too_long_for_the_window_keep_the_turns_nearest_the_evidence():
+    conv = _conversation(4, turns_per_session=9)
+    question = Question("q", "a", ("D1:5", "D4:1"))
+    whole = chars(render_conversation(sessions_window(conv, question, 10 ** 6, chars)).text)
+    window = sessions_window(conv, question, whole // 2, chars)
+    kept = [t.turn_id for t in window.turns]
+    assert chars(render_conversation(window).text) <= whole // 2
+    assert {"D1:5", "D4:1"} <= set(kept) and {t.session for t in window.turns} == {1, 4}
+    radius = window.meta["window"]["radius"]
+    assert radius >= 1 and kept == [t.turn_id for t in conv.turns if t.session == 1 and
+                                    abs(int(t.turn_id.split(":")[1]) - 5) <= radius or
+                                    t.session == 4 and int(t.turn_id.split(":")[1]) - 1 <= radius]
+    # one more turn each side would not fit
+    wider = [t for t in conv.turns if t.session == 1 and
+             abs(int(t.turn_id.split(":")[1]) - 5) <= radius + 1 or
+             t.session == 4 and int(t.turn_id.split(":")[1]) - 1 <= radius + 1]
+    assert chars(render_conversation(Conversation("c", ("A", "B"), tuple(wider))).text) > \
+        whole // 2
+    tiny = sessions_window(conv, question, 1, chars)  # nothing fits: the evidence turns alone
+    assert [t.turn_id for t in tiny.turns] == ["D1:5", "D4:1"]
