@@ -11,6 +11,8 @@ its arguments and builds before loading them.
 from __future__ import annotations
 
 import time
+import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +20,8 @@ import torch
 
 from pipeline.answer.answerer import Answerer
 from pipeline.answer.decode import decode_answer
+from pipeline.builder.append import read_stored_cache
+from pipeline.builder.conversation import build_conversation
 from pipeline.config import BuildConfig
 from pipeline.corpus.schema import Conversation
 from pipeline.eval.cell import history_ids, measure_all, prepare
@@ -27,6 +31,7 @@ from pipeline.kv import models
 from pipeline.kv.cache import EpisodicCache
 from pipeline.kv.methods.full import Full
 from pipeline.kv.prefill import block_prefill
+from pipeline.store.backends.memory import MemoryStore
 from pipeline.store.objects import cache_format
 
 CACHES = ("episodic", "full")  # the two caches every question is answered from
@@ -42,18 +47,24 @@ def answerer(store: Path, threads: int) -> Answerer:
 
 def reference_caches(lm: models.LoadedModel, conv: Conversation,
                      config: BuildConfig) -> tuple[EpisodicCache, EpisodicCache]:
-    """The full cache (the whole history, no eviction) and the no-history cache (template and
-    header only) of the conversation as built. Both go through the store's dtype, as an
-    episode's cache does, so the episodic and full answers differ by eviction alone."""
-    dtype = getattr(torch, config.store_dtype)
-    caches = []
-    for turns in (True, False):
-        cache, _ = block_prefill(lm.model, history_ids(lm.tokenizer, conv, turns), Full(),
-                                 None, config.prefill)
-        data = cache_format.serialize(cache, {"conversation_id": conv.conversation_id}, dtype)
-        caches.append(cache_format.deserialize(data, None, dtype=lm.model.dtype,
-                                           device=lm.model.device)[0])
-    return caches[0], caches[1]
+    """The full cache and the no-history cache of the conversation as built. The full cache is
+    the product's one build with nothing evicted (`build_conversation` with the `full` method,
+    into a store in memory), read back as an episode's cache is read: both the episodic and the
+    full cache go through the store's dtype, so their answers differ by eviction alone. The
+    no-history cache (template and header only) has no conversation to build: it is prefilled
+    whole and taken through the store's dtype alike."""
+    store = MemoryStore(f"demo-reference-{uuid.uuid4().hex}")
+    try:
+        built = build_conversation(conv, replace(config, scorer="full", budget=None), store)
+        full = read_stored_cache(store, built.records[0], lm.model)
+    finally:
+        store.drop()
+    cache, _ = block_prefill(lm.model, history_ids(lm.tokenizer, conv, turns=False), Full(),
+                             None, config.prefill)
+    data = cache_format.serialize(cache, {"conversation_id": conv.conversation_id},
+                                  getattr(torch, config.store_dtype))
+    none = cache_format.deserialize(data, None, dtype=lm.model.dtype, device=lm.model.device)[0]
+    return full, none
 
 
 def timed_answer(lm: models.LoadedModel, cache: EpisodicCache, question: str,

@@ -117,7 +117,7 @@ def reference_nlls(lm, conv: Conversation, questions: list, config: EvalConfig
 def timed_build(conv: Conversation, config: BuildConfig, store: LocalStore,
                 growth: GrowthConfig) -> tuple[list, float]:
     start = time.perf_counter()
-    records = build_conversation(conv, config, store, growth)
+    records = build_conversation(conv, config, store, growth).records
     return records, time.perf_counter() - start
 
 
@@ -131,7 +131,7 @@ def run_conversation(conv: Conversation, budgets: list[int], args, root: Path) -
     eval_config = EvalConfig(build=BuildConfig(model=args.model, encoder=args.encoder))
     configs = {b: BuildConfig(model=args.model, encoder=args.encoder, budget=b) for b in budgets}
     appended = {b: LocalStore(root / f"{conv.conversation_id}-{b}-append") for b in budgets}
-    tokens_before = {b: build_conversation(steps[0], configs[b], appended[b])[0].tokens
+    tokens_before = {b: build_conversation(steps[0], configs[b], appended[b]).records[0].tokens
                      for b in budgets}  # the first sessions, built once
     rows = []
     for k, step in enumerate(steps[1:], start=1):

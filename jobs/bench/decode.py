@@ -5,7 +5,7 @@ full cache, split into embed, route, load and decode.
         [--max-new-tokens 32] [--store DIR] [--threads 2] [--return-freed-memory]
 
 A synthetic conversation of about `--tokens` tokens is built twice into a local store with the
-real pipeline (`pipeline.builder.build_conversation`): as EpiCache episodes under `--budget`,
+real pipeline (`pipeline.builder.conversation.build_conversation`): as EpiCache episodes under `--budget`,
 and as one full cache. Then each planted question is answered by `pipeline.answer.Answerer`
 from both stores, and from the episodic store with the question-time top-up
 (`pipeline.answer.topup`: its nearest turns the episode lacks prefilled before the question;
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, config in (("episodic", episodic), ("full", full)):
         done = is_built(stores[name], conv.conversation_id, config, files_of(config))
         records = read_manifest(stores[name], conv.conversation_id) if done else \
-            build_conversation(conv, config, stores[name])
+            build_conversation(conv, config, stores[name]).records
         entries[name] = statistics.mean(e for r in records for e in r.entries_per_layer)
         index = f", turn index {records[0].turn_index_bytes / 1024:.0f} KiB" \
             if records[0].turn_index_bytes else ""

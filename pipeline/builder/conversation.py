@@ -1,19 +1,27 @@
-"""Stage 4 of a build, the commit, and the whole build of one conversation in one process.
+"""Stage 4 of a build, the commit, and the one build of a conversation (`build_conversation`).
 
-The manifest is the commit point: it is written last, once every object it names is in the store
-at the size written. The Ray job (`pipeline.builder.driver`) fans the same stages out as tasks.
+A conversation's build is, in this order: the build's basis (stage 2: the layer budgets and the
+model files, once per build), the skip check against its stored version (`stored_version`), the
+plan (stage 1: clustered, appended to or repaired, its turn index stored), each planned episode
+prefilled and stored (stage 3), then the commit (`commit_build`: the manifest written last, once
+every object it names is in the store at the size written, with the build's model files).
+`build_conversation` runs them in one process (the benchmarks, the tests, the evaluation's cells,
+the demo's full-history reference); the Ray driver (`pipeline.builder.driver`) runs the same
+stage functions in the same order, stages 1 and 3 as tasks, and commits through `commit_build`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import NamedTuple
 
 from pipeline.builder.append import prefill_episode
-from pipeline.builder.plan import plan_conversation
-from pipeline.builder.profile import layer_budgets
-from pipeline.builder.repair import Damage, RepairPlan, find_damage
+from pipeline.builder.episode import BuiltEpisode
+from pipeline.builder.plan import Plan, kept_records, plan_conversation, prefilled_episodes
+from pipeline.builder.profile import BuildBasis, build_basis
+from pipeline.builder.repair import Damage, find_damage
 from pipeline.config import BuildConfig, GrowthConfig, ModelFingerprints
 from pipeline.corpus.history import history_change, turns_digest
 from pipeline.corpus.schema import Conversation
@@ -47,6 +55,12 @@ class StoredVersion(NamedTuple):
     reason: str | None  # why it is built again; None: current, skipped
     records: list[ManifestRecord] | None  # its manifest's (None: none that reads)
     damage: Damage | None = None  # what its objects lack ("damaged": repaired)
+
+    @property
+    def planned_from(self) -> list[ManifestRecord] | None:
+        """The stored records stage 1 plans from: those of a conversation that grew (appended
+        to) or whose objects are damaged (repaired); None: it is clustered afresh."""
+        return self.records if self.reason in ("grown", "damaged") else None
 
 
 def stored_version(store: Store, conversation_id: str, config: BuildConfig,
@@ -142,24 +156,49 @@ def commit_manifest(store: Store, conversation_id: str, records: list[ManifestRe
     write_manifest(store, conversation_id, records)
 
 
+def commit_build(store: Store, source: Conversation, records: list[ManifestRecord],
+                 files: ModelFingerprints) -> list[ManifestRecord]:
+    """Stage 4: the records marked with the record they were built from (`with_source`: what
+    the next build's skip check compares), then committed (`commit_manifest`, checked against
+    the build's model files). Returns the records as committed."""
+    records = with_source(records, source)
+    commit_manifest(store, source.conversation_id, records, files)
+    return records
+
+
+# Stage 3 as a caller runs it: `prefill_episode` (the record only, as a Ray task returns it;
+# any plan) or `pipeline.builder.episode.build_episode_cache` (a clustering's episode with its
+# cache kept in memory as built, `BuiltEpisode`: what the evaluation measures).
+EpisodeStage = Callable[[Plan, int, list[int] | None, BuildConfig, Store],
+                        ManifestRecord | BuiltEpisode]
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltConversation:
+    """A conversation's build, committed: its manifest's records (by episode), stage 1's plan
+    (the conversation as built, its episodes, its turn index), and the caches of the episodes
+    prefilled, as built, where stage 3 kept them (`build_episode_cache`; none otherwise)."""
+    records: list[ManifestRecord]
+    planned: Plan
+    built: tuple[BuiltEpisode, ...] = ()
+
+
 def build_conversation(conv: Conversation, config: BuildConfig, store: Store,
-                       growth: GrowthConfig = GrowthConfig(),
-                       verify: bool = False) -> list[ManifestRecord]:
-    """The whole build of one conversation in this process (the Ray job fans the same steps
-    out): a conversation that grew since its stored build is appended to when `growth`
-    allows, and one whose stored objects are damaged has those rebuilt. A current one is
-    built again (callers skip it: `is_built`)."""
-    lm = models.load_llm(config.model)
-    files = ModelFingerprints(lm.fingerprint, models.encoder_fingerprint(config.encoder))
-    reason, previous, damage = stored_version(store, conv.conversation_id, config, files, conv,
-                                              verify)
-    planned = plan_conversation(conv, config, previous if reason in ("grown", "damaged")
-                                else None, growth, store, damage)
-    budgets = layer_budgets(store, config, lm.config.num_hidden_layers)
-    episodes = planned.damaged if isinstance(planned, RepairPlan) else range(planned.n_episodes)
-    records = [prefill_episode(planned, e, budgets, config, store) for e in episodes]
-    if isinstance(planned, RepairPlan):
-        records += planned.kept()
-    records = with_source(records, conv)
-    commit_manifest(store, conv.conversation_id, records, files)
-    return sorted(records, key=lambda r: r.episode)
+                       growth: GrowthConfig = GrowthConfig(), verify: bool = False, *,
+                       basis: BuildBasis | None = None,
+                       prefill: EpisodeStage = prefill_episode) -> BuiltConversation:
+    """The one build of a conversation, every stage in this process (the Ray driver runs the
+    same stages as tasks): a conversation that grew since its stored build is appended to when
+    `growth` allows, one whose stored objects are damaged has those rebuilt (`verify`: read and
+    checksummed to find them), any other is built whole (a current one too: callers skip it,
+    `is_built`). `basis` gives the budgets and model files when the caller has them (the
+    evaluation allocates its budgets from a profile of its own); `prefill` is stage 3."""
+    basis = build_basis(store, config) if basis is None else basis
+    version = stored_version(store, conv.conversation_id, config, basis.files, conv, verify)
+    planned = plan_conversation(conv, config, version.planned_from, growth, store,
+                                version.damage)
+    done = [prefill(planned, e, basis.budgets, config, store) for e in prefilled_episodes(planned)]
+    built = tuple(d for d in done if isinstance(d, BuiltEpisode))
+    records = [d.record if isinstance(d, BuiltEpisode) else d for d in done]
+    records = commit_build(store, conv, records + list(kept_records(planned)), basis.files)
+    return BuiltConversation(sorted(records, key=lambda r: r.episode), planned, built)

@@ -1,15 +1,18 @@
 """The Ray driver of a build: the corpus streamed through the stages under a bound on tasks.
 
-Stages per conversation: a clustering task (CPU), then one block-prefill task per episode (GPU
-when the cluster has one), then the manifest commit (the driver writes it once every episode is
-stored). A conversation whose record grew since its build is planned instead of clustered
+The stages are those of `pipeline.builder.conversation.build_conversation`, the same functions
+in the same order, fanned out: the build's basis once (a budgets task), then per conversation
+the skip check (`stored_version`, in the driver), a planning task (CPU: `plan_conversation`),
+one task per planned episode (GPU when the cluster has one: `prefill_episode`), then the commit
+(`commit_build`: the driver's commit thread writes the manifest once every episode is stored).
+A conversation whose record grew since its build is planned instead of clustered
 (`pipeline.builder.growth`), and its episode tasks append the new turns to the stored caches.
 The driver keeps at most `max_in_flight` tasks submitted (`ray.wait`) and streams the corpus,
-so its memory does not grow with the corpus. Conversations whose manifest already
-carries this configuration's hash and the fingerprints of the model files the budgets task
-found, and whose objects are all in the store at their recorded sizes, are skipped; one whose
-objects are not has those repaired (`pipeline.builder.repair`). Committed rows are also appended, in batches, to
-the store's manifest table (`pipeline.store.catalogue.table_sync.IndexWriter`).
+so its memory does not grow with the corpus. Conversations whose manifest already carries this
+configuration's hash and the fingerprints of the model files the budgets task found, and whose
+objects are all in the store at their recorded sizes, are skipped; one whose objects are not
+has those repaired (`pipeline.builder.repair`). Committed rows are also appended, in batches,
+to the store's manifest table (`pipeline.store.catalogue.table_sync.IndexWriter`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import ray
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from pipeline.builder.conversation import commit_manifest, stored_version, with_source
+from pipeline.builder.conversation import StoredVersion, commit_build, stored_version
 from pipeline.builder.job import BuildError, OpenedJob, Summary
 from pipeline.builder.repair import Damage
 from pipeline.builder.sources import corpus_objects
@@ -187,24 +190,24 @@ class _Driver:
     def _admit(self) -> bool:
         for conv in self.conversations:
             cid = conv.conversation_id
-            reason, previous, damage = None, None, None
+            version = StoredVersion(None, None)  # no manifest when the build began: built whole
             if cid in self.built_before:
-                reason, previous, damage = stored_version(self.store, cid, self.config,
-                                                          self.files, conv, self.verify)
-                if reason is None:
+                version = stored_version(self.store, cid, self.config, self.files, conv,
+                                         self.verify)
+                if version.reason is None:
                     self.summary.skipped += 1
                     self.metrics.conversation("skipped")
                     self.bar.update(1)
                     continue
-                if damage is not None:
-                    log.warning("repairing %s: %s", cid, damage.describe())
-                elif reason != "grown":
-                    log.info("rebuilding %s: %s", cid, reason)
+                if version.damage is not None:
+                    log.warning("repairing %s: %s", cid, version.damage.describe())
+                elif version.reason != "grown":
+                    log.info("rebuilding %s: %s", cid, version.reason)
             count_ref, clustered_ref = self.cluster_fn.remote(
-                conv, self.config_ref, previous if reason in ("grown", "damaged") else None,
-                self.growth_ref, self.store, damage)
+                conv, self.config_ref, version.planned_from, self.growth_ref, self.store,
+                version.damage)
             self.convs[cid] = _Conversation(clustered=clustered_ref, outstanding=1, source=conv,
-                                            rebuilt=reason, damage=damage)
+                                            rebuilt=version.reason, damage=version.damage)
             self.submit(count_ref, "cluster", cid)
             return True
         return False
@@ -286,8 +289,7 @@ class _Driver:
             try:
                 if self.index is not None:
                     self.index.begin(cid)
-                conv.records = with_source(conv.records, conv.source)
-                commit_manifest(self.store, cid, conv.records, self.files)
+                conv.records = commit_build(self.store, conv.source, conv.records, self.files)
                 if conv.appended:
                     self.summary.appended += 1
                 elif conv.repaired is not None:

@@ -17,12 +17,27 @@ from pipeline.kv import models
 from pipeline.store.backends.base import Store
 from pipeline.store.catalogue.manifest import ManifestRecord
 
+Plan = ClusterResult | AppendPlan | RepairPlan  # stage 1's product, whichever way it went
+
+
+def prefilled_episodes(planned: Plan) -> tuple[int, ...]:
+    """The episodes stage 3 prefills: a repair's damaged ones, every episode otherwise (the Ray
+    driver gives each one a task; the in-process build runs them in turn)."""
+    if isinstance(planned, RepairPlan):
+        return planned.damaged
+    return tuple(range(planned.n_episodes))
+
+
+def kept_records(planned: Plan) -> tuple[ManifestRecord, ...]:
+    """The stored records committed again as they are: a repair's undamaged episodes (none for
+    a clustering or an append, whose every episode is prefilled)."""
+    return planned.kept() if isinstance(planned, RepairPlan) else ()
+
 
 def plan_conversation(conv: Conversation, config: BuildConfig,
                       previous: list[ManifestRecord] | None = None,
                       growth: GrowthConfig = GrowthConfig(),
-                      store: Store | None = None, damage: Damage | None = None
-                      ) -> ClusterResult | AppendPlan | RepairPlan:
+                      store: Store | None = None, damage: Damage | None = None) -> Plan:
     """Stage 1: the clustering of `conv`; or, given the stored version of a conversation that
     grew (`previous`), the plan of appending its new turns when the growth rule allows it; or,
     given the `damage` of a current stored version, the plan of its repair when its manifest

@@ -1,12 +1,14 @@
-"""Stage 2 of a build: the model's layer profile (measured once, stored) and the layer budgets."""
+"""Stage 2 of a build: the model's layer profile (measured once, stored), the layer budgets, and
+the model files the build runs with (`build_basis`: found once per build)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import time
+from typing import NamedTuple
 
-from pipeline.config import BuildConfig
+from pipeline.config import BuildConfig, ModelFingerprints
 from pipeline.corpus.render import render_conversation
 from pipeline.corpus.synthetic import make_conversation
 from pipeline.kv import models, prompts
@@ -67,3 +69,19 @@ def layer_budgets(store: Store, config: BuildConfig, n_layers: int) -> list[int]
     if not strategy.needs_profile:
         return [config.budget] * n_layers
     return strategy.allocate(layer_profile(store, config), config.budget)
+
+
+class BuildBasis(NamedTuple):
+    """What every conversation of a build is built with, found once per build (by the Ray
+    driver's budgets task): each layer's budget (None: no eviction) and the fingerprints of the
+    model files, which every episode's record must carry (`commit_manifest` checks them)."""
+    budgets: list[int] | None
+    files: ModelFingerprints
+
+
+def build_basis(store: Store, config: BuildConfig) -> BuildBasis:
+    """Stage 2: the model loaded (here its fingerprint is that of the files loaded), the
+    encoder's fingerprint, and the layer budgets (the profile measured into `store` once)."""
+    lm = models.load_llm(config.model)
+    files = ModelFingerprints(lm.fingerprint, models.encoder_fingerprint(config.encoder))
+    return BuildBasis(layer_budgets(store, config, lm.config.num_hidden_layers), files)

@@ -14,11 +14,10 @@ from typing import Any
 import ray
 
 from pipeline.builder.append import prefill_episode
-from pipeline.builder.cluster import ClusterResult
 from pipeline.builder.growth import AppendPlan, Recluster
-from pipeline.builder.plan import plan_conversation
+from pipeline.builder.plan import Plan, kept_records, plan_conversation, prefilled_episodes
+from pipeline.builder.profile import build_basis
 from pipeline.builder.repair import Damage, RepairPlan
-from pipeline.builder.profile import layer_budgets
 from pipeline.config import BuildConfig, GrowthConfig, ModelFingerprints
 from pipeline.corpus.schema import Conversation
 from pipeline.kv import models
@@ -51,31 +50,29 @@ class Planned:
     reference): how many episodes the conversation has, which of them get a task, and whether
     they append, repair or build."""
     episodes: int
+    tasks: tuple[int, ...]  # the episodes that get a task (`prefilled_episodes`)
     appended: bool = False
     reclustered: Recluster | None = None  # why a grown or damaged conversation is rebuilt
     new_tokens: int = 0  # appended: the tokens after those the caches had seen
     repaired: tuple[int, ...] | None = None  # a repair: the episodes rebuilt
     kept: tuple[ManifestRecord, ...] = ()  # a repair: the records of the others, committed again
 
-    @property
-    def tasks(self) -> tuple[int, ...]:
-        """The episodes that get a task: a repair's damaged ones, else all."""
-        return self.repaired if self.repaired is not None else tuple(range(self.episodes))
-
     @classmethod
-    def of(cls, planned: ClusterResult | AppendPlan | RepairPlan) -> "Planned":
+    def of(cls, planned: Plan) -> Planned:
+        """What the driver needs of a plan: its episodes split as the in-process build splits
+        them (`prefilled_episodes`, `kept_records`)."""
+        tasks, kept = prefilled_episodes(planned), kept_records(planned)
         if isinstance(planned, AppendPlan):
-            return cls(planned.n_episodes, appended=True, new_tokens=planned.new_tokens)
+            return cls(planned.n_episodes, tasks, appended=True, new_tokens=planned.new_tokens)
         if isinstance(planned, RepairPlan):
-            return cls(planned.n_episodes, repaired=planned.damaged, kept=planned.kept())
-        return cls(planned.n_episodes, reclustered=planned.reclustered)
+            return cls(planned.n_episodes, tasks, repaired=tasks, kept=kept)
+        return cls(planned.n_episodes, tasks, reclustered=planned.reclustered)
 
 
 @ray.remote
 def cluster_task(conv: Conversation, config: BuildConfig,
                  previous: list[ManifestRecord] | None, growth: GrowthConfig, store: Store,
-                 damage: Damage | None = None
-                 ) -> tuple[Planned, ClusterResult | AppendPlan | RepairPlan]:
+                 damage: Damage | None = None) -> tuple[Planned, Plan]:
     """(what the driver needs, the clustering or the append's or repair's plan, the
     conversation's turn index stored); called with num_returns=2 so the driver fetches the
     first only and the episode tasks get the second by reference. `previous`: the stored
@@ -87,17 +84,18 @@ def cluster_task(conv: Conversation, config: BuildConfig,
 @ray.remote
 def budgets_task(store: Store, config: BuildConfig
                  ) -> tuple[list[int] | None, ModelFingerprints, WorkerStamp]:
-    """The layer budgets, and the fingerprints of the model files the build runs with."""
-    lm = models.load_llm(config.model)
-    files = ModelFingerprints(lm.fingerprint, models.encoder_fingerprint(config.encoder))
-    return layer_budgets(store, config, lm.config.num_hidden_layers), files, WorkerStamp.here()
+    """Stage 2 (`build_basis`): the layer budgets, and the fingerprints of the model files the
+    build runs with."""
+    budgets, files = build_basis(store, config)
+    return budgets, files, WorkerStamp.here()
 
 
 # max_calls=0: the worker process is reused, so its model stays loaded (Ray's default for GPU
 # tasks is one call per process, which would reload the model for every episode).
 @ray.remote(max_calls=0)
-def episode_task(planned: ClusterResult | AppendPlan, episode: int, budgets: list[int] | None,
+def episode_task(planned: Plan, episode: int, budgets: list[int] | None,
                  config: BuildConfig, store: Store) -> tuple[ManifestRecord, WorkerStamp]:
+    """Stage 3 (`prefill_episode`): one episode built, appended to or repaired, and stored."""
     record = prefill_episode(planned, episode, budgets, config, store)
     stamp = WorkerStamp.here()  # after the build: its model load counted
     return stamp.on(record), stamp

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -24,7 +24,9 @@ from pipeline.answer.answerer import Answerer
 from pipeline.answer.decode import generate_from_cache
 from pipeline.answer.topup import TopUp, held_turns, select_topup
 from pipeline.builder.cluster import cluster_conversation
+from pipeline.builder.conversation import build_conversation, files_of
 from pipeline.builder.episode import build_episode_cache, store_dtype
+from pipeline.builder.profile import BuildBasis
 from pipeline.builder.turns import index_turns
 from pipeline.config import BuildConfig, RoutingConfig, TopUpConfig
 from pipeline.corpus.render import cut_at_session, render_conversation, render_header
@@ -43,8 +45,7 @@ from pipeline.kv.methods.full import Full
 from pipeline.kv.prefill import PrefillStats, block_prefill, entry_bytes
 from pipeline.kv.tristate import EntryBytes
 from pipeline.store.backends.memory import MemoryStore
-from pipeline.store.catalogue.manifest import write_manifest
-from pipeline.store.objects.turn_index import TurnIndex, store_turn_index
+from pipeline.store.objects.turn_index import TurnIndex, read_turn_index
 from pipeline.store.objects.turn_index import serialize as serialize_turn_index  # its bytes
 
 
@@ -307,36 +308,40 @@ def _built_and_measured(conv: Conversation, questions: list[Question], method: s
                         built: Callable, measure: Callable, reads: tuple[Read, ...],
                         generates: Callable[[Read, int], bool],
                         answered: tuple[Read, ...], costs: dict) -> list[dict]:
-    """Build a method's caches through the product's build into an in-memory store, and
-    measure each question on the cache(s) each read picks."""
+    """Build a method's caches through the product's one build (`build_conversation`, into an
+    in-memory store: clustered, its turn index stored, each episode prefilled and stored, the
+    manifest committed by the product's checked commit; the budgets the evaluation allocated),
+    and measure each question on the cache(s) each read picks, as built (in memory, before the
+    store's dtype). The `question` upper bound builds one cache per question instead (its
+    question as the patch: stage 3 alone over the clustering), which no manifest could hold."""
     store = MemoryStore(f"eval-{uuid.uuid4().hex}")
-    episodic = parse_method(method).episodic
     try:
-        clustered = cluster_conversation(conv, build)
-        conv = clustered.conversation
-        if not episodic:
-            def cache_of(patch_text: str | None = None) -> EpisodicCache:
-                done = build_episode_cache(clustered, 0, budgets, build, store, patch_text)
+        if methods.registered(build.scorer).per_question:  # one build per question
+            clustered = cluster_conversation(conv, build)
+
+            def cache_of(key: tuple[int, ...]) -> EpisodicCache:
+                done = build_episode_cache(clustered, 0, budgets, build, store,
+                                           question_text(questions[key[0]]))
                 store.delete(done.record.object_key)  # measured as built; nothing kept
                 return built(done.cache, done.stats)
 
-            topups = topup_chooser(conv, questions, config, clustered.encoder_fingerprint,
-                                   costs=costs)
-            if methods.registered(build.scorer).per_question:  # one build per question
-                caches = CellCaches(functools.lru_cache(maxsize=1)(
-                    lambda key: cache_of(question_text(questions[key[0]]))), lambda read, i: (i,))
-            else:
-                caches = one_cache(functools.cache(cache_of))
-            return measure_reads(len(questions), reads, caches, measure, topups, generates)
-        encoder = models.load_encoder(config.encoder)
-        embeddings = question_embeddings(encoder, questions)
-        index = None
-        if answered:  # the answer path reads the index beside the manifest; embedded once
-            index = index_turns(conv, encoder, config.encoder, clustered.encoder_fingerprint)
-            clustered = replace(clustered, turn_index=store_turn_index(index, store))
-        episodes = [build_episode_cache(clustered, ep.index, budgets, build, store)
-                    for ep in clustered.episodes.episodes]
-        caches = [built(done.cache, done.stats) for done in episodes]
+            return measure_reads(len(questions), reads, CellCaches(
+                functools.lru_cache(maxsize=1)(cache_of), lambda read, i: (i,)), measure,
+                topup_chooser(clustered.conversation, questions, config,
+                              clustered.encoder_fingerprint, costs=costs), generates)
+        # stage 3 keeps each episode's cache as built (`build_episode_cache`): what is measured
+        product = build_conversation(conv, build, store, basis=BuildBasis(budgets, files_of(build)),
+                                     prefill=build_episode_cache)
+        clustered, conv = product.planned, product.planned.conversation
+        caches = [built(done.cache, done.stats) for done in product.built]
+        index = read_turn_index(store, clustered.turn_index, conv.conversation_id,
+                                clustered.encoder_fingerprint)  # as the build stored it
+        if not parse_method(method).episodic:
+            return measure_reads(len(questions), reads, one_cache(lambda: caches[0]), measure,
+                                 topup_chooser(conv, questions, config,
+                                               clustered.encoder_fingerprint, index=index,
+                                               costs=costs), generates)
+        embeddings = question_embeddings(models.load_encoder(config.encoder), questions)
         scores = route_scores(embeddings, clustered.episodes)
         members = clustered.members
         records = measure_reads(len(questions), reads, CellCaches(
@@ -345,8 +350,7 @@ def _built_and_measured(conv: Conversation, questions: list[Question], method: s
             routed(scores), lambda key: held_turns(members[k] for k in key)),
             measure, topup_chooser(conv, questions, config, clustered.encoder_fingerprint,
                                    embeddings, index, costs), generates)
-        if answered:
-            write_manifest(store, conv.conversation_id, [done.record for done in episodes])
+        if answered:  # through the answer path, over the manifest the build committed
             _answered(store, conv.conversation_id, questions, answered, config, records)
         # route hits are judged on the episode's windows, whatever its cache focused on
         return [r | {"episode_hit": [not set(q.evidence).isdisjoint(m) for m in members]}

@@ -811,7 +811,8 @@ def test_a_conversation_grown_while_it_is_answered_is_served_at_its_new_version(
     try:
         # the new session is one window on a new topic: far from every episode, which the
         # default rule would re-cluster; here it is appended whatever its topic
-        records = build_conversation(grown, _config(), store, GrowthConfig(far_similarity=-1.0))
+        records = build_conversation(grown, _config(), store,
+                                     GrowthConfig(far_similarity=-1.0)).records
     finally:
         stop.set()
         asking.join()

@@ -99,8 +99,8 @@ def test_appending_with_clustering_held_fixed_equals_building_the_whole_history(
                                                                                 kind):
     config = small_config(folders, **EXACT_KINDS[kind])
     first, whole = aligned_history(config)
-    built = build_conversation(first, config, store)
-    appended = build_conversation(whole, config, store, APPEND_ALWAYS)
+    built = build_conversation(first, config, store).records
+    appended = build_conversation(whole, config, store, APPEND_ALWAYS).records
     assert len(appended) == len(built) >= (2 if config.scorer == "epicache" else 1)
     assert all(a.appends == 1 and a.cache_turns == len(whole.turns) for a in appended)
     # every window, old and new, is in its episode's window embeddings (the window router's)
@@ -145,8 +145,8 @@ def test_the_other_kinds_append_within_their_budget(folders, tmp_path, kind):
     config = small_config(folders, prefill=prefill, budget=96 if kind == "tri-state" else 32)
     store = LocalStore(tmp_path / "store")
     first, whole = aligned_history(config)
-    built = build_conversation(first, config, store)
-    appended = build_conversation(whole, config, store, APPEND_ALWAYS)
+    built = build_conversation(first, config, store).records
+    appended = build_conversation(whole, config, store, APPEND_ALWAYS).records
     lm = models.load_llm(config.model)
     for before, after in zip(built, appended):
         assert after.appends == 1 and after.tokens > before.tokens
@@ -176,7 +176,7 @@ def test_an_append_extends_the_turn_index_and_leaves_the_old_one_to_gc(folders, 
     config = small_config(folders)
     first, whole = aligned_history(config)
     store = LocalStore(tmp_path / "store")
-    built = build_conversation(first, config, store)
+    built = build_conversation(first, config, store).records
     embedded: list[str] = []
     write = plan_module.write_turn_index
 
@@ -190,7 +190,7 @@ def test_an_append_extends_the_turn_index_and_leaves_the_old_one_to_gc(folders, 
 
     monkeypatch.setattr(plan_module, "write_turn_index",
                         lambda conv, encoder, *a, **k: write(conv, Recording(encoder), *a, **k))
-    appended = build_conversation(whole, config, store, APPEND_ALWAYS)
+    appended = build_conversation(whole, config, store, APPEND_ALWAYS).records
     assert [a.appends for a in appended] == [1] * len(built)
     [old] = {r.turn_index for r in built}
     [new] = {r.turn_index for r in appended}  # the same on every row
@@ -214,7 +214,7 @@ def test_an_append_extends_the_turn_index_and_leaves_the_old_one_to_gc(folders, 
 def test_the_growth_rule_reclusters_when_the_episodes_no_longer_fit(folders, tmp_path):
     config = small_config(folders)
     first, whole = aligned_history(config)
-    built = build_conversation(first, config, LocalStore(tmp_path / "store"))
+    built = build_conversation(first, config, LocalStore(tmp_path / "store")).records
     plan = plan_conversation(whole, config, built, APPEND_ALWAYS)
     assert isinstance(plan, AppendPlan) and plan.new_tokens > 0
     assert sum(plan.n_windows) > sum(r.n_windows for r in built)
@@ -282,7 +282,7 @@ def test_a_crash_between_the_objects_and_the_manifest_keeps_the_old_version(
         folders, store, monkeypatch):
     config = small_config(folders)
     first, whole = aligned_history(config, seed=5)
-    built = build_conversation(first, config, store)
+    built = build_conversation(first, config, store).records
     lm = models.load_llm(config.model)
 
     def crash(*args, **kwargs):
@@ -296,7 +296,8 @@ def test_a_crash_between_the_objects_and_the_manifest_keeps_the_old_version(
     assert keys(read_manifest(store, first.conversation_id)) == keys(built)  # the old version
     for record in built:
         assert read_stored_cache(store, record, lm.model).tokens_seen == record.tokens
-    appended = build_conversation(whole, config, store, APPEND_ALWAYS)  # the re-run completes
+    # the re-run completes
+    appended = build_conversation(whole, config, store, APPEND_ALWAYS).records
     assert [r.appends for r in appended] == [1] * len(built)
     assert keys(read_manifest(store, first.conversation_id)) == keys(appended)
 
@@ -308,8 +309,8 @@ def test_a_record_grown_past_the_cut_keeps_its_caches_and_notes_the_new_turns(fo
     cut = len(prompts.context_ids(tokenizer, render_conversation(first).text))
     config = dataclasses.replace(config, max_context_tokens=cut)  # the new sessions do not fit
     store = LocalStore(tmp_path / "store")
-    built = build_conversation(first, config, store)
-    again = build_conversation(whole, config, store, APPEND_ALWAYS)
+    built = build_conversation(first, config, store).records
+    again = build_conversation(whole, config, store, APPEND_ALWAYS).records
     assert [r.object_key for r in again] == [r.object_key for r in built]  # nothing written
     assert {(r.source_turns, r.cache_turns, r.appends) for r in again} == \
         {(len(whole.turns), len(first.turns), 0)}
