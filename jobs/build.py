@@ -27,9 +27,15 @@ import sys
 import time
 
 from pipeline.builder.job import BuildError, BuildJob, configure_logging, open_job, print_outcome
-from pipeline.cli.options import (BUILD_OPTIONS, add_corpus_options, add_driver_options,
-                                  add_options, build_config_from_args, driver_options_from_args,
-                                  limits_from_args)
+from pipeline.cli.options import (
+    BUILD_OPTIONS,
+    add_corpus_options,
+    add_driver_options,
+    add_options,
+    build_config_from_args,
+    driver_options_from_args,
+    limits_from_args,
+)
 from pipeline.cli.parser import add_store_options, make_parser, parse_noting_given, store_options
 from pipeline.config import BuildConfig
 from pipeline.corpus.schema import CorpusError

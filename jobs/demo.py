@@ -23,8 +23,13 @@ import time
 from pathlib import Path
 
 from pipeline.builder.job import BuildError, BuildJob, configure_logging, open_job, print_outcome
-from pipeline.cli.options import (EPISODE_OPTIONS, MODEL_OPTIONS, PREFILL_BENCH_OPTIONS,
-                                  add_options, build_config_from_args)
+from pipeline.cli.options import (
+    EPISODE_OPTIONS,
+    MODEL_OPTIONS,
+    PREFILL_BENCH_OPTIONS,
+    add_options,
+    build_config_from_args,
+)
 from pipeline.cli.parser import make_parser
 from pipeline.config import BuildConfig, EpisodeConfig
 from pipeline.corpus.reader import read_corpus, write_jsonl

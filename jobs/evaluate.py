@@ -25,8 +25,14 @@ import logging
 import sys
 from pathlib import Path
 
-from pipeline.cli.evaluation import (Evaluation, add_evaluation_options, eval_config,
-                                     methods_and_budgets, read_corpus, run_evaluation)
+from pipeline.cli.evaluation import (
+    Evaluation,
+    add_evaluation_options,
+    eval_config,
+    methods_and_budgets,
+    read_corpus,
+    run_evaluation,
+)
 from pipeline.cli.numbers import positive_int
 from pipeline.cli.parser import make_parser
 from pipeline.corpus.schema import CorpusError

@@ -2,7 +2,8 @@
 
     python -m jobs.manifests --store DIR|s3://bucket/prefix [--conversation ID] [--config-hash H]
         [--model M] [--totals] [--json] [--manifests]
-    python -m jobs.manifests --store ... --sql "SELECT config_hash, sum(object_bytes) FROM episodes GROUP BY 1"
+    python -m jobs.manifests --store ... \\
+        --sql "SELECT config_hash, sum(object_bytes) FROM episodes GROUP BY 1"
     python -m jobs.manifests --store ... --compact | --rebuild
 
 It reads the store's manifest table (`<store>/index/episodes`, Delta Lake, kept by every build)
@@ -49,8 +50,14 @@ from pipeline.corpus.schema import UnsafeIdError
 from pipeline.store.backends.base import Store, StoreError
 from pipeline.store.backends.uri import open_store
 from pipeline.store.catalogue import table_sync
-from pipeline.store.catalogue.audit import (Filters, ModelFiles, checked_rows, manifest_rows,
-                                            pending_conversations, rows_totals)
+from pipeline.store.catalogue.audit import (
+    Filters,
+    ModelFiles,
+    checked_rows,
+    manifest_rows,
+    pending_conversations,
+    rows_totals,
+)
 from pipeline.store.catalogue.table import TABLE_SCHEMA, ManifestTable, TableDamagedError
 from pipeline.store.catalogue.table_query import Totals, connect, select, totals
 from pipeline.store.catalogue.table_sync import repair

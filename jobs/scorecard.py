@@ -26,8 +26,14 @@ import shlex
 import sys
 from pathlib import Path
 
-from pipeline.cli.evaluation import (Evaluation, add_evaluation_options, eval_config,
-                                     methods_and_budgets, read_corpus, run_evaluation)
+from pipeline.cli.evaluation import (
+    Evaluation,
+    add_evaluation_options,
+    eval_config,
+    methods_and_budgets,
+    read_corpus,
+    run_evaluation,
+)
 from pipeline.cli.numbers import count
 from pipeline.cli.parser import make_parser, writable_folder
 from pipeline.corpus.reader import select_conversations

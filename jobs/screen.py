@@ -5,10 +5,11 @@
 
 A proxy, not the evaluation: the cache is prefilled once with the full history, then for every
 episode the patch's attention to it is scored once and each recipe (a `jobs.evaluate` preset
-with its overrides) keeps its top entries per layer in one step. Block prefill decides block by block and its later keys were computed with an already
-evicted history, so figures here are higher than `jobs.evaluate`'s; they rank selection
-strategies in minutes instead of hours. Retention of the mean evidence NLLs, with the same
-probes, routing and diagnostics as the evaluation; one process, no Ray.
+with its overrides) keeps its top entries per layer in one step. Block prefill decides block by
+block and its later keys were computed with an already evicted history, so figures here are higher
+than `jobs.evaluate`'s; they rank selection strategies in minutes instead of hours. Retention of the
+mean evidence NLLs, with the same probes, routing and diagnostics as the evaluation; one process, no
+Ray.
 """
 
 from __future__ import annotations

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from kernels.quant_reference import (dequantize_reference, quantize_fp8_reference,
-                                     quantize_int8_reference)
+from kernels.quant_reference import (
+    dequantize_reference,
+    quantize_fp8_reference,
+    quantize_int8_reference,
+)
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,9 +4,10 @@ score[h, n] = max over the patch queries and over the query heads of KV group h 
 probability that key n receives, where the softmax runs over the valid cached keys and the
 patch's own keys up to the query (causal). Two options: `reduce="mean"` averages over those
 rows instead of taking the max, and `include_patch=False` normalises over the cached keys only
-(the patch's own keys left out of the softmax, as apple/ml-epicache's head-wise scorer does). The block-prefill loop calls only
-`patch_attention_scores`; it picks the implementation for the tensors' device: the fused Triton
-kernel (`kernels.score_triton`, imported only when needed) on CUDA, the torch reference on CPU.
+(the patch's own keys left out of the softmax, as apple/ml-epicache's head-wise scorer does). The
+block-prefill loop calls only `patch_attention_scores`; it picks the implementation for the tensors'
+device: the fused Triton kernel (`kernels.score_triton`, imported only when needed) on CUDA, the
+torch reference on CPU.
 """
 
 from __future__ import annotations

@@ -148,10 +148,10 @@ def _score_kernel(q_ptr, kc_ptr, valid_ptr, len_ptr, m_ptr, l_ptr, out_ptr,
         q = _load_tile(q_ptr + q_head * s_qh + q_pos * s_qp, row_ok, dims, dim_ok, s_qd,
                        DOT_FP32)
         m = tl.load(m_ptr + kv * n_rows + rows, mask=row_ok, other=0.0)
-        l = tl.load(l_ptr + kv * n_rows + rows, mask=row_ok, other=1.0)
+        row_sum = tl.load(l_ptr + kv * n_rows + rows, mask=row_ok, other=1.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(row_ok[:, None], s, float("-inf"))
-        p = tl.exp2(s - m[:, None]) / l[:, None]
+        p = tl.exp2(s - m[:, None]) / row_sum[:, None]
         if MEAN:
             best += tl.sum(tl.where(row_ok[:, None], p, 0.0), axis=0)
         else:
@@ -244,13 +244,13 @@ def patch_attention_scores_triton(patch_queries: torch.Tensor, cached_keys: torc
         n_patch, n_cached, n_rows, group, head_dim, keys_per_split, n_kv_heads,
         *q.stride(), *kc.stride(), *kp.stride(), *v_strides, qk_scale, **flags)
     if splits == 1:
-        m, l = m_part[0], l_part[0]
+        m, row_sum = m_part[0], l_part[0]
     else:  # merge the splits' partial normalisers (base 2)
         m = m_part.amax(dim=0)
-        l = (l_part * torch.exp2(m_part - m)).sum(dim=0)
+        row_sum = (l_part * torch.exp2(m_part - m)).sum(dim=0)
 
     _score_kernel[(n_kv_heads, triton.cdiv(n_cached, block_n))](
-        q, kc, valid, lens, m, l, out,
+        q, kc, valid, lens, m, row_sum, out,
         n_patch, n_cached, n_rows, group, head_dim,
         *q.stride(), *kc.stride(), *v_strides, qk_scale, **flags)
     return out

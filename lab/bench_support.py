@@ -32,7 +32,8 @@ class BenchText:
     scorer: Scorer  # episode 0's scorer, as a build with the given configuration makes it
 
 
-def bench_text(lm: models.LoadedModel, tokens: int, config: BuildConfig, seed: int = 0) -> BenchText:
+def bench_text(lm: models.LoadedModel, tokens: int, config: BuildConfig,
+               seed: int = 0) -> BenchText:
     """A synthetic conversation cut to exactly `tokens` tokens, with its first episode's patch
     and scorer."""
     conv = make_conversation(f"bench-{tokens}", target_tokens=int(tokens * 1.1), seed=seed)

@@ -107,7 +107,8 @@ def compare(answerer: Answerer, conv: Conversation, n_questions: int,
                         "episodes": [r.episode for r in read], "topup": topup.as_dict(),
                         "nll": nll,
                         "retention": retention(nll["none"], nll["episodic"], nll["full"]),
-                        "bytes": {"episodic": episodic.nbytes(getattr(torch, config.store_dtype).itemsize),
+                        "bytes": {"episodic": episodic.nbytes(
+                                      getattr(torch, config.store_dtype).itemsize),
                                   "full": full_bytes},
                         **{name: timed_answer(lm, cache, q.question, max_new_tokens, text)
                            for name, cache, text in zip(CACHES, (episodic, full),

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import requests
 
-
 # asked of a conversation that has no questions of its own (`jobs.bench.serve`, `jobs.bench.fleet`)
 GENERIC_QUESTIONS = ("What did they talk about most?", "Where did they go last weekend?",
                      "What is the name of the pet?", "What did they cook for the party?")

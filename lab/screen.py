@@ -112,9 +112,11 @@ def table(records: list[dict]) -> str:
 
         def rom(rows):
             none, full = np.mean([r["none"] for r in rows]), np.mean([r["full"] for r in rows])
-            return (none - np.mean([r["evidence_nll"] for r in rows])) / (none - full) if rows else np.nan
+            return ((none - np.mean([r["evidence_nll"] for r in rows])) / (none - full)
+                    if rows else np.nan)
 
-        lines.append(f"| {method} | {budget} | {len(g)} | {100 * rom(g):.1f}% | {100 * rom(hits):.1f}% "
+        lines.append(f"| {method} | {budget} | {len(g)} | {100 * rom(g):.1f}% "
+                     f"| {100 * rom(hits):.1f}% "
                      f"| {100 * np.mean([r['evidence_kept'] for r in g]):.1f}% "
                      f"| {100 * np.mean([r['route_hit'] for r in g]):.0f}% |")
     return "\n".join(lines)

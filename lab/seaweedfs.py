@@ -125,7 +125,8 @@ def start_seaweedfs(root: Path, bucket: str = BUCKET, timeout: float = 90.0) -> 
 def _quick_config():
     from botocore.config import Config
 
-    return Config(retries={"mode": "standard", "max_attempts": 1}, connect_timeout=2, read_timeout=10)
+    return Config(retries={"mode": "standard", "max_attempts": 1}, connect_timeout=2,
+                  read_timeout=10)
 
 
 def _tail(path: Path, lines: int = 30) -> str:

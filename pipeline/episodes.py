@@ -75,7 +75,8 @@ def embed_windows(encoder, conv: Conversation, windows: list[list[Turn]]) -> np.
     return unit(np.asarray(embed_texts(encoder, texts), dtype=np.float64))
 
 
-def build_episodes(conv: Conversation, encoder, config: EpisodeConfig = EpisodeConfig()) -> EpisodeSet:
+def build_episodes(conv: Conversation, encoder,
+                   config: EpisodeConfig = EpisodeConfig()) -> EpisodeSet:
     """Cluster a conversation into at most `config.episodes` episodes. Short conversations get
     fewer (one per window at most); the note says why."""
     windows = segment(conv.turns, config.window)

@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
                      "full_tps": n / min(full_s), "speedup": min(full_s) / min(block_s)})
         print(f"done {n} tokens", file=sys.stderr, flush=True)
     print(f"\n{a.model}, {model.config.num_hidden_layers} of {lm.config.num_hidden_layers} layers, "
-          f"{'paper' if a.paper else 'default'} scoring, budget {a.budget}, block {a.block}, {torch.get_num_threads()} threads, "
-          f"best of {a.repeats}:")
+          f"{'paper' if a.paper else 'default'} scoring, budget {a.budget}, block {a.block}, "
+          f"{torch.get_num_threads()} threads, best of {a.repeats}:")
     print_table(rows, [("tokens", "tokens", "d"), ("patch", "patch tokens/block", "d"),
                        ("block_s", "block build s", ".1f"), ("full_s", "full prefill s", ".1f"),
                        ("block_tps", "block tok/s", ".0f"), ("full_tps", "full tok/s", ".0f"),

@@ -5,16 +5,16 @@ full cache, split into embed, route, load and decode.
         [--max-new-tokens 32] [--store DIR] [--threads 2] [--return-freed-memory]
 
 A synthetic conversation of about `--tokens` tokens is built twice into a local store with the
-real pipeline (`pipeline.builder.conversation.build_conversation`): as EpiCache episodes under `--budget`,
-and as one full cache. Then each planted question is answered by `pipeline.answer.Answerer`
-from both stores, and from the episodic store with the question-time top-up
-(`pipeline.answer.topup`: its nearest turns the episode lacks prefilled before the question;
-`--topup-turns`, `--topup-max-tokens`), alternately: once *cold* (a fresh answerer fetches the cache from the store
-and verifies its checksum; the models are already loaded) and once more *warm* (the same
-question again: its episode's cache is resident, as for a follow-up turn). Reported: the median of
-each stage per turn, the share of embed + route + load in the turn, and decode time per
-generated token (answers may differ in length). With `--store DIR`, a re-run finds both builds
-in their manifests (same configuration hash) and goes straight to the turns.
+real pipeline (`pipeline.builder.conversation.build_conversation`): as EpiCache episodes under
+`--budget`, and as one full cache. Then each planted question is answered by
+`pipeline.answer.Answerer` from both stores, and from the episodic store with the question-time
+top-up (`pipeline.answer.topup`: its nearest turns the episode lacks prefilled before the question;
+`--topup-turns`, `--topup-max-tokens`), alternately: once *cold* (a fresh answerer fetches the cache
+from the store and verifies its checksum; the models are already loaded) and once more *warm* (the
+same question again: its episode's cache is resident, as for a follow-up turn). Reported: the median
+of each stage per turn, the share of embed + route + load in the turn, and decode time per generated
+token (answers may differ in length). With `--store DIR`, a re-run finds both builds in their
+manifests (same configuration hash) and goes straight to the turns.
 
 Then the cold load itself, per episode of the episodic build, side by side: from the store
 (read, then parsed and rebuilt while its checksum is computed on a second thread: the split is
@@ -40,9 +40,14 @@ from lab.tables import print_table
 from pipeline.answer.answerer import Answerer
 from pipeline.answer.malloc_tuning import retain_freed_memory
 from pipeline.builder.conversation import build_conversation, files_of, is_built
-from pipeline.cli.options import (BUILD_OPTIONS, add_model_options, add_options, apply_options,
-                                  options_named)
 from pipeline.cli.numbers import positive_int
+from pipeline.cli.options import (
+    BUILD_OPTIONS,
+    add_model_options,
+    add_options,
+    apply_options,
+    options_named,
+)
 from pipeline.config import BuildConfig, TopUpConfig
 from pipeline.corpus.synthetic import make_conversation
 from pipeline.kv import models
@@ -68,7 +73,8 @@ class CountingStore(LocalStore):
         return super().get(key)
 
 
-def cold_loads(root: Path, records: list[ManifestRecord], dtype: torch.dtype, repeats: int = 3) -> list[dict]:
+def cold_loads(root: Path, records: list[ManifestRecord], dtype: torch.dtype,
+               repeats: int = 3) -> list[dict]:
     """Median ms of loading each episode's cache: from the store (split into the read, and the
     parse + rebuild with the SHA-256 computed beside it; the hash alone for reference), and from
     a filled disk tier as a restarted replica (a new `DiskTier` over the folder) reads it; with
@@ -151,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the top-up's nearest turns searched")
     p.add_argument("--topup-max-tokens", type=positive_int, default=TopUpConfig.max_tokens,
                    help="the top-up's tokens at most")
-    p.add_argument("--store", default=None, help="a local folder to build into (default: a temp dir)")
+    p.add_argument("--store", default=None,
+                   help="a local folder to build into (default: a temp dir)")
     p.add_argument("--return-freed-memory", action="store_true",
                    help="leave malloc's thresholds as they are (freed memory goes back to the "
                         "kernel), to compare with what the Serve decoder does")
@@ -203,10 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = [summarise(f"{name} ({'cold' if cold else 'warm'})", t, entries[name])
             for (name, cold), t in turns.items()]
     print(f"\n{a.model}, {len(questions)} questions, "
-          f"conversation of {a.tokens} tokens, budget {a.budget}, {torch.get_num_threads()} threads; "
-          "medians per turn (ms):")
+          f"conversation of {a.tokens} tokens, budget {a.budget}, "
+          f"{torch.get_num_threads()} threads; medians per turn (ms):")
     print_table(rows, [("cache", "cache", "s"), ("entries", "entries/layer", ".0f"),
-                       ("embed", "embed", ".1f"), ("route", "route", ".2f"), ("load", "load", ".1f"),
+                       ("embed", "embed", ".1f"), ("route", "route", ".2f"),
+                       ("load", "load", ".1f"),
                        ("hits", "resident", ".0%"), ("topup_tokens", "top-up tokens", ".0f"),
                        ("decode", "decode", ".0f"), ("turn", "turn", ".0f"),
                        ("overhead", "embed+route+load share", ".1%"),

@@ -48,8 +48,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from lab.bench_cli import bench_parser, start_bench
-from lab.load_client import (GENERIC_QUESTIONS, Sample, ask, fault_report, fault_rows,
-                             latency_summary)
+from lab.load_client import (
+    GENERIC_QUESTIONS,
+    Sample,
+    ask,
+    fault_report,
+    fault_rows,
+    latency_summary,
+)
 from pipeline.cli.numbers import number
 from pipeline.cli.options import add_budget_option
 from pipeline.config import BuildConfig, DriverOptions, EpisodeConfig
@@ -217,7 +223,8 @@ def run_mode(mode: str, settings: ServeSettings, model: str, encoder: str,
 
     serve.run(build_app(settings, model, encoder), name=APP, route_prefix="/")
     url = f"http://127.0.0.1:{http_port}"
-    killer = ReplicaKiller(a.kill_after, a.replicas) if a.kill_after and mode == "affinity" else None
+    killer = (ReplicaKiller(a.kill_after, a.replicas) if a.kill_after and mode == "affinity"
+              else None)
     try:
         warm = play(url, stream[0], a.concurrency, a.max_new_tokens, None, a.timeout)[0]
         warm_misses = sum(s.cache_hit is False for s in warm if s.ok)
@@ -373,15 +380,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-imbalance", type=number(int, at_least=0), default=DEFAULT_MAX_IMBALANCE,
                    help="affinity: --affinity-max-imbalance of the app")
     p.add_argument("--concurrency", type=COUNT, default=8, help="sessions asked at once")
-    p.add_argument("--zipf", type=number(float, at_least=0), default=1.1, help="Zipf exponent of popularity (0: uniform)")
-    p.add_argument("--follow-ups", type=number(float, at_least=1), default=3.0, help="mean questions per session (at least 1)")
+    p.add_argument("--zipf", type=number(float, at_least=0), default=1.1,
+                   help="Zipf exponent of popularity (0: uniform)")
+    p.add_argument("--follow-ups", type=number(float, at_least=1), default=3.0,
+                   help="mean questions per session (at least 1)")
     p.add_argument("--max-new-tokens", type=COUNT, default=8, help="answer length at most")
     p.add_argument("--modes", default="default,affinity", help="routings run, in this order")
     p.add_argument("--kill-after", type=COUNT, default=None, metavar="N",
                    help="affinity run: kill the busiest replica once N measured requests "
                         "completed (default: no kill)")
-    p.add_argument("--timeout", type=number(float, above=0), default=300.0, help="client timeout per request, s")
-    p.add_argument("--seed", type=number(int, at_least=0), default=0, help="corpus and workload seed")
+    p.add_argument("--timeout", type=number(float, above=0), default=300.0,
+                   help="client timeout per request, s")
+    p.add_argument("--seed", type=number(int, at_least=0), default=0,
+                   help="corpus and workload seed")
     p.add_argument("--json", help="also write the figures to this file (default: not written)")
     return p
 

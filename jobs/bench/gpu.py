@@ -88,9 +88,9 @@ def run_all() -> list[Step]:
              run_step(ROOT, "kernel benchmark", ["-m", "jobs.bench.kernels_speed", "--reps", "10"])]
     with tempfile.TemporaryDirectory(prefix="gpu-report-") as work:  # stores, corpus: removed
         steps += build_steps(Path(work))
-        steps.append(run_step(ROOT, "decode benchmark", ["-m", "jobs.bench.decode", "--questions", "4",
-                                                   "--max-new-tokens", "32",
-                                                   "--store", str(Path(work) / "decode")]))
+        steps.append(run_step(ROOT, "decode benchmark",
+                              ["-m", "jobs.bench.decode", "--questions", "4",
+                               "--max-new-tokens", "32", "--store", str(Path(work) / "decode")]))
     return steps
 
 

@@ -6,13 +6,13 @@ prefill's grows linearly.
 
 For each length, one synthetic conversation is built as one EpiCache episode (the real
 clustering picks the medoid patch, cut to `--patch-tokens` so that it is the same size at
-every length: the patch rides in the forward, so its size moves the transient peak) and, side by side, prefilled in full with transformers'
-DynamicCache. Reported per layer (the worst layer), from instrumentation of the caches: the peak
-number of cached entries per KV head and the peak bytes of key and value tensors held — for
-block prefill the moment after a block and its patch are appended, before eviction. Ratios are
-against the shortest length. `--layers N` runs the first N decoder layers only: a layer's
-cache depends on the layers below it alone, so the per-layer figures are those of the whole
-model (the totals scale with the number of layers).
+every length: the patch rides in the forward, so its size moves the transient peak) and, side by
+side, prefilled in full with transformers' DynamicCache. Reported per layer (the worst layer), from
+instrumentation of the caches: the peak number of cached entries per KV head and the peak bytes of
+key and value tensors held — for block prefill the moment after a block and its patch are appended,
+before eviction. Ratios are against the shortest length. `--layers N` runs the first N decoder
+layers only: a layer's cache depends on the layers below it alone, so the per-layer figures are
+those of the whole model (the totals scale with the number of layers).
 """
 
 from __future__ import annotations

@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, _, _ in ROWS[1:]:
         own = [r for r in rows if r["build"] == name]
         base = [r for r in rows if r["build"] == "cut"]
-        ratio = sum(r["retention_of_means"] for r in own) / max(sum(r["retention_of_means"] for r in base), 1e-9)
+        ratio = (sum(r["retention_of_means"] for r in own)
+                 / max(sum(r["retention_of_means"] for r in base), 1e-9))
         print(f"{name} / cut retention: {ratio:.2f}")
     return 0
 

@@ -38,8 +38,13 @@ from lab.bench_cli import bench_parser, start_bench
 from lab.synthetic_manifests import SyntheticManifests, conversation_id
 from lab.tables import print_table
 from pipeline.answer.lookup import load_manifest
-from pipeline.answer.plan import (DEFAULT_MANIFEST_CACHE_BYTES, QuestionPlanner, QuestionTools,
-                                  compact_records, kept_bytes)
+from pipeline.answer.plan import (
+    DEFAULT_MANIFEST_CACHE_BYTES,
+    QuestionPlanner,
+    QuestionTools,
+    compact_records,
+    kept_bytes,
+)
 from pipeline.cli.numbers import count, non_negative, number, positive_int
 from pipeline.config import TopUpConfig
 

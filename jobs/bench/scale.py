@@ -46,12 +46,21 @@ import pyarrow.compute as pc
 
 from lab import seaweedfs
 from lab.bench_cli import bench_parser, start_bench
-from lab.rehearsal import (SYNTHETIC_CONFIG, SYNTHETIC_STAGES, S3Requests, put_synthetic_corpus,
-                           write_synthetic_corpus)
+from lab.rehearsal import (
+    SYNTHETIC_CONFIG,
+    SYNTHETIC_STAGES,
+    S3Requests,
+    put_synthetic_corpus,
+    write_synthetic_corpus,
+)
 from pipeline.builder.driver import run_build
 from pipeline.builder.sources import corpus_objects
-from pipeline.cli.options import (DRIVER_OPTIONS, add_options, driver_options_from_args,
-                                  options_named)
+from pipeline.cli.options import (
+    DRIVER_OPTIONS,
+    add_options,
+    driver_options_from_args,
+    options_named,
+)
 from pipeline.config import DriverOptions
 from pipeline.corpus.reader import CorpusStream
 from pipeline.ray_runtime import init_ray
@@ -306,7 +315,8 @@ def bench_large(prefix: str, store_options: StoreOptions, n: int, options: Drive
     t = time.perf_counter()
     size = put_synthetic_corpus(open_store(corpus_uri, store_options), n)
     lines = [f"corpus: {n:,} conversations in {-(-n // 1000)} JSONL objects "
-             f"({size / 2**20:.1f} MiB) under {corpus_uri}, written in {time.perf_counter() - t:.0f} s"]
+             f"({size / 2**20:.1f} MiB) under {corpus_uri}, "
+             f"written in {time.perf_counter() - t:.0f} s"]
     marks = (n // 10, n)
     with tempfile.TemporaryDirectory(prefix="epicache-bench-large-") as work:
         objects = corpus_objects(corpus_uri, store_options)
@@ -318,9 +328,9 @@ def bench_large(prefix: str, store_options: StoreOptions, n: int, options: Drive
     growth = f"{100 * (r100 - r10) / r10:+.1f}%" if r10 and r100 else "-"
     lines += [
         f"large build: {summary.built:,} conversations, {summary.episodes:,} episodes, "
-        f"{summary.tasks:,} tasks in {summary.seconds:.0f} s: {summary.tasks / summary.seconds:,.0f} "
-        f"tasks/s; driver loop busy {busy:.0f} s: {summary.tasks / busy:,.0f} tasks per busy "
-        f"second; failed {len(summary.failed)}",
+        f"{summary.tasks:,} tasks in {summary.seconds:.0f} s: "
+        f"{summary.tasks / summary.seconds:,.0f} tasks/s; driver loop busy {busy:.0f} s: "
+        f"{summary.tasks / busy:,.0f} tasks per busy second; failed {len(summary.failed)}",
         f"first conversation read {corpus.first_s:.2f} s after the driver started reading",
         f"driver RSS at conversation {marks[0]:,}: {r10:.0f} MiB; at {marks[1]:,}: "
         f"{r100:.0f} MiB; growth {growth}",

@@ -40,8 +40,14 @@ import numpy as np
 import requests
 
 from lab.bench_cli import bench_parser, start_bench
-from lab.load_client import (GENERIC_QUESTIONS, Sample, ask, fault_report, fault_rows,
-                             latency_summary)
+from lab.load_client import (
+    GENERIC_QUESTIONS,
+    Sample,
+    ask,
+    fault_report,
+    fault_rows,
+    latency_summary,
+)
 from pipeline.corpus.reader import read_corpus
 
 STAGES = ("embed", "route", "fetch", "decode")
@@ -216,10 +222,12 @@ def format_table(r: dict) -> str:
                  f"max_new_tokens {r['max_new_tokens']}"),
         ("errors", str(r["errors"])),
         ("requests/s", f"{r['requests_per_s']:.2f}"),
-        ("latency p50 / p95 (client)", f"{r['latency_ms']['p50']:.0f} / {r['latency_ms']['p95']:.0f} ms"),
-        *[(f"{k} mean / p50 / p95", f"{s[k]['mean']:.2f} / {s[k]['p50']:.2f} / {s[k]['p95']:.2f} ms")
-          for k in STAGES],
-        ("cache hit rate", "-" if r["cache_hit_rate"] is None else f"{100 * r['cache_hit_rate']:.1f}%"),
+        ("latency p50 / p95 (client)",
+         f"{r['latency_ms']['p50']:.0f} / {r['latency_ms']['p95']:.0f} ms"),
+        *[(f"{k} mean / p50 / p95",
+           f"{s[k]['mean']:.2f} / {s[k]['p50']:.2f} / {s[k]['p95']:.2f} ms") for k in STAGES],
+        ("cache hit rate",
+         "-" if r["cache_hit_rate"] is None else f"{100 * r['cache_hit_rate']:.1f}%"),
         ("embed + route + fetch share of the turn",
          "-" if r["overhead_share"] is None else f"{100 * r['overhead_share']:.2f}% (goal <= 5%)"),
         ("client latency beyond decode (queueing, HTTP, routing)",

@@ -39,8 +39,8 @@ from pipeline.builder.turns import index_turns
 from pipeline.cli.numbers import positive_int
 from pipeline.config import BuildConfig, RoutingConfig, TopUpConfig
 from pipeline.eval.cell import history_ids, prepare
-from pipeline.eval.reads import question_embeddings, route_scores
 from pipeline.eval.methods import EvalConfig
+from pipeline.eval.reads import question_embeddings, route_scores
 from pipeline.kv import models, prompts
 from pipeline.kv.cache import EpisodicCache
 from pipeline.kv.layout import token_layout

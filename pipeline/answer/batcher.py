@@ -329,8 +329,12 @@ class DecodeBatcher:
 
     def _warpers(self, temperature: float):
         """The sampling warpers of a request at `temperature`, as `generate()` builds them."""
-        from transformers import (LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
-                                  TopPLogitsWarper)
+        from transformers import (
+            LogitsProcessorList,
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
 
         warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
         if self._top_k:

@@ -27,8 +27,12 @@ import numpy as np
 from pipeline.config import TopUpConfig
 from pipeline.store.backends.base import Store
 from pipeline.store.catalogue.manifest import ManifestRecord
-from pipeline.store.objects.turn_index import (IndexedTurn, TurnIndex, TurnIndexUnavailable,
-                                               read_turn_index)
+from pipeline.store.objects.turn_index import (
+    IndexedTurn,
+    TurnIndex,
+    TurnIndexUnavailable,
+    read_turn_index,
+)
 
 log = logging.getLogger(__name__)
 

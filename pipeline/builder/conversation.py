@@ -27,8 +27,12 @@ from pipeline.corpus.history import history_change, turns_digest
 from pipeline.corpus.schema import Conversation
 from pipeline.kv import models
 from pipeline.store.backends.base import ObjectNotFound, Store
-from pipeline.store.catalogue.manifest import (ManifestError, ManifestRecord, read_manifest,
-                                               write_manifest)
+from pipeline.store.catalogue.manifest import (
+    ManifestError,
+    ManifestRecord,
+    read_manifest,
+    write_manifest,
+)
 from pipeline.store.objects import cache_format
 
 log = logging.getLogger(__name__)

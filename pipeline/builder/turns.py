@@ -14,9 +14,14 @@ from pipeline.corpus.schema import Conversation
 from pipeline.episodes import embed_texts
 from pipeline.store.backends.base import Store
 from pipeline.store.catalogue.manifest import ManifestRecord
-from pipeline.store.objects.turn_index import (IndexedTurn, StoredIndex, TurnIndex,
-                                               TurnIndexUnavailable, read_turn_index,
-                                               store_turn_index)
+from pipeline.store.objects.turn_index import (
+    IndexedTurn,
+    StoredIndex,
+    TurnIndex,
+    TurnIndexUnavailable,
+    read_turn_index,
+    store_turn_index,
+)
 
 
 def indexed_turns(conv: Conversation) -> tuple[IndexedTurn, ...]:

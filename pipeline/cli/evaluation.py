@@ -17,12 +17,23 @@ from pathlib import Path
 from typing import IO, Any
 
 from pipeline.cli.numbers import positive_int
-from pipeline.cli.options import (SHARED_BUILD_OPTIONS, add_budgets_option, add_corpus_options,
-                                  add_options, eval_build_config_from_args, limits_from_args)
+from pipeline.cli.options import (
+    SHARED_BUILD_OPTIONS,
+    add_budgets_option,
+    add_corpus_options,
+    add_options,
+    eval_build_config_from_args,
+    limits_from_args,
+)
 from pipeline.cli.parser import writable_folder
 from pipeline.config import BuildConfig
-from pipeline.corpus.reader import (SKIP_REPORT, ReadStats, check_corpus, iter_corpus,
-                                    select_conversations)
+from pipeline.corpus.reader import (
+    SKIP_REPORT,
+    ReadStats,
+    check_corpus,
+    iter_corpus,
+    select_conversations,
+)
 from pipeline.corpus.schema import Conversation, CorpusError
 from pipeline.eval.methods import EvalConfig, describe_methods, parse_method, parse_override
 

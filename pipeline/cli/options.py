@@ -17,10 +17,25 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from pipeline.cli.numbers import budget_list, count, finite, non_negative, positive_int
 from pipeline.cli.parser import GIVEN
-from pipeline.config import (ALLOCATOR_NAMES, STORE_DTYPES, BuildConfig, DriverOptions, MergeConfig,
-                             ScoringConfig, TopUpConfig, TriStateConfig, registry)
-from pipeline.config.fields import (choices_of, field_hint, field_of, get_path, parser_of,
-                                    replace_path)
+from pipeline.config import (
+    ALLOCATOR_NAMES,
+    STORE_DTYPES,
+    BuildConfig,
+    DriverOptions,
+    MergeConfig,
+    ScoringConfig,
+    TopUpConfig,
+    TriStateConfig,
+    registry,
+)
+from pipeline.config.fields import (
+    choices_of,
+    field_hint,
+    field_of,
+    get_path,
+    parser_of,
+    replace_path,
+)
 from pipeline.corpus.records import CorpusLimits
 from pipeline.kv import methods
 from pipeline.serve.settings import ServeSettings
@@ -414,7 +429,8 @@ PREFILL_BENCH_OPTIONS = (
 def add_prefill_options(p: argparse.ArgumentParser, lengths: str) -> None:
     """The options of one episode's block prefill at growing lengths (jobs.bench.memory,
     jobs.bench.build_speed), `lengths` being the default lengths."""
-    p.add_argument("--lengths", default=lengths, help="comma-separated conversation lengths (tokens)")
+    p.add_argument("--lengths", default=lengths,
+                   help="comma-separated conversation lengths (tokens)")
     add_options(p, PREFILL_BENCH_OPTIONS, BuildConfig())
     p.add_argument("--layers", type=int, default=None,
                    help="run the first N decoder layers only (default: all)")

@@ -23,11 +23,24 @@ resolve the S3 endpoint through the store, which sits above this package.
 
 from pipeline.config.build import STORE_DTYPES, BuildConfig, DriverOptions, ModelFingerprints
 from pipeline.config.limits import AnswerLimits, LimitError
-from pipeline.config.stages import (ALLOCATOR_NAMES, DEFAULT_ENCODER, DEFAULT_LLM, POSITION_MODES,
-                                    ROUTER_NAMES, CalibrationConfig, EpisodeConfig, GrowthConfig,
-                                    MergeConfig, PositionMode, PrefillConfig, RoutingConfig,
-                                    ScoringConfig, Selection, TopUpConfig,
-                                    TriStateConfig)
+from pipeline.config.stages import (
+    ALLOCATOR_NAMES,
+    DEFAULT_ENCODER,
+    DEFAULT_LLM,
+    POSITION_MODES,
+    ROUTER_NAMES,
+    CalibrationConfig,
+    EpisodeConfig,
+    GrowthConfig,
+    MergeConfig,
+    PositionMode,
+    PrefillConfig,
+    RoutingConfig,
+    ScoringConfig,
+    Selection,
+    TopUpConfig,
+    TriStateConfig,
+)
 
 __all__ = ["ALLOCATOR_NAMES", "DEFAULT_ENCODER", "DEFAULT_LLM", "POSITION_MODES", "ROUTER_NAMES",
            "STORE_DTYPES", "AnswerLimits", "BuildConfig", "CalibrationConfig",

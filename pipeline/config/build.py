@@ -14,8 +14,15 @@ import json
 from dataclasses import dataclass, field
 
 from pipeline.config import hashing
-from pipeline.config.stages import (DEFAULT_ENCODER, DEFAULT_LLM, CalibrationConfig, EpisodeConfig,
-                                    GrowthConfig, PrefillConfig, ScoringConfig)
+from pipeline.config.stages import (
+    DEFAULT_ENCODER,
+    DEFAULT_LLM,
+    CalibrationConfig,
+    EpisodeConfig,
+    GrowthConfig,
+    PrefillConfig,
+    ScoringConfig,
+)
 
 STORE_DTYPES = ("float16", "bfloat16", "float32")
 
@@ -44,7 +51,8 @@ class BuildConfig:
         if self.alpha < 0:
             raise ValueError(f"alpha must be non-negative, got {self.alpha}")
         if self.variance_temperature <= 0:
-            raise ValueError(f"variance_temperature must be positive, got {self.variance_temperature}")
+            raise ValueError(
+                f"variance_temperature must be positive, got {self.variance_temperature}")
         if self.store_dtype not in STORE_DTYPES:
             raise ValueError(f"store_dtype must be one of {STORE_DTYPES}, got {self.store_dtype!r}")
 

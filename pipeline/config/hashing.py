@@ -26,8 +26,14 @@ from typing import Any
 
 from pipeline.config import registry
 from pipeline.config.format_version import FORMAT
-from pipeline.config.stages import (CalibrationConfig, EpisodeConfig, MergeConfig, PrefillConfig,
-                                    ScoringConfig, TriStateConfig)
+from pipeline.config.stages import (
+    CalibrationConfig,
+    EpisodeConfig,
+    MergeConfig,
+    PrefillConfig,
+    ScoringConfig,
+    TriStateConfig,
+)
 
 # (section, field, the value builds before the field had): hashed only when it differs
 ADDED_LATER = (("prefill", "compact_recent", 0),)
@@ -89,7 +95,8 @@ def hashed_fields(config: Any) -> dict:
 
 
 def config_hash(config: Any) -> str:
-    return hashlib.sha256(json.dumps(hashed_fields(config), sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(
+        json.dumps(hashed_fields(config), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def is_current(config: Any, stored_hash: str, stored_json: str | None) -> bool:

@@ -1,7 +1,8 @@
 """The configurations of the method's stages: plain frozen dataclasses, no torch.
 
     EpisodeConfig      stage 1: windows of turns clustered into episodes (pipeline.episodes)
-    ScoringConfig      how an episode's patch attention scores entries (pipeline.kv.methods.epicache)
+    ScoringConfig      how an episode's patch attention scores entries
+                       (pipeline.kv.methods.epicache)
     TriStateConfig     ARKV's Original / Quantized / Evicted eviction (pipeline.kv.tristate)
     MergeConfig        D2O's merging of evicted entries (pipeline.kv.merging)
     PrefillConfig      stage 2: block prefill under a budget (pipeline.kv.prefill)

@@ -9,8 +9,14 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pipeline.corpus.records import (DEFAULT_LIMITS, CorpusLimits, QuestionFaults, RecordFields,
-                                     parse_questions, resolve_turn_id)
+from pipeline.corpus.records import (
+    DEFAULT_LIMITS,
+    CorpusLimits,
+    QuestionFaults,
+    RecordFields,
+    parse_questions,
+    resolve_turn_id,
+)
 from pipeline.corpus.schema import Conversation, CorpusError, Question, Turn, check_safe_id
 
 # ASCII digits, at most 9: int() of a longer run raises ValueError, not a CorpusError

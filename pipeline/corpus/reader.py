@@ -151,8 +151,8 @@ def _decode_json(data: bytes, where: _Source, line_of: Callable[[int], str]) -> 
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise CorpusError(f"{where}: not UTF-8 (byte 0x{data[e.start]:02x} at {line_of(e.start)})") \
-            from None
+        raise CorpusError(
+            f"{where}: not UTF-8 (byte 0x{data[e.start]:02x} at {line_of(e.start)})") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
@@ -291,10 +291,11 @@ class CorpusStream:
     of its conversations is yielded: a bad record (fail mode) stops the read before anything
     of its object is built, naming object, record and field. Nothing is written to disk and
     memory stays bounded: an object of at most `hold_bytes` is read once, and its conversations
-    are parsed (and so checked) once and built from that parse; a larger one is streamed twice (or once in skip mode, where a bad record is
-    reported and left out as the build meets it). A bad record in a later object therefore
-    stops the build after earlier objects were built; their commits are kept, and the same
-    command re-run skips them. Skips go to `stats` (its sink writes the report) once each."""
+    are parsed (and so checked) once and built from that parse; a larger one is streamed twice (or
+    once in skip mode, where a bad record is reported and left out as the build meets it). A bad
+    record in a later object therefore stops the build after earlier objects were built; their
+    commits are kept, and the same command re-run skips them. Skips go to `stats` (its sink writes
+    the report) once each."""
 
     def __init__(self, objects: list[CorpusObject], on_bad_record: OnBadRecord = "fail",
                  stats: ReadStats | None = None, limits: CorpusLimits = DEFAULT_LIMITS,

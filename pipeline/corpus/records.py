@@ -11,8 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from pipeline.corpus.schema import (Conversation, CorpusError, Question, Turn, UnsafeIdError,
-                                    check_safe_id)
+from pipeline.corpus.schema import (
+    Conversation,
+    CorpusError,
+    Question,
+    Turn,
+    UnsafeIdError,
+    check_safe_id,
+)
 
 
 @dataclass(frozen=True)
@@ -58,7 +64,8 @@ class RecordFields:
             return None
         value = obj[key]
         if isinstance(value, bool) or not isinstance(value, kind):
-            names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+            names = (kind.__name__ if isinstance(kind, type)
+                     else " or ".join(k.__name__ for k in kind))
             raise self.fail(path, f"must be {names}, got {type(value).__name__}")
         if nonempty and not (value.strip() if isinstance(value, str) else value):
             raise self.fail(path, "must not be empty")  # whitespace is empty too
@@ -159,7 +166,8 @@ def parse_record(obj: Any, where: str, limits: CorpusLimits = DEFAULT_LIMITS,
         for j, e in enumerate(rec.get(q, "evidence", f"{p}.evidence", list, required=False) or []):
             turn_id = resolve_turn_id(e, seen)
             if turn_id is None:
-                raise rec.fail(f"{p}.evidence[{j}]", f"turn id {e!r} is not a turn of this conversation")
+                raise rec.fail(f"{p}.evidence[{j}]",
+                               f"turn id {e!r} is not a turn of this conversation")
             evidence.append(turn_id)
         category = rec.get(q, "category", f"{p}.category", int, required=False)
         meta = {k: v for k, v in q.items() if k not in _QUESTION_KEYS}

@@ -60,7 +60,8 @@ class Topic:
 
 def _read_data() -> dict:
     """The vocabulary file, read through importlib.resources so it works from a wheel too."""
-    text = resources.files("pipeline.corpus").joinpath("data/synthetic.json").read_text(encoding="utf-8")
+    text = (resources.files("pipeline.corpus").joinpath("data/synthetic.json")
+            .read_text(encoding="utf-8"))
     return json.loads(text)
 
 

@@ -32,10 +32,22 @@ from pipeline.config import BuildConfig, RoutingConfig, TopUpConfig
 from pipeline.corpus.render import cut_at_session, render_conversation, render_header
 from pipeline.corpus.schema import Conversation, Question
 from pipeline.eval.methods import EvalConfig, Read, parse_method
-from pipeline.eval.metrics import (ADVERSARIAL_CATEGORY, evidence_probe, f1_score,
-                                   headed_continuation_nlls, question_text)
-from pipeline.eval.reads import (CellCaches, measure_reads, one_cache, question_embeddings,
-                                 route_scores, routed, select_read)
+from pipeline.eval.metrics import (
+    ADVERSARIAL_CATEGORY,
+    evidence_probe,
+    f1_score,
+    headed_continuation_nlls,
+    question_text,
+)
+from pipeline.eval.reads import (
+    CellCaches,
+    measure_reads,
+    one_cache,
+    question_embeddings,
+    route_scores,
+    routed,
+    select_read,
+)
 from pipeline.eval.summary import nan_mean
 from pipeline.eval.window import Windows, evidence_windows
 from pipeline.kv import methods, models, prompts
@@ -383,7 +395,8 @@ def cache_footprint(cache: EpisodicCache, sizes: EntryBytes, merged: int = 0) ->
     original, quantized = cache.state_counts()
     kv_bytes = original * sizes.original + quantized * sizes.quantized
     first = cache.layers[0]
-    per_token = len(cache.layers) * (first.valid.shape[0] if first.valid is not None else 1) * sizes.original
+    per_token = (len(cache.layers) * (first.valid.shape[0] if first.valid is not None else 1)
+                 * sizes.original)
     return {"original_entries": original, "quantized_entries": quantized, "merged_entries": merged,
             "kv_bytes": kv_bytes, "bytes_tokens": kv_bytes / per_token,
             "quantized_share": quantized / max(original + quantized, 1)}

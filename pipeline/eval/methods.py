@@ -201,7 +201,8 @@ def routing_field(path: str) -> str | None:
 
 @functools.cache
 def parse_method(name: str) -> MethodSpec:
-    """`<preset>[+<path>=<value>]...` as a `MethodSpec`; ValueError naming the presets if unknown."""
+    """`<preset>[+<path>=<value>]...` as a `MethodSpec`; ValueError naming the presets if
+    unknown."""
     preset, *overrides = name.strip().split("+")
     if preset == NO_HISTORY:
         if overrides:

@@ -38,7 +38,8 @@ def continuation_nll(model: torch.nn.Module, cache: EpisodicCache, prefix: torch
         logits = model(input_ids=ids[None], past_key_values=cache, use_cache=True,
                        position_ids=torch.arange(seen, seen + ids.shape[0], device=device)[None],
                        logits_to_keep=target.shape[0] + 1).logits[0]
-    log_probs = torch.log_softmax(logits[:-1].float(), dim=-1)  # predicts target[0], ..., target[-1]
+    # predicts target[0], ..., target[-1]
+    log_probs = torch.log_softmax(logits[:-1].float(), dim=-1)
     return float(-log_probs.gather(1, target.to(device)[:, None]).mean())
 
 

@@ -31,8 +31,8 @@ def _fmt(x, pct: bool = False) -> str:
 def markdown_table(rows: list[dict]) -> str:
     cats = sorted({k for r in rows for k in r if k.startswith("f1_cat")})
     head = ["method", "budget", "questions", "retention", "retention (of means)", "evidence NLL",
-            "answer NLL", "F1", "kept", "decode-time entries", "bytes (tokens)", "quantized", "evidence kept",
-            "route hit", "top-up tokens", "top-up recall"] + \
+            "answer NLL", "F1", "kept", "decode-time entries", "bytes (tokens)", "quantized",
+            "evidence kept", "route hit", "top-up tokens", "top-up recall"] + \
         [f"F1 {c.removeprefix('f1_')}" for c in cats]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -105,7 +105,8 @@ def write_report(out: Path, summary: dict, records: list[dict]) -> str:
         f"None -> full gap in nats [90% interval], share of questions the full history is "
         f"better on:\n\n{signal_table(card)}\n" for name, card in cards.items())
     table = headline + markdown_table(summary["rows"]) + "\n" + breakdown_table(
-        summary["by_evidence_position"], "evidence in the conversation's first / middle / last third",
+        summary["by_evidence_position"],
+        "evidence in the conversation's first / middle / last third",
         ["first", "middle", "last"]) + "\n" + breakdown_table(
         summary["by_route_hit"], "route hit (the routed episode holds an evidence turn)",
         [True, False])

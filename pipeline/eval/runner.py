@@ -162,7 +162,8 @@ def merged_records(kept_records: list[dict] | None, computed: list[dict]) -> lis
     return [old | new for old, new in zip(kept_records, computed)]
 
 
-def collect_cells(pending: dict, kept: LocalStore, config: EvalConfig) -> tuple[list[dict], list[dict]]:
+def collect_cells(pending: dict, kept: LocalStore,
+                  config: EvalConfig) -> tuple[list[dict], list[dict]]:
     """Wait for every cell task (`pending`: ref -> Cell); keep each finished cell's records
     under its key. Returns the records and the failed cells."""
     records, failed = [], []
@@ -184,7 +185,8 @@ def collect_cells(pending: dict, kept: LocalStore, config: EvalConfig) -> tuple[
 
 def cell_failure(cell: Cell, e: Exception) -> dict:
     reason = str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
-    print(f"cell {cell.conversation_id}/{cell.method}/{cell.budget} failed: {reason}", file=sys.stderr)
+    print(f"cell {cell.conversation_id}/{cell.method}/{cell.budget} failed: {reason}",
+          file=sys.stderr)
     return {"conversation_id": cell.conversation_id, "method": cell.method, "budget": cell.budget,
             "error": reason}
 
@@ -303,7 +305,8 @@ class CellPlan:
         return cell
 
     def run(self, in_process: bool) -> tuple[list[dict], list[dict], int]:
-        """Every cell's records (kept ones read back), the failed cells, and how many were reused."""
+        """Every cell's records (kept ones read back), the failed cells, and how many were
+        reused."""
         records, compute, reused = [], [], 0
         for cell in self.todo.values():
             kept_records = kept_or_none(self.kept, cell)

@@ -46,7 +46,8 @@ def summarise_by(records: list[dict], key: str) -> list[dict]:
         full = nan_mean(refs.get(k + ("full",)) for k in keys)
         none = nan_mean(refs.get(k + ("none",)) for k in keys)
         out.append({"method": method, "budget": budget, "group": group, "questions": len(g),
-                    "retention_of_means": retention(none, nan_mean(r["evidence_nll"] for r in g), full),
+                    "retention_of_means": retention(
+                        none, nan_mean(r["evidence_nll"] for r in g), full),
                     "evidence_kept": nan_mean(r.get("evidence_kept") for r in g)})
     return out
 
@@ -62,7 +63,8 @@ def summarise(records: list[dict]) -> list[dict]:
     groups: dict[tuple, list[dict]] = {}
     for r in records:
         groups.setdefault((r["method"], r["budget"]), []).append(r)
-    ref = {m: nan_mean(r["evidence_nll"] for r in records if r["method"] == m) for m in ("full", "none")}
+    ref = {m: nan_mean(r["evidence_nll"] for r in records if r["method"] == m)
+           for m in ("full", "none")}
     gap = ref["none"] - ref["full"]
     rows = []
     for (method, budget), g in groups.items():
@@ -70,7 +72,8 @@ def summarise(records: list[dict]) -> list[dict]:
                "retention": nan_mean(r["retention"] for r in g),
                "evidence_nll": nan_mean(r["evidence_nll"] for r in g),
                "answer_nll": nan_mean(r["answer_nll"] for r in g),
-               "f1": nan_mean(r.get("f1") for r in g), "kept_entries": nan_mean(r["kept_entries"] for r in g),
+               "f1": nan_mean(r.get("f1") for r in g),
+               "kept_entries": nan_mean(r["kept_entries"] for r in g),
                "decode_entries": nan_mean(r.get("decode_entries") for r in g),
                "cache_budget": nan_mean(r.get("cache_budget") for r in g),
                "kv_bytes": nan_mean(r.get("kv_bytes") for r in g),
@@ -78,7 +81,8 @@ def summarise(records: list[dict]) -> list[dict]:
                "quantized_share": nan_mean(r.get("quantized_share") for r in g),
                "merged_entries": nan_mean(r.get("merged_entries") for r in g),
                "evidence_kept": nan_mean(r.get("evidence_kept") for r in g),
-               "route_hit": nan_mean(float(r["route_hit"]) for r in g if r.get("route_hit") is not None),
+               "route_hit": nan_mean(float(r["route_hit"]) for r in g
+                                     if r.get("route_hit") is not None),
                "topup_tokens": nan_mean(r.get("topup_tokens") for r in g),
                "topup_recall": nan_mean(r.get("topup_recall") for r in g)}
         summary["retention_of_means"] = ((ref["none"] - summary["evidence_nll"]) / gap

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pipeline.corpus.render import cut_at_session, render_conversation
 from pipeline.corpus.schema import Conversation, Question
 
-
 SESSION_RUN, EVIDENCE_SESSIONS = "window", "sessions"  # the two kinds of reference
 
 

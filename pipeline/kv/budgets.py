@@ -59,9 +59,11 @@ def layer_similarity(model: torch.nn.Module, input_ids: torch.Tensor,
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     full = _key_states(model, input_ids, None)
-    masked = _key_states(model, input_ids, sink_recent_mask(n, config.sink, config.window).to(device))
-    sims = [torch.nn.functional.cosine_similarity(a[:, config.window:], b[:, config.window:], dim=-1)
-            .mean().item() for a, b in zip(full, masked)]
+    masked = _key_states(model, input_ids,
+                         sink_recent_mask(n, config.sink, config.window).to(device))
+    sims = [torch.nn.functional.cosine_similarity(a[:, config.window:], b[:, config.window:],
+                                                  dim=-1).mean().item()
+            for a, b in zip(full, masked)]
     return np.asarray(sims, dtype=np.float64)
 
 

@@ -106,8 +106,9 @@ class EpisodicLayer(CacheLayerMixin):
         values = torch.cat([self.values, value_states.to(self.values.dtype)], dim=-2)
         self.last_request = AttentionRequest(key=keys, past_valid=self.valid,
                                              past_positions=self.rope_positions,
-                                             first_position=self.next_position, n_patch=self.n_patch,
-                                             moments=self.moments, packing=self.packing)
+                                             first_position=self.next_position,
+                                             n_patch=self.n_patch, moments=self.moments,
+                                             packing=self.packing)
         hand_off(self.last_request)
 
         n_heads, slots = self.valid.shape
@@ -121,7 +122,8 @@ class EpisodicLayer(CacheLayerMixin):
         self.rope_positions = torch.cat([self.rope_positions, (new_positions + self.next_position
                                          - self.tokens_seen).expand(n_heads, -1)], dim=1)
         if self.quantized is not None:  # new tokens arrive Original
-            self.quantized = torch.cat([self.quantized, self.quantized.new_zeros(n_heads, n_store)], 1)
+            self.quantized = torch.cat([self.quantized,
+                                        self.quantized.new_zeros(n_heads, n_store)], 1)
             for name in ("key_codes", "value_codes", "key_scales", "value_scales"):
                 t = getattr(self, name)
                 setattr(self, name, torch.cat([t, t.new_zeros(n_heads, n_store, *t.shape[2:])], 1))
@@ -147,7 +149,8 @@ class EpisodicLayer(CacheLayerMixin):
         order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :slots]
         index = order[None, :, :, None].expand(1, -1, -1, self.keys.shape[-1])
         self.keys = self.keys.gather(2, index)
-        self.values = self.values.gather(2, order[None, :, :, None].expand(1, -1, -1, self.values.shape[-1]))
+        self.values = self.values.gather(
+            2, order[None, :, :, None].expand(1, -1, -1, self.values.shape[-1]))
         self.positions = self.positions.gather(1, order)
         self.rope_positions = self.rope_positions.gather(1, order)
         self.valid = torch.arange(slots, device=keep.device)[None, :] < counts[:, None]
@@ -191,7 +194,8 @@ class EpisodicLayer(CacheLayerMixin):
                                          device=self.keys.device)
             self.value_codes = torch.zeros(n_heads, slots, self.values.shape[-1], dtype=raw,
                                            device=self.values.device)
-            self.key_scales = torch.zeros(n_heads, slots, dtype=torch.float32, device=self.keys.device)
+            self.key_scales = torch.zeros(n_heads, slots, dtype=torch.float32,
+                                          device=self.keys.device)
             self.value_scales = torch.zeros_like(self.key_scales)
         elif self.code_dtype != code_dtype:
             raise ValueError(f"layer holds {self.code_dtype} codes, asked for {code_dtype}")
@@ -231,10 +235,12 @@ class EpisodicLayer(CacheLayerMixin):
 
     def older_entries(self, cut: int) -> int:
         """The most valid entries any head holds of tokens before `cut`."""
-        return int((self.valid & (self.positions < cut)).sum(dim=1).max().item()) if self.valid.numel() else 0
+        return (int((self.valid & (self.positions < cut)).sum(dim=1).max().item())
+                if self.valid.numel() else 0)
 
     def snapshot(self) -> tuple[int, int, int]:
-        return (0 if self.valid is None else self.valid.shape[1], self.tokens_seen, self.next_position)
+        return (0 if self.valid is None else self.valid.shape[1], self.tokens_seen,
+                self.next_position)
 
     def restore(self, snapshot: tuple[int, int, int]) -> None:
         slots, self.tokens_seen, self.next_position = snapshot
@@ -244,8 +250,10 @@ class EpisodicLayer(CacheLayerMixin):
             self.rope_positions = self.rope_positions[:, :slots]
             if self.quantized is not None:
                 self.quantized = self.quantized[:, :slots]
-                self.key_codes, self.value_codes = self.key_codes[:, :slots], self.value_codes[:, :slots]
-                self.key_scales, self.value_scales = self.key_scales[:, :slots], self.value_scales[:, :slots]
+                self.key_codes, self.value_codes = (self.key_codes[:, :slots],
+                                                    self.value_codes[:, :slots])
+                self.key_scales, self.value_scales = (self.key_scales[:, :slots],
+                                                      self.value_scales[:, :slots])
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # The stock mask is not used by the episodic attention; keep it as small as the slots.

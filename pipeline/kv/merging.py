@@ -55,7 +55,8 @@ class Merger:
         touched = (hits > 0) & targets
         for tensor in (keys, values):
             num = (tensor.float() * math.e).scatter_add_(
-                1, index[..., None].expand(-1, -1, tensor.shape[-1]), tensor.float() * weight[..., None])
+                1, index[..., None].expand(-1, -1, tensor.shape[-1]),
+                tensor.float() * weight[..., None])
             tensor[touched] = (num / den[..., None])[touched].to(tensor.dtype)
         self.merged += int(merge.sum().item())
 

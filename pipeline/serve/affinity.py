@@ -30,8 +30,13 @@ import random
 from collections.abc import Callable, Hashable, Sequence
 from typing import TypeVar
 
-from ray.serve.request_router import (FIFOMixin, MultiplexMixin, PendingRequest, RequestRouter,
-                                      RunningReplica)
+from ray.serve.request_router import (
+    FIFOMixin,
+    MultiplexMixin,
+    PendingRequest,
+    RequestRouter,
+    RunningReplica,
+)
 
 from pipeline.serve.settings import DEFAULT_MAX_IMBALANCE
 

@@ -3,8 +3,8 @@ store (checksum verified beside the parse; the previous turn's cache always stay
 concurrent requests for one cache fetch it once), with an optional bounded local-disk
 tier under it (a restart or an eviction reads the disk, not the store), a background prefetch
 of a conversation's other episodes, and a `DecodeBatcher` that decodes the requests in flight
-together (continuous batching, `pipeline.answer.batcher`). It answers the router with plain dicts: an
-error is {"error": {"status", "message"}}, classified here, never an exception across the
+together (continuous batching, `pipeline.answer.batcher`). It answers the router with plain dicts:
+an error is {"error": {"status", "message"}}, classified here, never an exception across the
 handle."""
 
 import asyncio

@@ -4,8 +4,16 @@ send it). The ranges of the sampling fields are checked by `AnswerLimits`, as `j
 the `Answerer` check them."""
 
 from fastapi import Request
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
-                      ValidationError)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
 
 from pipeline.serve.body import check_media_type, load_json, read_body
 from pipeline.serve.errors import ApiError, describe

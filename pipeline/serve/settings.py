@@ -148,7 +148,8 @@ class ServeSettings:
         if self.decoder_autoscale is not None:
             lo, hi = self.decoder_autoscale
             if not 0 <= lo <= hi or hi < 1:
-                raise ValueError(f"decoder autoscale needs 0 <= min <= max, max >= 1; got {lo}:{hi}")
+                raise ValueError(
+                    f"decoder autoscale needs 0 <= min <= max, max >= 1; got {lo}:{hi}")
         for name in ("router_replicas", "decoder_replicas", "max_question_tokens",
                      "max_new_tokens_limit", "max_live_tokens", "default_max_new_tokens",
                      "decoder_max_ongoing",

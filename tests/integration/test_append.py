@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.builder import plan as plan_module
 from pipeline.builder import conversation as conversation_module
+from pipeline.builder import plan as plan_module
 from pipeline.builder.append import read_stored_cache
 from pipeline.builder.cluster import ClusterResult, cluster_conversation
 from pipeline.builder.conversation import build_conversation
@@ -27,8 +27,15 @@ from pipeline.builder.growth import AppendPlan, Recluster
 from pipeline.builder.plan import plan_conversation
 from pipeline.builder.profile import layer_budgets
 from pipeline.builder.turns import index_turns, indexed_turns
-from pipeline.config import (BuildConfig, DriverOptions, EpisodeConfig, GrowthConfig, MergeConfig,
-                             PrefillConfig, TriStateConfig)
+from pipeline.config import (
+    BuildConfig,
+    DriverOptions,
+    EpisodeConfig,
+    GrowthConfig,
+    MergeConfig,
+    PrefillConfig,
+    TriStateConfig,
+)
 from pipeline.corpus.reader import write_jsonl
 from pipeline.corpus.render import render_conversation
 from pipeline.corpus.schema import Conversation

@@ -212,7 +212,8 @@ def two_node_cluster(s3_server, tmp_path):
     """Nodes whose environment holds the S3 credentials (as an instance role would provide),
     token authentication with a token file of this test's own."""
     from ray._private.authentication.authentication_token_generator import (
-                                                                            generate_new_authentication_token)
+        generate_new_authentication_token,
+    )
 
     token = tmp_path / "auth_token"
     token.write_text(generate_new_authentication_token())

@@ -233,7 +233,8 @@ def test_record_size_limit_is_exact_and_bounded(tmp_path):
     convs = list(iter_corpus(corpus, "skip", stats, CorpusLimits(max_record_bytes=limit)))
     assert [c.conversation_id for c in convs] == ["fits", "last"]
     assert [s.record for s in stats.skipped] == [2, 3]
-    assert f"the record is {limit + 1:,} bytes, over the limit of {limit:,}" in stats.skipped[0].reason
+    assert (f"the record is {limit + 1:,} bytes, over the limit of {limit:,}"
+            in stats.skipped[0].reason)
     assert f"the record is {len(huge):,} bytes" in stats.skipped[1].reason
 
 
@@ -249,7 +250,8 @@ def test_bad_question_is_dropped_and_its_conversation_kept(tmp_path):
     assert (stats.read, stats.records_skipped, stats.questions_dropped) == (3, 0, 2)
     assert [(s.record, s.conversation_id, s.question) for s in stats.skipped] == \
         [(1, "a", 1), (2, "b", 1)]
-    assert "field 'questions[1].evidence[0]': turn id 'D7:1' is not a turn" in stats.skipped[0].reason
+    assert ("field 'questions[1].evidence[0]': turn id 'D7:1' is not a turn"
+            in stats.skipped[0].reason)
     assert "field 'questions[1].question': must not be empty" in stats.skipped[1].reason
 
 
@@ -296,8 +298,8 @@ def test_skip_report_on_stderr_and_in_the_store(tmp_path, capsys, monkeypatch):
                     "--no-progress"])
     err = capsys.readouterr().err.splitlines()
     shown = [ln for ln in err if ln.startswith(("skipped: ", "dropped question: "))]
-    assert len(shown) == 20 and shown[0].startswith("skipped: corpus.jsonl, record 2 "
-                                                    "(conversation 'bad-0'): field 'turns[1].speaker'")
+    assert len(shown) == 20 and shown[0].startswith(
+        "skipped: corpus.jsonl, record 2 (conversation 'bad-0'): field 'turns[1].speaker'")
     assert f"... and {n_records + n_questions - 20} more (all in skipped.jsonl)" in err
     reports = list(LocalStore(store).list("reports/"))
     assert len(reports) == 1 and reports[0].endswith("/skipped.jsonl")
@@ -318,7 +320,8 @@ def test_skip_mode_build_counts_and_keeps_conversations_with_a_dropped_question(
     conversation that lost a question is still built."""
     corpus, n_records, n_questions = _skip_corpus(tmp_path / "corpus.jsonl")
     stats = check_corpus(corpus, "skip", out=io.StringIO())
-    assert (stats.read, stats.records_skipped, stats.questions_dropped) == (4, n_records, n_questions)
+    assert (stats.read, stats.records_skipped, stats.questions_dropped) == \
+        (4, n_records, n_questions)
     store = LocalStore(tmp_path / "store")
     summary = run_build(str(corpus), store, SYNTHETIC_CONFIG, DriverOptions(progress=False),
                         on_bad_record="skip", stages=SYNTHETIC_STAGES)

@@ -14,8 +14,12 @@ import struct
 import pytest
 
 from jobs import gc, manifests
-from lab.rehearsal import (SYNTHETIC_CONFIG, SYNTHETIC_FILES, SYNTHETIC_STAGES,
-                           write_synthetic_corpus)
+from lab.rehearsal import (
+    SYNTHETIC_CONFIG,
+    SYNTHETIC_FILES,
+    SYNTHETIC_STAGES,
+    write_synthetic_corpus,
+)
 from pipeline.builder.conversation import is_built
 from pipeline.builder.driver import run_build
 from pipeline.builder.repair import find_damage

@@ -31,8 +31,13 @@ from pipeline.store.backends.s3 import S3Store, parse_s3_uri
 from pipeline.store.backends.uri import open_store
 from pipeline.store.catalogue import table as manifest_table
 from pipeline.store.catalogue.manifest import list_conversations, read_manifest, write_manifest
-from pipeline.store.catalogue.table import (PENDING_PREFIX, ManifestTable, TableError, pending_key,
-                                            table_row)
+from pipeline.store.catalogue.table import (
+    PENDING_PREFIX,
+    ManifestTable,
+    TableError,
+    pending_key,
+    table_row,
+)
 from pipeline.store.catalogue.table_sync import IndexWriter, rebuild
 from tests.support.stores import CORRUPT, plant_corrupt_manifest, put_conversation
 
@@ -214,7 +219,8 @@ def test_filters_and_totals_read_the_table(filled, capsys):
         return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
 
     assert shown() == every
-    assert shown("--conversation", "conv-1") == [r for r in every if r["conversation_id"] == "conv-1"]
+    assert shown("--conversation", "conv-1") == \
+        [r for r in every if r["conversation_id"] == "conv-1"]
     assert {r["conversation_id"] for r in shown("--config-hash", "feedfacecafebeef")} == \
         {"conv-2", "conv-3"}
     assert {r["conversation_id"] for r in shown("--model", "synthetic")} == {"conv-0", "conv-1"}
@@ -420,7 +426,8 @@ def test_table_on_s3(s3_env, capsys):
     assert "1 pending conversation(s) brought up to date" in capsys.readouterr().out
     assert len(assert_table_equals_manifests(store)) == 11
     assert manifests.main(["--store", store.uri, "--sql",
-                           "SELECT count(*) AS n FROM episodes WHERE conversation_id = 'conv-0'"]) == 0
+                           "SELECT count(*) AS n FROM episodes "
+                           "WHERE conversation_id = 'conv-0'"]) == 0
     assert capsys.readouterr().out.splitlines() == ["n", "3"]
     assert manifests.main(["--store", store.uri, "--rebuild"]) == 0
     assert len(assert_table_equals_manifests(store)) == 11

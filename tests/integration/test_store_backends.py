@@ -29,8 +29,12 @@ from pipeline.store.backends.base import ObjectNotFound, StoreError, cache_key
 from pipeline.store.backends.local import LocalStore
 from pipeline.store.backends.s3 import S3Store
 from pipeline.store.backends.uri import open_store
-from pipeline.store.catalogue.manifest import (ManifestRecord, list_conversations, read_manifest,
-                                               write_manifest)
+from pipeline.store.catalogue.manifest import (
+    ManifestRecord,
+    list_conversations,
+    read_manifest,
+    write_manifest,
+)
 from pipeline.store.objects import cache_format
 from pipeline.store.objects.cache_read import read_cache
 from tests.support.paths import REPO
@@ -169,7 +173,8 @@ def test_transient_errors_are_retried_with_backoff(s3_env):
     assert store.client.meta.config.retries == {"mode": "adaptive", "total_max_attempts": 3}
     sends = []
     store.client.meta.events.register("before-send.s3", lambda **kw: sends.append(time.monotonic()))
-    with pytest.raises(StoreError, match=r"cannot reach S3 at http://127\.0\.0\.1:\d+ .* after 3 attempts"):
+    with pytest.raises(StoreError,
+                       match=r"cannot reach S3 at http://127\.0\.0\.1:\d+ .* after 3 attempts"):
         store.put("k", b"v")
     assert len(sends) == 3
 

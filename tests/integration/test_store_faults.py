@@ -25,11 +25,20 @@ from pipeline.serve.errors import classify
 from pipeline.store.backends.base import StoreError
 from pipeline.store.backends.local import LocalStore
 from pipeline.store.backends.uri import open_store
-from pipeline.store.catalogue.manifest import (ManifestError, list_conversations, read_manifest,
-                                               write_manifest)
+from pipeline.store.catalogue.manifest import (
+    ManifestError,
+    list_conversations,
+    read_manifest,
+    write_manifest,
+)
 from pipeline.store.objects import cache_format
-from pipeline.store.objects.turn_index import (StoredIndex, read_turn_index, serialize,
-                                               store_turn_index, turn_index_key)
+from pipeline.store.objects.turn_index import (
+    StoredIndex,
+    read_turn_index,
+    serialize,
+    store_turn_index,
+    turn_index_key,
+)
 from tests.support.stores import (
     CORRUPT,
     plant_corrupt_manifest,

@@ -17,7 +17,8 @@ def bound_method(name: str, encode: Callable[[str], torch.Tensor], patch_text: s
                  line_ids: torch.Tensor | None = None, member: torch.Tensor | None = None,
                  **parameters) -> Scorer:
     """The method `name` with `parameters`, bound to a patch text and a token layout."""
-    return methods.create(name, **parameters).bind(MethodInputs(encode, patch_text, line_ids, member))
+    return methods.create(name, **parameters).bind(
+        MethodInputs(encode, patch_text, line_ids, member))
 
 
 def episodic(patch: torch.Tensor, scoring: ScoringConfig, line_ids: torch.Tensor | None = None,

@@ -9,8 +9,14 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
-from transformers import (BertConfig, BertModel, BertTokenizerFast, LlamaConfig, LlamaForCausalLM,
-                          PreTrainedTokenizerFast)
+from transformers import (
+    BertConfig,
+    BertModel,
+    BertTokenizerFast,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
 SPECIALS = ["<pad>", "<s>", "</s>"]
 _CHARS = "abcdefghijklmnopqrstuvwxyz0123456789"

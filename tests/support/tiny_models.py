@@ -10,8 +10,14 @@ import copy
 
 import pytest
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                          Qwen2Config, Qwen2ForCausalLM)
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from pipeline.kv.attention import register_episodic_attention
 
@@ -77,8 +83,8 @@ class CharTokenizer:
 
 
 class StandIn:
-    """What the decoding code (`pipeline.answer`, `pipeline.answer.batcher`) needs of a loaded model:
-    .model, .tokenizer, and the .fingerprint of its files (`pipeline.kv.fingerprint`)."""
+    """What the decoding code (`pipeline.answer`, `pipeline.answer.batcher`) needs of a loaded
+    model: .model, .tokenizer, and the .fingerprint of its files (`pipeline.kv.fingerprint`)."""
 
     def __init__(self, model, fingerprint: str = "stand-in-files"):
         self.model, self.tokenizer, self.fingerprint = model, CharTokenizer(), fingerprint

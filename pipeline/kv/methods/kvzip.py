@@ -8,8 +8,14 @@ from typing import ClassVar
 
 import torch
 
-from pipeline.kv.methods.base import (BlockContext, LayerState, Method, MethodInputs, bound,
-                                      patch_attention)
+from pipeline.kv.methods.base import (
+    BlockContext,
+    LayerState,
+    Method,
+    MethodInputs,
+    bound,
+    patch_attention,
+)
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,15 @@ import time
 from pathlib import Path
 from typing import BinaryIO
 
-from pipeline.store.backends.base import (ObjectInfo, ObjectNotFound, Partial, Store, StoreError,
-                                          StoreOptions, check_key)
+from pipeline.store.backends.base import (
+    ObjectInfo,
+    ObjectNotFound,
+    Partial,
+    Store,
+    StoreError,
+    StoreOptions,
+    check_key,
+)
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)

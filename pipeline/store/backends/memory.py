@@ -12,8 +12,14 @@ from __future__ import annotations
 import threading
 import time
 
-from pipeline.store.backends.base import (ObjectInfo, ObjectNotFound, Store, StoreError,
-                                          StoreOptions, check_key)
+from pipeline.store.backends.base import (
+    ObjectInfo,
+    ObjectNotFound,
+    Store,
+    StoreError,
+    StoreOptions,
+    check_key,
+)
 
 _STORES: dict[str, dict[str, tuple[bytes, float]]] = {}  # name -> key -> (bytes, written at)
 _LOCK = threading.Lock()

@@ -15,8 +15,15 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import BinaryIO
 
-from pipeline.store.backends.base import (ObjectInfo, ObjectNotFound, Partial, Store, StoreError,
-                                          StoreOptions, check_key)
+from pipeline.store.backends.base import (
+    ObjectInfo,
+    ObjectNotFound,
+    Partial,
+    Store,
+    StoreError,
+    StoreOptions,
+    check_key,
+)
 
 S3_ENDPOINT_ENV = "EPICACHE_S3_ENDPOINT"
 # boto3's own endpoint variables, read here too so that the store's client and the manifest
@@ -79,7 +86,8 @@ class S3Store(Store):
         # botocore's own variables, read here because an explicit retry config overrides them
         self.retry_mode = retry_mode or os.environ.get("AWS_RETRY_MODE") or "adaptive"
         self.max_attempts = max_attempts or int(os.environ.get("AWS_MAX_ATTEMPTS") or 5)
-        self.multipart_threshold, self.multipart_chunksize = multipart_threshold, multipart_chunksize
+        self.multipart_threshold = multipart_threshold
+        self.multipart_chunksize = multipart_chunksize
         self.max_concurrency = max_concurrency
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
         self.uri = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"

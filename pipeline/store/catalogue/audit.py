@@ -20,8 +20,12 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from pipeline.store.backends.base import Store
-from pipeline.store.catalogue.manifest import (ManifestError, ManifestRecord, list_conversations,
-                                               read_manifest)
+from pipeline.store.catalogue.manifest import (
+    ManifestError,
+    ManifestRecord,
+    list_conversations,
+    read_manifest,
+)
 from pipeline.store.catalogue.table import PENDING_PREFIX
 from pipeline.store.catalogue.table_query import Totals
 from pipeline.store.catalogue.table_sync import mismatches

@@ -18,8 +18,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pipeline.store.backends.base import ObjectNotFound, Partial, Store, manifest_key
-from pipeline.store.catalogue.manifest import (ManifestError, ManifestRecord, list_conversations,
-                                               read_manifest)
+from pipeline.store.catalogue.manifest import (
+    ManifestError,
+    ManifestRecord,
+    list_conversations,
+    read_manifest,
+)
 from pipeline.store.objects.turn_index import TurnIndexUnavailable, checked_turn_index
 
 # Where the objects manifests name live (a conversation's under "<prefix><id>/"): caches and

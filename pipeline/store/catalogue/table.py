@@ -44,8 +44,8 @@ PENDING_PREFIX = "index/pending/"
 # patched prompt, KBs), member_turn_ids (an episode's turns: what an append reads from the
 # manifest), config_json (the same ~1 KB on every row of a configuration; config_hash names
 # it), and the per-layer lists.
-_LEFT_OUT = {"centroid", "window_embeddings", "medoid_text", "medoid_turn_ids", "member_turn_ids", "config_json",
-             "layer_budgets",
+_LEFT_OUT = {"centroid", "window_embeddings", "medoid_text", "medoid_turn_ids", "member_turn_ids",
+             "config_json", "layer_budgets",
              "entries_per_layer", "peak_entries_per_layer", "layer_byte_budgets", "oq_ratios"}
 TABLE_SCHEMA = pa.schema([f for f in list(MANIFEST_SCHEMA) + list(STATE_SCHEMA)
                           if f.name not in _LEFT_OUT])

@@ -24,10 +24,21 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from pipeline.store.backends.base import Store, StoreError, manifest_key
-from pipeline.store.catalogue.manifest import (ManifestError, ManifestRecord, list_conversations,
-                                               read_manifest)
-from pipeline.store.catalogue.table import (PENDING_PREFIX, TABLE_KEY, ManifestTable,
-                                            TableDamagedError, pending_key, table_row, table_rows)
+from pipeline.store.catalogue.manifest import (
+    ManifestError,
+    ManifestRecord,
+    list_conversations,
+    read_manifest,
+)
+from pipeline.store.catalogue.table import (
+    PENDING_PREFIX,
+    TABLE_KEY,
+    ManifestTable,
+    TableDamagedError,
+    pending_key,
+    table_row,
+    table_rows,
+)
 
 log = logging.getLogger(__name__)
 _READ_THREADS = 16  # manifests read at once by repair and rebuild (S3 GETs are latency-bound)

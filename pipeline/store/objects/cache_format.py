@@ -113,7 +113,8 @@ def serialize(cache: EpisodicCache, header: dict, dtype: torch.dtype = torch.flo
             tensors[f"layers.{i}.qlengths"] = quantized.sum(dim=1).to(torch.int32)
             tensors[f"layers.{i}.qpositions"] = layer.positions[quantized].to(torch.int64)
     first = cache.layers[0]
-    compacted = any(not torch.equal(layer.rope_positions, layer.positions) for layer in cache.layers)
+    compacted = any(not torch.equal(layer.rope_positions, layer.positions)
+                    for layer in cache.layers)
     header = dict(header, format=FORMAT, tokens_seen=cache.tokens_seen,
                   next_position=cache.next_position,
                   positions="compact" if compacted else "original", num_layers=len(cache.layers),
@@ -121,7 +122,8 @@ def serialize(cache: EpisodicCache, header: dict, dtype: torch.dtype = torch.flo
                      if compacted and first.compact_cut is not None else {}),
                   kv_heads=int(first.valid.shape[0]), head_dim=int(first.keys.shape[-1]),
                   dtype=str(dtype).removeprefix("torch."), quant=quant)
-    return st_save({k: v.cpu() for k, v in tensors.items()}, metadata={"header": json.dumps(header)})
+    return st_save({k: v.cpu() for k, v in tensors.items()},
+                   metadata={"header": json.dumps(header)})
 
 
 def read_header(data: bytes, name: str = "cache") -> dict:
@@ -131,7 +133,8 @@ def read_header(data: bytes, name: str = "cache") -> dict:
         meta = json.loads(data[8:8 + size])["__metadata__"]
         header = json.loads(meta["header"])
     except (struct.error, ValueError, KeyError, TypeError) as e:
-        raise CacheCorruptError(f"cache object {name} is not a readable episodic cache ({e})") from None
+        raise CacheCorruptError(
+            f"cache object {name} is not a readable episodic cache ({e})") from None
     if header.get("format") not in READABLE_FORMATS:
         raise CacheCorruptError(f"cache object {name} has format {header.get('format')!r}, "
                                 f"expected one of {READABLE_FORMATS}")
@@ -159,7 +162,8 @@ def parse(data: bytes, name: str = "cache", dtype: torch.dtype = torch.float32,
     try:
         cache = _rebuild(tensors, header, dtype, device)
     except (KeyError, RuntimeError, ValueError, IndexError, TypeError) as e:
-        raise CacheCorruptError(f"cache object {name} is inconsistent ({type(e).__name__}: {e})") from None
+        raise CacheCorruptError(
+            f"cache object {name} is inconsistent ({type(e).__name__}: {e})") from None
     return cache, header
 
 

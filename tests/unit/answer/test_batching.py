@@ -1,6 +1,6 @@
-"""Continuous batching (`pipeline.answer.packed`, `pipeline.answer.batcher`) on tiny random models: a greedy
-answer decoded inside a batch of other conversations (different cache lengths per layer and per
-head), or joining a batch mid-way, is token for token the answer decoded alone by `generate()`;
+"""Continuous batching (`pipeline.answer.packed`, `pipeline.answer.batcher`) on tiny random models:
+a greedy answer decoded inside a batch of other conversations (different cache lengths per layer and
+per head), or joining a batch mid-way, is token for token the answer decoded alone by `generate()`;
 the resident cache is never written; the caps hold; a bad request fails alone."""
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ def _caches(model, specs=((61, 12, "headwise"), (90, 20, "perhead"), (40, 9, "he
     out = []
     for i, (n, budget, selection) in enumerate(specs):
         cache, _ = block_prefill(model, random_ids(n, seed=7 + i),
-                                 EpiCache(patch=random_ids(6, seed=8)), [budget, budget + 3, budget - 2],
+                                 EpiCache(patch=random_ids(6, seed=8)),
+                                 [budget, budget + 3, budget - 2],
                                  PrefillConfig(block=8, selection=selection))
         out.append(cache)
     heads = out[1].layers[0].valid.sum(dim=1)

@@ -13,8 +13,13 @@ import pytest
 
 from pipeline.answer.batcher import DecodeBatcher
 from pipeline.answer.decode import decode_answer, question_prompt
-from pipeline.config.limits import (CHARS_PER_TOKEN, DEFAULT_LIMITS, AnswerLimits, LimitError,
-                                    check_positions)
+from pipeline.config.limits import (
+    CHARS_PER_TOKEN,
+    DEFAULT_LIMITS,
+    AnswerLimits,
+    LimitError,
+    check_positions,
+)
 from pipeline.kv.methods.epicache import EpiCache
 from pipeline.kv.prefill import PrefillConfig, block_prefill
 from tests.support.tiny_models import (  # noqa: F401

@@ -11,8 +11,15 @@ import sys
 
 import pytest
 
-from pipeline.config import (BuildConfig, CalibrationConfig, EpisodeConfig, MergeConfig,
-                             PrefillConfig, ScoringConfig, TriStateConfig)
+from pipeline.config import (
+    BuildConfig,
+    CalibrationConfig,
+    EpisodeConfig,
+    MergeConfig,
+    PrefillConfig,
+    ScoringConfig,
+    TriStateConfig,
+)
 from pipeline.config.hashing import ADDED_LATER
 from tests.support.paths import REPO
 
@@ -107,7 +114,8 @@ def test_build_config_hash_changes_with_every_field():
 @pytest.mark.parametrize("config", [
     BuildConfig(),
     BuildConfig(budget=None, alpha=0.0, store_dtype="float32", scorer="streamingllm"),
-    BuildConfig(model="/models/x", budget=256, alpha=2.5, episodes=EpisodeConfig(window=6, episodes=3),
+    BuildConfig(model="/models/x", budget=256, alpha=2.5,
+                episodes=EpisodeConfig(window=6, episodes=3),
                 prefill=PrefillConfig(block=128, selection="perhead"),
                 calibration=CalibrationConfig(tokens=2048, sink=64, window=512, seed=3)),
     BuildConfig(scoring=ScoringConfig.paper(), episodes=EpisodeConfig(medoids=2)),

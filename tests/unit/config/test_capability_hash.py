@@ -11,8 +11,14 @@ import json
 
 import pytest
 
-from pipeline.config import (BuildConfig, EpisodeConfig, PrefillConfig, ScoringConfig,
-                             TriStateConfig, registry)
+from pipeline.config import (
+    BuildConfig,
+    EpisodeConfig,
+    PrefillConfig,
+    ScoringConfig,
+    TriStateConfig,
+    registry,
+)
 from pipeline.config.hashing import UNREAD_AS, unread_as_before
 from pipeline.kv.methods import buildable
 from tests.support.legacy_hash import legacy_hash, legacy_json

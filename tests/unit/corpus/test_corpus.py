@@ -43,7 +43,8 @@ def good_record(cid: str = "conv-1") -> dict:
 
 
 def write_lines(path: Path, lines: list) -> Path:
-    path.write_text("".join((l if isinstance(l, str) else json.dumps(l)) + "\n" for l in lines),
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n"
+                            for line in lines),
                     encoding="utf-8")
     return path
 
@@ -126,7 +127,8 @@ def test_skip_mode_skips_and_counts(tmp_path):
     convs, stats = read_corpus(path, on_bad_record="skip")
     # the record with bad evidence (bad-3) loses that question only: it is kept
     assert [c.conversation_id for c in convs] == ["a", "bad-3", "z"]
-    assert stats.read == 3 and stats.records_skipped == len(BAD) + 1 and stats.questions_dropped == 1
+    assert (stats.read == 3 and stats.records_skipped == len(BAD) + 1
+            and stats.questions_dropped == 1)
     wheres = [f"{s.file}, record {s.record}" for s in stats.skipped if s.question is None]
     assert wheres == [f"mixed.jsonl, record {n}" for n in range(2, len(records)) if n != 5]
     assert [(s.record, s.conversation_id, s.question) for s in stats.skipped
@@ -196,7 +198,8 @@ def test_locomo_fixture_turns_sessions_and_captions(mini):
     turn = mini.turns[1]
     assert render_turn(turn) == ('Tomas said, "Congratulations! Mine loves the beach, look." '
                                  'and shared a photo of a brown dog running on a beach.')
-    assert render_turn(mini.turns[0]) == 'Maya said, "Hi Tomas! I finally adopted a dog last weekend."'
+    assert render_turn(mini.turns[0]) == \
+        'Maya said, "Hi Tomas! I finally adopted a dog last weekend."'
 
 
 def test_locomo_fixture_questions_and_odd_evidence(mini):

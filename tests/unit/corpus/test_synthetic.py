@@ -12,8 +12,13 @@ from jobs.make_corpus import main as make_corpus_main
 from pipeline.corpus.reader import read_corpus
 from pipeline.corpus.render import render_conversation
 from pipeline.corpus.schema import check_safe_id
-from pipeline.corpus.synthetic import (_TOPIC_LIST, TOPICS, estimate_tokens, make_conversation,
-                                       make_corpus)
+from pipeline.corpus.synthetic import (
+    _TOPIC_LIST,
+    TOPICS,
+    estimate_tokens,
+    make_conversation,
+    make_corpus,
+)
 
 
 def tokens_of(conv) -> int:

@@ -15,8 +15,14 @@ from pipeline.config import BuildConfig
 from pipeline.corpus.reader import write_jsonl
 from pipeline.corpus.synthetic import make_corpus
 from pipeline.eval.methods import DEFAULT_METHODS, EvalConfig, parse_method
-from pipeline.eval.metrics import (continuation_nll, evidence_probe, f1_score, normalize_answer,
-                                   question_text, retention)
+from pipeline.eval.metrics import (
+    continuation_nll,
+    evidence_probe,
+    f1_score,
+    normalize_answer,
+    question_text,
+    retention,
+)
 from pipeline.eval.runner import Cell, collect_cells
 from pipeline.kv import models, prompts
 from pipeline.kv.methods.base import BlockContext, LayerState
@@ -40,7 +46,8 @@ def test_patch_choices_of_the_baselines():
     assert kvzip.patch_ids(block).tolist() == _encode(KVzip.INSTRUCTION).tolist() + list(range(200))
     infinipot = bound_method("infinipot", _encode)
     assert infinipot.patch_ids(block).tolist() == _encode(InfiniPot.INSTRUCTION).tolist()
-    assert bound_method("question", _encode, "Where?").patch_ids(block).tolist() == _encode("Where?").tolist()
+    assert bound_method("question", _encode, "Where?").patch_ids(block).tolist() == \
+        _encode("Where?").tolist()
     assert bound_method("keydiff", _encode).patch_ids(block) is None
     with pytest.raises(ValueError, match="unknown method"):
         bound_method("h2o", _encode)
@@ -90,8 +97,8 @@ def test_f1_and_normalisation_follow_locomo():
 
 def test_evidence_probe_takes_at_most_four_words_and_a_third():
     from pipeline.corpus.schema import Turn
-    prefix, rest = evidence_probe(Turn("D1:1", "Ann", "one two three four five six seven eight nine "
-                                       "ten eleven twelve thirteen", 1, ""))
+    prefix, rest = evidence_probe(Turn("D1:1", "Ann", "one two three four five six seven eight "
+                                       "nine ten eleven twelve thirteen", 1, ""))
     assert prefix == '\nAnn said, "one two three four' and rest.startswith(" five")
     prefix, _ = evidence_probe(Turn("D1:2", "Bo", "alpha beta gamma delta eps zeta", 1, ""))
     assert prefix == '\nBo said, "alpha beta'
@@ -161,8 +168,9 @@ def test_a_top_up_is_read_as_the_answer_path_reads_it(tiny_llm_dir):
 def _run_evaluate(corpus, out, model, methods, budgets):
     return evaluate_job.main([
         "--corpus", str(corpus), "--out", str(out), "--model", model, "--methods", methods,
-        "--budgets", budgets, "--block", "64", "--medoids", "1", "--questions-per-conversation", "2",
-        "--max-new-tokens", "4", "--calibration-tokens", "256", "--calibration-window", "64"])
+        "--budgets", budgets, "--block", "64", "--medoids", "1",
+        "--questions-per-conversation", "2", "--max-new-tokens", "4",
+        "--calibration-tokens", "256", "--calibration-window", "64"])
 
 
 def _check_outputs(out, methods):
@@ -311,7 +319,8 @@ def test_a_rerun_computes_only_the_cells_it_does_not_have(tmp_path, tiny_llm_dir
     summary = json.loads((out / "summary.json").read_text())
     assert summary["cells_reused"] == 3
     assert all(p.stat().st_mtime_ns == t for p, t in mtimes.items() if p != keydiff)
-    assert keydiff.exists() and "epicache" in {method_of(p) for p in keydiff.parent.glob("*.parquet")}
+    assert keydiff.exists()
+    assert "epicache" in {method_of(p) for p in keydiff.parent.glob("*.parquet")}
     second = pq.read_table(out / "results.parquet").to_pylist()
     key = lambda r: (r["method"], r["question_index"])  # noqa: E731
     again = {key(r): r for r in second}
@@ -343,9 +352,8 @@ def test_a_failed_cell_is_reported_and_the_others_kept(tmp_path, ray_local):
     finished one is kept under its key and returned."""
     import ray
 
-    from pipeline.store.backends.local import LocalStore
-
     from pipeline.eval.methods import Read
+    from pipeline.store.backends.local import LocalStore
 
     plain = Read().prefix
 

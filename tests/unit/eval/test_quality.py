@@ -100,7 +100,8 @@ def test_packed_probe_nlls_equal_one_at_a_time_with_smollm2():
     cache, _ = block_prefill(lm.model, ids, bound_method("snapkv", lambda t: ids[:4]),
                              [128] * lm.config.num_hidden_layers, PrefillConfig(block=128))
     encode = lambda s: prompts.encode(lm.tokenizer, s)  # noqa: E731
-    pairs = [(encode('\nNadia said, "My cousin number 7'), encode(" keeps 21 goats near the lake.")),
+    pairs = [(encode('\nNadia said, "My cousin number 7'),
+              encode(" keeps 21 goats near the lake.")),
              (encode("\nBob said"), encode(" that he likes green tea")),
              (prompts.question_ids(lm.tokenizer, "How many goats?"), encode("21"))]
     alone = [continuation_nll(lm.model, cache, p, t) for p, t in pairs]
@@ -148,7 +149,8 @@ def test_focus_weights_the_episode_turns_and_protection_keeps_sink_and_recent():
     member = torch.tensor([False, False, True, True, False, False])
     focused = FocusScorer(Fixed(scores), member, weight=2.0).score(_state(torch.arange(6)[None]))
     assert focused[0].tolist() == pytest.approx([0.4, 0.3, 0.6, 0.3, 0.05, 0.01])
-    protected = ProtectedScorer(Fixed(scores), sink=1, recent=2).score(_state(torch.arange(6)[None]))
+    protected = ProtectedScorer(Fixed(scores), sink=1, recent=2).score(
+        _state(torch.arange(6)[None]))
     assert torch.isinf(protected[0, [0, 4, 5]]).all() and protected[0, 1:4].tolist() == \
         pytest.approx([0.3, 0.2, 0.1])
 
@@ -197,7 +199,8 @@ def test_a_method_is_a_preset_with_field_overrides():
     assert config.needs_profile("epicache-paper")
     overridden = EvalConfig(overrides=(parse_override("scoring.focus=2"),))
     assert overridden.build_config("epicache-paper", 512).scoring.focus == 2.0
-    for bad, reason in (("epicache+pool", "PATH=VALUE"), ("epicache+scoring.nope=1", "no configuration"),
+    for bad, reason in (("epicache+pool", "PATH=VALUE"),
+                        ("epicache+scoring.nope=1", "no configuration"),
                         ("epicache+scoring.pool=x", "scoring.pool"), ("h2o", "unknown method"),
                         ("epicache+budget=4", "not an override")):
         with pytest.raises(ValueError, match=reason):
@@ -220,7 +223,8 @@ def test_the_fair_rows_are_spelled_in_the_method_language_and_refuse_what_they_c
                         ("keydiff+routing.two_below=0", "routing.<field> is read by epicache"),
                         ("streamingllm+episodes.episodes=8", "episodes.<field>"),
                         ("snapkv+alpha=1", "uniform"), ("rag+prefill.block=64", "only topup"),
-                        ("full+alpha=0", "only topup"), ("none+topup.enabled=true", "no overrides")):
+                        ("full+alpha=0", "only topup"),
+                        ("none+topup.enabled=true", "no overrides")):
         with pytest.raises(ValueError, match=reason):
             parse_method(bad)
     assert parse_method("question+alpha=1").overrides == (("alpha", 1.0),)  # it allocates
@@ -299,7 +303,8 @@ def test_cell_records_carry_the_diagnostics(tmp_path):
                                     episodes=EpisodeConfig(window=2, episodes=2, medoids=1)))
     prep = prepare(conv, config)
     records = evaluate_cell(prep, "epicache", 24, config, None)
-    episodes = build_episodes(conv, models.load_encoder(config.encoder), config.build.episodes).episodes
+    episodes = build_episodes(conv, models.load_encoder(config.encoder),
+                              config.build.episodes).episodes
     for r in records:
         members = set(member_turn_ids(conv, episodes[r["episode"]], 2))
         assert r["route_hit"] == bool(members & set(r["evidence"]))

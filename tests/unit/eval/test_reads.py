@@ -42,7 +42,8 @@ def _measured(methods: list[str], calls: list | None = None) -> dict:
 
 
 def test_each_read_is_measured_once_on_the_cache_its_route_picks():
-    methods = ["epicache", "epicache-episode", "epicache+routing.router=centroid+routing.two_below=0"]
+    methods = ["epicache", "epicache-episode",
+               "epicache+routing.router=centroid+routing.two_below=0"]
     calls = []
     record = _measured(methods, calls)
     # window: episodes 1 and 2 joined (21.0), both reads there in one pass; centroid: episode 0

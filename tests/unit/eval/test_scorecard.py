@@ -9,8 +9,15 @@ import math
 import numpy as np
 import pytest
 
-from pipeline.eval.scorecard import (CEILING, RAG, copy_free_turns, group_scorecard, nll_triple,
-                                     retention_of_means, scorecard)
+from pipeline.eval.scorecard import (
+    CEILING,
+    RAG,
+    copy_free_turns,
+    group_scorecard,
+    nll_triple,
+    retention_of_means,
+    scorecard,
+)
 
 
 def _record(method, budget, q, answer, turns, topup=(), conv="c1", **more):

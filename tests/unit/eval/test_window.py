@@ -6,8 +6,7 @@ from __future__ import annotations
 from pipeline.corpus.render import render_conversation
 from pipeline.corpus.schema import Conversation, Question, Turn
 from pipeline.corpus.synthetic import make_corpus
-from pipeline.eval.window import (EVIDENCE_SESSIONS, SESSION_RUN, evidence_windows,
-                                  sessions_window)
+from pipeline.eval.window import EVIDENCE_SESSIONS, SESSION_RUN, evidence_windows, sessions_window
 
 
 def chars(text: str) -> int:

@@ -42,7 +42,8 @@ CASES = {
                        "argument --budgets: takes comma-separated positive integers, got '512,x'"),
     "evaluate budgets": ("jobs.evaluate --corpus {tmp}/bad.jsonl --budgets 0,512",
                          "argument --budgets: takes comma-separated positive integers"),
-    "demo": ("jobs.demo --out {tmp}/demo --budget 0", "argument --budget: must be at least 1, got 0"),
+    "demo": ("jobs.demo --out {tmp}/demo --budget 0",
+             "argument --budget: must be at least 1, got 0"),
     "build unread option": ("jobs.build --corpus {tmp}/bad.jsonl --store {tmp}/store "
                             "--scorer snapkv --focus 3",
                             "--focus is not read by --scorer snapkv: it runs at its own "

@@ -63,8 +63,8 @@ def stock_generate(twin, ids: torch.Tensor, n: int) -> torch.Tensor:
 
 def cache_state(cache: EpisodicCache):
     """Everything generation must leave untouched."""
-    return [(l.tokens_seen, l.keys.clone(), l.values.clone(), l.valid.clone(), l.positions.clone())
-            for l in cache.layers]
+    return [(layer.tokens_seen, layer.keys.clone(), layer.values.clone(), layer.valid.clone(),
+             layer.positions.clone()) for layer in cache.layers]
 
 
 def assert_same_state(before, after):
@@ -266,7 +266,7 @@ def test_headwise_selection_can_be_uneven_across_heads():
     model = tiny_model("llama")
     cache, _ = block_prefill(model, random_ids(61, seed=7), EpiCache(patch=random_ids(6, seed=8)),
                              [12] * 3, PrefillConfig(block=8, selection="headwise"))
-    assert any(len(set(l.valid.sum(dim=1).tolist())) > 1 for l in cache.layers)
+    assert any(len(set(layer.valid.sum(dim=1).tolist())) > 1 for layer in cache.layers)
 
 
 def test_per_layer_budgets_and_generation():
@@ -278,7 +278,7 @@ def test_per_layer_budgets_and_generation():
     cache, stats = block_prefill(model, ids, EpiCache(patch=random_ids(5, seed=10)), budgets,
                                  PrefillConfig(block=10, selection="perhead"))
     assert cache.entries_per_layer() == [8.0, 16.0, 24.0]
-    assert [l.valid.shape[1] for l in cache.layers] == budgets
+    assert [layer.valid.shape[1] for layer in cache.layers] == budgets
     assert all(p <= b + 10 for p, b in zip(stats.peak_entries, budgets))
     before = cache_state(cache)
     out = generate_from_cache(StandIn(model), cache, random_ids(4, seed=11), max_new_tokens=6)
@@ -400,7 +400,7 @@ def test_select_keep_never_keeps_invalid_slots(selection):
         assert keep.tolist() == [[False, False, False, False], [False, False, True, True]]
 
 
-def test_two_joined_caches_hold_each_kept_token_once_and_a_cache_joined_with_itself_reads_the_same():
+def test_two_joined_caches_hold_each_kept_token_once_and_a_cache_joined_with_itself_reads_same():
     """`EpisodicCache.joined`: a question the router is unsure of reads two episodes' caches
     as one; a token both kept is held once (the first cache's entry)."""
     model = tiny_model("llama")

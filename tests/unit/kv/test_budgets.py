@@ -8,8 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.kv.budgets import (CalibrationConfig, allocate_budgets, layer_similarity,
-                                 sink_recent_mask)
+from pipeline.kv.budgets import (
+    CalibrationConfig,
+    allocate_budgets,
+    layer_similarity,
+    sink_recent_mask,
+)
 from tests.support.tiny_models import one_torch_thread, random_ids, stock_twin, tiny_model  # noqa: F401
 
 

@@ -13,8 +13,13 @@ from pipeline.config import BuildConfig
 from pipeline.eval.cell import cache_footprint
 from pipeline.eval.methods import EvalConfig, parse_method
 from pipeline.kv.attention import attention_column_sums
-from pipeline.kv.budgets import (VarianceAllocator, allocate_from_weights, allocator_class,
-                                 attention_variance, variance_weights)
+from pipeline.kv.budgets import (
+    VarianceAllocator,
+    allocate_from_weights,
+    allocator_class,
+    attention_variance,
+    variance_weights,
+)
 from pipeline.kv.cache import EpisodicCache
 from pipeline.kv.eviction import Compression
 from pipeline.kv.merging import MergeConfig, Merger
@@ -73,7 +78,8 @@ def test_dapq_patch_queries_sit_at_the_decode_positions(llama, dapq):
 def test_dapq_changes_the_scores_not_the_kind(llama):
     ids = random_ids(90)
     plain, _ = block_prefill(llama, ids, scorer(), [20] * 3, PrefillConfig(block=32))
-    dapq, _ = block_prefill(llama, ids, scorer(), [20] * 3, PrefillConfig(block=32, decode_positions=True))
+    dapq, _ = block_prefill(llama, ids, scorer(), [20] * 3,
+                            PrefillConfig(block=32, decode_positions=True))
     assert plain.entries_per_layer() == dapq.entries_per_layer()
     assert any(not torch.equal(a.positions[a.valid], b.positions[b.valid])
                for a, b in zip(plain.layers, dapq.layers))
@@ -140,7 +146,8 @@ def test_merge_conserves_kept_entries_and_a_high_threshold_changes_nothing(llama
         else:  # how many fit depends on which were quantized earlier; the budget holds
             o, q = b.state_counts()
             assert o * 128 + q * 40 <= 20 * 2 * 128  # float32 model: Original = 2 x 16 x 4 bytes
-        assert torch.equal(a.valid, c.valid) and torch.equal(a.positions[a.valid], c.positions[c.valid])
+        assert torch.equal(a.valid, c.valid)
+        assert torch.equal(a.positions[a.valid], c.positions[c.valid])
         assert torch.equal(a.keys[0][a.valid], c.keys[0][c.valid])
         assert torch.equal(a.values[0][a.valid], c.values[0][c.valid])
     assert any(not torch.equal(a.keys[0][a.valid], b.keys[0][b.valid])
@@ -234,7 +241,8 @@ def test_presets_and_overrides_are_configuration_knobs():
 def test_evaluate_records_carry_bytes(llama):
     cache = EpisodicCache(3)
     cache, _ = block_prefill(llama, random_ids(100), scorer(), [30] * 3,
-                             PrefillConfig(block=24, tristate=TriStateConfig(enabled=True, window=8)),
+                             PrefillConfig(block=24,
+                                           tristate=TriStateConfig(enabled=True, window=8)),
                              original_element_size=2)
     from pipeline.kv.prefill import entry_bytes
     sizes = entry_bytes(llama, 2)

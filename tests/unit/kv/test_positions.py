@@ -146,7 +146,8 @@ def test_compacting_all_but_the_recent_tokens_keeps_their_spacing():
     cache, _ = block_prefill(model, ids, EpiCache(patch=random_ids(12, seed=12)), [40] * 3,
                              PrefillConfig(block=64, positions="compact", compact_recent=recent))
     cut = cache.tokens_seen - recent
-    base = max(int((layer.valid & (layer.positions < cut)).sum(dim=1).max()) for layer in cache.layers)
+    base = max(int((layer.valid & (layer.positions < cut)).sum(dim=1).max())
+               for layer in cache.layers)
     assert cache.next_position == base + recent
     for layer in cache.layers:
         for h in range(layer.valid.shape[0]):

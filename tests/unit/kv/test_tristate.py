@@ -17,8 +17,14 @@ from pipeline.kv.attention import patch_attention_moments
 from pipeline.kv.methods.epicache import EpiCache
 from pipeline.kv.methods.full import Full
 from pipeline.kv.prefill import PrefillConfig, block_prefill, entry_bytes
-from pipeline.kv.tristate import (EntryBytes, TriStateConfig, heavy_hitter_scores, oq_ratios,
-                                  oq_score, plan_tristate)
+from pipeline.kv.tristate import (
+    EntryBytes,
+    TriStateConfig,
+    heavy_hitter_scores,
+    oq_ratios,
+    oq_score,
+    plan_tristate,
+)
 from pipeline.store.objects import cache_format
 from tests.support.tiny_models import StandIn, one_torch_thread, random_ids, tiny_model  # noqa: F401
 
@@ -109,7 +115,8 @@ def test_slack_lets_layers_run_over_between_blocks_but_not_at_the_end(llama):
             assert o * C_O + q * C_Q <= 100 * 2 * C_O
     # With slack 0.5, layers may hold twice their budget between blocks: fewer eviction steps,
     # hence a larger peak.
-    assert max(l.peak_entries for l in runs[0.5].layers) > max(l.peak_entries for l in runs[1.0].layers)
+    assert (max(layer.peak_entries for layer in runs[0.5].layers)
+            > max(layer.peak_entries for layer in runs[1.0].layers))
 
 
 # --------------------------------------------------------------------------------------------
@@ -142,8 +149,9 @@ def test_plan_on_fixed_scores():
     assert plan.keep.tolist() == [[True] * 8]
     assert plan.quantize.tolist() == [[True, True, True, True, True, True, False, False]]
     # per head: each of two heads gets half the budget
-    two = plan_tristate(scores.repeat(2, 1), valid.repeat(2, 1), torch.zeros(2, 8, dtype=torch.bool),
-                        window.repeat(2, 1), 2 * (2 * 10 + 28), 0.5, sizes, "perhead")
+    two = plan_tristate(scores.repeat(2, 1), valid.repeat(2, 1),
+                        torch.zeros(2, 8, dtype=torch.bool), window.repeat(2, 1),
+                        2 * (2 * 10 + 28), 0.5, sizes, "perhead")
     assert two.keep.tolist() == [[True, False, True, True, True, True, True, True]] * 2
 
 
@@ -244,7 +252,8 @@ def test_attention_sees_the_dequantized_values(llama, fp8):
     cache, _ = block_prefill(llama, ids, scorer(), [40] * 3, tri(fp8=fp8), original_element_size=2)
     assert cache.state_counts()[1] > 0
     got = next_logits(llama, cache, question)
-    torch.testing.assert_close(got, next_logits(llama, plain_twin(cache), question), atol=1e-5, rtol=0)
+    torch.testing.assert_close(got, next_logits(llama, plain_twin(cache), question),
+                               atol=1e-5, rtol=0)
     # the quantized slots matter: zeroing them changes the logits
     zeroed = plain_twin(cache)
     for layer, original in zip(zeroed.layers, cache.layers):
@@ -266,7 +275,8 @@ def test_attention_sees_the_dequantized_values(llama, fp8):
 def test_dequantized_layer_attention_equals_explicit_attention(llama):
     """Layer 0's attention output for new queries equals softmax(q K^T) V computed by hand on
     the dequantized keys and values (codes x scales) of each head."""
-    cache, _ = block_prefill(llama, random_ids(120), scorer(), [20] * 3, tri(), original_element_size=2)
+    cache, _ = block_prefill(llama, random_ids(120), scorer(), [20] * 3, tri(),
+                             original_element_size=2)
     layer = cache.layers[0]
     assert layer.quantized_mask().any()
     attn = llama.model.layers[0].self_attn

@@ -7,8 +7,14 @@ import sys
 
 import pytest
 
-from lab.command_steps import (Step, build_figure, output_tail, parse_build_summary, render_report,
-                               run_step)
+from lab.command_steps import (
+    Step,
+    build_figure,
+    output_tail,
+    parse_build_summary,
+    render_report,
+    run_step,
+)
 from pipeline.builder.driver import Summary
 from tests.support.paths import REPO
 

@@ -9,12 +9,20 @@ from collections import Counter
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from ray.serve._private.common import (DeploymentHandleSource, DeploymentID, ReplicaID,
-                                       RequestMetadata)
+from ray.serve._private.common import (
+    DeploymentHandleSource,
+    DeploymentID,
+    ReplicaID,
+    RequestMetadata,
+)
 from ray.serve.request_router import PendingRequest
 
-from pipeline.serve.affinity import (ConversationAffinityRouter, affinity_ranks,
-                                     conversation_of, rendezvous_order)
+from pipeline.serve.affinity import (
+    ConversationAffinityRouter,
+    affinity_ranks,
+    conversation_of,
+    rendezvous_order,
+)
 
 REPLICAS = [f"replica-{i}" for i in range(4)]
 KEYS = [f"conv-{i:04d}" for i in range(2000)]

@@ -18,10 +18,21 @@ from pipeline.kv.prefill import PrefillConfig, block_prefill
 from pipeline.store.backends.base import StoreError, cache_key, check_key, manifest_key
 from pipeline.store.backends.local import LocalStore
 from pipeline.store.backends.uri import open_store
-from pipeline.store.catalogue.manifest import (MANIFEST_SCHEMA, ManifestRecord, list_conversations,
-                                               read_manifest, write_manifest)
-from pipeline.store.objects.cache_format import (FORMAT, CacheCorruptError, deserialize,
-                                                 read_header, serialize, sha256)
+from pipeline.store.catalogue.manifest import (
+    MANIFEST_SCHEMA,
+    ManifestRecord,
+    list_conversations,
+    read_manifest,
+    write_manifest,
+)
+from pipeline.store.objects.cache_format import (
+    FORMAT,
+    CacheCorruptError,
+    deserialize,
+    read_header,
+    serialize,
+    sha256,
+)
 from tests.support.tiny_models import StandIn, one_torch_thread, random_ids, tiny_model  # noqa: F401
 
 NAME = "caches/conv-1/abcd/episode-0.safetensors"
@@ -33,14 +44,15 @@ def built():
     model = tiny_model("llama")
     cache, _ = block_prefill(model, random_ids(70, seed=1), EpiCache(patch=random_ids(5, seed=2)),
                              [10, 14, 18], PrefillConfig(block=8, selection="headwise"))
-    assert any(len(set(l.valid.sum(1).tolist())) > 1 for l in cache.layers)  # ragged heads
+    assert any(len(set(layer.valid.sum(1).tolist())) > 1 for layer in cache.layers)  # ragged heads
     return model, cache
 
 
 def per_head_entries(cache):
     """[(keys, values, positions) of the valid entries] per layer and head."""
-    return [[(l.keys[0, h][l.valid[h]], l.values[0, h][l.valid[h]], l.positions[h][l.valid[h]])
-             for h in range(l.valid.shape[0])] for l in cache.layers]
+    return [[(layer.keys[0, h][layer.valid[h]], layer.values[0, h][layer.valid[h]],
+              layer.positions[h][layer.valid[h]])
+             for h in range(layer.valid.shape[0])] for layer in cache.layers]
 
 
 # --------------------------------------------------------------------------------------------
@@ -56,8 +68,8 @@ def test_round_trip_float32_is_exact(built):
     assert loaded.tokens_seen == cache.tokens_seen == 70
     assert loaded.entries_per_layer() == cache.entries_per_layer()
     for a_layer, b_layer in zip(per_head_entries(cache), per_head_entries(loaded)):
-        for (ka, va, pa), (kb, vb, pb) in zip(a_layer, b_layer):
-            assert torch.equal(ka, kb) and torch.equal(va, vb) and torch.equal(pa, pb)
+        for (ka, va, pos_a), (kb, vb, pos_b) in zip(a_layer, b_layer):
+            assert torch.equal(ka, kb) and torch.equal(va, vb) and torch.equal(pos_a, pos_b)
     for a, b in zip(cache.layers, loaded.layers):
         assert torch.equal(a.valid.sum(1), b.valid.sum(1))
         assert b.valid.shape[1] == int(b.valid.sum(1).max())  # padded to the longest head only
@@ -77,10 +89,10 @@ def test_round_trip_float16_within_half_precision(built):
     assert header["dtype"] == "float16"
     assert loaded.layers[0].keys.dtype == torch.float32
     for a_layer, b_layer in zip(per_head_entries(cache), per_head_entries(loaded)):
-        for (ka, va, pa), (kb, vb, pb) in zip(a_layer, b_layer):
+        for (ka, va, pos_a), (kb, vb, pos_b) in zip(a_layer, b_layer):
             torch.testing.assert_close(kb, ka, atol=1e-3, rtol=1e-3)
             torch.testing.assert_close(vb, va, atol=1e-3, rtol=1e-3)
-            assert torch.equal(pa, pb)
+            assert torch.equal(pos_a, pos_b)
 
 
 def test_header_fields(built):

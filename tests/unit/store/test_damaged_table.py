@@ -17,8 +17,13 @@ from jobs import manifests
 from pipeline.store.backends.local import LocalStore
 from pipeline.store.backends.s3 import S3Store, parse_s3_uri
 from pipeline.store.backends.uri import open_store
-from pipeline.store.catalogue.table import (PENDING_PREFIX, TABLE_KEY, ManifestTable,
-                                            TableDamagedError, TableError)
+from pipeline.store.catalogue.table import (
+    PENDING_PREFIX,
+    TABLE_KEY,
+    ManifestTable,
+    TableDamagedError,
+    TableError,
+)
 from pipeline.store.catalogue.table_sync import IndexWriter
 from tests.support.stores import put_conversation
 

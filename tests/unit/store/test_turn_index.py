@@ -13,9 +13,16 @@ import pytest
 
 from pipeline.store.backends.local import LocalStore
 from pipeline.store.objects import turn_index as turn_index_module
-from pipeline.store.objects.turn_index import (IndexedTurn, TurnIndex, TurnIndexUnavailable, parse,
-                                               read_turn_index, serialize, store_turn_index,
-                                               turn_index_key)
+from pipeline.store.objects.turn_index import (
+    IndexedTurn,
+    TurnIndex,
+    TurnIndexUnavailable,
+    parse,
+    read_turn_index,
+    serialize,
+    store_turn_index,
+    turn_index_key,
+)
 from tests.support.stores import tiny_turn_index
 
 FP = "0123456789abcdef0123"  # an encoder fingerprint (the key keeps 16 hex digits)
