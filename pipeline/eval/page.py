@@ -10,6 +10,8 @@ from pathlib import Path
 from pipeline.eval.scorecard import HEADLINE, LOW_SIGNAL_NATS, SPREAD
 from pipeline.eval.window import EVIDENCE_SESSIONS
 
+FULL_LENGTH_PAGE = "scorecard-full.md"  # `jobs.scorecard --full-length`'s page, beside a cut's
+
 
 def _pct(figure: dict | None, signed: bool = False) -> str:
     """A retention (or a difference of two) as `value [lo, hi]` in percent."""
@@ -303,8 +305,8 @@ def scorecard_page(summary: dict, command: str, page: Path) -> str:
         f"row with a budget runs at `{summary.get('equal_entries')}`'s mean decode-time entries "
         "(its cache budget less its own top-up tokens) per conversation and budget.\n",
         window_note(summary) if not cut else
-        f"The whole conversations, each question measured against its oracle window: "
-        f"[{page.stem}-full.md]({page.stem}-full.md) (`jobs.scorecard --full-length`).\n",
+        "The whole conversations, each question measured against its oracle window: "
+        f"[{FULL_LENGTH_PAGE}]({FULL_LENGTH_PAGE}) (`jobs.scorecard --full-length`).\n",
         READING,
     ]
     for name, card in summary["scorecard"].items():

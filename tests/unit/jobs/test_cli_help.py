@@ -1,8 +1,8 @@
 """Every `jobs.*` command documents itself, and the README's and docs' examples name only real
-options.
+options and parse.
 
-Each command module exposes `build_parser()` (made by `pipeline.cli.parser.make_parser`); these tests
-import every module of `jobs/` (never running its main) and read the parsers. The reference
+Each command module exposes `build_parser()` (made by `pipeline.cli.parser.make_parser`); these
+tests import every module of `jobs/` (never running its main) and read the parsers. The reference
 material the README links to lives in docs/: the methods and variants in docs/evaluation.md, the
 scorers in docs/building.md, the serve settings in docs/serving.md.
 """
@@ -10,8 +10,10 @@ scorers in docs/building.md, the serve settings in docs/serving.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
+import io
 import pkgutil
 import re
 import shlex
@@ -22,7 +24,8 @@ import jobs
 from tests.support.paths import REPO as ROOT
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-# a module name followed by `.<name>` is a placeholder (`python -m jobs.bench.<name>`), not an example
+# a module name followed by `.<name>` is a placeholder (`python -m jobs.bench.<name>`), not an
+# example
 _COMMAND = re.compile(r"(?:^|\s)(?:\S*/)?python -m (jobs(?:\.\w+)+)(?![.\w<])(.*)")
 
 
@@ -137,29 +140,41 @@ def test_docs_name_every_method_variant_and_scorer():
     assert [name for name in REGISTRY if f"`{name}`" not in building] == []
 
 
-def _examples() -> list[tuple[str, str, list[str]]]:
-    """(where, module, arguments) of every `python -m jobs.X ...` in the docs: code-block lines
-    (continuations joined) and inline code spans (which may wrap)."""
+def _examples() -> list[tuple[str, str, list[str], bool]]:
+    """(where, module, arguments, whether it is a command line) of every `python -m jobs.X ...`
+    in the docs: code-block lines, continuations joined as the shell joins them (a backslash and
+    its newline removed), and inline code spans (which may wrap), which name a command or an
+    option in prose rather than give a command to run."""
     found = []
     for doc in DOCS:
         text = doc.read_text(encoding="utf-8")
         blocks = _CODE_BLOCK.findall(text)
-        lines = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
+        lines = [(line, True) for block in blocks
+                 for line in block.replace("\\\n", "").splitlines()]
         prose = _CODE_BLOCK.sub("", text).replace("\n", " ")
-        lines += re.findall(r"`([^`]*python -m jobs\.[^`]*)`", prose)
-        for line in lines:
+        lines += [(span, False) for span in re.findall(r"`([^`]*python -m jobs\.[^`]*)`", prose)]
+        for line, in_block in lines:
             match = _COMMAND.search(line)
             if match:
                 found.append((f"{doc.name}: {line.strip()}", match.group(1),
-                              shlex.split(match.group(2), comments=True)))
+                              shlex.split(match.group(2), comments=True),
+                              in_block and _launched(line[:match.start()])))
     return found
+
+
+def _launched(before: str) -> bool:
+    """Whether what precedes `python -m` on a code-block line starts the command (nothing,
+    `NAME=value` settings, or a launcher ending in `--`, as `ray job submit ... --`), rather than
+    being a diagram's or a file tree's text around a command's name."""
+    words = shlex.split(before, comments=True)
+    return all(re.fullmatch(r"[A-Z_]+=\S*", w) for w in words) or words[-1:] == ["--"]
 
 
 def test_readme_examples_use_real_options(parsers):
     examples = _examples()
     assert len(examples) >= 15
     wrong = []
-    for where, module, args in examples:
+    for where, module, args, _ in examples:
         assert module in parsers, f"{where}: no command {module}"
         options = parsers[module]._option_string_actions
         tokens = [t.strip("[]") for t in args]
@@ -177,6 +192,42 @@ def test_readme_examples_use_real_options(parsers):
                 choices = set(action.choices)
                 if not given <= choices or (len(given) > 1 and given != choices):
                     wrong.append(f"{where}: {flag} {sorted(given)}, choices {sorted(choices)}")
+    assert not wrong, "\n".join(wrong)
+
+
+_SHELL = ("|", "&&", ";", ">", "2>&1", "&")  # where a command line's own arguments end
+
+
+def _outside_brackets(args: list[str]) -> list[str]:
+    """A usage line's arguments less its optional parts (`[--layers N]`, `[--paper]`)."""
+    kept, depth = [], 0
+    for token in args:
+        depth += token.count("[")
+        if depth == 0:
+            kept.append(token)
+        depth -= token.count("]")
+    return kept
+
+
+def test_docs_command_lines_parse(parsers):
+    """Every command line of README.md and docs/ (a code block's `python -m jobs.X ...`) parses
+    with its command's own parser, as a user pasting it would run it: its required options
+    given, every value of the type the option takes. A usage line's optional parts
+    (`[--budget 1024]`, `[--layers N]`) are left out: the rest must parse, and their options
+    are checked by name and choice (`test_readme_examples_use_real_options`)."""
+    wrong = []
+    for where, module, args, command in _examples():
+        if not command:
+            continue
+        ends = [i for i, token in enumerate(args) if token in _SHELL]
+        args = _outside_brackets(args[:ends[0] if ends else None])
+        error = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(error), contextlib.redirect_stdout(io.StringIO()):
+                parsers[module].parse_args(args)
+        except SystemExit as e:
+            if e.code:
+                wrong.append(f"{where}\n  -> {error.getvalue().strip().splitlines()[-1]}")
     assert not wrong, "\n".join(wrong)
 
 
