@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.support.paths import REPO
+from tests.support.paths import REPO, doc_pages
 
 DEFAULT_LINES = 400  # a page a reader finishes
 LINE_BUDGETS = {
@@ -25,15 +25,10 @@ LINE_BUDGETS = {
 }
 
 
-def pages(root: Path) -> list[Path]:
-    """The pages the budgets hold: the README and every page of docs/."""
-    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
-
-
 def pages_over_budget(root: Path) -> list[str]:
     """Each page longer than its budget, as `name: lines > budget`."""
     over = []
-    for page in pages(root):
+    for page in doc_pages(root):
         if page.exists():
             lines = len(page.read_text(encoding="utf-8").splitlines())
             budget = LINE_BUDGETS.get(page.name, DEFAULT_LINES)
@@ -73,15 +68,22 @@ def _headings(page: Path) -> set[str]:
             for title in re.findall(r"^#+\s+(.*)$", text, flags=re.M)}
 
 
-def test_every_link_to_a_section_names_a_heading():
-    """A link to `page.md#section` lands on a heading of that page (a page rewritten short
-    drops sections that other pages linked to)."""
+_LINK = re.compile(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)")  # (target, section) of a Markdown link
+
+
+def test_every_relative_link_names_a_file_and_a_heading():
+    """Every relative link of the README and docs/ names a file of the repository, and a link
+    to `page.md#section` a heading of that page (a page rewritten short drops sections that
+    other pages linked to)."""
     broken = []
-    for page in pages(REPO):
-        text = page.read_text(encoding="utf-8")
-        for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", text):
+    for page in doc_pages(REPO):
+        for target, anchor in _LINK.findall(page.read_text(encoding="utf-8")):
+            if "://" in target or not (target or anchor):
+                continue
             linked = page.parent / target if target else page
-            if linked.suffix == ".md" and linked.exists() and anchor not in _headings(linked):
+            if not linked.exists():
+                broken.append(f"{page.name}: {target}")
+            elif anchor and linked.suffix == ".md" and anchor not in _headings(linked):
                 broken.append(f"{page.name}: {target}#{anchor}")
     assert broken == []
 

@@ -22,8 +22,9 @@ import pytest
 
 import jobs
 from tests.support.paths import REPO as ROOT
+from tests.support.paths import doc_pages
 
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = doc_pages()
 # a module name followed by `.<name>` is a placeholder (`python -m jobs.bench.<name>`), not an
 # example
 _COMMAND = re.compile(r"(?:^|\s)(?:\S*/)?python -m (jobs(?:\.\w+)+)(?![.\w<])(.*)")
@@ -242,16 +243,3 @@ def test_docs_name_the_serve_run_keys():
     keys = {word.split("=")[0] for run in runs for word in run.split() if "=" in word}
     assert keys and keys <= names, keys - names
     assert {name for name in names if f"`{name}`" not in text} == set()
-
-
-_LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
-
-
-def test_docs_relative_links_point_to_files():
-    """Every relative link of the README and docs/ names a file of the repository."""
-    broken = []
-    for doc in DOCS:
-        for target in _LINK.findall(doc.read_text(encoding="utf-8")):
-            if "://" not in target and not (doc.parent / target).exists():
-                broken.append(f"{doc.name}: {target}")
-    assert not broken, "\n".join(broken)
