@@ -38,7 +38,7 @@ from pipeline.cli.numbers import count
 from pipeline.cli.parser import make_parser, writable_folder
 from pipeline.corpus.reader import select_conversations
 from pipeline.corpus.schema import CorpusError
-from pipeline.eval.page import scorecard_page
+from pipeline.eval.page import FULL_LENGTH_PAGE, scorecard_page
 from pipeline.eval.report import write_report
 
 ROWS = ("full", "epicache", "epicache-episode", "streamingllm",
@@ -70,7 +70,7 @@ def build_parser(full_length: bool = False) -> argparse.ArgumentParser:
                    help="whole conversations (no cut), each question's reference the full cache "
                         f"of the {CUT_TOKENS:,}-token window holding its evidence; its own rows "
                         "(baselines at compact positions), budgets (512,1024,2048), --out "
-                        "(scorecard-full-out) and --page (docs/scorecard-full.md)")
+                        f"(scorecard-full-out) and --page (docs/{FULL_LENGTH_PAGE})")
     for action in p._actions:
         if action.dest == "max_context_tokens" and not full_length:
             action.default = CUT_TOKENS
@@ -83,7 +83,7 @@ def build_parser(full_length: bool = False) -> argparse.ArgumentParser:
                         "each must be evaluated (default: LoCoMo "
                         f"{', '.join(t.removeprefix('locomo-') for t in TUNING)}, those of them "
                         "evaluated)")
-    p.add_argument("--page", default="docs/scorecard-full.md" if full_length else
+    p.add_argument("--page", default=f"docs/{FULL_LENGTH_PAGE}" if full_length else
                    "docs/scorecard.md", help="the scorecard page to write (its plots beside it)")
     p.add_argument("--f1-questions", type=count, default=0 if full_length else 8, metavar="N",
                    help="generate answers for the first N questions of each conversation "
