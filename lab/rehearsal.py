@@ -107,7 +107,7 @@ def synthetic_episode(clustered: ClusterResult | AppendPlan | RepairPlan, episod
                       budgets: list[int] | None, config: BuildConfig,
                       store: Store) -> ManifestRecord:
     """Write one tiny cache and return its manifest record, like `build_episode` (or, for an
-    append or a repair, like `append_episode` or `repair_episode`: a new object, the stored
+    append or a repair, like `append_episode` or `repair_episodes`: a new object, the stored
     record brought up to date)."""
     start = time.perf_counter()
     conv = clustered.conversation
@@ -158,7 +158,7 @@ def synthetic_cluster_task(conv: Conversation, config: BuildConfig,
                            store: Store, damage: Damage | None = None
                            ) -> tuple[Planned, ClusterResult | AppendPlan | RepairPlan]:
     planned = synthetic_plan(conv, config, previous, growth, damage)  # no turn index: no encoder
-    return Planned.of(planned), planned
+    return Planned.of(planned, config), planned
 
 
 @ray.remote
@@ -168,13 +168,13 @@ def synthetic_budgets_task(store: Store, config: BuildConfig
 
 
 @ray.remote(max_calls=0)
-def synthetic_episode_task(clustered: ClusterResult | AppendPlan, episode: int,
+def synthetic_episode_task(clustered: ClusterResult | AppendPlan, episodes: tuple[int, ...],
                            budgets: list[int] | None,
                            config: BuildConfig,
-                           store: Store) -> tuple[ManifestRecord, WorkerStamp]:
-    record = synthetic_episode(clustered, episode, budgets, config, store)
+                           store: Store) -> tuple[list[ManifestRecord], WorkerStamp]:
+    records = [synthetic_episode(clustered, e, budgets, config, store) for e in episodes]
     stamp = WorkerStamp.here()
-    return stamp.on(record), stamp
+    return [stamp.on(record) for record in records], stamp
 
 
 SYNTHETIC_STAGES = Stages(cluster=synthetic_cluster_task, budgets=synthetic_budgets_task,

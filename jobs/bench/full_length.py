@@ -1,21 +1,25 @@
-"""Costs at full length: the build of a whole conversation against its 7,600-token cut and
-against one full prefill of the whole conversation.
+"""Costs at full length: the build of a conversation, block by block and in one pass, against
+one full prefill of the same tokens, at its 7,600-token cut and whole.
 
     python -m jobs.bench.full_length --corpus ../shared/data/locomo [--conversations 30] \\
-        [--cut-tokens 7600] [--questions 20] [--threads 2]
+        [--cut-tokens 7600] [--questions 20] [--paths block,one-pass] [--threads 2]
 
-Per conversation, three runs, each in a fresh process so that one's peak memory is its own:
-the product's build (`pipeline.builder.conversation.build_conversation`, the default
-configuration, into a local store) of the cut and of the whole conversation, and transformers'
-stock prefill (one forward, DynamicCache) of the whole conversation, the cache a full-history
-answer would read. Reported: tokens, seconds, the peak memory the run adds to the loaded model
-(the kernel's resident high-water mark on CPU, reset first; the allocator's peak on a GPU), bytes
-stored per conversation (every object the build wrote: caches, manifest, turn index; for the
-full prefill, its cache in the store's float16), and bytes read per question: the cache
-objects of the episodes the answer path reads for each of the first `--questions` questions
+Per conversation and length (the cut, the whole), each run in a fresh process so that one's
+peak memory is its own: transformers' stock prefill (one forward, DynamicCache) of the same
+tokens, the cache a full-history answer would read, then the product's build
+(`pipeline.builder.conversation.build_conversation`, the default configuration, into a local
+store) for each `--paths`: `block` (a block prefill per episode) and `one-pass`
+(`PrefillConfig.one_pass`: every episode from one layer-by-layer pass). Reported: tokens,
+seconds, the peak memory the run adds to the loaded model (the kernel's resident high-water
+mark on CPU, reset first; the allocator's peak on a GPU), bytes stored per conversation (every
+object the build wrote: caches, manifest, turn index; for the full prefill, its cache in the
+store's float16), and bytes read per question: the cache objects of the episodes the answer
+path reads for each of the first `--questions` questions
 (routed by `Answerer` as `jobs.answer` routes them; for the full prefill, the whole cache).
-Ratios are against the cut's build. Past the model's 8,192 positions the full prefill's
-output does not matter, only its cost.
+Ratios: seconds against the full prefill of the same tokens (the build's bill in prefills),
+peak memory against the same run at the cut.
+A build's seconds include its clustering and turn index (the encoder), as a build task's do.
+Past the model's 8,192 positions the full prefill's output does not matter, only its cost.
 """
 
 from __future__ import annotations
@@ -44,10 +48,11 @@ from pipeline.kv import models, prompts
 from pipeline.store.backends.local import LocalStore
 from pipeline.store.catalogue.manifest import read_manifest
 
-RUNS = ("build, cut", "build, whole", "full prefill, whole")
-COLUMNS = [("conversation", "conversation", ""), ("run", "run", ""), ("tokens", "tokens", ","),
-           ("episodes", "caches", ""), ("seconds", "seconds", ".1f"),
-           ("x_seconds", "x cut", ".2f"), ("peak_mib", "peak added MiB", ".0f"),
+PATHS = {"block": False, "one-pass": True}  # --paths: PrefillConfig.one_pass
+PREFILL = "full prefill"
+COLUMNS = [("conversation", "conversation", ""), ("length", "length", ""), ("run", "run", ""),
+           ("tokens", "tokens", ","), ("episodes", "caches", ""), ("seconds", "seconds", ".1f"),
+           ("x_prefill", "x prefill", ".2f"), ("peak_mib", "peak added MiB", ".0f"),
            ("x_peak", "peak x cut", ".2f"), ("stored_mib", "stored MiB", ".1f"),
            ("read_mib", "read per question MiB", ".2f")]
 
@@ -59,11 +64,11 @@ def measured(call: Callable[[], object], device: str) -> tuple[float, int]:
     return time.perf_counter() - start, peak
 
 
-def run_build(conv: Conversation, questions: int, threads: int | None) -> dict:
+def run_build(conv: Conversation, questions: int, threads: int | None,
+              config: BuildConfig) -> dict:
     """The product's build of `conv` into a fresh local store, then the answer path's reads."""
     if threads:
         torch.set_num_threads(threads)
-    config = BuildConfig()
     device = models.default_device()
     lm = models.load_llm(config.model)
     models.load_encoder(config.encoder)
@@ -80,12 +85,13 @@ def run_build(conv: Conversation, questions: int, threads: int | None) -> dict:
             "episodes": len(sizes)}
 
 
-def run_full_prefill(conv: Conversation, questions: int, threads: int | None) -> dict:
+def run_full_prefill(conv: Conversation, questions: int, threads: int | None,
+                     config: BuildConfig) -> dict:
     """One stock prefill of the whole conversation: the full cache a question would read."""
     if threads:
         torch.set_num_threads(threads)
     device = models.default_device()
-    lm = models.load_llm(BuildConfig().model)
+    lm = models.load_llm(config.model)
     ids = prompts.context_ids(lm.tokenizer, render_conversation(conv).text).to(device)
     caches = []
     seconds, peak = measured(lambda: caches.append(full_prefill(lm.model, ids)[0]), device)
@@ -99,15 +105,17 @@ def token_count(lm, conv: Conversation) -> int:
     return int(prompts.context_ids(lm.tokenizer, render_conversation(conv).text).shape[0])
 
 
-def _child(run, conv: Conversation, questions: int, threads: int | None, queue) -> None:
-    queue.put(run(conv, questions, threads))
+def _child(run, conv: Conversation, questions: int, threads: int | None, config: BuildConfig,
+           queue) -> None:
+    queue.put(run(conv, questions, threads, config))
 
 
-def in_fresh_process(run, conv: Conversation, questions: int, threads: int | None) -> dict:
+def in_fresh_process(run, conv: Conversation, questions: int, threads: int | None,
+                     config: BuildConfig) -> dict:
     """`run` in a new process (spawned: nothing of this one's memory carried over)."""
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    child = context.Process(target=_child, args=(run, conv, questions, threads, queue))
+    child = context.Process(target=_child, args=(run, conv, questions, threads, config, queue))
     child.start()
     result = queue.get()
     child.join()
@@ -120,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the cut build's length, at a session boundary (default: 7600)")
     p.add_argument("--questions", type=int, default=20,
                    help="questions routed per conversation for the bytes read (default: 20)")
+    p.add_argument("--paths", default=",".join(PATHS),
+                   help=f"the build paths to run, comma-separated, of {', '.join(PATHS)} "
+                   "(default: all)")
     add_threads_option(p)
     return p
 
@@ -127,24 +138,33 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     a = start_bench(parser, argv)
+    paths = [p.strip() for p in a.paths.split(",") if p.strip()]
+    if unknown := [p for p in paths if p not in PATHS]:
+        parser.error(f"--paths: unknown {', '.join(unknown)} (of {', '.join(PATHS)})")
+    default = BuildConfig()
+    configs = {f"build, {p}": replace(default, prefill=replace(default.prefill,
+                                                               one_pass=PATHS[p]))
+               for p in paths}
     rows = []
-    tokenizer = models.load_tokenizer(BuildConfig().model)
+    tokenizer = models.load_tokenizer(default.model)
     for conv in bench_conversations(parser, a):
         cut = cut_at_session(conv, a.cut_tokens,
                              lambda text: len(prompts.context_ids(tokenizer, text)))
-        runs = {RUNS[0]: in_fresh_process(run_build, cut, a.questions, a.threads),
-                RUNS[1]: in_fresh_process(run_build, replace(conv, questions=cut.questions),
-                                          a.questions, a.threads),
-                RUNS[2]: in_fresh_process(run_full_prefill, conv, a.questions, a.threads)}
-        base = runs[RUNS[0]]
-        for name, r in runs.items():
-            rows.append(r | {"conversation": conv.conversation_id, "run": name,
-                             "x_seconds": r["seconds"] / base["seconds"],
-                             "peak_mib": r["peak_added"] / 2**20,
-                             "x_peak": r["peak_added"] / max(base["peak_added"], 1),
-                             "stored_mib": r["stored"] / 2**20,
-                             "read_mib": r["read_per_question"] / 2**20})
-            print(rows[-1], file=sys.stderr, flush=True)
+        at_cut: dict[str, dict] = {}
+        for length, text in (("cut", cut), ("whole", replace(conv, questions=cut.questions))):
+            runs = {PREFILL: in_fresh_process(run_full_prefill, text, a.questions, a.threads,
+                                              default)}
+            runs |= {name: in_fresh_process(run_build, text, a.questions, a.threads, config)
+                     for name, config in configs.items()}
+            for name, r in runs.items():
+                at_cut.setdefault(name, r)
+                rows.append(r | {"conversation": conv.conversation_id, "length": length,
+                                 "run": name, "x_prefill": r["seconds"] / runs[PREFILL]["seconds"],
+                                 "peak_mib": r["peak_added"] / 2**20,
+                                 "x_peak": r["peak_added"] / max(at_cut[name]["peak_added"], 1),
+                                 "stored_mib": r["stored"] / 2**20,
+                                 "read_mib": r["read_per_question"] / 2**20})
+                print(rows[-1], file=sys.stderr, flush=True)
     print_table(rows, COLUMNS)
     return 0
 

@@ -17,7 +17,7 @@ import dataclasses
 
 from pipeline.builder.cluster import ClusterResult
 from pipeline.builder.episode import (
-    build_episode,
+    build_episodes,
     cache_fields,
     episode_scorer,
     index_fields,
@@ -25,7 +25,7 @@ from pipeline.builder.episode import (
     store_dtype,
 )
 from pipeline.builder.growth import AppendPlan
-from pipeline.builder.repair import RepairPlan, repair_episode
+from pipeline.builder.repair import RepairPlan, repair_episodes
 from pipeline.config import BuildConfig, ModelFingerprints
 from pipeline.corpus.render import render_conversation
 from pipeline.kv import models, prompts
@@ -74,13 +74,14 @@ def append_episode(plan: AppendPlan, episode: int, budgets: list[int] | None,
         | {"merged_entries": (before.merged_entries or 0) + stats.merged_entries})
 
 
-def prefill_episode(planned: AppendPlan | RepairPlan | ClusterResult, episode: int,
-                    budgets: list[int] | None, config: BuildConfig,
-                    store: Store) -> ManifestRecord:
-    """Stage 3 any way: the append the plan says, a damaged episode's repair, or the
-    episode's build."""
+def prefill_episodes(planned: AppendPlan | RepairPlan | ClusterResult, episodes: tuple[int, ...],
+                     budgets: list[int] | None, config: BuildConfig,
+                     store: Store) -> list[ManifestRecord]:
+    """Stage 3 any way, for the episodes of one task (`pipeline.builder.plan.task_groups`):
+    the append the plan says (each episode from its own stored cache), damaged episodes'
+    repair, or the episodes' build."""
     if isinstance(planned, AppendPlan):
-        return append_episode(planned, episode, budgets, config, store)
+        return [append_episode(planned, e, budgets, config, store) for e in episodes]
     if isinstance(planned, RepairPlan):
-        return repair_episode(planned, episode, budgets, config, store)
-    return build_episode(planned, episode, budgets, config, store)
+        return repair_episodes(planned, episodes, budgets, config, store)
+    return build_episodes(planned, episodes, budgets, config, store)

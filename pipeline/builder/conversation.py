@@ -17,9 +17,9 @@ import logging
 from collections.abc import Callable
 from typing import NamedTuple
 
-from pipeline.builder.append import prefill_episode
+from pipeline.builder.append import prefill_episodes
 from pipeline.builder.episode import BuiltEpisode
-from pipeline.builder.plan import Plan, kept_records, plan_conversation, prefilled_episodes
+from pipeline.builder.plan import Plan, kept_records, plan_conversation, task_groups
 from pipeline.builder.profile import BuildBasis, build_basis
 from pipeline.builder.repair import Damage, find_damage
 from pipeline.config import BuildConfig, GrowthConfig, ModelFingerprints
@@ -170,11 +170,12 @@ def commit_build(store: Store, source: Conversation, records: list[ManifestRecor
     return records
 
 
-# Stage 3 as a caller runs it: `prefill_episode` (the record only, as a Ray task returns it;
-# any plan) or `pipeline.builder.episode.build_episode_cache` (a clustering's episode with its
-# cache kept in memory as built, `BuiltEpisode`: what the evaluation measures).
-EpisodeStage = Callable[[Plan, int, list[int] | None, BuildConfig, Store],
-                        ManifestRecord | BuiltEpisode]
+# Stage 3 as a caller runs it, for the episodes of one task (`task_groups`): `prefill_episodes`
+# (the records only, as a Ray task returns them; any plan) or
+# `pipeline.builder.episode.build_episode_caches` (a clustering's episodes with their caches
+# kept in memory as built, `BuiltEpisode`: what the evaluation measures).
+EpisodeStage = Callable[[Plan, tuple[int, ...], list[int] | None, BuildConfig, Store],
+                        list[ManifestRecord] | list[BuiltEpisode]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +191,7 @@ class BuiltConversation:
 def build_conversation(conv: Conversation, config: BuildConfig, store: Store,
                        growth: GrowthConfig = GrowthConfig(), verify: bool = False, *,
                        basis: BuildBasis | None = None,
-                       prefill: EpisodeStage = prefill_episode) -> BuiltConversation:
+                       prefill: EpisodeStage = prefill_episodes) -> BuiltConversation:
     """The one build of a conversation, every stage in this process (the Ray driver runs the
     same stages as tasks): a conversation that grew since its stored build is appended to when
     `growth` allows, one whose stored objects are damaged has those rebuilt (`verify`: read and
@@ -201,7 +202,8 @@ def build_conversation(conv: Conversation, config: BuildConfig, store: Store,
     version = stored_version(store, conv.conversation_id, config, basis.files, conv, verify)
     planned = plan_conversation(conv, config, version.planned_from, growth, store,
                                 version.damage)
-    done = [prefill(planned, e, basis.budgets, config, store) for e in prefilled_episodes(planned)]
+    done = [d for group in task_groups(planned, config)
+            for d in prefill(planned, group, basis.budgets, config, store)]
     built = tuple(d for d in done if isinstance(d, BuiltEpisode))
     records = [d.record if isinstance(d, BuiltEpisode) else d for d in done]
     records = commit_build(store, conv, records + list(kept_records(planned)), basis.files)

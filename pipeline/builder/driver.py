@@ -3,7 +3,8 @@
 The stages are those of `pipeline.builder.conversation.build_conversation`, the same functions
 in the same order, fanned out: the build's basis once (a budgets task), then per conversation
 the skip check (`stored_version`, in the driver), a planning task (CPU: `plan_conversation`),
-one task per planned episode (GPU when the cluster has one: `prefill_episode`), then the commit
+one task per planned episode, or per conversation built in one pass (GPU when the cluster has
+one: `prefill_episodes`), then the commit
 (`commit_build`: the driver's commit thread writes the manifest once every episode is stored).
 A conversation whose record grew since its build is planned instead of clustered
 (`pipeline.builder.growth`), and its episode tasks append the new turns to the stored caches.
@@ -99,8 +100,9 @@ class _Driver:
         self.index = index  # the manifest table: told before and after each commit
         self.summary = Summary()
         self.metrics = build_metrics()  # the summary's counts, exported through Ray as they come
-        self.in_flight: dict[ray.ObjectRef, tuple[str, str, int]] = {}  # ref -> (kind, id, ep)
-        self.pending: deque[tuple[str, int]] = deque()  # episodes waiting for a slot
+        # ref -> (kind, id, the task's episodes)
+        self.in_flight: dict[ray.ObjectRef, tuple[str, str, tuple[int, ...]]] = {}
+        self.pending: deque[tuple[str, tuple[int, ...]]] = deque()  # tasks waiting for a slot
         self.convs: dict[str, _Conversation] = {}
         self.more = True
         self.corpus_error: CorpusError | None = None
@@ -155,24 +157,26 @@ class _Driver:
             raise self.corpus_error
         return self.summary
 
-    def submit(self, ref: ray.ObjectRef, kind: str, cid: str, episode: int = -1) -> None:
-        self.in_flight[ref] = (kind, cid, episode)
+    def submit(self, ref: ray.ObjectRef, kind: str, cid: str,
+               episodes: tuple[int, ...] = ()) -> None:
+        self.in_flight[ref] = (kind, cid, episodes)
         self.summary.tasks += 1
         self.summary.peak_in_flight = max(self.summary.peak_in_flight, len(self.in_flight))
 
     def fill(self) -> None:
-        """Submit queued episodes first (they finish conversations), then new conversations."""
+        """Submit queued episode tasks first (they finish conversations), then new
+        conversations."""
         while len(self.in_flight) < self.max_in_flight:
             if self.pending:
-                cid, e = self.pending.popleft()
+                cid, episodes = self.pending.popleft()
                 conv = self.convs[cid]
                 if conv.error is not None:  # a sibling failed: do not spend work on it
                     conv.outstanding -= 1
                     self.finish(cid)
                     continue
-                self.submit(self.episode_fn.remote(conv.clustered, e, self.budgets_ref,
+                self.submit(self.episode_fn.remote(conv.clustered, episodes, self.budgets_ref,
                                                    self.config_ref, self.store_ref),
-                            "episode", cid, e)
+                            "episode", cid, episodes)
             elif self.more:
                 self.more = self.admit()
             else:
@@ -227,31 +231,40 @@ class _Driver:
             self.collect(ref, result)
 
     def collect(self, ref: ray.ObjectRef, result: Any) -> None:
-        kind, cid, e = self.in_flight.pop(ref)
+        kind, cid, episodes = self.in_flight.pop(ref)
         conv = self.convs[cid]
         conv.outstanding -= 1
         if isinstance(result, Exception):
-            what = "clustering" if kind == "cluster" else f"episode {e}"
+            what = "clustering" if kind == "cluster" else \
+                f"episode{'s' if len(episodes) > 1 else ''} {', '.join(map(str, episodes))}"
             conv.error = conv.error or f"{what}: {_describe(result)}"
             log.error("conversation %s: %s", cid, conv.error)
             result = None
         if kind == "cluster" and result is not None:
             self._planned(cid, conv, result)
         elif kind == "episode" and result is not None:
-            record, stamp = result
+            records, stamp = result
             self._loads(stamp)
-            conv.records.append(record)
-            s = self.summary
-            s.episodes += 1
-            prefilled = conv.new_tokens if conv.appended else record.tokens
-            s.tokens += prefilled
-            self.metrics.episode(prefilled)
-            if not (conv.appended and conv.new_tokens == 0):  # else the stored object is kept
-                s.bytes += record.object_bytes
-            log.debug("built %s episode %d on node %s by %s: %d tokens in %.1fs", cid, e,
-                      stamp.node_id[:12], stamp.worker, record.tokens, record.build_seconds)
+            for i, record in enumerate(records):
+                self._built(cid, conv, record, stamp, first=i == 0)
             self._postfix()
         self.finish(cid)
+
+    def _built(self, cid: str, conv: _Conversation, record: ManifestRecord, stamp: WorkerStamp,
+               first: bool) -> None:
+        """An episode's record is back: counted, and kept for the commit. The tokens
+        prefilled are counted once per task (one pass runs the conversation once for all)."""
+        conv.records.append(record)
+        s = self.summary
+        s.episodes += 1
+        prefilled = conv.new_tokens if conv.appended else record.tokens if first else 0
+        s.tokens += prefilled
+        self.metrics.episode(prefilled)
+        if not (conv.appended and conv.new_tokens == 0):  # else the stored object is kept
+            s.bytes += record.object_bytes
+        log.debug("built %s episode %d on node %s by %s: %d tokens in %.1fs", cid,
+                  record.episode, stamp.node_id[:12], stamp.worker, record.tokens,
+                  record.build_seconds)
 
     def _planned(self, cid: str, conv: _Conversation, planned: Planned) -> None:
         """Stage 1 is done: queue the conversation's episode tasks."""
@@ -265,7 +278,7 @@ class _Driver:
             conv.rebuilt = why.reason if conv.rebuilt == "damaged" else f"grown, {why.reason}"
             log.info("rebuilding %s: %s, re-clustered: %s", cid, conv.rebuilt, why.detail)
         conv.outstanding += len(planned.tasks)
-        self.pending.extend((cid, i) for i in planned.tasks)
+        self.pending.extend((cid, episodes) for episodes in planned.tasks)
 
     def finish(self, cid: str) -> None:
         """Hand a conversation whose tasks are all done to the commit thread, which runs

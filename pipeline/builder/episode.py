@@ -1,10 +1,12 @@
-"""Stage 3 of a build: one episode's cache, block-prefilled, stored, and its manifest record."""
+"""Stage 3 of a build: episodes' caches prefilled (a block prefill each, or all of them in one
+pass: `PrefillConfig.one_pass`), stored, and their manifest records."""
 
 from __future__ import annotations
 
 import datetime as dt
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -18,6 +20,7 @@ from pipeline.kv import methods, models, prompts
 from pipeline.kv.cache import EpisodicCache
 from pipeline.kv.layout import token_layout
 from pipeline.kv.methods.base import Method, MethodInputs, Scorer
+from pipeline.kv.one_pass import one_pass_prefill
 from pipeline.kv.prefill import PrefillStats, block_prefill
 from pipeline.store.backends.base import Store, cache_key
 from pipeline.store.catalogue.manifest import ManifestRecord
@@ -97,26 +100,39 @@ def index_fields(stored: StoredIndex | None) -> dict:
 
 @dataclass(frozen=True)
 class Prefilled:
-    """An episode's cache, block-prefilled and stored: the object, the cache and its stats, and
-    the model files it was built with."""
+    """An episode's cache, prefilled and stored: the object, the cache and its stats, and the
+    model files it was built with."""
     stored: StoredCache
     cache: EpisodicCache
     stats: PrefillStats
     files: ModelFingerprints
 
 
-def prefill_and_store(conv: Conversation, episode: int, scorer: Scorer,
+def prefill_caches(model: torch.nn.Module, ids: torch.Tensor, scorers: list[Scorer],
+                   budgets: list[int] | None,
+                   config: BuildConfig) -> list[tuple[EpisodicCache, PrefillStats]]:
+    """Each scorer's cache of the conversation `ids`: all from one pass when the build asks for
+    it (`PrefillConfig.one_pass`), else a block prefill each."""
+    element_size = store_dtype(config)[1]
+    if config.prefill.one_pass:
+        return one_pass_prefill(model, ids, scorers, budgets, config.prefill,
+                                original_element_size=element_size)
+    return [block_prefill(model, ids, scorer, budgets, config.prefill,
+                          original_element_size=element_size) for scorer in scorers]
+
+
+def prefill_and_store(conv: Conversation, scorers: Mapping[int, Scorer],
                       budgets: list[int] | None, config: BuildConfig, store: Store,
-                      encoder_fingerprint: str) -> Prefilled:
-    """Block-prefill the whole conversation under `scorer` (one episode's method) and store
-    the cache: a build's episode, or a damaged one's repair."""
+                      encoder_fingerprint: str) -> dict[int, Prefilled]:
+    """Prefill the whole conversation under each episode's scorer (by episode) and store the
+    caches: a build's episodes, or damaged ones' repair."""
     lm = models.load_llm(config.model)
     ids = prompts.context_ids(lm.tokenizer, render_conversation(conv).text)
-    cache, stats = block_prefill(lm.model, ids, scorer, budgets, config.prefill,
-                                 original_element_size=store_dtype(config)[1])
+    built = prefill_caches(lm.model, ids, list(scorers.values()), budgets, config)
     files = ModelFingerprints(lm.fingerprint, encoder_fingerprint)
-    stored = store_cache(cache, conv.conversation_id, episode, config, files, store)
-    return Prefilled(stored, cache, stats, files)
+    return {episode: Prefilled(store_cache(cache, conv.conversation_id, episode, config, files,
+                                           store), cache, stats, files)
+            for episode, (cache, stats) in zip(scorers, built)}
 
 
 @dataclass(frozen=True)
@@ -128,21 +144,30 @@ class BuiltEpisode:
     stats: PrefillStats
 
 
-def build_episode_cache(clustered: ClusterResult, episode: int, budgets: list[int] | None,
-                        config: BuildConfig, store: Store,
-                        patch_text: str | None = None) -> BuiltEpisode:
-    """Block-prefill one episode's cache, store it, and make its manifest record. `patch_text`
-    replaces the episode's medoid text as the method's patch (the evaluation's question
-    bound)."""
+def build_episode_caches(clustered: ClusterResult, episodes: tuple[int, ...],
+                         budgets: list[int] | None, config: BuildConfig, store: Store,
+                         patch_text: str | None = None) -> list[BuiltEpisode]:
+    """Prefill the episodes' caches (in one pass when the build says so), store them, and make
+    their manifest records. `patch_text` replaces the episodes' medoid text as the method's
+    patch (the evaluation's question bound)."""
     lm = models.load_llm(config.model)
+    conv, clustering = clustered.conversation, clustered.episodes
+    scorers = {e: episode_scorer(lm.tokenizer, conv,
+                                 patch_text or clustering.episodes[e].patch_text,
+                                 clustered.members[e], config) for e in episodes}
+    built = prefill_and_store(conv, scorers, budgets, config, store,
+                              clustered.encoder_fingerprint)
+    return [BuiltEpisode(episode_record(clustered, e, budgets, config, built[e]), built[e].cache,
+                         built[e].stats) for e in episodes]
+
+
+def episode_record(clustered: ClusterResult, episode: int, budgets: list[int] | None,
+                   config: BuildConfig, built: Prefilled) -> ManifestRecord:
+    """The manifest record of a clustering's episode as prefilled and stored."""
     conv, episodes = clustered.conversation, clustered.episodes
     ep = episodes.episodes[episode]
     members = clustered.members[episode]
-    scorer = episode_scorer(lm.tokenizer, conv, patch_text or ep.patch_text, members, config)
-    built = prefill_and_store(conv, episode, scorer, budgets, config, store,
-                              clustered.encoder_fingerprint)
-    cache, stats, files = built.cache, built.stats, built.files
-    record = ManifestRecord(
+    return ManifestRecord(
         conversation_id=conv.conversation_id, episode=episode,
         episodes_requested=episodes.requested if is_episodic(config) else 1,
         episodes_built=len(episodes.episodes), episode_note=episodes.note,
@@ -150,16 +175,25 @@ def build_episode_cache(clustered: ClusterResult, episode: int, budgets: list[in
         window_embeddings=None if ep.window_embeddings is None else ep.window_embeddings.tolist(),
         medoid_turn_ids=list(ep.medoid_turn_ids), n_windows=len(ep.windows),
         layer_budgets=budgets, scorer=config.scorer, model_id=config.model,
-        encoder_id=config.encoder, model_fingerprint=files.model,
-        encoder_fingerprint=files.encoder, config_hash=config.hash,
+        encoder_id=config.encoder, model_fingerprint=built.files.model,
+        encoder_fingerprint=built.files.encoder, config_hash=config.hash,
         config_json=config.to_json(), cluster_seconds=clustered.seconds,
         cache_turns=len(conv.turns), member_turn_ids=list(members),
         clustered_turns=len(conv.turns), clustered_at=clustered.clustered_at, appends=0,
-        **index_fields(clustered.turn_index), **cache_fields(built.stored, cache, stats, config))
-    return BuiltEpisode(record, cache, stats)
+        **index_fields(clustered.turn_index),
+        **cache_fields(built.stored, built.cache, built.stats, config))
 
 
-def build_episode(clustered: ClusterResult, episode: int, budgets: list[int] | None,
-                  config: BuildConfig, store: Store) -> ManifestRecord:
-    """Block-prefill one episode's cache, store it, and return its manifest record."""
-    return build_episode_cache(clustered, episode, budgets, config, store).record
+def build_episode_cache(clustered: ClusterResult, episode: int, budgets: list[int] | None,
+                        config: BuildConfig, store: Store,
+                        patch_text: str | None = None) -> BuiltEpisode:
+    """One episode's cache (`build_episode_caches`)."""
+    return build_episode_caches(clustered, (episode,), budgets, config, store, patch_text)[0]
+
+
+def build_episodes(clustered: ClusterResult, episodes: tuple[int, ...],
+                   budgets: list[int] | None, config: BuildConfig,
+                   store: Store) -> list[ManifestRecord]:
+    """Prefill the episodes' caches, store them, and return their manifest records."""
+    return [built.record for built in
+            build_episode_caches(clustered, episodes, budgets, config, store)]

@@ -21,11 +21,21 @@ Plan = ClusterResult | AppendPlan | RepairPlan  # stage 1's product, whichever w
 
 
 def prefilled_episodes(planned: Plan) -> tuple[int, ...]:
-    """The episodes stage 3 prefills: a repair's damaged ones, every episode otherwise (the Ray
-    driver gives each one a task; the in-process build runs them in turn)."""
+    """The episodes stage 3 prefills: a repair's damaged ones, every episode otherwise (in the
+    tasks `task_groups` makes of them)."""
     if isinstance(planned, RepairPlan):
         return planned.damaged
     return tuple(range(planned.n_episodes))
+
+
+def task_groups(planned: Plan, config: BuildConfig) -> tuple[tuple[int, ...], ...]:
+    """The episodes each stage-3 task prefills: all of a conversation's in one task when they
+    are built in one pass (a clustering's or a repair's), else one task per episode (block
+    prefill; an append goes on from each stored cache on its own)."""
+    episodes = prefilled_episodes(planned)
+    if config.prefill.one_pass and not isinstance(planned, AppendPlan) and episodes:
+        return (episodes,)
+    return tuple((e,) for e in episodes)
 
 
 def kept_records(planned: Plan) -> tuple[ManifestRecord, ...]:

@@ -4,14 +4,15 @@ A build's skip check does not trust a manifest: it confirms that every object th
 names is in the store at its recorded size (one batched size lookup, no download; with
 `--verify` each is also read and checksummed:
 `pipeline.store.catalogue.garbage.conversation_faults`). What fails is repaired: each damaged
-episode's cache is block-prefilled again from what its manifest record keeps (the patch text, the
+episode's cache is prefilled again (all of them in one pass when the build runs in one pass) from
+what its manifest record keeps (the patch text, the
 episode's turns, the turns the caches hold), and a damaged turn index is embedded again. The other
 episodes keep their objects and records, the repaired caches go under keys of their own content
 (nothing served is overwritten: a deterministic rebuild writes the very key that was damaged, with
 the right bytes), and the commit replaces the manifest.
 
 A repaired episode is the episode as a build of its whole history makes it: an episode that was
-appended to comes back as one block prefill of all its turns (docs/building.md). A manifest that
+appended to comes back as a build of all its turns (docs/building.md). A manifest that
 lacks what a repair goes on from (written before appends or before the record's turns were
 recorded), or a record whose turns no longer render to the tokens the caches held, is
 re-clustered and rebuilt whole instead.
@@ -111,17 +112,20 @@ def plan_repair(conv: Conversation, previous: list[ManifestRecord], damage: Dama
                       time.perf_counter() - start)
 
 
-def repair_episode(plan: RepairPlan, episode: int, budgets: list[int] | None,
-                   config: BuildConfig, store: Store) -> ManifestRecord:
-    """The damaged episode's cache block-prefilled again from its record, stored, and the
-    record brought up to date (its clustering and append state kept)."""
-    before = dataclasses.replace(plan.previous[episode], **index_fields(plan.turn_index))
-    lm = models.load_llm(config.model)
-    conv = plan.conversation
-    scorer = episode_scorer(lm.tokenizer, conv, before.medoid_text,
-                            tuple(before.member_turn_ids), config)
-    built = prefill_and_store(conv, episode, scorer, budgets, config, store,
-                              before.encoder_fingerprint)
-    return dataclasses.replace(
-        before, layer_budgets=budgets, model_fingerprint=built.files.model,
-        **cache_fields(built.stored, built.cache, built.stats, config))
+def repair_episodes(plan: RepairPlan, episodes: tuple[int, ...], budgets: list[int] | None,
+                    config: BuildConfig, store: Store) -> list[ManifestRecord]:
+    """The damaged episodes' caches prefilled again from their records (in one pass when the
+    build says so), stored, and the records brought up to date (their clustering and append
+    state kept)."""
+    before = {e: dataclasses.replace(plan.previous[e], **index_fields(plan.turn_index))
+              for e in episodes}
+    tokenizer = models.load_llm(config.model).tokenizer
+    scorers = {e: episode_scorer(tokenizer, plan.conversation, record.medoid_text,
+                                 tuple(record.member_turn_ids), config)
+               for e, record in before.items()}
+    encoder = before[episodes[0]].encoder_fingerprint
+    built = prefill_and_store(plan.conversation, scorers, budgets, config, store, encoder)
+    return [dataclasses.replace(
+        before[e], layer_budgets=budgets, model_fingerprint=built[e].files.model,
+        **cache_fields(built[e].stored, built[e].cache, built[e].stats, config))
+        for e in episodes]

@@ -13,9 +13,15 @@ from typing import Any
 
 import ray
 
-from pipeline.builder.append import prefill_episode
+from pipeline.builder.append import prefill_episodes
 from pipeline.builder.growth import AppendPlan, Recluster
-from pipeline.builder.plan import Plan, kept_records, plan_conversation, prefilled_episodes
+from pipeline.builder.plan import (
+    Plan,
+    kept_records,
+    plan_conversation,
+    prefilled_episodes,
+    task_groups,
+)
 from pipeline.builder.profile import build_basis
 from pipeline.builder.repair import Damage, RepairPlan
 from pipeline.config import BuildConfig, GrowthConfig, ModelFingerprints
@@ -50,7 +56,7 @@ class Planned:
     reference): how many episodes the conversation has, which of them get a task, and whether
     they append, repair or build."""
     episodes: int
-    tasks: tuple[int, ...]  # the episodes that get a task (`prefilled_episodes`)
+    tasks: tuple[tuple[int, ...], ...]  # the episodes of each task (`task_groups`)
     appended: bool = False
     reclustered: Recluster | None = None  # why a grown or damaged conversation is rebuilt
     new_tokens: int = 0  # appended: the tokens after those the caches had seen
@@ -58,14 +64,14 @@ class Planned:
     kept: tuple[ManifestRecord, ...] = ()  # a repair: the records of the others, committed again
 
     @classmethod
-    def of(cls, planned: Plan) -> Planned:
+    def of(cls, planned: Plan, config: BuildConfig) -> Planned:
         """What the driver needs of a plan: its episodes split as the in-process build splits
-        them (`prefilled_episodes`, `kept_records`)."""
-        tasks, kept = prefilled_episodes(planned), kept_records(planned)
+        them (`task_groups`, `kept_records`)."""
+        tasks, kept = task_groups(planned, config), kept_records(planned)
         if isinstance(planned, AppendPlan):
             return cls(planned.n_episodes, tasks, appended=True, new_tokens=planned.new_tokens)
         if isinstance(planned, RepairPlan):
-            return cls(planned.n_episodes, tasks, repaired=tasks, kept=kept)
+            return cls(planned.n_episodes, tasks, repaired=prefilled_episodes(planned), kept=kept)
         return cls(planned.n_episodes, tasks, reclustered=planned.reclustered)
 
 
@@ -78,7 +84,7 @@ def cluster_task(conv: Conversation, config: BuildConfig,
     first only and the episode tasks get the second by reference. `previous`: the stored
     version of a conversation that grew, or whose objects are damaged (`damage`)."""
     planned = plan_conversation(conv, config, previous, growth, store, damage)
-    return Planned.of(planned), planned
+    return Planned.of(planned, config), planned
 
 
 @ray.remote
@@ -93,12 +99,13 @@ def budgets_task(store: Store, config: BuildConfig
 # max_calls=0: the worker process is reused, so its model stays loaded (Ray's default for GPU
 # tasks is one call per process, which would reload the model for every episode).
 @ray.remote(max_calls=0)
-def episode_task(planned: Plan, episode: int, budgets: list[int] | None,
-                 config: BuildConfig, store: Store) -> tuple[ManifestRecord, WorkerStamp]:
-    """Stage 3 (`prefill_episode`): one episode built, appended to or repaired, and stored."""
-    record = prefill_episode(planned, episode, budgets, config, store)
+def episode_task(planned: Plan, episodes: tuple[int, ...], budgets: list[int] | None,
+                 config: BuildConfig, store: Store) -> tuple[list[ManifestRecord], WorkerStamp]:
+    """Stage 3 (`prefill_episodes`): a task's episodes (one, or a conversation's all when
+    they are built in one pass) built, appended to or repaired, and stored."""
+    records = prefill_episodes(planned, episodes, budgets, config, store)
     stamp = WorkerStamp.here()  # after the build: its model load counted
-    return stamp.on(record), stamp
+    return [stamp.on(record) for record in records], stamp
 
 
 @dataclass(frozen=True)

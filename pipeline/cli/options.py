@@ -215,6 +215,10 @@ BUILD_OPTIONS = SHARED_BUILD_OPTIONS + (
     FieldOption("--compact-recent", "prefill.compact_recent",
                 "compact positions: the last N tokens keep their original spacing, only the "
                 "older entries are packed (0: all packed)"),
+    FieldOption("--one-pass", "prefill.one_pass",
+                "build every episode of a conversation in one layer-by-layer pass (about one "
+                "prefill) instead of a block prefill per episode (not with --tristate)",
+                const=True),
     FieldOption("--store-dtype", "store_dtype", "dtype of the stored keys and values",
                 choices=STORE_DTYPES),
     FieldOption("--allocator", "allocator",

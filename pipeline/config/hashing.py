@@ -36,7 +36,8 @@ from pipeline.config.stages import (
 )
 
 # (section, field, the value builds before the field had): hashed only when it differs
-ADDED_LATER = (("prefill", "compact_recent", 0),)
+ADDED_LATER = (("prefill", "compact_recent", 0), ("prefill", "one_pass", False),
+               ("prefill", "score_span", 0))
 # (section, field, the value every build that `jobs.build` could make had, hashed or not): knobs
 # measured and retired (docs/changelog.md). A hashed one is hashed with that value, so stores
 # keep their hash; a stored configuration holding another value no longer reads back.

@@ -142,6 +142,13 @@ class PrefillConfig:
     # compact positions: the last this-many tokens keep their original spacing (only the
     # older entries are packed), so recent evidence is read at the distances it was written at
     compact_recent: int = 2048
+    # build every episode of a conversation in one layer-by-layer pass (`pipeline.kv.one_pass`)
+    # instead of a block prefill per episode
+    one_pass: bool = False
+    # one pass: each patch scores the keys in spans of this many, each span read as if the
+    # patch followed it (as a block's patch reads a budget-sized cache); 0: every key the
+    # model's positions reach at once
+    score_span: int = 0
 
     @property
     def cannot_compact(self) -> str | None:
@@ -177,6 +184,11 @@ class PrefillConfig:
             raise ValueError(f"positions must be one of {POSITION_MODES}, got {self.positions!r}")
         if self.compact_recent < 0:
             raise ValueError(f"compact_recent must be >= 0, got {self.compact_recent}")
+        if self.score_span < 0 or (self.score_span and not self.one_pass):
+            raise ValueError(f"score_span must be >= 0 and needs one_pass, got {self.score_span}")
+        if self.one_pass and self.tristate.enabled:
+            raise ValueError("one pass cannot build tri-state caches (their byte split reads "
+                             "every layer's attention at once): build them block by block")
         if self.positions == "compact" and self.cannot_compact:
             raise ValueError(f"compact positions work with token eviction only: "
                              f"{self.cannot_compact} (--positions auto falls back to original)")

@@ -25,7 +25,7 @@ from pipeline.answer.decode import generate_from_cache
 from pipeline.answer.topup import TopUp, held_turns, select_topup
 from pipeline.builder.cluster import cluster_conversation
 from pipeline.builder.conversation import build_conversation, files_of
-from pipeline.builder.episode import build_episode_cache, store_dtype
+from pipeline.builder.episode import build_episode_cache, build_episode_caches, store_dtype
 from pipeline.builder.profile import BuildBasis
 from pipeline.builder.turns import index_turns
 from pipeline.config import BuildConfig, RoutingConfig, TopUpConfig
@@ -54,7 +54,7 @@ from pipeline.kv import methods, models, prompts
 from pipeline.kv.cache import EpisodicCache
 from pipeline.kv.layout import TokenLayout, kept_share, token_layout
 from pipeline.kv.methods.full import Full
-from pipeline.kv.prefill import PrefillStats, block_prefill, entry_bytes
+from pipeline.kv.prefill import PrefillStats, block_prefill, build_tokens, entry_bytes
 from pipeline.kv.tristate import EntryBytes
 from pipeline.store.backends.memory import MemoryStore
 from pipeline.store.objects.turn_index import TurnIndex, read_turn_index
@@ -269,7 +269,7 @@ class CellBuilds:
     def built(self, cache: EpisodicCache, stats: PrefillStats) -> EpisodicCache:
         self.merged[id(cache)] = stats.merged_entries
         self.seconds += stats.seconds
-        self.costs["build_tokens"] += stats.tokens + stats.patch_tokens
+        self.costs["build_tokens"] += build_tokens(stats)
         self.costs["stored_cache_bytes"] += cache_footprint(cache, self.sizes)["kv_bytes"]
         return cache
 
@@ -341,9 +341,9 @@ def _built_and_measured(conv: Conversation, questions: list[Question], method: s
                 functools.lru_cache(maxsize=1)(cache_of), lambda read, i: (i,)), measure,
                 topup_chooser(clustered.conversation, questions, config,
                               clustered.encoder_fingerprint, costs=costs), generates)
-        # stage 3 keeps each episode's cache as built (`build_episode_cache`): what is measured
+        # stage 3 keeps each episode's cache as built (`build_episode_caches`): what is measured
         product = build_conversation(conv, build, store, basis=BuildBasis(budgets, files_of(build)),
-                                     prefill=build_episode_cache)
+                                     prefill=build_episode_caches)
         clustered, conv = product.planned, product.planned.conversation
         caches = [built(done.cache, done.stats) for done in product.built]
         index = read_turn_index(store, clustered.turn_index, conv.conversation_id,

@@ -18,6 +18,8 @@
                   decode positions (a wrapper)
     compression.py  a PrefillConfig composed into those strategies, in one place
     prefill.py    block_prefill: the loop that runs blocks, scores and evicts
+    one_pass.py   one_pass_prefill: every episode of a conversation from one layer-by-layer
+                  pass, each layer cut as block prefill cuts it
 
 The loop knows no method and no strategy by name: both are swapped behind it.
 """

@@ -57,6 +57,8 @@ class AttentionRequest:
     patch_sum: torch.Tensor | None = None  # [Hkv, L_past + n_block]
     patch_sumsq: torch.Tensor | None = None
     patch_count: int = 0  # rows summed: (query heads of a KV group) x (patch queries)
+    # filled in: the patch's queries [Hq, P, d] after RoPE (one pass scores far keys with them)
+    patch_queries: torch.Tensor | None = None
     # Packed sequences (batched probes): the new tokens are several independent sequences
     # (`Packing`). A new token sees the cache, the earlier tokens of its own segment and, if it
     # has one, its parent segment whole.
@@ -159,9 +161,9 @@ def episodic_mask(request: AttentionRequest, q_len: int, group: int,
                   sliding_window: int | None = None) -> torch.Tensor:
     """[1, Hq, q, L_past + q] bool: valid cached slots per head, causal over the new tokens,
     and, for sliding-window layers, only keys less than `sliding_window` positions back. When
-    every head holds every cached slot (a full cache, a uniform one) the heads share one mask:
-    [1, 1, q, L_past + q], broadcast over them (a probe over a long full cache would otherwise
-    write a mask per query head)."""
+    every head holds the same cached slots (a full cache, a uniform one, one pass's window) the
+    heads share one mask: [1, 1, q, L_past + q], broadcast over them (a probe over a long full
+    cache would otherwise write a mask per query head)."""
     past_valid = request.past_valid
     n_heads, n_past = past_valid.shape
     device = past_valid.device
@@ -173,8 +175,8 @@ def episodic_mask(request: AttentionRequest, q_len: int, group: int,
         parents = packing.parents.to(device)
         causal = causal & ((seg[None, :] == seg[:, None]) | (seg[None, :] == parents[:, None]))
         q_pos = request.first_position + packing.offsets.to(device)
-    if sliding_window is None and bool(past_valid.all()):
-        past = torch.ones(1, q_len, n_past, dtype=torch.bool, device=device)
+    if sliding_window is None and bool((past_valid == past_valid[:1]).all()):
+        past = past_valid[:1, None, :].expand(1, q_len, n_past)
         return torch.cat([past, causal[None]], dim=-1)[None]
     past = past_valid[:, None, :].expand(n_heads, q_len, n_past)
     new = causal[None].expand(n_heads, q_len, q_len)
@@ -248,6 +250,7 @@ def episodic_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
         n_cached = key.shape[2] - p  # cached slots plus the new block: all that may be kept
         # the last patch query sees every valid slot (a shared mask: the same for every head)
         valid = mask[0, ::group, -1, :n_cached].expand(key.shape[1], -1)
+        request.patch_queries = query[0, :, -p:]
         request.scores = patch_attention_scores(
             query[0, :, -p:], key[0, :, :n_cached], key[0, :, n_cached:], valid,
             scale=scaling if scaling is not None else query.shape[-1] ** -0.5)

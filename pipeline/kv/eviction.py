@@ -55,8 +55,11 @@ class Compression:
         layer.keep(cut.keep)
 
     def step(self, layers: list, states: list[LayerState], scorer: Scorer, final: bool) -> None:
+        """Cut `layers`, each with its state beside it: every layer of the cache after a block,
+        or one pass's one layer (`pipeline.kv.one_pass`). Cuts name layers by index."""
+        by_index = {state.layer_idx: layer for layer, state in zip(layers, states)}
         for idx, cut in self.plan(layers, states, scorer, final):
-            self.apply(idx, layers[idx], cut)
+            self.apply(idx, by_index[idx], cut)
 
     def after_step(self, cache) -> None:
         """After a block's eviction (compact positions re-rotate the kept entries here)."""
@@ -129,7 +132,8 @@ class TokenEviction(Compression):
         return int(counts.max().item()) > budget
 
     def plan(self, layers, states, scorer, final):
-        for idx, layer in enumerate(layers):
-            if self.over_budget(layer, self.budgets[idx]):
-                yield idx, Cut(select_keep(scorer.score(states[idx]), layer.valid,
-                                           self.budgets[idx], self.selection, self.head_floor))
+        for layer, state in zip(layers, states):
+            budget = self.budgets[state.layer_idx]
+            if self.over_budget(layer, budget):
+                yield state.layer_idx, Cut(select_keep(scorer.score(state), layer.valid, budget,
+                                                       self.selection, self.head_floor))

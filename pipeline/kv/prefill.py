@@ -34,6 +34,9 @@ class PrefillStats:
     blocks: int = 0
     patch_tokens: int = 0
     seconds: float = 0.0
+    # caches built from one run of the tokens through the model (one pass: the conversation's
+    # episodes), so a cache's share of the build is tokens / shared_by + its patch tokens
+    shared_by: int = 1
     peak_entries: list[float] = field(default_factory=list)  # per layer, max valid entries per head
     peak_slots: list[int] = field(default_factory=list)  # per layer, max padded slots per head
     peak_bytes: list[int] = field(default_factory=list)  # per layer, max bytes of K + V tensors
@@ -49,6 +52,12 @@ class PrefillStats:
     evicted_bytes: int = 0  # what the evicted entries would take as Original (bytes saved)
     oq_ratios: list[float] = field(default_factory=list)  # ARKV rho per layer, last step
     byte_budgets: list[int] = field(default_factory=list)  # tri-state: bytes per layer
+
+
+def build_tokens(stats: PrefillStats) -> float:
+    """The tokens a cache's build ran through the model: its share of the text's run and its
+    own patch tokens."""
+    return stats.tokens / stats.shared_by + stats.patch_tokens
 
 
 def layer_state(idx: int, layer: EpisodicLayer, block_start: int) -> LayerState:
@@ -126,12 +135,12 @@ def block_prefill(model: torch.nn.Module, input_ids: torch.Tensor, scorer: Score
     stats.peak_slots = [layer.peak_slots for layer in cache.layers]
     stats.peak_bytes = [layer.peak_bytes for layer in cache.layers]
     stats.final_entries = cache.entries_per_layer()
-    _count_states(stats, cache, model, sizes)
+    count_states(stats, cache, model, sizes)
     compression.report(stats)
     return cache, stats
 
 
-def _count_states(stats: PrefillStats, cache: EpisodicCache, model: torch.nn.Module,
+def count_states(stats: PrefillStats, cache: EpisodicCache, model: torch.nn.Module,
                   sizes: EntryBytes) -> None:
     stats.original_entries, stats.quantized_entries = cache.state_counts()
     seen = cache.tokens_seen * model.config.num_key_value_heads * len(cache.layers)

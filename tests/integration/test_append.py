@@ -22,7 +22,7 @@ from pipeline.builder.append import read_stored_cache
 from pipeline.builder.cluster import ClusterResult, cluster_conversation
 from pipeline.builder.conversation import build_conversation
 from pipeline.builder.driver import run_build
-from pipeline.builder.episode import build_episode
+from pipeline.builder.episode import build_episodes
 from pipeline.builder.growth import AppendPlan, Recluster
 from pipeline.builder.plan import plan_conversation
 from pipeline.builder.profile import layer_budgets
@@ -127,7 +127,7 @@ def test_appending_with_clustering_held_fixed_equals_building_the_whole_history(
     assert sorted(members) == sorted(t.turn_id for t in whole.turns)  # each new turn placed once
     for e, record in enumerate(appended):
         assert set(built[e].member_turn_ids) <= set(record.member_turn_ids)
-        reference = build_episode(fixed, e, budgets, config, store)
+        [reference] = build_episodes(fixed, (e,), budgets, config, store)
         got, want = (layers_of(read_stored_cache(store, r, lm.model)) for r in (record, reference))
         for (k1, v1, p1), (k2, v2, p2) in zip(got, want):
             assert torch.equal(p1, p2)
@@ -141,13 +141,15 @@ def test_every_exact_kind_appends_as_it_builds(folders, tmp_path, kind):
         folders, LocalStore(tmp_path / "store"), kind)
 
 
-@pytest.mark.parametrize("kind", ["tri-state", "merging", "dapq"])
+@pytest.mark.parametrize("kind", ["tri-state", "merging", "dapq", "one pass"])
 def test_the_other_kinds_append_within_their_budget(folders, tmp_path, kind):
-    """Tri-state (its Quantized entries stay quantized), D2O merging and DapQ go on from the
-    stored cache: every token seen once, within the budget, readable."""
+    """Tri-state (its Quantized entries stay quantized), D2O merging, DapQ and caches built in
+    one pass go on from the stored cache: every token seen once, within the budget,
+    readable."""
     prefill = {"tri-state": PrefillConfig(block=BLOCK, tristate=TriStateConfig(enabled=True)),
                "merging": PrefillConfig(block=BLOCK, merge=MergeConfig(enabled=True)),
-               "dapq": PrefillConfig(block=BLOCK, decode_positions=True)}[kind]
+               "dapq": PrefillConfig(block=BLOCK, decode_positions=True),
+               "one pass": PrefillConfig(block=BLOCK, one_pass=True)}[kind]
     # tri-state: a budget over its 32-token window of Original entries leaves room to quantize
     config = small_config(folders, prefill=prefill, budget=96 if kind == "tri-state" else 32)
     store = LocalStore(tmp_path / "store")
@@ -158,7 +160,7 @@ def test_the_other_kinds_append_within_their_budget(folders, tmp_path, kind):
     for before, after in zip(built, appended):
         assert after.appends == 1 and after.tokens > before.tokens
         # the default positions ("auto") fall back to original where they cannot compact
-        assert (after.positions_note is None) == (kind == "merging")
+        assert (after.positions_note is None) == (kind in ("merging", "one pass"))
         cache = read_stored_cache(store, after, lm.model)
         assert cache.tokens_seen == after.tokens
         for layer in cache.layers:  # each head holds each token once at most

@@ -13,6 +13,9 @@ from typing import Any
 from pipeline.config.format_version import FORMAT
 
 ADDED_LATER = (("prefill", "compact_recent", 0),)
+# Fields added to the configuration after this copy, at the value those builds ran with: a
+# configuration of today holds them, the builds this copy stands for did not know them.
+NOT_YET = (("prefill", "one_pass", False), ("prefill", "score_span", 0))
 RETIRED = (("scoring", "reduce", "max", True), ("scoring", "include_patch", True, True),
            ("scoring", "shared", 0.0, False), ("episodes", "adopt", False, False))
 
@@ -21,6 +24,9 @@ def legacy_stored_fields(config: Any) -> dict:
     """Every field as set, with the cache format, less the later fields at their earlier value
     (what those builds wrote as `config_json`)."""
     d = asdict(config) | {"format": FORMAT}
+    for section, name, then in NOT_YET:
+        if d[section].pop(name) != then:
+            raise ValueError(f"{section}.{name} did not exist in those builds")
     for section, name, earlier in ADDED_LATER:
         if d[section][name] == earlier:
             del d[section][name]

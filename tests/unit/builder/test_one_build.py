@@ -5,6 +5,7 @@ of the stages run one by one, as the cell and the demo ran them before (tiny off
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import replace
 
@@ -15,7 +16,7 @@ from lab import compare
 from pipeline.builder import conversation as conversation_module
 from pipeline.builder.cluster import cluster_conversation
 from pipeline.builder.conversation import BuiltConversation, build_conversation
-from pipeline.builder.plan import kept_records, prefilled_episodes
+from pipeline.builder.plan import kept_records, prefilled_episodes, task_groups
 from pipeline.builder.tasks import Planned
 from pipeline.builder.turns import index_turns
 from pipeline.config import BuildConfig, EpisodeConfig, PrefillConfig
@@ -56,8 +57,8 @@ def _by_hand(conv, build, store, *, basis, prefill) -> BuiltConversation:
     index = index_turns(clustered.conversation, models.load_encoder(build.encoder), build.encoder,
                         clustered.encoder_fingerprint)
     clustered = replace(clustered, turn_index=store_turn_index(index, store))
-    built = tuple(prefill(clustered, e, basis.budgets, build, store)
-                  for e in range(clustered.n_episodes))
+    built = tuple(b for e in range(clustered.n_episodes)
+                  for b in prefill(clustered, (e,), basis.budgets, build, store))
     write_manifest(store, conv.conversation_id, [b.record for b in built])
     return BuiltConversation([b.record for b in built], clustered, built)
 
@@ -126,10 +127,13 @@ def test_the_driver_splits_a_plan_as_the_one_build_does(folders):
     store = MemoryStore("one-build-driver")
     try:
         built = build_conversation(make_corpus(1, 250, seed=3)[0], config, store)
-        planned = Planned.of(built.planned)
-        assert planned.tasks == prefilled_episodes(built.planned) == (0, 1)
+        planned = Planned.of(built.planned, config)
+        assert prefilled_episodes(built.planned) == (0, 1)
+        assert planned.tasks == task_groups(built.planned, config) == ((0,), (1,))
         assert planned.kept == kept_records(built.planned) == ()
         assert [r.episode for r in built.records] == [0, 1] and built.built == ()
+        one_pass = dataclasses.replace(config, prefill=PrefillConfig(block=128, one_pass=True))
+        assert Planned.of(built.planned, one_pass).tasks == ((0, 1),)  # one task builds both
     finally:
         store.drop()
 

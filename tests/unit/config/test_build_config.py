@@ -51,8 +51,13 @@ def _variants(config):
             for path, inner in _variants(value):
                 out.append((f"{f.name}.{path}", dataclasses.replace(config, **{f.name: inner})))
         else:
-            out.append((f.name, dataclasses.replace(config, **{f.name: _changed(value)})))
+            change = {f.name: _changed(value)} | NEEDS.get(f.name, {})
+            out.append((f.name, dataclasses.replace(config, **change)))
     return out
+
+
+# a field that is refused without another: changed together with it
+NEEDS = {"score_span": {"one_pass": True}}
 
 
 def test_build_config_hash_is_stable():

@@ -215,14 +215,14 @@ def test_a_cell_measures_the_caches_the_product_build_makes(tiny_llm_dir, monkey
 
     built, stores = [], []
 
-    def spy(clustered, episode, budgets, config, store, patch_text=None):
-        done = build_stage.build_episode_cache(clustered, episode, budgets, config, store,
-                                               patch_text)
-        built.append((config, done, store.get(done.record.object_key)))
+    def spy(clustered, episodes, budgets, config, store, patch_text=None):
+        done = build_stage.build_episode_caches(clustered, episodes, budgets, config, store,
+                                                patch_text)
+        built.extend((config, d, store.get(d.record.object_key)) for d in done)
         stores.append(store)
         return done
 
-    monkeypatch.setattr(cell_module, "build_episode_cache", spy)
+    monkeypatch.setattr(cell_module, "build_episode_caches", spy)
     config = EvalConfig(BuildConfig(model=tiny_llm_dir, prefill=PrefillConfig(block=64)),
                         questions_per_conversation=2)
     prep = prepare(make_corpus(1, 500, seed=11)[0], config)

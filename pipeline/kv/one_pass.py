@@ -1,0 +1,255 @@
+"""One pass builds every episode of a conversation (issue 61): the build at the cost of about
+one prefill.
+
+Block prefill (`pipeline.kv.prefill`) runs the whole conversation once per episode, each block
+with the episode's patch. Offline the whole conversation is known before the first block, and a
+token's keys and values never depend on the patch that follows it, so here the conversation
+goes through the model layer by layer, once for all the episodes:
+
+1. a layer reads the hidden states of every token (in `PrefillConfig.block`-token chunks, each
+   attending causally over the layer's keys so far) and holds that one layer's keys and values;
+2. each episode's patch (its own hidden states, carried layer to layer) follows the whole
+   conversation in that layer: its queries score every key, as the patch of a block scores
+   the cache in block prefill;
+3. each episode keeps its top entries of that layer under its method and compression, exactly
+   as block prefill cuts a layer (`Compression.step`), and the layer's keys and values go.
+
+So every kept entry is computed with the full context, and an episode is block prefill with the
+whole conversation as its one block (the equivalence `tests/unit/kv/test_one_pass.py` checks).
+After the last layer each cache is compacted (`Compression.after_step`) as block prefill
+compacts after its last block.
+
+Memory: the model, one layer's keys and values (in buffers made once per layer) and the hidden
+states of every token, in and out of the layer (N x (2 x kv_dim + 2 x hidden) numbers: 6 KiB a
+token for SmolLM2 in float32), one chunk's attention, and the kept caches; no layer but the
+current one is held whole. It grows with the length, by that small constant; block prefill's
+is flat.
+
+Positions: no query reads further back than the model's positions (`pass_window`), as in a
+sliding-window model, so a conversation longer than them is built too. A patch scores keys
+further back than that span by span, its queries re-rotated to sit right after each span
+(`span_scores`), as they would after a block; `PrefillConfig.score_span` asks for shorter
+spans (each read as a block's patch reads a budget-sized cache). Tri-state compression plans
+every layer's byte split from all the layers' attention at once, which one layer at a time
+cannot: it builds block by block.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from kernels.score import patch_attention_scores
+from pipeline.config import PrefillConfig
+from pipeline.kv.attention import AttentionRequest, hand_off
+from pipeline.kv.cache import EpisodicCache, EpisodicLayer
+from pipeline.kv.compression import compression_for
+from pipeline.kv.methods.base import BlockContext, LayerState, Scorer
+from pipeline.kv.positions import KeyRotation
+from pipeline.kv.prefill import PrefillStats, count_states, entry_bytes
+
+
+def pass_window(model: torch.nn.Module) -> int:
+    """How far back any query of the pass reads: the model's positions, so every distance the
+    pass makes is one the model was trained on."""
+    return getattr(model.config, "max_position_embeddings", None) or 2**31
+
+
+def span_scores(queries: torch.Tensor, keys: torch.Tensor, patch_keys: torch.Tensor,
+                span: int, rotation: KeyRotation, scale: float) -> torch.Tensor:
+    """The patch's scores of keys [Hkv, N, d] (at positions 0..N-1) by spans of `span`: for
+    each span the patch queries [Hq, P, d] and keys [Hkv, P, d] (made at positions N, N+1, ...)
+    are re-rotated to follow the span directly, so no distance exceeds span + P. One span when
+    N <= span: the patch's plain attention. Returns [Hkv, N] float32."""
+    n = keys.shape[1]
+    scores = []
+    for begin in range(0, n, span):
+        stop = min(begin + span, n)
+        q, pk = (_moved(t, stop - n, rotation) for t in (queries, patch_keys))
+        scores.append(patch_attention_scores(q, keys[:, begin:stop], pk, None, scale))
+    return torch.cat(scores, dim=1)
+
+
+def _moved(vectors: torch.Tensor, shift: int, rotation: KeyRotation) -> torch.Tensor:
+    if shift == 0:
+        return vectors
+    flat = vectors.reshape(-1, vectors.shape[-1])
+    moved = rotation.rotate(flat, torch.full((flat.shape[0],), shift, device=flat.device))
+    return moved.view_as(vectors)
+
+
+@torch.inference_mode()
+def one_pass_prefill(model: torch.nn.Module, input_ids: torch.Tensor, scorers: Sequence[Scorer],
+                     budgets: list[int] | None, config: PrefillConfig = PrefillConfig(), *,
+                     original_element_size: int | None = None
+                     ) -> list[tuple[EpisodicCache, PrefillStats]]:
+    """Each scorer's cache of `input_ids` ([N]) under `budgets` (entries per layer and KV head;
+    None: the full cache), all from one pass; what `block_prefill` with one block of the whole
+    input would make for each. The stats' seconds are the pass's, shared out equally."""
+    start_time = time.perf_counter()
+    if config.tristate.enabled:
+        raise ValueError("one pass cannot build tri-state caches (their byte split reads every "
+                         "layer's attention at once): build them block by block")
+    n_layers = model.config.num_hidden_layers
+    if budgets is not None and len(budgets) != n_layers:
+        raise ValueError(f"{len(budgets)} layer budgets for a model with {n_layers} layers")
+    sizes = entry_bytes(model, original_element_size)
+    compressions = [compression_for(config, model, sizes, budgets) for _ in scorers]
+    decoder = model.base_model
+    device = next(model.parameters()).device
+    ids = input_ids.to(device)
+    n = ids.shape[0]
+    patches = [_patch(scorer, ids) for scorer in scorers]
+    window = pass_window(model)
+    longest = max((p.shape[0] for p in patches), default=0)
+    reach = max(window - longest, 1)  # the keys a patch can score at once within the positions
+    span = min(config.score_span, reach) if config.score_span else reach
+    rotation = KeyRotation.for_model(model) if n > span else None
+    passing = _Pass(decoder, n_layers, config.block, window, n + longest, span)
+    hidden = decoder.embed_tokens(ids[None])
+    patch_hidden = [decoder.embed_tokens(p[None]) for p in patches]
+    patch_positions = [c.patch_positions(0, n, p.shape[0], n)[n:].to(device)[None]
+                       for c, p in zip(compressions, patches)]
+    caches = [EpisodicCache(n_layers) for _ in scorers]
+    for idx in range(n_layers):
+        hidden = passing.context(idx, hidden)
+        held = passing.held(idx)
+        for e, scorer in enumerate(scorers):
+            patch_hidden[e], scores = passing.patch(idx, patch_hidden[e], patch_positions[e],
+                                                    rotation)
+            kept = _copy(held)
+            state = LayerState(layer_idx=idx, keys=kept.keys[0], values=kept.values[0],
+                               valid=kept.valid, positions=kept.positions, patch_scores=scores)
+            compressions[e].step([kept], [state], scorer, final=True)
+            caches[e].layers[idx] = kept
+        passing.drop(idx)
+    results = []
+    seconds = (time.perf_counter() - start_time) / max(len(scorers), 1)
+    for cache, compression, patch in zip(caches, compressions, patches):
+        compression.after_step(cache)
+        stats = PrefillStats(tokens=n, blocks=-(-n // config.block), patch_tokens=patch.shape[0],
+                             seconds=seconds, shared_by=len(scorers),
+                             peak_entries=[float(n)] * n_layers, peak_slots=[n] * n_layers,
+                             peak_bytes=passing.peak_bytes, final_entries=cache.entries_per_layer())
+        count_states(stats, cache, model, sizes)
+        compression.report(stats)
+        results.append((cache, stats))
+    return results
+
+
+def _patch(scorer: Scorer, ids: torch.Tensor) -> torch.Tensor:
+    """The scorer's patch after the whole input as its one block (none: an empty patch)."""
+    patch = scorer.patch_ids(BlockContext(block_ids=ids, tokens_seen=0))
+    return patch.to(ids.device) if patch is not None else ids.new_zeros(0)
+
+
+def _copy(layer: EpisodicLayer) -> EpisodicLayer:
+    """An episode's own copy of the pass's layer (its cut and compaction change it in place)."""
+    return EpisodicLayer.from_stored(
+        layer.keys.clone(), layer.values.clone(), layer.valid.clone(), layer.positions.clone(),
+        rope_positions=layer.rope_positions.clone(), tokens_seen=layer.tokens_seen,
+        next_position=layer.next_position)
+
+
+class _PassLayer(EpisodicLayer):
+    """The pass's layer: every token's keys and values written in place into buffers made once
+    for the conversation and its longest patch (a layer grown chunk by chunk would copy itself
+    at every chunk and leave the allocator a trail of sizes). A patch is written after the
+    tokens and never kept, as in `EpisodicLayer`; the caller sets `valid` before each forward
+    (what the new tokens may read)."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+        self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        n_new, start = key_states.shape[-2], self.tokens_seen
+        if self.buffers is None:
+            self.buffers = tuple(t.new_empty(1, t.shape[1], self.capacity, t.shape[-1])
+                                 for t in (key_states, value_states))
+            self.valid = torch.ones(key_states.shape[1], 0, dtype=torch.bool,
+                                    device=key_states.device)
+            self.is_initialized = True
+        for buffer, new in zip(self.buffers, (key_states, value_states)):
+            buffer[:, :, start:start + n_new] = new
+        keys, values = (b[:, :, :start + n_new] for b in self.buffers)
+        positions = torch.arange(start, device=keys.device).expand(keys.shape[1], -1)
+        self.last_request = AttentionRequest(key=keys, past_valid=self.valid[:, :start],
+                                             past_positions=positions, first_position=start,
+                                             n_patch=self.n_patch)
+        hand_off(self.last_request)
+        self.tokens_seen = self.next_position = start + n_new - self.n_patch
+        self.keys, self.values = (b[:, :, :self.tokens_seen] for b in self.buffers)
+        self.positions = self.rope_positions = torch.arange(
+            self.tokens_seen, device=keys.device).expand(keys.shape[1], -1)
+        return keys, values
+
+
+class _Pass:
+    """The pass's own cache: one `EpisodicCache` whose current layer holds every token's keys
+    and values (`_PassLayer`), run through the model's decoder layers one at a time."""
+
+    def __init__(self, decoder: torch.nn.Module, n_layers: int, chunk: int, window: int,
+                 capacity: int, span: int):
+        self.decoder, self.chunk, self.window = decoder, chunk, window
+        self.capacity, self.span = capacity, span
+        self.cache = EpisodicCache(n_layers)
+        self.cache.layers[0] = _PassLayer(capacity)
+        self.peak_bytes = [0] * n_layers
+
+    def held(self, idx: int) -> EpisodicLayer:
+        return self.cache.layers[idx]
+
+    def _layer(self, idx: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.decoder.layers[idx](
+            hidden, position_embeddings=self.decoder.rotary_emb(hidden, positions),
+            position_ids=positions, past_key_values=self.cache, use_cache=True)
+
+    def context(self, idx: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Every token through layer `idx`, chunk by chunk, each reading at most `window` back;
+        the layer's keys and values stay held."""
+        held, n = self.held(idx), hidden.shape[1]
+        out = torch.empty_like(hidden)
+        reach = torch.arange(self.capacity, device=hidden.device)
+        for begin in range(0, n, self.chunk):
+            stop = min(begin + self.chunk, n)
+            held.valid = (reach[:begin] > stop - 1 - self.window).expand(
+                self.decoder.config.num_key_value_heads, -1)
+            positions = torch.arange(begin, stop, device=hidden.device)[None]
+            out[:, begin:stop] = self._layer(idx, hidden[:, begin:stop], positions)
+        held.valid = torch.ones_like(held.positions, dtype=torch.bool)
+        self.peak_bytes[idx] = sum(b.nbytes for b in held.buffers)
+        return out
+
+    def patch(self, idx: int, hidden: torch.Tensor, positions: torch.Tensor,
+              rotation: KeyRotation | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A patch through layer `idx` after every token: its hidden states for the next layer
+        and its scores of every held entry ([Hkv, N]; None without a patch). Its own hidden
+        states read the last `window` tokens; its scores are taken span by span
+        (`span_scores`, `rotation` needed) where the keys are more than a span."""
+        held = self.held(idx)
+        n_patch = hidden.shape[1]
+        if n_patch == 0:
+            return hidden, None
+        n = held.tokens_seen
+        everything = held.valid
+        held.valid = held.positions > n + n_patch - 1 - self.window
+        with self.cache.patched(n_patch):
+            out = self._layer(idx, hidden, positions)
+        held.valid = everything
+        request = held.last_request
+        held.last_request = None
+        if n <= self.span:  # every key within one span: the patch's own attention
+            return out, request.scores
+        attention = self.decoder.layers[idx].self_attn
+        return out, span_scores(request.patch_queries, held.keys[0], request.key[0, :, n:],
+                                self.span, rotation, attention.scaling)
+
+    def drop(self, idx: int) -> None:
+        """Layer `idx` is done: its keys and values go, the next layer's buffers come."""
+        self.cache.layers[idx] = EpisodicLayer()
+        if idx + 1 < len(self.cache.layers):
+            self.cache.layers[idx + 1] = _PassLayer(self.capacity)

@@ -1,0 +1,168 @@
+"""One pass builds every episode: each episode's cache is what block prefill makes with the
+whole conversation as its one block, for every kind of scorer and compression it takes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kernels.score import patch_attention_scores
+from pipeline.config import MergeConfig, PrefillConfig, TriStateConfig
+from pipeline.kv.methods.epicache import EpiCache
+from pipeline.kv.methods.keydiff import KeyDiff
+from pipeline.kv.methods.snapkv import SnapKV
+from pipeline.kv.methods.streamingllm import StreamingLLM
+from pipeline.kv.one_pass import one_pass_prefill, pass_window, span_scores
+from pipeline.kv.positions import KeyRotation
+from pipeline.kv.prefill import block_prefill, build_tokens
+from tests.support.tiny_models import one_torch_thread, random_ids, tiny_model  # noqa: F401
+
+N = 150
+BUDGETS = [24, 40, 32]
+
+
+def assert_same_cache(got, want, atol=2e-5):
+    assert got.tokens_seen == want.tokens_seen and got.next_position == want.next_position
+    for a, b in zip(got.layers, want.layers):
+        assert torch.equal(a.valid, b.valid)
+        assert torch.equal(a.positions[a.valid], b.positions[b.valid])
+        assert torch.equal(a.rope_positions[a.valid], b.rope_positions[b.valid])
+        for x, y in ((a.keys, b.keys), (a.values, b.values)):
+            torch.testing.assert_close(x[0][a.valid], y[0][b.valid], atol=atol, rtol=1e-4)
+
+
+def episode_scorers():
+    return [EpiCache(patch=random_ids(12, seed=s)) for s in (3, 4, 5)]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("prefill", [
+    PrefillConfig(positions="original", compact_recent=0),
+    PrefillConfig(),  # the default: compact positions with a recent window
+    PrefillConfig(selection="perhead", positions="original"),
+    PrefillConfig(merge=MergeConfig(enabled=True), positions="original"),
+    PrefillConfig(decode_positions=True),
+], ids=["original", "compact", "perhead", "d2o", "dapq"])
+def test_each_episode_is_block_prefill_with_one_block(family, prefill):
+    model = tiny_model(family)
+    ids = random_ids(N, seed=2)
+    scorers = episode_scorers()
+    recent = dataclasses.replace(prefill, compact_recent=min(prefill.compact_recent, 40),
+                                 block=32)
+    built = one_pass_prefill(model, ids, scorers, BUDGETS, recent)
+    assert len(built) == len(scorers)
+    for scorer, (cache, stats) in zip(scorers, built):
+        want, want_stats = block_prefill(model, ids, scorer, BUDGETS,
+                                         dataclasses.replace(recent, block=N))
+        assert_same_cache(cache, want)
+        assert stats.final_entries == want_stats.final_entries
+        assert (stats.original_entries, stats.evicted_entries) == \
+            (want_stats.original_entries, want_stats.evicted_entries)
+        assert stats.merged_entries == want_stats.merged_entries
+        # the text ran through the model once for all the episodes: each pays a third of it
+        assert build_tokens(stats) == N / 3 + 12 and build_tokens(want_stats) == N + 12
+
+
+@pytest.mark.parametrize("scorer", [StreamingLLM(sink=4), KeyDiff(), SnapKV()],
+                         ids=["streamingllm", "keydiff", "snapkv"])
+def test_baselines_one_pass_as_one_block(scorer):
+    model = tiny_model("llama")
+    ids = random_ids(N, seed=7)
+    prefill = PrefillConfig(positions="original", compact_recent=0, block=48)
+    (cache, _), = one_pass_prefill(model, ids, [scorer], BUDGETS, prefill)
+    want, _ = block_prefill(model, ids, scorer, BUDGETS, dataclasses.replace(prefill, block=N))
+    assert_same_cache(cache, want)
+
+
+def test_the_full_cache_in_one_pass_is_the_stock_prefill():
+    model = tiny_model("llama")
+    ids = random_ids(N, seed=9)
+    (cache, stats), = one_pass_prefill(model, ids, [StreamingLLM()], None,
+                                       PrefillConfig(positions="original", block=40))
+    want, _ = block_prefill(model, ids, StreamingLLM(), None, PrefillConfig(positions="original"))
+    assert_same_cache(cache, want)
+    assert stats.final_entries == [float(N)] * 3
+
+
+def test_a_span_of_everything_is_the_patch_attention():
+    torch.manual_seed(0)
+    q, keys, pk = torch.randn(6, 5, 16), torch.randn(2, 40, 16), torch.randn(2, 5, 16)
+    rotation = KeyRotation(1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+    want = patch_attention_scores(q, keys, pk, None, 0.25)
+    torch.testing.assert_close(span_scores(q, keys, pk, 40, rotation, 0.25), want)
+    # shorter spans: the last span is read from where the patch is, the others moved
+    got = span_scores(q, keys, pk, 16, rotation, 0.25)
+    torch.testing.assert_close(got[:, 32:], patch_attention_scores(q, keys[:, 32:], pk, None,
+                                                                   0.25))
+    moved = [rotation.rotate(t.reshape(-1, 16), torch.full((t.numel() // 16,), 16 - 40))
+             .view_as(t) for t in (q, pk)]
+    torch.testing.assert_close(got[:, :16], patch_attention_scores(moved[0], keys[:, :16],
+                                                                   moved[1], None, 0.25))
+
+
+def test_past_the_model_positions_every_distance_stays_within_them():
+    """A conversation longer than the model's positions is built: each token reads only the
+    window behind it, and the patch scores every span; the caches hold the budget."""
+    model = tiny_model("llama", max_position_embeddings=100)
+    assert pass_window(model) == 100
+    ids = random_ids(300, seed=11)
+    built = one_pass_prefill(model, ids, episode_scorers()[:2], BUDGETS,
+                             PrefillConfig(block=32, compact_recent=16))
+    for cache, stats in built:
+        assert stats.tokens == 300
+        assert cache.entries_per_layer() == [float(b) for b in BUDGETS]
+        for layer in cache.layers:
+            assert int(layer.rope_positions[layer.valid].max()) < 100
+        assert bool(torch.cat([layer.positions[layer.valid] for layer in cache.layers]
+                              ).lt(150).any())  # entries from the first half are kept too
+
+
+def test_tristate_is_refused_with_the_way_out():
+    with pytest.raises(ValueError, match="block by block"):
+        PrefillConfig(one_pass=True, tristate=TriStateConfig(enabled=True))
+    with pytest.raises(ValueError, match="block by block"):
+        one_pass_prefill(tiny_model("llama"), random_ids(20), episode_scorers()[:1], BUDGETS,
+                         PrefillConfig(tristate=TriStateConfig(enabled=True)))
+
+
+def test_the_pass_holds_one_layer_whole_at_a_time(monkeypatch):
+    """Memory: while a layer runs, no other layer's keys and values are held by the pass, and
+    what it holds is that layer's keys and values of the text and the longest patch."""
+    from pipeline.kv import one_pass
+
+    held_layers = []
+    context = one_pass._Pass.context
+
+    def counting(self, idx, hidden):
+        held_layers.append(sum(layer.is_initialized for layer in self.cache.layers))
+        return context(self, idx, hidden)
+
+    monkeypatch.setattr(one_pass._Pass, "context", counting)
+    model = tiny_model("llama")
+    built = one_pass_prefill(model, random_ids(N, seed=3), episode_scorers(), BUDGETS,
+                             PrefillConfig(block=32))
+    assert held_layers == [0, 0, 0]  # each layer's buffers are made by its own first chunk
+    kv_bytes = 2 * 2 * (N + 12) * 16 * 4  # keys and values, 2 KV heads, head dim 16, float32
+    assert all(stats.peak_bytes == [kv_bytes] * 3 for _, stats in built)
+
+
+def test_scores_by_spans_are_each_spans_patch_attention():
+    """`score_span`: each span of keys scored as if the patch followed it; a span of the whole
+    text is the plain pass."""
+    model = tiny_model("llama")
+    ids = random_ids(N, seed=4)
+    scorers = episode_scorers()[:1]
+    plain = PrefillConfig(one_pass=True, positions="original", block=32)
+    (whole, _), = one_pass_prefill(model, ids, scorers, BUDGETS, plain)
+    (same, _), = one_pass_prefill(model, ids, scorers, BUDGETS,
+                                  dataclasses.replace(plain, score_span=N))
+    (spans, _), = one_pass_prefill(model, ids, scorers, BUDGETS,
+                                   dataclasses.replace(plain, score_span=50))
+    assert_same_cache(same, whole)
+    assert any(not torch.equal(a.valid, b.valid) or not torch.equal(a.positions, b.positions)
+               for a, b in zip(spans.layers, whole.layers))  # other entries kept
+    assert spans.entries_per_layer() == whole.entries_per_layer()
+    with pytest.raises(ValueError, match="needs one_pass"):
+        PrefillConfig(score_span=50)
