@@ -126,6 +126,10 @@ class MergeConfig:
 Selection = Literal["headwise", "perhead"]
 
 
+ONE_PASS_NOT_TRISTATE = ("one pass cannot build tri-state caches (their byte split reads every "
+                         "layer's attention at once): build them block by block")
+
+
 @dataclass(frozen=True)
 class PrefillConfig:
     block: int = 512  # tokens fed per step
@@ -187,8 +191,7 @@ class PrefillConfig:
         if self.score_span < 0 or (self.score_span and not self.one_pass):
             raise ValueError(f"score_span must be >= 0 and needs one_pass, got {self.score_span}")
         if self.one_pass and self.tristate.enabled:
-            raise ValueError("one pass cannot build tri-state caches (their byte split reads "
-                             "every layer's attention at once): build them block by block")
+            raise ValueError(ONE_PASS_NOT_TRISTATE)
         if self.positions == "compact" and self.cannot_compact:
             raise ValueError(f"compact positions work with token eviction only: "
                              f"{self.cannot_compact} (--positions auto falls back to original)")

@@ -59,6 +59,7 @@ class AttentionRequest:
     patch_count: int = 0  # rows summed: (query heads of a KV group) x (patch queries)
     # filled in: the patch's queries [Hq, P, d] after RoPE (one pass scores far keys with them)
     patch_queries: torch.Tensor | None = None
+    score_patch: bool = True  # False: the caller scores from `patch_queries` itself
     # Packed sequences (batched probes): the new tokens are several independent sequences
     # (`Packing`). A new token sees the cache, the earlier tokens of its own segment and, if it
     # has one, its parent segment whole.
@@ -246,11 +247,12 @@ def episodic_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     group = query.shape[1] // key.shape[1]
     out, mask = _attend(query, key, value, request, scaling, sliding_window)
     if request.n_patch:
+        request.patch_queries = query[0, :, -request.n_patch:]
+    if request.n_patch and request.score_patch:
         p = request.n_patch
         n_cached = key.shape[2] - p  # cached slots plus the new block: all that may be kept
         # the last patch query sees every valid slot (a shared mask: the same for every head)
         valid = mask[0, ::group, -1, :n_cached].expand(key.shape[1], -1)
-        request.patch_queries = query[0, :, -p:]
         request.scores = patch_attention_scores(
             query[0, :, -p:], key[0, :, :n_cached], key[0, :, n_cached:], valid,
             scale=scaling if scaling is not None else query.shape[-1] ** -0.5)

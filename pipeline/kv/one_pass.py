@@ -43,12 +43,13 @@ import torch
 
 from kernels.score import patch_attention_scores
 from pipeline.config import PrefillConfig
+from pipeline.config.stages import ONE_PASS_NOT_TRISTATE
 from pipeline.kv.attention import AttentionRequest, hand_off
 from pipeline.kv.cache import EpisodicCache, EpisodicLayer
 from pipeline.kv.compression import compression_for
 from pipeline.kv.methods.base import BlockContext, LayerState, Scorer
 from pipeline.kv.positions import KeyRotation
-from pipeline.kv.prefill import PrefillStats, count_states, entry_bytes
+from pipeline.kv.prefill import PrefillStats, check_layer_budgets, count_states, entry_bytes
 
 
 def pass_window(model: torch.nn.Module) -> int:
@@ -90,11 +91,8 @@ def one_pass_prefill(model: torch.nn.Module, input_ids: torch.Tensor, scorers: S
     input would make for each. The stats' seconds are the pass's, shared out equally."""
     start_time = time.perf_counter()
     if config.tristate.enabled:
-        raise ValueError("one pass cannot build tri-state caches (their byte split reads every "
-                         "layer's attention at once): build them block by block")
-    n_layers = model.config.num_hidden_layers
-    if budgets is not None and len(budgets) != n_layers:
-        raise ValueError(f"{len(budgets)} layer budgets for a model with {n_layers} layers")
+        raise ValueError(ONE_PASS_NOT_TRISTATE)
+    n_layers = check_layer_budgets(model, budgets)
     sizes = entry_bytes(model, original_element_size)
     compressions = [compression_for(config, model, sizes, budgets) for _ in scorers]
     decoder = model.base_model
@@ -164,6 +162,7 @@ class _PassLayer(EpisodicLayer):
         super().__init__()
         self.capacity = capacity
         self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.score_patch = True  # False: the pass scores the patch span by span itself
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         n_new, start = key_states.shape[-2], self.tokens_seen
@@ -172,14 +171,14 @@ class _PassLayer(EpisodicLayer):
                                  for t in (key_states, value_states))
             self.valid = torch.ones(key_states.shape[1], 0, dtype=torch.bool,
                                     device=key_states.device)
+            self.positions = self.valid.long()
             self.is_initialized = True
         for buffer, new in zip(self.buffers, (key_states, value_states)):
             buffer[:, :, start:start + n_new] = new
         keys, values = (b[:, :, :start + n_new] for b in self.buffers)
-        positions = torch.arange(start, device=keys.device).expand(keys.shape[1], -1)
         self.last_request = AttentionRequest(key=keys, past_valid=self.valid[:, :start],
-                                             past_positions=positions, first_position=start,
-                                             n_patch=self.n_patch)
+                                             past_positions=self.positions, first_position=start,
+                                             n_patch=self.n_patch, score_patch=self.score_patch)
         hand_off(self.last_request)
         self.tokens_seen = self.next_position = start + n_new - self.n_patch
         self.keys, self.values = (b[:, :, :self.tokens_seen] for b in self.buffers)
@@ -237,12 +236,13 @@ class _Pass:
         n = held.tokens_seen
         everything = held.valid
         held.valid = held.positions > n + n_patch - 1 - self.window
+        held.score_patch = n <= self.span  # every key within one span: the patch's attention
         with self.cache.patched(n_patch):
             out = self._layer(idx, hidden, positions)
         held.valid = everything
         request = held.last_request
         held.last_request = None
-        if n <= self.span:  # every key within one span: the patch's own attention
+        if held.score_patch:
             return out, request.scores
         attention = self.decoder.layers[idx].self_attn
         return out, span_scores(request.patch_queries, held.keys[0], request.key[0, :, n:],

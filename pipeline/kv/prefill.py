@@ -60,6 +60,16 @@ def build_tokens(stats: PrefillStats) -> float:
     return stats.tokens / stats.shared_by + stats.patch_tokens
 
 
+def check_layer_budgets(model: torch.nn.Module, budgets: list[int] | None,
+                        byte_budgets: list[int] | None = None) -> int:
+    """The model's layer count, once the budgets given hold one per layer."""
+    n_layers = model.config.num_hidden_layers
+    for name, given in (("layer budgets", budgets), ("layer byte budgets", byte_budgets)):
+        if given is not None and len(given) != n_layers:
+            raise ValueError(f"{len(given)} {name} for a model with {n_layers} layers")
+    return n_layers
+
+
 def layer_state(idx: int, layer: EpisodicLayer, block_start: int) -> LayerState:
     request = layer.last_request
     return LayerState(layer_idx=idx, keys=layer.keys[0], values=layer.values[0],
@@ -95,10 +105,7 @@ def block_prefill(model: torch.nn.Module, input_ids: torch.Tensor, scorer: Score
     what it has seen, and the prefill goes on from it as if the blocks had run in one call:
     the append of a grown conversation. The stats count the new tokens."""
     start_time = time.perf_counter()
-    n_layers = model.config.num_hidden_layers
-    for name, given in (("layer budgets", budgets), ("layer byte budgets", byte_budgets)):
-        if given is not None and len(given) != n_layers:
-            raise ValueError(f"{len(given)} {name} for a model with {n_layers} layers")
+    n_layers = check_layer_budgets(model, budgets, byte_budgets)
     sizes = entry_bytes(model, original_element_size)
     compression = compression_for(config, model, sizes, budgets, byte_budgets)
     decoder = model.base_model  # no LM head: block prefill needs no logits
@@ -141,7 +148,7 @@ def block_prefill(model: torch.nn.Module, input_ids: torch.Tensor, scorer: Score
 
 
 def count_states(stats: PrefillStats, cache: EpisodicCache, model: torch.nn.Module,
-                  sizes: EntryBytes) -> None:
+                 sizes: EntryBytes) -> None:
     stats.original_entries, stats.quantized_entries = cache.state_counts()
     seen = cache.tokens_seen * model.config.num_key_value_heads * len(cache.layers)
     stats.evicted_entries = seen - stats.original_entries - stats.quantized_entries
