@@ -10,8 +10,10 @@ from __future__ import annotations
 import torch
 
 from kernels.quant_reference import (
+    dequantize_groups_reference,
     dequantize_reference,
     quantize_fp8_reference,
+    quantize_groups_reference,
     quantize_int8_reference,
 )
 
@@ -45,3 +47,23 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, index: torch.Tensor | 
         from kernels.quant_triton import dequantize_triton
         return dequantize_triton(codes, scales, index, dtype=dtype, out=out)
     return dequantize_reference(codes, scales, index, dtype=dtype, out=out)
+
+
+def quantize_groups(x: torch.Tensor, bits: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Dispatch: KIVI low-bit asymmetric codes, one group per row of x [R, G] (see
+    `quantize_groups_reference`); Triton on CUDA (no reshapes, one pass), torch on CPU."""
+    if x.is_cuda:
+        from kernels.quant_triton import quantize_groups_triton
+        return quantize_groups_triton(x, bits)
+    return quantize_groups_reference(x, bits)
+
+
+def dequantize_groups(codes: torch.Tensor, steps: torch.Tensor, mins: torch.Tensor, bits: int,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Dispatch: unpack and dequantize group codes; Triton on CUDA (unpacked in registers, no
+    intermediate tensors), torch on CPU."""
+    if codes.is_cuda:
+        from kernels.quant_triton import dequantize_groups_triton
+        return dequantize_groups_triton(codes, steps, mins, bits, dtype=dtype)
+    return dequantize_groups_reference(codes, steps, mins, bits, dtype=dtype)

@@ -82,3 +82,59 @@ def dequantize_reference(codes: torch.Tensor, scales: torch.Tensor,
     values = rows.float() * row_scales[:, None]
     target.view(-1, codes.shape[-1]).copy_(values)
     return target
+
+
+# ------------------------------------------------------------------ low-bit codes in groups
+# KIVI's asymmetric codes (arXiv 2402.02750): a row of G numbers (a group) is coded with `bits`
+# bits each against its own minimum and step, both float16: step = (max - min) / (2^bits - 1),
+# code = round((x - min16) / step16) clamped to [0, 2^bits - 1] (ties to even), value = code x
+# step16 + min16. The float16 minimum and step are the ones quantization divides by, so the
+# error per number is at most step16 / 2 (plus float16's rounding of the minimum, absorbed by
+# the clamp). A group whose minimum rounds above its maximum (all within half a float16 step of
+# one value) has step 0: its codes are 0 and it decodes to min16, as does a constant group.
+# Codes are packed 8 / bits to a byte, the first code in the lowest bits: a group of G numbers
+# takes G x bits / 8 bytes. Which numbers form a group (a channel over G tokens for keys, G
+# channels of a token for values) is the caller's choice: see `pipeline.store.objects.low_bit`.
+
+GROUP_BITS = (2, 4, 8)
+
+
+def check_group_bits(bits: int, group: int) -> int:
+    """Codes per byte at `bits`; a ValueError for another width or a group of `group` numbers
+    that does not fill whole bytes."""
+    if bits not in GROUP_BITS:
+        raise ValueError(f"bits must be one of {GROUP_BITS}, got {bits}")
+    per_byte = 8 // bits
+    if group % per_byte:
+        raise ValueError(f"a group of {group} numbers does not pack into whole bytes at {bits} "
+                         "bits")
+    return per_byte
+
+
+def quantize_groups_reference(x: torch.Tensor, bits: int
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [R, G] (fp32/fp16/bf16) -> (codes uint8 [R, G * bits / 8], steps float16 [R],
+    minimums float16 [R])."""
+    per_byte = check_group_bits(bits, x.shape[-1])
+    qmax = float(2 ** bits - 1)
+    x32 = x.float()
+    low = x32.amin(dim=-1).half()
+    # a group within half a float16 step of one value may round its minimum above its maximum
+    step = ((x32.amax(dim=-1) - low.float()) / qmax).clamp_min(0).half()
+    safe = torch.where(step > 0, step.float(), torch.ones_like(step, dtype=torch.float32))
+    codes = torch.round((x32 - low.float()[:, None]) / safe[:, None]).clamp_(0, qmax)
+    codes = codes.to(torch.uint8).view(x.shape[0], x.shape[-1] // per_byte, per_byte)
+    shifts = torch.arange(per_byte, dtype=torch.uint8) * bits
+    packed = (codes << shifts).sum(dim=-1, dtype=torch.int32).to(torch.uint8)
+    return packed, step, low
+
+
+def dequantize_groups_reference(codes: torch.Tensor, steps: torch.Tensor, mins: torch.Tensor,
+                                bits: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """codes uint8 [R, G * bits / 8], steps and mins float16 [R] -> [R, G] in `dtype`."""
+    per_byte = 8 // bits
+    check_group_bits(bits, codes.shape[-1] * per_byte)
+    shifts = torch.arange(per_byte, dtype=torch.uint8, device=codes.device) * bits
+    unpacked = (codes[..., None] >> shifts) & (2 ** bits - 1)
+    unpacked = unpacked.reshape(codes.shape[0], codes.shape[-1] * per_byte).float()
+    return (unpacked * steps.float()[:, None] + mins.float()[:, None]).to(dtype)

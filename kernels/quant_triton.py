@@ -1,5 +1,6 @@
-"""Triton kernels for per-token, per-head int8 / fp8 (e4m3) KV quantization (see
-`kernels.quant_reference` for the formats and the torch references they must match).
+"""Triton kernels for per-token, per-head int8 / fp8 (e4m3) KV quantization, and for KIVI's
+low-bit (2/4/8-bit) asymmetric group codes (see `kernels.quant_reference` for the formats and the
+torch references they must match).
 
 Imported only by the dispatch in `kernels.quant` on CUDA tensors, and by the kernel tests under
 `TRITON_INTERPRET=1`. Rows (one (head, token) each) are processed BLOCK_R at a time, the whole
@@ -9,6 +10,8 @@ Rounding is done in fp32 arithmetic, exactly, before the final cast: ties to eve
 (`_round_half_even`) and onto the e4m3 grid (`_round_to_e4m3`). The cast to int8 / fp8 then
 only stores an exactly representable value, so the result does not depend on the cast's
 rounding mode (the CPU interpreter's fp8 cast rounds ties up and drops the mantissa carry).
+The group codes round the same way; each byte of packed codes is built from PER_BYTE strided
+column tiles (no reshapes), the first code in the lowest bits.
 """
 
 from __future__ import annotations
@@ -17,7 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.quant_reference import FP8_DTYPE, FP8_E4M3_MAX, INT8_MAX, gather_output
+from kernels.quant_reference import (
+    FP8_DTYPE,
+    FP8_E4M3_MAX,
+    INT8_MAX,
+    check_group_bits,
+    gather_output,
+)
 
 
 @triton.jit
@@ -140,3 +149,123 @@ def dequantize_triton(codes: torch.Tensor, scales: torch.Tensor,
         codes_c, scales_c, index_c if index_c is not None else scales_c, target, n_out, head_dim,
         HAS_INDEX=index_c is not None, BLOCK_R=block_r, BLOCK_D=block_d)
     return target
+
+
+# ------------------------------------------------------------------ low-bit codes in groups
+
+@triton.jit
+def _quantize_groups_kernel(x_ptr, codes_ptr, steps_ptr, mins_ptr, n_rows, group, n_bytes,
+                            s_xr, s_xg, BITS: tl.constexpr, PER_BYTE: tl.constexpr,
+                            BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+                            BLOCK_B: tl.constexpr):
+    QMAX: tl.constexpr = (1 << BITS) - 1
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n_rows
+    rows64 = rows.to(tl.int64)
+    # The whole group, for its minimum and maximum (padding rows load zeros: finite, unstored).
+    cols = tl.arange(0, BLOCK_G)
+    col_ok = cols < group
+    x = tl.load(x_ptr + rows64[:, None] * s_xr + cols[None, :] * s_xg,
+                mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    low = tl.min(tl.where(col_ok[None, :], x, float("inf")), axis=1).to(tl.float16)
+    high = tl.max(tl.where(col_ok[None, :], x, float("-inf")), axis=1)
+    low32 = low.to(tl.float32)
+    # As the reference: the range over qmax in fp32 (correctly rounded), then float16; at
+    # least 0 (a group within half a float16 step of one value may round its minimum above
+    # its maximum).
+    step = tl.maximum(tl.div_rn(high - low32, tl.full([BLOCK_R], QMAX, tl.float32)), 0.0)
+    step = step.to(tl.float16)
+    step32 = step.to(tl.float32)
+    safe = tl.broadcast_to(tl.where(step32 > 0, step32, 1.0)[:, None], [BLOCK_R, BLOCK_B])
+    low_b = tl.broadcast_to(low32[:, None], [BLOCK_R, BLOCK_B])
+    # Byte p holds the codes of columns p * PER_BYTE + sub, code `sub` at bit sub * BITS.
+    byte_idx = tl.arange(0, BLOCK_B)
+    ok = row_ok[:, None] & (byte_idx < n_bytes)[None, :]
+    packed = tl.zeros([BLOCK_R, BLOCK_B], dtype=tl.int32)
+    for sub in tl.static_range(PER_BYTE):
+        sub_cols = byte_idx * PER_BYTE + sub
+        xs = tl.load(x_ptr + rows64[:, None] * s_xr + sub_cols[None, :] * s_xg, mask=ok,
+                     other=0.0).to(tl.float32)
+        codes = _round_half_even(tl.div_rn(xs - low_b, safe))
+        codes = tl.minimum(tl.maximum(codes, 0.0), QMAX)
+        packed = packed | (codes.to(tl.int32) << (sub * BITS))
+    tl.store(codes_ptr + rows64[:, None] * n_bytes + byte_idx[None, :], packed.to(tl.uint8),
+             mask=ok)
+    tl.store(steps_ptr + rows, step, mask=row_ok)
+    tl.store(mins_ptr + rows, low, mask=row_ok)
+
+
+@triton.jit
+def _dequantize_groups_kernel(codes_ptr, steps_ptr, mins_ptr, out_ptr, n_rows, n_bytes,
+                              BITS: tl.constexpr, PER_BYTE: tl.constexpr,
+                              BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
+    MASK: tl.constexpr = (1 << BITS) - 1
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n_rows
+    rows64 = rows.to(tl.int64)
+    byte_idx = tl.arange(0, BLOCK_B)
+    ok = row_ok[:, None] & (byte_idx < n_bytes)[None, :]
+    packed = tl.load(codes_ptr + rows64[:, None] * n_bytes + byte_idx[None, :], mask=ok,
+                     other=0).to(tl.int32)
+    step = tl.load(steps_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    low = tl.load(mins_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    group = n_bytes * PER_BYTE
+    for sub in tl.static_range(PER_BYTE):
+        codes = ((packed >> (sub * BITS)) & MASK).to(tl.float32)
+        # code (<= 8 bits) x step (11 significant bits) is exact in fp32: fusing the product
+        # and the sum into an fma (as GPU compilers may) rounds exactly as torch's mul + add.
+        values = codes * step + low
+        out = out_ptr + rows64[:, None] * group + (byte_idx * PER_BYTE + sub)[None, :]
+        tl.store(out, values.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _group_blocks(group: int, per_byte: int) -> tuple[int, int, int]:
+    """Rows per program, the group tile and the byte tile: about 4K numbers per program."""
+    block_g = triton.next_power_of_2(group)
+    block_b = triton.next_power_of_2(max(1, group // per_byte))
+    return max(1, min(64, 4096 // block_g)), block_g, block_b
+
+
+def quantize_groups_triton(x: torch.Tensor, bits: int
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [R, G] (fp32/fp16/bf16, any strides) -> (codes uint8 [R, G * bits / 8], steps float16
+    [R], mins float16 [R]); same contract as `kernels.quant_reference.quantize_groups_reference`."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [rows, group], got shape {tuple(x.shape)}")
+    n_rows, group = x.shape
+    per_byte = check_group_bits(bits, group)
+    if group == 0:
+        raise ValueError("a group needs at least one number")
+    n_bytes = group // per_byte
+    codes = torch.empty(n_rows, n_bytes, dtype=torch.uint8, device=x.device)
+    steps = torch.empty(n_rows, dtype=torch.float16, device=x.device)
+    mins = torch.empty(n_rows, dtype=torch.float16, device=x.device)
+    if n_rows == 0:
+        return codes, steps, mins
+    block_r, block_g, block_b = _group_blocks(group, per_byte)
+    _quantize_groups_kernel[(triton.cdiv(n_rows, block_r),)](
+        x, codes, steps, mins, n_rows, group, n_bytes, x.stride(0), x.stride(1), BITS=bits,
+        PER_BYTE=per_byte, BLOCK_R=block_r, BLOCK_G=block_g, BLOCK_B=block_b)
+    return codes, steps, mins
+
+
+def dequantize_groups_triton(codes: torch.Tensor, steps: torch.Tensor, mins: torch.Tensor,
+                             bits: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """codes uint8 [R, G * bits / 8], steps and mins float16 [R] -> [R, G] in `dtype`; same
+    contract as `kernels.quant_reference.dequantize_groups_reference`."""
+    if codes.dtype != torch.uint8 or codes.dim() != 2:
+        raise ValueError(f"codes must be uint8 [rows, bytes], got {codes.dtype} "
+                         f"{tuple(codes.shape)}")
+    n_rows, n_bytes = codes.shape
+    per_byte = check_group_bits(bits, 0)  # checks bits; whole bytes always hold whole codes
+    if steps.shape != (n_rows,) or mins.shape != (n_rows,):
+        raise ValueError(f"steps {tuple(steps.shape)} and mins {tuple(mins.shape)} must be "
+                         f"[{n_rows}]")
+    out = torch.empty(n_rows, n_bytes * per_byte, dtype=dtype, device=codes.device)
+    if out.numel() == 0:
+        return out
+    block_r, _, block_b = _group_blocks(n_bytes * per_byte, per_byte)
+    _dequantize_groups_kernel[(triton.cdiv(n_rows, block_r),)](
+        codes.contiguous(), steps.contiguous(), mins.contiguous(), out, n_rows,
+        n_bytes, BITS=bits, PER_BYTE=per_byte, BLOCK_R=block_r, BLOCK_B=block_b)
+    return out

@@ -12,8 +12,9 @@ Patched-prompt scoring over realistic shapes: SmolLM2-135M (9 query heads, 3 KV 
 - `naive`: a plain full softmax that materialises the [Hq, P, N + P] attention (what the fused
   kernel avoids), to show the memory difference.
 
-With CUDA, the int8 / fp8 quantize and gather-dequantize kernels are also timed against their
-torch references on the shape's [Hkv, N, d] keys. Without CUDA, the Triton kernels are not timed
+With CUDA, the int8 / fp8 quantize and gather-dequantize kernels, and the stored objects'
+4- and 2-bit group codes, are also timed against their torch references on the shape's
+[Hkv, N, d] keys. Without CUDA, the Triton kernels are not timed
 (the CPU interpreter is for tests only) and the table has the torch paths only; it says so.
 
 Time: median of `--reps` runs after one warm-up, the implementations interleaved run by run.
@@ -165,7 +166,12 @@ def bench_scoring(shape_key: str, device: str, dtype: str, reps: int, threads: i
 
 def bench_quant(shape_key: str, dtype: str, reps: int) -> list[dict]:
     """CUDA only: quantize and gather-dequantize kernels vs torch on [Hkv, N, d] keys."""
-    from kernels.quant_triton import dequantize_triton, quantize_triton  # CUDA only (see kernels)
+    from kernels.quant_triton import (  # CUDA only (see kernels)
+        dequantize_groups_triton,
+        dequantize_triton,
+        quantize_groups_triton,
+        quantize_triton,
+    )
 
     shape = SHAPES[shape_key]
     g = torch.Generator().manual_seed(1)
@@ -189,13 +195,32 @@ def bench_quant(shape_key: str, dtype: str, reps: int) -> list[dict]:
                 "reference": lambda c=codes, s=scales: quant_reference.dequantize_reference(
                     c, s, index, x.dtype)},
         }
-        for op, calls in pairs.items():
-            seconds = time_interleaved(calls, "cuda", reps)
-            for name, call in calls.items():
-                rows.append({"op": op, "shape": shape.label, "impl": name,
-                             "ms": seconds[name] * 1e3,
-                             "peak_extra_mib": cuda_peak_extra(call) / 2 ** 20,
-                             "max_abs_diff_vs_reference": None})
+        rows += _timed(pairs, shape, reps)
+    groups = x.reshape(-1, 32)  # the stored codes' groups of 32 (`pipeline.store.objects.low_bit`)
+    for bits in (4, 2):
+        coded = quant_reference.quantize_groups_reference(groups, bits)
+        rows += _timed({
+            f"quantize-int{bits}-groups": {
+                "triton": lambda bits=bits: quantize_groups_triton(groups, bits),
+                "reference": lambda bits=bits: quant_reference.quantize_groups_reference(
+                    groups, bits)},
+            f"dequantize-int{bits}-groups": {
+                "triton": lambda c=coded, bits=bits: dequantize_groups_triton(*c, bits, x.dtype),
+                "reference": lambda c=coded, bits=bits: quant_reference.dequantize_groups_reference(
+                    *c, bits, x.dtype)}}, shape, reps)
+    return rows
+
+
+def _timed(pairs: dict[str, dict[str, Callable]], shape: Shape, reps: int) -> list[dict]:
+    """Each op's implementations timed side by side on CUDA, with their peak extra memory."""
+    rows = []
+    for op, calls in pairs.items():
+        seconds = time_interleaved(calls, "cuda", reps)
+        for name, call in calls.items():
+            rows.append({"op": op, "shape": shape.label, "impl": name,
+                         "ms": seconds[name] * 1e3,
+                         "peak_extra_mib": cuda_peak_extra(call) / 2 ** 20,
+                         "max_abs_diff_vs_reference": None})
     return rows
 
 

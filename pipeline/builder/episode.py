@@ -68,7 +68,7 @@ def store_cache(cache: EpisodicCache, conversation_id: str, episode: int, config
     header = {"model_id": config.model, "config_hash": config.hash,
               "model_fingerprint": files.model, "encoder_fingerprint": files.encoder,
               "conversation_id": conversation_id, "episode": episode}
-    data = cache_format.serialize(cache, header, store_dtype(config)[0])
+    data = cache_format.serialize(cache, header, store_dtype(config)[0], config.code)
     checksum = cache_format.sha256(data)
     key = cache_key(conversation_id, files.bound_hash(config.hash), episode, checksum)
     store.put(key, data)

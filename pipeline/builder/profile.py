@@ -63,12 +63,13 @@ def layer_profile(store: Store, config: BuildConfig) -> list[float]:
 def layer_budgets(store: Store, config: BuildConfig, n_layers: int) -> list[int] | None:
     """Each layer's budget (None: no eviction); uniform, with no profile, where the allocator
     needs none."""
-    if config.budget is None:
+    budget = config.entry_budget
+    if budget is None:
         return None
     strategy = allocator(config)
     if not strategy.needs_profile:
-        return [config.budget] * n_layers
-    return strategy.allocate(layer_profile(store, config), config.budget)
+        return [budget] * n_layers
+    return strategy.allocate(layer_profile(store, config), budget)
 
 
 class BuildBasis(NamedTuple):

@@ -47,8 +47,8 @@ def add_evaluation_options(p: argparse.ArgumentParser, methods: tuple[str, ...],
                    help="comma-separated, each <preset> or <preset>+<path>=<value>+... "
                         f"({describe_methods()}; what each does: docs/evaluation.md)")
     add_budgets_option(p, budgets, "comma-separated budgets, one cell each; a budget is the "
-                       "mean entries kept per layer and KV head (tri-state variants: the bytes "
-                       "of that many Original float16 entries)")
+                       "mean entries kept per layer and KV head (tri-state variants and "
+                       "+code.bytes_budget=true: the bytes of that many float16 entries)")
     p.add_argument("--questions-per-conversation", type=positive_int, default=None,
                    help="the first N questions of each conversation (default: all)")
     p.add_argument("--limit-conversations", type=positive_int, default=None,

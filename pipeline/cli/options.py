@@ -207,8 +207,8 @@ BUILD_OPTIONS = SHARED_BUILD_OPTIONS + (
                 "token, whole patch); add --alpha 1 for its layer budgets",
                 const=ScoringConfig.paper()),
     FieldOption("--positions", "prefill.positions",
-                "auto: compact, or original where entries cannot be re-rotated (tri-state, "
-                "DapQ; the manifest's positions_note says so); original: entries keep their "
+                "auto: compact, or original where entries cannot be re-rotated (DapQ; the "
+                "manifest's positions_note says so); original: entries keep their "
                 "token positions, so a conversation must fit the model's positions; compact: "
                 "kept entries are re-rotated to positions 0, 1, 2, ... after every eviction, "
                 "for histories of any length"),
@@ -221,6 +221,15 @@ BUILD_OPTIONS = SHARED_BUILD_OPTIONS + (
                 const=True),
     FieldOption("--store-dtype", "store_dtype", "dtype of the stored keys and values",
                 choices=STORE_DTYPES),
+    FieldOption("--code-bits", "code.bits",
+                "store the keys and values in KIVI's low-bit codes of this many bits (2, 4 or "
+                "8; 0: floats at --store-dtype); not with --tristate"),
+    FieldOption("--code-group", "code.group",
+                "low-bit codes: numbers sharing a minimum and a step (keys: a channel over this "
+                "many entries; values: this many channels of an entry)"),
+    FieldOption("--code-equal-bytes", "code.bytes_budget",
+                "low-bit codes: --budget M reads as the bytes of M float entries, and the build "
+                "keeps as many coded entries as they hold", const=True),
     FieldOption("--allocator", "allocator",
                 "layer budgets: EpiCache sensitivity or D2O attention variance",
                 choices=sorted(ALLOCATOR_NAMES)),

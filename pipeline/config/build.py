@@ -18,13 +18,15 @@ from pipeline.config.stages import (
     DEFAULT_ENCODER,
     DEFAULT_LLM,
     CalibrationConfig,
+    CodeConfig,
     EpisodeConfig,
     GrowthConfig,
     PrefillConfig,
     ScoringConfig,
 )
 
-STORE_DTYPES = ("float16", "bfloat16", "float32")
+STORE_ELEMENT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+STORE_DTYPES = tuple(STORE_ELEMENT_BYTES)
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class BuildConfig:
     allocator: str = "sensitivity"  # layer budgets: "sensitivity" (EpiCache) or "variance" (D2O)
     variance_temperature: float = 1.0  # D2O inverse-variance softmax temperature
     store_dtype: str = "float16"  # dtype of the stored keys and values
+    code: CodeConfig = field(default_factory=CodeConfig)  # or their low-bit codes
     max_context_tokens: int | None = None  # cut conversations at a session boundary to fit
     episodes: EpisodeConfig = field(default_factory=EpisodeConfig)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)  # EpiCache's scores
@@ -55,6 +58,19 @@ class BuildConfig:
                 f"variance_temperature must be positive, got {self.variance_temperature}")
         if self.store_dtype not in STORE_DTYPES:
             raise ValueError(f"store_dtype must be one of {STORE_DTYPES}, got {self.store_dtype!r}")
+        if self.code.bits and self.prefill.tristate.enabled:
+            raise ValueError("a low-bit code (code.bits) codes every stored entry, tri-state "
+                             "quantizes some of them: choose one")
+
+    @property
+    def entry_budget(self) -> int | None:
+        """The entries a build keeps per layer and KV head: `budget`, or, where the code reads
+        it as bytes (`code.bytes_budget`), as many coded entries as `budget` entries at the
+        store dtype take."""
+        if self.budget is None or not self.code.bytes_budget:
+            return self.budget
+        element = STORE_ELEMENT_BYTES[self.store_dtype]
+        return int(self.budget * element / self.code.bytes_per_number)
 
     def as_dict(self) -> dict:
         """The configuration as hashed (`hashing.hashed_fields`)."""

@@ -6,4 +6,7 @@ hash, computed without torch and below the store in the layers;
 """
 
 FORMAT = "epicache-kv/2"
-READABLE_FORMATS = ("epicache-kv/1", FORMAT)
+# format 2 with the keys and values in low-bit codes (`BuildConfig.code`): written only by builds
+# that code them, whose hash already differs, so FORMAT (hashed by every build) stays 2
+CODED_FORMAT = "epicache-kv/3"
+READABLE_FORMATS = ("epicache-kv/1", FORMAT, CODED_FORMAT)

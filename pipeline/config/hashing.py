@@ -28,6 +28,7 @@ from pipeline.config import registry
 from pipeline.config.format_version import FORMAT
 from pipeline.config.stages import (
     CalibrationConfig,
+    CodeConfig,
     EpisodeConfig,
     MergeConfig,
     PrefillConfig,
@@ -37,7 +38,8 @@ from pipeline.config.stages import (
 
 # (section, field, the value builds before the field had): hashed only when it differs
 ADDED_LATER = (("prefill", "compact_recent", 0), ("prefill", "one_pass", False),
-               ("prefill", "score_span", 0))
+               ("prefill", "score_span", 0), ("code", "bits", 0), ("code", "group", 32),
+               ("code", "bytes_budget", False))
 # (section, field, the value every build that `jobs.build` could make had, hashed or not): knobs
 # measured and retired (docs/changelog.md). A hashed one is hashed with that value, so stores
 # keep their hash; a stored configuration holding another value no longer reads back.
@@ -64,6 +66,8 @@ def stored_fields(config: Any) -> dict:
     for section, name, earlier in ADDED_LATER:
         if d[section][name] == earlier:
             del d[section][name]
+    if not d["code"]:  # a section added later, at every earlier build's values
+        del d["code"]
     return d
 
 
@@ -84,7 +88,8 @@ def unread_as_before(d: dict, scorer: str) -> dict:
 def hashed_fields(config: Any) -> dict:
     """The fields as hashed, by what decides the caches: the method sections the method reads
     (`unread_as_before`), positions as resolved (so "auto" and the mode it resolves to share a
-    hash), and `compact_recent` left out where the caches keep original positions."""
+    hash), `compact_recent` left out where the caches keep original positions, and the code's
+    group where the caches are stored as floats."""
     d = unread_as_before(stored_fields(config), config.scorer)
     for section, name, value, hashed in RETIRED:
         if hashed and section in d:
@@ -92,6 +97,8 @@ def hashed_fields(config: Any) -> dict:
     d["prefill"]["positions"] = config.prefill.position_mode
     if config.prefill.position_mode == "original":  # no effect on such caches
         d["prefill"].pop("compact_recent", None)
+    if not config.code.bits:  # floats: no groups
+        d.pop("code", None)
     return d
 
 
@@ -134,4 +141,5 @@ def stage_fields(d: dict) -> dict:
     # a configuration written before `scoring` existed scored as the paper does
     scoring = ScoringConfig(**d.pop("scoring")) if "scoring" in d else ScoringConfig.paper()
     return d | {"episodes": EpisodeConfig(**d.pop("episodes")), "prefill": prefill,
+                "code": CodeConfig(**d.pop("code", {})),
                 "scoring": scoring, "calibration": CalibrationConfig(**d.pop("calibration"))}

@@ -5,6 +5,7 @@
                        (pipeline.kv.methods.epicache)
     TriStateConfig     ARKV's Original / Quantized / Evicted eviction (pipeline.kv.tristate)
     MergeConfig        D2O's merging of evicted entries (pipeline.kv.merging)
+    CodeConfig         how the stored keys and values are coded (pipeline.store.objects.low_bit)
     PrefillConfig      stage 2: block prefill under a budget (pipeline.kv.prefill)
     CalibrationConfig  the layer profile's calibration (pipeline.kv.budgets)
     GrowthConfig       when a grown conversation is appended to, or re-clustered and rebuilt
@@ -123,6 +124,39 @@ class MergeConfig:
             raise ValueError(f"merge beta must be in (0, 1], got {self.beta}")
 
 
+CODE_BITS = (2, 4, 8)  # the low-bit codes' widths (`kernels.quant_reference.GROUP_BITS`)
+
+
+@dataclass(frozen=True)
+class CodeConfig:
+    """How the stored keys and values are coded (`pipeline.store.objects.low_bit`): as floats at
+    `BuildConfig.store_dtype` (bits 0), or in KIVI's asymmetric low-bit codes (arXiv
+    2402.02750): keys per channel over `group` tokens of a head, values per token over `group`
+    channels, each group with a float16 minimum and step. Coded after the build, so the caches
+    keep every position mode; the reader decodes them to floats."""
+    bits: int = 0  # 0: floats; 2, 4 or 8 bits a number
+    group: int = 32  # numbers sharing a minimum and a step (KIVI: 32)
+    # the budget M reads as the bytes of M entries at the store dtype: the build keeps as many
+    # coded entries as those bytes hold (`BuildConfig.entry_budget`), as tri-state's does
+    bytes_budget: bool = False
+
+    @property
+    def bytes_per_number(self) -> float:
+        """Stored bytes per key or value number: its code, and its share of its group's float16
+        step and minimum."""
+        return self.bits / 8 + 4 / self.group
+
+    def __post_init__(self):
+        if self.bits not in (0, *CODE_BITS):
+            raise ValueError(f"code bits must be 0 (floats) or one of {CODE_BITS}, got "
+                             f"{self.bits}")
+        if self.group < 8 or self.group & (self.group - 1):
+            raise ValueError(f"code group must be a power of two >= 8, got {self.group}")
+        if self.bytes_budget and not self.bits:
+            raise ValueError("a budget in bytes (code.bytes_budget) needs a low-bit code "
+                             "(code.bits)")
+
+
 Selection = Literal["headwise", "perhead"]
 
 
@@ -157,8 +191,6 @@ class PrefillConfig:
     @property
     def cannot_compact(self) -> str | None:
         """Why this configuration's entries cannot be re-rotated (None: they can)."""
-        if self.tristate.enabled:
-            return "tri-state's Quantized keys cannot be re-rotated"
         if self.decode_positions:
             return "DapQ's decode positions are not known before the end"
         return None

@@ -28,7 +28,7 @@ from pipeline.builder.conversation import build_conversation, files_of
 from pipeline.builder.episode import build_episode_cache, build_episode_caches, store_dtype
 from pipeline.builder.profile import BuildBasis
 from pipeline.builder.turns import index_turns
-from pipeline.config import BuildConfig, RoutingConfig, TopUpConfig
+from pipeline.config import BuildConfig, CodeConfig, RoutingConfig, TopUpConfig
 from pipeline.corpus.render import cut_at_session, render_conversation, render_header
 from pipeline.corpus.schema import Conversation, Question
 from pipeline.eval.methods import EvalConfig, Read, parse_method
@@ -57,6 +57,7 @@ from pipeline.kv.methods.full import Full
 from pipeline.kv.prefill import PrefillStats, block_prefill, build_tokens, entry_bytes
 from pipeline.kv.tristate import EntryBytes
 from pipeline.store.backends.memory import MemoryStore
+from pipeline.store.objects import cache_format
 from pipeline.store.objects.turn_index import TurnIndex, read_turn_index
 from pipeline.store.objects.turn_index import serialize as serialize_turn_index  # its bytes
 
@@ -178,7 +179,8 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
                   layer_budgets: list[int] | None, reads: tuple[Read, ...] = (),
                   answered: tuple[Read, ...] | None = None) -> list[dict]:
     """Per-question records of one (conversation, method, budget) cell. `method` may also be
-    "none": the no-history reference. `layer_budgets` None means `budget` in every layer.
+    "none": the no-history reference. `layer_budgets` None means the build's entry budget
+    (`BuildConfig.entry_budget`) in every layer.
     The cell measures its method's read and each of `reads` (the question-time reads of the
     variants that share its caches: `pipeline.eval.reads`), each question on the cache its
     route picks; the records hold every read's fields and `method`'s under their plain names.
@@ -194,16 +196,16 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
     if not config.generate:
         answered = ()
     lm = models.load_llm(config.model)
-    if layer_budgets is None and budget is not None:
-        layer_budgets = [budget] * lm.config.num_hidden_layers
+    build = config.build_config(method, budget)
+    if layer_budgets is None and build.entry_budget is not None:
+        layer_budgets = [build.entry_budget] * lm.config.num_hidden_layers
     conv, questions = prep.conversation, list(prep.questions)
     start = time.perf_counter()
-    build = config.build_config(method, budget)
     element_size = store_dtype(build)[1]  # Original entries counted as the build stores them
     sizes = entry_bytes(lm.model, element_size)
     layout = token_layout(lm.tokenizer, conv)
     layouts: dict[int, TokenLayout] = {}  # id(cache) -> its layout, where not `layout` (windows)
-    builds = CellBuilds(sizes)
+    builds = CellBuilds(sizes, build.code)
     built, costs = builds.built, builds.costs
     # episodic cells answer through the product's answer path instead (`_answered`)
     def generates(read: Read, i: int) -> bool:
@@ -212,7 +214,8 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
     def measure(cache: EpisodicCache, indices: list[int], topups: list[TopUp],
                 answer: list[bool]) -> list[dict]:
         chosen = [questions[i] for i in indices]
-        footprint = cache_footprint(cache, sizes, builds.merged.get(id(cache), 0))  # joined: 0
+        footprint = cache_footprint(cache, sizes, builds.merged.get(id(cache), 0),  # joined: 0
+                                    build.code)
         kept = float(np.mean(cache.entries_per_layer()))
         measured = measure_all(lm, conv, chosen, cache, config, topups, answer)
         return [{"kept_entries": kept, "decode_entries": kept + topup.tokens,
@@ -259,18 +262,22 @@ class CellBuilds:
     """What a cell's builds cost, counted as each cache is built (`built`): their seconds, the
     tokens they ran through the model (patches included), the bytes the caches take stored, and
     the turn index's bytes where a top-up reads it (`topup_chooser`); and the entries each
-    build merged (D2O), by cache."""
+    build merged (D2O), by cache. A cache in low-bit codes is measured as the store gives it
+    back (`cache_format.as_stored`)."""
     sizes: EntryBytes
+    code: CodeConfig = CodeConfig()
     merged: dict[int, int] = field(default_factory=dict)  # id(cache) -> entries merged
     seconds: float = 0.0
     costs: dict = field(default_factory=lambda: {"build_tokens": 0, "stored_cache_bytes": 0,
                                                  "turn_index_bytes": 0})
 
     def built(self, cache: EpisodicCache, stats: PrefillStats) -> EpisodicCache:
+        cache = cache_format.as_stored(cache, self.code)
         self.merged[id(cache)] = stats.merged_entries
         self.seconds += stats.seconds
         self.costs["build_tokens"] += build_tokens(stats)
-        self.costs["stored_cache_bytes"] += cache_footprint(cache, self.sizes)["kv_bytes"]
+        self.costs["stored_cache_bytes"] += cache_footprint(cache, self.sizes,
+                                                            code=self.code)["kv_bytes"]
         return cache
 
     def fields(self) -> dict:
@@ -389,11 +396,14 @@ def _answered(store: MemoryStore, conversation_id: str, questions: list[Question
                                for k, v in scored_answer(answered.answer, q).items()}
 
 
-def cache_footprint(cache: EpisodicCache, sizes: EntryBytes, merged: int = 0) -> dict:
-    """Entries per state and bytes of a cache; `bytes_tokens` is its bytes in Original
-    entries per layer and KV head (comparable with the budget M of a tri-state cell)."""
+def cache_footprint(cache: EpisodicCache, sizes: EntryBytes, merged: int = 0,
+                    code: CodeConfig = CodeConfig()) -> dict:
+    """Entries per state and bytes of a cache (in `code`'s low-bit codes where it has bits);
+    `bytes_tokens` is its bytes in Original entries per layer and KV head (comparable with the
+    budget M of a tri-state cell)."""
     original, quantized = cache.state_counts()
-    kv_bytes = original * sizes.original + quantized * sizes.quantized
+    kv_bytes = (cache_format.coded_kv_bytes(cache, code) if code.bits else
+                original * sizes.original + quantized * sizes.quantized)
     first = cache.layers[0]
     per_token = (len(cache.layers) * (first.valid.shape[0] if first.valid is not None else 1)
                  * sizes.original)

@@ -272,8 +272,8 @@ def layer_budgets_of(config: EvalConfig, method: str, budget: int | None,
     the same budget in every layer)."""
     if budget is None or not config.needs_profile(method):
         return None
-    return allocator(config.build_config(method, budget)).allocate(
-        profiles[config.allocator_of(method)], budget)
+    build = config.build_config(method, budget)
+    return allocator(build).allocate(profiles[config.allocator_of(method)], build.entry_budget)
 
 
 class CellPlan:

@@ -199,13 +199,17 @@ class EpisodicLayer(CacheLayerMixin):
             self.value_scales = torch.zeros_like(self.key_scales)
         elif self.code_dtype != code_dtype:
             raise ValueError(f"layer holds {self.code_dtype} codes, asked for {code_dtype}")
-        quantize_fn = quantize_fp8 if fp8 else quantize_int8
         for tensor, codes, scales in ((self.keys, self.key_codes, self.key_scales),
                                       (self.values, self.value_codes, self.value_scales)):
-            c, sc = quantize_fn(tensor[0][new])
-            codes[new], scales[new] = c.view(raw), sc
+            c, sc = self._encode(tensor[0][new])
+            codes[new], scales[new] = c.view(codes.dtype), sc
             tensor[0][new] = dequantize(c, sc, dtype=tensor.dtype)
         self.quantized |= new
+
+    def _encode(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [n, d] in this layer's code (`kernels.quant` dispatch): codes and scales."""
+        fp8 = self.code_dtype == torch.float8_e4m3fn
+        return (quantize_fp8 if fp8 else quantize_int8)(rows)
 
     def codes(self, which: str) -> torch.Tensor:
         """The key or value codes [Hkv, slots, d] in their code dtype (a view)."""
@@ -218,9 +222,12 @@ class EpisodicLayer(CacheLayerMixin):
         positions (StreamingLLM, kvpress's KeyRerotationPress). With `cut`, only the entries
         of tokens before it are packed; the later ones keep their spacing from `base` on
         (`base + position - cut`). `next_position` is left to the cache, which must keep it
-        equal across layers."""
-        if self.quantized is not None and bool(self.quantized.any()):
-            raise ValueError("compact positions cannot re-rotate Quantized entries")
+        equal across layers.
+
+        A Quantized key is held as its codes' dequantized value: that value is rotated like any
+        key, and its codes are made anew from it (a second rounding, never compounded: the next
+        move rotates the held value again, not the codes), so the codes always hold the key at
+        the position the object records."""
         cut = self.tokens_seen if cut is None else cut
         self.compact_cut, self.compact_base = (cut, base) if cut < self.tokens_seen else (None, 0)
         older = self.valid & (self.positions < cut)
@@ -231,6 +238,11 @@ class EpisodicLayer(CacheLayerMixin):
         if bool(moved.any()):
             keys = self.keys[0]
             keys[moved] = rotation.rotate(keys[moved], shift[moved])
+            recoded = moved & self.quantized_mask()
+            if bool(recoded.any()):
+                codes, scales = self._encode(keys[recoded])
+                self.key_codes[recoded] = codes.view(self.key_codes.dtype)
+                self.key_scales[recoded] = scales
         self.rope_positions = target
 
     def older_entries(self, cut: int) -> int:
@@ -267,6 +279,24 @@ class EpisodicLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.__init__()
+
+
+_TIER = ("quantized", "key_codes", "value_codes", "key_scales", "value_scales")
+
+
+def _join_tiers(layer: EpisodicLayer, parts: list[EpisodicLayer]) -> None:
+    """`layer`'s Quantized tier: the parts' tiers side by side, slot for slot as their entries
+    are joined (a part without one adds no Quantized slot); `keep()` then packs it with them."""
+    codes = {p.code_dtype for p in parts if p.quantized is not None}
+    if len(codes) > 1:
+        raise ValueError(f"caches of different codes ({sorted(map(str, codes))}) cannot be "
+                         "joined")
+    layer.code_dtype = codes.pop()
+    for name in _TIER:
+        held = next(getattr(p, name) for p in parts if p.quantized is not None)
+        setattr(layer, name, torch.cat([
+            getattr(p, name) if p.quantized is not None else
+            held.new_zeros(*p.valid.shape, *held.shape[2:]) for p in parts], dim=1))
 
 
 def _repeated(positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -317,12 +347,12 @@ class EpisodicCache(Cache):
         """One cache that reads several (a question the router is unsure of reads two
         episodes): each head holds the entries of all of them, each entry at its own position,
         a token both hold once (the first cache's entry), and the next token goes after the
-        furthest. Quantized entries are not joined."""
+        furthest. Quantized entries stay Quantized, their codes with them."""
         out = cls(len(caches[0].layers))
         for i, layer in enumerate(out.layers):
             parts = [c.layers[i] for c in caches]
             if any(p.quantized is not None for p in parts):
-                raise ValueError("caches holding Quantized entries cannot be joined")
+                _join_tiers(layer, parts)
             layer.keys = torch.cat([p.keys for p in parts], dim=2)
             layer.values = torch.cat([p.values for p in parts], dim=2)
             layer.valid = torch.cat([p.valid for p in parts], dim=1)

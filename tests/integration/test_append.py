@@ -29,6 +29,7 @@ from pipeline.builder.profile import layer_budgets
 from pipeline.builder.turns import index_turns, indexed_turns
 from pipeline.config import (
     BuildConfig,
+    CodeConfig,
     DriverOptions,
     EpisodeConfig,
     GrowthConfig,
@@ -45,7 +46,7 @@ from pipeline.store.backends.local import LocalStore
 from pipeline.store.catalogue.garbage import find_garbage
 from pipeline.store.catalogue.manifest import read_manifest
 from pipeline.store.objects.turn_index import read_turn_index
-from tests.support.model_folders import make_encoder_folder, make_llm_folder
+from tests.support.model_folders import make_model_folders
 from tests.support.stores import store  # noqa: F401  (a folder, or a prefix in SeaweedFS)
 
 BLOCK = 16
@@ -54,8 +55,7 @@ APPEND_ALWAYS = GrowthConfig(max_growth=100.0, far_similarity=-1.0)
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("append-models")
-    return make_llm_folder(root / "llm"), make_encoder_folder(root / "encoder")
+    return make_model_folders(tmp_path_factory.mktemp("append-models"))
 
 
 def small_config(folders, **overrides) -> BuildConfig:
@@ -141,17 +141,21 @@ def test_every_exact_kind_appends_as_it_builds(folders, tmp_path, kind):
         folders, LocalStore(tmp_path / "store"), kind)
 
 
-@pytest.mark.parametrize("kind", ["tri-state", "merging", "dapq", "one pass"])
+@pytest.mark.parametrize("kind", ["tri-state", "merging", "dapq", "one pass", "low-bit code"])
 def test_the_other_kinds_append_within_their_budget(folders, tmp_path, kind):
-    """Tri-state (its Quantized entries stay quantized), D2O merging, DapQ and caches built in
-    one pass go on from the stored cache: every token seen once, within the budget,
-    readable."""
-    prefill = {"tri-state": PrefillConfig(block=BLOCK, tristate=TriStateConfig(enabled=True)),
-               "merging": PrefillConfig(block=BLOCK, merge=MergeConfig(enabled=True)),
-               "dapq": PrefillConfig(block=BLOCK, decode_positions=True),
-               "one pass": PrefillConfig(block=BLOCK, one_pass=True)}[kind]
-    # tri-state: a budget over its 32-token window of Original entries leaves room to quantize
-    config = small_config(folders, prefill=prefill, budget=96 if kind == "tri-state" else 32)
+    """Tri-state (its Quantized entries stay quantized), D2O merging, DapQ, caches built in one
+    pass and caches stored in low-bit codes go on from the stored cache: every token seen once,
+    within the budget, readable."""
+    overrides = {
+        # tri-state: a budget over its 32-token window of Original entries leaves room to quantize
+        "tri-state": {"prefill": PrefillConfig(block=BLOCK, tristate=TriStateConfig(enabled=True)),
+                      "budget": 96},
+        "merging": {"prefill": PrefillConfig(block=BLOCK, merge=MergeConfig(enabled=True))},
+        "dapq": {"prefill": PrefillConfig(block=BLOCK, decode_positions=True)},
+        "one pass": {"prefill": PrefillConfig(block=BLOCK, one_pass=True)},
+        # read back as floats, appended to, coded again; the budget in bytes: more entries
+        "low-bit code": {"code": CodeConfig(bits=4, group=8, bytes_budget=True)}}[kind]
+    config = small_config(folders, **overrides)
     store = LocalStore(tmp_path / "store")
     first, whole = aligned_history(config)
     built = build_conversation(first, config, store).records
@@ -160,7 +164,7 @@ def test_the_other_kinds_append_within_their_budget(folders, tmp_path, kind):
     for before, after in zip(built, appended):
         assert after.appends == 1 and after.tokens > before.tokens
         # the default positions ("auto") fall back to original where they cannot compact
-        assert (after.positions_note is None) == (kind in ("merging", "one pass"))
+        assert (after.positions_note is None) == (kind != "dapq")
         cache = read_stored_cache(store, after, lm.model)
         assert cache.tokens_seen == after.tokens
         for layer in cache.layers:  # each head holds each token once at most
@@ -172,7 +176,10 @@ def test_the_other_kinds_append_within_their_budget(folders, tmp_path, kind):
             assert after.original_bytes + after.quantized_bytes <= \
                 sum(after.layer_byte_budgets)
         else:
-            assert max(after.entries_per_layer) <= config.budget
+            assert max(after.entries_per_layer) <= config.entry_budget
+        if kind == "low-bit code":
+            assert config.entry_budget > config.budget
+            assert max(after.entries_per_layer) > config.budget
         if kind == "merging":
             assert after.merged_entries > before.merged_entries > 0  # counted over both
 

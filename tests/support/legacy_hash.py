@@ -16,6 +16,7 @@ ADDED_LATER = (("prefill", "compact_recent", 0),)
 # Fields added to the configuration after this copy, at the value those builds ran with: a
 # configuration of today holds them, the builds this copy stands for did not know them.
 NOT_YET = (("prefill", "one_pass", False), ("prefill", "score_span", 0))
+NOT_YET_SECTIONS = {"code": {"bits": 0, "group": 32, "bytes_budget": False}}
 RETIRED = (("scoring", "reduce", "max", True), ("scoring", "include_patch", True, True),
            ("scoring", "shared", 0.0, False), ("episodes", "adopt", False, False))
 
@@ -27,6 +28,9 @@ def legacy_stored_fields(config: Any) -> dict:
     for section, name, then in NOT_YET:
         if d[section].pop(name) != then:
             raise ValueError(f"{section}.{name} did not exist in those builds")
+    for section, then in NOT_YET_SECTIONS.items():
+        if d.pop(section) != then:
+            raise ValueError(f"{section} did not exist in those builds")
     for section, name, earlier in ADDED_LATER:
         if d[section][name] == earlier:
             del d[section][name]

@@ -67,3 +67,8 @@ def make_encoder_folder(folder: Path, seed: int = 0) -> Path:
     body = Transformer(str(bert), max_seq_length=128)
     SentenceTransformer(modules=[body, Pooling(32, "mean")], device="cpu").save(str(folder))
     return folder
+
+
+def make_model_folders(root: Path) -> tuple[Path, Path]:
+    """A tiny LLM folder and a tiny encoder folder under `root`: a build's model and encoder."""
+    return make_llm_folder(root / "llm"), make_encoder_folder(root / "encoder")

@@ -61,7 +61,7 @@ class ManifestRecord:
     encoder_fingerprint: str | None = column(pa.string(), default=None)
     config_hash: str = column(pa.string())  # of the BuildConfig alone
     # why the caches keep original positions though the configuration asked for "auto" (the
-    # default, compact): e.g. tri-state's Quantized keys cannot be re-rotated. None otherwise.
+    # default, compact): DapQ's decode positions are not known before the end. None otherwise.
     positions_note: str | None = column(pa.string(), default=None)
     # The record's turns the build read (before any --max-context-tokens cut) and their digest
     # (pipeline.corpus.history): a changed or grown record is told apart from an unchanged one.

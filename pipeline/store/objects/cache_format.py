@@ -18,6 +18,12 @@ Quantized entries are `layers.{i}.qkeys` / `.qvalues` [entries, d] codes (int8 o
 float8_e4m3fn, header `quant`), `.qkey_scales` / `.qvalue_scales` [entries] float32 (one scale
 per token and head), `.qlengths` [Hkv] and `.qpositions` [entries], in the same order. A plain
 cache writes no q-tensors and `quant: null`; format 1 objects are still read.
+
+Format 3 (low-bit codes, `BuildConfig.code`, header `code: {"bits", "group"}`): format 2 with
+`.keys` and `.values` replaced by their codes (`pipeline.store.objects.low_bit`):
+`layers.{i}.kcodes` uint8, `.ksteps` and `.kmins` float16 (keys per channel over `group`
+entries of a head), `.vcodes`, `.vsteps` and `.vmins` (values per token over `group`
+channels), and `.positions` as int32. The reader decodes them to floats.
 """
 
 from __future__ import annotations
@@ -35,8 +41,10 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from kernels.quant import dequantize
-from pipeline.config.format_version import FORMAT, READABLE_FORMATS
+from pipeline.config.format_version import CODED_FORMAT, FORMAT, READABLE_FORMATS
+from pipeline.config.stages import CodeConfig
 from pipeline.kv.cache import EpisodicCache, EpisodicLayer, QuantizedTier
+from pipeline.store.objects import low_bit
 
 _SERIAL_ELEMENTS = 32767  # a copy this small runs on the calling thread (grain: 32,768)
 
@@ -93,17 +101,27 @@ def check_sha256(got: str, expected: str | None, name: str = "cache") -> None:
                             f"{expected[:12]}..., got {got[:12]}...)")
 
 
-def serialize(cache: EpisodicCache, header: dict, dtype: torch.dtype = torch.float16) -> bytes:
-    """Safetensors bytes of the cache's valid entries, stored as `dtype`."""
+def serialize(cache: EpisodicCache, header: dict, dtype: torch.dtype = torch.float16,
+              code: CodeConfig = CodeConfig()) -> bytes:
+    """Safetensors bytes of the cache's valid entries, stored as `dtype`, or in `code`'s
+    low-bit codes (format 3) when it has bits."""
     tensors: dict[str, torch.Tensor] = {}
     quant = None
+    if code.bits and any(layer.quantized is not None for layer in cache.layers):
+        raise ValueError("a cache holding Quantized entries cannot be coded again")
     for i, layer in enumerate(cache.layers):
         quantized = layer.quantized_mask()
         original = layer.valid & ~quantized
-        tensors[f"layers.{i}.keys"] = layer.keys[0][original].to(dtype).contiguous()
-        tensors[f"layers.{i}.values"] = layer.values[0][original].to(dtype).contiguous()
-        tensors[f"layers.{i}.lengths"] = original.sum(dim=1).to(torch.int32)
-        tensors[f"layers.{i}.positions"] = layer.positions[original].to(torch.int64)
+        lengths = original.sum(dim=1)
+        keys, values = layer.keys[0][original], layer.values[0][original]
+        if code.bits:
+            tensors |= _coded(i, keys, values, lengths.tolist(), code)
+            tensors[f"layers.{i}.positions"] = layer.positions[original].to(torch.int32)
+        else:
+            tensors[f"layers.{i}.keys"] = keys.to(dtype).contiguous()
+            tensors[f"layers.{i}.values"] = values.to(dtype).contiguous()
+            tensors[f"layers.{i}.positions"] = layer.positions[original].to(torch.int64)
+        tensors[f"layers.{i}.lengths"] = lengths.to(torch.int32)
         if layer.quantized is not None:
             quant = str(layer.code_dtype).removeprefix("torch.")
             tensors[f"layers.{i}.qkeys"] = layer.key_codes[quantized].view(layer.code_dtype)
@@ -115,15 +133,61 @@ def serialize(cache: EpisodicCache, header: dict, dtype: torch.dtype = torch.flo
     first = cache.layers[0]
     compacted = any(not torch.equal(layer.rope_positions, layer.positions)
                     for layer in cache.layers)
-    header = dict(header, format=FORMAT, tokens_seen=cache.tokens_seen,
+    header = dict(header, format=CODED_FORMAT if code.bits else FORMAT,
+                  tokens_seen=cache.tokens_seen,
                   next_position=cache.next_position,
                   positions="compact" if compacted else "original", num_layers=len(cache.layers),
                   **({"compact_cut": first.compact_cut, "compact_base": first.compact_base}
                      if compacted and first.compact_cut is not None else {}),
                   kv_heads=int(first.valid.shape[0]), head_dim=int(first.keys.shape[-1]),
-                  dtype=str(dtype).removeprefix("torch."), quant=quant)
+                  dtype=str(dtype).removeprefix("torch."), quant=quant,
+                  **({"code": {"bits": code.bits, "group": code.group}} if code.bits else {}))
     return st_save({k: v.cpu() for k, v in tensors.items()},
                    metadata={"header": json.dumps(header)})
+
+
+def as_stored(cache: EpisodicCache, code: CodeConfig) -> EpisodicCache:
+    """The cache as a reader gets it back from an object in `code`'s low-bit codes (the cache
+    itself when it has none), at the dtype it is held in: what an evaluation measures."""
+    if not code.bits:
+        return cache
+    return parse(serialize(cache, {}, code=code), dtype=cache.layers[0].keys.dtype,
+                 device=cache.layers[0].keys.device)[0]
+
+
+def coded_kv_bytes(cache: EpisodicCache, code: CodeConfig) -> int:
+    """Bytes of the cache's keys and values in `code`'s low-bit codes, as an object stores them
+    (`low_bit.coded_bytes` per layer)."""
+    return sum(low_bit.coded_bytes(layer.valid.sum(dim=1).tolist(), layer.keys.shape[-1],
+                                   code.bits, code.group) for layer in cache.layers)
+
+
+def _coded(i: int, keys: torch.Tensor, values: torch.Tensor, lengths: list[int],
+           code: CodeConfig) -> dict[str, torch.Tensor]:
+    """Layer `i`'s keys and values [entries, d] as format 3's code tensors."""
+    out = {}
+    for prefix, coded in (("k", low_bit.encode_keys(keys, lengths, code.bits, code.group)),
+                          ("v", low_bit.encode_values(values, code.bits, code.group))):
+        out |= {f"layers.{i}.{prefix}codes": coded.codes, f"layers.{i}.{prefix}steps": coded.steps,
+                f"layers.{i}.{prefix}mins": coded.mins}
+    return out
+
+
+def _decoded(i: int, tensors: dict[str, torch.Tensor], header: dict, lengths: list[int],
+             dtype: torch.dtype, device: str | torch.device
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer `i`'s keys and values [entries, d]: as stored, or decoded from format 3's codes
+    on `device` (the Triton kernels on a GPU; the header's bits and group, checked as a
+    configuration is)."""
+    if "code" not in header:
+        return tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"]
+    code = CodeConfig(bits=int(header["code"]["bits"]), group=int(header["code"]["group"]))
+    head_dim = int(header["head_dim"])
+    keys, values = (low_bit.Coded(*(tensors[f"layers.{i}.{prefix}{part}"].to(device)
+                                    for part in ("codes", "steps", "mins")))
+                    for prefix in ("k", "v"))
+    return (low_bit.decode_keys(keys, lengths, head_dim, code.bits, code.group, dtype),
+            low_bit.decode_values(values, sum(lengths), head_dim, code.bits, code.group, dtype))
 
 
 def read_header(data: bytes, name: str = "cache") -> dict:
@@ -187,8 +251,9 @@ def _layer(i: int, tensors: dict[str, torch.Tensor], header: dict, dtype: torch.
            device: str | torch.device) -> EpisodicLayer:
     """Layer `i`, padded per head, its Quantized entries (if any) dequantized for the view."""
     lengths = tensors[f"layers.{i}.lengths"].long()
-    keys, values = tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"]
-    positions = tensors[f"layers.{i}.positions"]
+    _check_lengths(i, lengths)
+    keys, values = _decoded(i, tensors, header, lengths.tolist(), dtype, device)
+    positions = tensors[f"layers.{i}.positions"].long()
     _check_counts(i, lengths, keys, values, positions)
     stored = _stored_tier(i, tensors)
     counts_list = lengths.tolist()
@@ -325,9 +390,13 @@ def _padded(rows: torch.Tensor, counts: list[int], slots: int, dtype: torch.dtyp
 
 def _check_counts(i: int, lengths: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                   positions: torch.Tensor) -> None:
-    if lengths.numel() and int(lengths.min()) < 0:  # else a head's slots could be any size
-        raise ValueError(f"layer {i}: a negative entry count")
+    _check_lengths(i, lengths)
     total = int(lengths.sum().item())
     if not keys.shape[0] == values.shape[0] == positions.shape[0] == total:
         raise ValueError(f"layer {i}: {total} entries by lengths, {keys.shape[0]} keys, "
                          f"{values.shape[0]} values, {positions.shape[0]} positions")
+
+
+def _check_lengths(i: int, lengths: torch.Tensor) -> None:
+    if lengths.numel() and int(lengths.min()) < 0:  # else a head's slots could be any size
+        raise ValueError(f"layer {i}: a negative entry count")

@@ -31,15 +31,14 @@ from pipeline.store.backends.memory import MemoryStore
 from pipeline.store.catalogue.manifest import read_manifest, write_manifest
 from pipeline.store.objects import cache_format
 from pipeline.store.objects.turn_index import store_turn_index
-from tests.support.model_folders import make_encoder_folder, make_llm_folder
+from tests.support.model_folders import make_model_folders
 
 TIMING = {"cell_seconds", "build_seconds"}  # wall-clock fields, never the same twice
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> tuple[str, str]:
-    root = tmp_path_factory.mktemp("one-build-models")
-    return str(make_llm_folder(root / "llm")), str(make_encoder_folder(root / "encoder"))
+    return tuple(map(str, make_model_folders(tmp_path_factory.mktemp("one-build-models"))))
 
 
 def _eval_config(folders: tuple[str, str]) -> EvalConfig:

@@ -26,6 +26,9 @@ from tests.support.legacy_hash import legacy_hash, legacy_json
 # The hashes of `jobs.build --scorer M` (then with --budget 512, --full, --tristate, --positions
 # original), as the build computed them before this rule (commit bf5f28c): the stores those
 # commands built carry them. CHANGE ON PURPOSE ONLY: a default that the method reads changed.
+# (--tristate alone built original positions then; it builds compact ones since its Quantized
+# keys are re-rotated, a new build on purpose: its stores are those of --tristate --positions
+# original.)
 PINNED = {
     "epicache": ("b56c12bbb09e2611", "fa6ffef6583a5278", "d5b613aed19d8aed", "a63a2dca465858bd",
                  "96f76004d3580a8c"),
@@ -50,11 +53,12 @@ PINNED = {
 
 
 def _commands(method: str) -> list[BuildConfig]:
-    """What `jobs.build --scorer M` builds, then with --budget 512, --full, --tristate and
-    --positions original."""
+    """What `jobs.build --scorer M` builds, then with --budget 512, --full, --tristate
+    --positions original and --positions original."""
     base = BuildConfig(scorer=method)
     return [base, dataclasses.replace(base, budget=512), dataclasses.replace(base, budget=None),
-            dataclasses.replace(base, prefill=PrefillConfig(tristate=TriStateConfig(enabled=True))),
+            dataclasses.replace(base, prefill=PrefillConfig(tristate=TriStateConfig(enabled=True),
+                                                            positions="original")),
             dataclasses.replace(base, prefill=PrefillConfig(positions="original",
                                                             compact_recent=0))]
 

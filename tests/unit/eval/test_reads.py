@@ -100,13 +100,14 @@ def test_each_method_keeps_its_positions():
     assert mode("epicache") == mode(f"epicache{compact}2048") == ("compact", 2048)
     assert config.build_config("epicache", 512).hash == \
         config.build_config(f"epicache{compact}2048", 512).hash
-    for original in ("epicache-orig", "epicache-paper", "keydiff", "snapkv", "epicache-tri",
-                     "epicache-dapq", "full", "rag"):
+    assert mode("epicache-tri") == ("compact", 2048)  # its Quantized keys re-rotated too
+    for original in ("epicache-orig", "epicache-paper", "keydiff", "snapkv", "epicache-dapq",
+                     "full", "rag"):
         assert mode(original) == ("original", None), original
     assert mode(f"keydiff{compact}0") == ("compact", None)  # all packed (0: not hashed)
     assert mode(f"streamingllm{compact}512") == ("compact", 512)
     with pytest.raises(ValueError, match="compact positions work with token eviction only"):
-        config.build_config(f"epicache-tri{compact}0", 512)
+        config.build_config(f"epicache-dapq{compact}0", 512)
 
 
 def test_a_cell_kept_without_a_read_its_methods_make_is_computed_again(tmp_path):

@@ -12,7 +12,9 @@ both accumulate in fp32, so every dtype gets the same bound: rtol 5e-5, atol 1e-
 reference and against a float64 full softmax on the same inputs (seen: ~2e-6 relative).
 Quantization is exact: the kernels round in exact fp32 arithmetic, so codes and scales equal
 torch's bit for bit; dequantized fp32/fp16 equal the reference exactly, bf16 within one bf16
-ulp (the interpreter truncates fp32 -> bf16, GPUs round to nearest).
+ulp (the interpreter truncates fp32 -> bf16, GPUs round to nearest). The low-bit group codes
+likewise: codes, float16 steps and minimums equal the reference's bit for bit, dequantized as
+above, and a round trip errs by at most step16 / 2 + 2^-10 max(|x|, |min16|) per number.
 """
 
 from __future__ import annotations
@@ -86,6 +88,22 @@ def assert_within_format_bound(x: torch.Tensor, deq: torch.Tensor, scales: torch
         bound = torch.maximum(x.float().abs() * 2.0 ** -4, step * 2.0 ** -10)
     excess = err - bound * (1 + 2.0 ** -12)
     assert (excess <= 0).all(), f"{fmt}: error exceeds the format bound by {excess.max().item()}"
+
+
+def assert_within_group_bound(x: torch.Tensor, deq: torch.Tensor, steps: torch.Tensor,
+                              mins: torch.Tensor) -> None:
+    """Group codes: |x - deq| <= step16 / 2 + 2^-10 max(|x|, |min16|). The slack covers
+    float16's rounding of the minimum (half an ulp, 2^-11 |min|: a number below min16 clamps to
+    code 0, and when min16 rounds above the group's maximum the step is clamped at 0) and
+    fp32's roundings of x - min16, the division and the decode (~2^-22 of
+    those magnitudes). It assumes a normal float16 step (groups spanning more than ~2^-14 x
+    qmax)."""
+    err = (x.float() - deq.float()).abs()
+    assert (steps.float() >= 0).all(), "a negative step"
+    bound = steps.float()[:, None] * 0.5 + 2.0 ** -10 * torch.maximum(
+        x.float().abs(), mins.float().abs()[:, None])
+    excess = err - bound
+    assert (excess <= 0).all(), f"group codes: error exceeds the bound by {excess.max().item()}"
 
 
 # --------------------------------------------------------------------------- kernel checks
@@ -240,6 +258,82 @@ def check_dequantize_rejects_bad_index(device: str) -> None:
             dequantize_triton(codes.to(device), scales.to(device), torch.tensor(bad).to(device))
 
 
+def group_inputs(bits: int, group: int, rows: int, dtype: str, seed: int) -> torch.Tensor:
+    """Random groups at various scales and offsets, plus rows that test the edges: constant
+    (fp16-representable, and not: min16 rounds above the maximum, the step clamped at 0), one
+    outlier,
+    a minimum that is a float16 tie (ties to even: 1 + 2^-11 -> 1, 1 + 3 x 2^-11 -> 1 + 2^-9),
+    and a step that is one ((max - min) / qmax = 1 + 2^-11 exactly, -> 1.0)."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, group, generator=g) * torch.rand(rows, 1, generator=g) * 5
+         + torch.randn(rows, 1, generator=g) * 2)
+    qmax = 2 ** bits - 1
+    x[0] = 0.75
+    x[1] = 100.045
+    x[2, group // 2] = 100.0
+    x[3] = torch.rand(group, generator=g) * 3 + 1.5
+    x[3, 5] = 1 + 2.0 ** -11
+    x[4] = torch.rand(group, generator=g) * 3 + 1.5
+    x[4, 1] = 1 + 3 * 2.0 ** -11
+    x[5] = torch.rand(group, generator=g) * qmax
+    x[5, 0], x[5, -1] = 0.0, qmax * (1 + 2.0 ** -11)
+    return x.to(DTYPES[dtype])
+
+
+def check_group_codes(device: str, bits: int, dtype: str, group: int, rows: int = 150,
+                      strided: bool = False, seed: int = 0) -> None:
+    """Group quantize kernel vs reference (codes, steps, minimums bit-exact), then the dequantize
+    kernel into fp32 / fp16 (exact) and bf16 (one ulp), and the round-trip bound."""
+    from kernels.quant_triton import dequantize_groups_triton, quantize_groups_triton
+
+    x = group_inputs(bits, group, rows, dtype, seed)
+    if strided:  # every other row of a bigger tensor
+        x = torch.stack([x, x * 2], dim=1).reshape(2 * rows, group)[::2]
+        assert not x.is_contiguous()
+    codes, steps, mins = (t.cpu() for t in quantize_groups_triton(x.to(device), bits))
+    ref = quant_reference.quantize_groups_reference(x, bits)
+    assert codes.dtype == torch.uint8 and codes.shape == (rows, group * bits // 8)
+    assert steps.dtype == mins.dtype == torch.float16 and steps.shape == mins.shape == (rows,)
+    assert torch.equal(steps, ref[1]) and torch.equal(mins, ref[2])
+    assert torch.equal(codes, ref[0])
+    if dtype == "fp32":  # the edge rows came through as built
+        assert mins[3] == 1.0 and mins[4] == 1 + 2.0 ** -9 and steps[5] == 1.0
+        assert steps[1] == 0 and (codes[1] == 0).all()  # min16 above the max: clamped
+    assert steps[0] == 0 and (codes[0] == 0).all() and mins[0] == 0.75
+    on = dict(device=device)
+    for out_dtype in DTYPES.values():
+        got = dequantize_groups_triton(codes.to(**on), steps.to(**on), mins.to(**on), bits,
+                                       dtype=out_dtype).cpu()
+        expected = quant_reference.dequantize_groups_reference(codes, steps, mins, bits,
+                                                               dtype=out_dtype)
+        assert got.dtype == out_dtype and got.shape == (rows, group)
+        if out_dtype == torch.bfloat16:
+            torch.testing.assert_close(got.float(), expected.float(), rtol=2.0 ** -7, atol=0)
+        else:
+            assert torch.equal(got, expected), out_dtype
+        if out_dtype == torch.float32:
+            assert (got[0] == 0.75).all()
+            assert_within_group_bound(x, got, steps, mins)
+
+
+def check_group_codes_edges(device: str) -> None:
+    """No rows, and the reference's errors for bits outside (2, 4, 8) and groups that do not
+    pack into whole bytes."""
+    from kernels.quant_triton import dequantize_groups_triton, quantize_groups_triton
+
+    codes, steps, mins = quantize_groups_triton(torch.empty(0, 32, device=device), 4)
+    assert codes.shape == (0, 16) and steps.shape == mins.shape == (0,)
+    assert dequantize_groups_triton(codes, steps, mins, 4, dtype=torch.float16).shape == (0, 32)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        quantize_groups_triton(torch.randn(3, 32, device=device), 3)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        dequantize_groups_triton(torch.zeros(3, 12, dtype=torch.uint8, device=device),
+                                 torch.ones(3, dtype=torch.float16, device=device),
+                                 torch.zeros(3, dtype=torch.float16, device=device), 3)
+    with pytest.raises(ValueError, match="whole bytes"):
+        quantize_groups_triton(torch.randn(3, 6, device=device), 2)
+
+
 @dataclass
 class Case:
     name: str
@@ -298,6 +392,14 @@ CASES = [
     *[Case(f"dequantize-{fmt}-all-rows-d24", check_dequantize,
            dict(fmt=fmt, out_dtype="fp32", gather="all", dim=24)) for fmt in ("int8", "fp8")],
     Case("dequantize-rejects-out-of-range-index", check_dequantize_rejects_bad_index),
+    # low-bit group codes: 2, 4, 8 bits, groups of 32 and 64, three input dtypes; 150 rows
+    # (BLOCK_R is 64: the last program is partly padding).
+    *[Case(f"groups-{bits}bit-{dtype}-G{group}", check_group_codes,
+           dict(bits=bits, dtype=dtype, group=group, seed=bits * group))
+      for bits in (2, 4, 8) for dtype in DTYPES for group in (32, 64)],
+    Case("groups-4bit-bf16-strided", check_group_codes,
+         dict(bits=4, dtype="bf16", group=64, rows=37, strided=True)),
+    Case("groups-no-rows-and-bad-arguments", check_group_codes_edges),
 ]
 CASE_NAMES = [case.name for case in CASES]
 
@@ -424,6 +526,77 @@ def test_reference_dequantize_gathers_rows_in_index_order() -> None:
         quant.dequantize(codes, scales, index, out=torch.empty(2, 4, 3).transpose(1, 2))
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_reference_group_codes_round_trip_within_bound(bits: int, dtype: str) -> None:
+    """CPU dispatch (the torch reference): minimums are the groups' minimum in float16, steps
+    (max - min16) / qmax in float16, codes span [0, qmax], and quantize -> dequantize stays
+    within step16 / 2 + 2^-10 max(|x|, |min16|) (see `assert_within_group_bound`)."""
+    x = group_inputs(bits, 64, 300, dtype, seed=11)
+    codes, steps, mins = quant.quantize_groups(x, bits)
+    qmax = 2 ** bits - 1
+    assert torch.equal(mins, x.float().amin(dim=-1).half())
+    assert torch.equal(steps, ((x.float().amax(dim=-1) - mins.float()) / qmax).clamp_min(0).half())
+    shifts = torch.arange(8 // bits, dtype=torch.uint8) * bits
+    unpacked = ((codes[..., None] >> shifts) & qmax).reshape(300, 64)
+    assert unpacked.min() == 0 and unpacked.max() == qmax
+    deq = quant.dequantize_groups(codes, steps, mins, bits)
+    assert deq.dtype == torch.float32 and deq.shape == x.shape
+    assert_within_group_bound(x, deq, steps, mins)
+    # The bound is tight enough to matter: truncating the codes instead breaks it.
+    safe = torch.where(steps > 0, steps.float(), 1.0)[:, None]
+    truncated = torch.floor((x.float() - mins.float()[:, None]) / safe).clamp(0, qmax)
+    with pytest.raises(AssertionError):
+        assert_within_group_bound(x, truncated * steps.float()[:, None] + mins.float()[:, None],
+                                  steps, mins)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_reference_constant_group_decodes_exactly(bits: int) -> None:
+    """A constant group (of float16-representable numbers) has step 0 and codes 0, and decodes
+    to the constant exactly, in every output dtype that holds it."""
+    values = torch.tensor([0.75, -3.5, 0.0, 1000.0, 2.0 ** -14])
+    x = values[:, None].expand(5, 32)
+    codes, steps, mins = quant.quantize_groups(x, bits)
+    assert (codes == 0).all() and (steps == 0).all() and torch.equal(mins.float(), values)
+    for dtype in DTYPES.values():
+        assert torch.equal(quant.dequantize_groups(codes, steps, mins, bits, dtype=dtype),
+                           x.to(dtype))
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_reference_group_packing_puts_the_first_code_lowest(bits: int) -> None:
+    """Groups arange(G) and its reverse with G = 2^bits have step 1, so code i is i (or
+    G - 1 - i); the bytes hold 8 / bits consecutive codes, the first in the lowest bits."""
+    group = 2 ** bits
+    ramp = torch.arange(group, dtype=torch.float32)
+    codes, steps, mins = quant.quantize_groups(torch.stack([ramp, ramp.flip(0)]), bits)
+    assert (steps == 1).all() and (mins == 0).all()
+    per_byte = 8 // bits
+    expected = [[sum(int(c) << (k * bits) for k, c in enumerate(row[p:p + per_byte]))
+                 for p in range(0, group, per_byte)] for row in (ramp, ramp.flip(0))]
+    assert codes.tolist() == expected
+    if bits == 2:  # spelled out: codes 0, 1, 2, 3 -> 0b11_10_01_00; 3, 2, 1, 0 -> 0b00_01_10_11
+        assert codes.tolist() == [[0b11100100], [0b00011011]]
+    if bits == 4:
+        assert codes[0, :3].tolist() == [0x10, 0x32, 0x54]
+    torch.testing.assert_close(quant.dequantize_groups(codes, steps, mins, bits),
+                               torch.stack([ramp, ramp.flip(0)]), rtol=0, atol=0)
+
+
+def test_reference_group_codes_reject_bad_bits_and_groups() -> None:
+    """Bits outside (2, 4, 8), and groups that do not fill whole bytes, are clear errors."""
+    with pytest.raises(ValueError, match=r"bits must be one of \(2, 4, 8\), got 3"):
+        quant.quantize_groups(torch.randn(2, 32), 3)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        quant.dequantize_groups(torch.zeros(2, 12, dtype=torch.uint8), torch.ones(2).half(),
+                                torch.zeros(2).half(), 3)
+    for bits, group in ((2, 6), (4, 5), (2, 2)):
+        with pytest.raises(ValueError, match=f"a group of {group} numbers does not pack into "
+                                             f"whole bytes at {bits} bits"):
+            quant.quantize_groups(torch.randn(2, group), bits)
+
+
 def test_cpu_dispatch_never_imports_triton() -> None:
     """Importing the kernels and calling every dispatch function on CPU tensors leaves triton
     unimported (the rest of the suite, and CPU builds, must not load it)."""
@@ -435,6 +608,7 @@ def test_cpu_dispatch_never_imports_triton() -> None:
         "patch_attention_scores(q, k, torch.randn(2, 3, 16), None, 0.25)\n"
         "for f in (quant.quantize_int8, quant.quantize_fp8):\n"
         "    quant.dequantize(*f(k))\n"
+        "quant.dequantize_groups(*quant.quantize_groups(k.reshape(10, 16), 4), 4)\n"
         "assert 'triton' not in sys.modules, 'triton was imported'\n"
         "print('ok')\n"
     )

@@ -17,7 +17,7 @@ from pipeline.kv.tristate import TriStateConfig
 from pipeline.store.objects import cache_format
 from tests.support.tiny_models import StandIn, one_torch_thread, random_ids, tiny_model  # noqa: F401
 
-TRI_CANNOT = PrefillConfig(tristate=TriStateConfig(enabled=True)).cannot_compact
+DAPQ_CANNOT = PrefillConfig(decode_positions=True).cannot_compact
 
 
 def rotated(model, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -99,11 +99,11 @@ def test_original_positions_are_stored_as_original():
     assert header["positions"] == "original" and header["next_position"] == 100
 
 
-@pytest.mark.parametrize("other", [{"decode_positions": True},
-                                   {"tristate": TriStateConfig(enabled=True)}])
-def test_compact_positions_refuse_what_they_cannot_re_rotate(other):
+def test_compact_positions_refuse_what_they_cannot_re_rotate():
     with pytest.raises(ValueError, match="compact positions"):
-        PrefillConfig(positions="compact", **other)
+        PrefillConfig(positions="compact", decode_positions=True)
+    # tri-state's Quantized keys are re-rotated (their codes made anew): compact by default
+    assert PrefillConfig(tristate=TriStateConfig(enabled=True)).position_mode == "compact"
 
 
 def test_a_history_past_the_positions_is_refused_with_both_ways_out():
@@ -113,16 +113,16 @@ def test_a_history_past_the_positions_is_refused_with_both_ways_out():
     message = str(e.value)
     assert "'c1' is 23,456 tokens" in message and "8,192 positions" in message
     assert "--max-context-tokens 7680" in message and "--positions compact" in message
-    with pytest.raises(ContextTooLongError) as e:  # tri-state cannot compact: not offered
-        check_fits("c1", 23456, 8192, cannot_compact=TRI_CANNOT)
-    assert "--positions compact" not in str(e.value) and TRI_CANNOT in str(e.value)
+    with pytest.raises(ContextTooLongError) as e:  # DapQ cannot compact: not offered
+        check_fits("c1", 23456, 8192, cannot_compact=DAPQ_CANNOT)
+    assert "--positions compact" not in str(e.value) and DAPQ_CANNOT in str(e.value)
 
 
 @pytest.mark.e2e
 def test_a_build_refuses_a_long_conversation_unless_cut_or_compact():
     """With SmolLM2 (8,192 positions): a ~9,500-token conversation is kept whole by default
     (compact positions), refused with original positions (also where the default falls back to
-    them: tri-state), and cut at a session boundary with --max-context-tokens."""
+    them: DapQ), and cut at a session boundary with --max-context-tokens."""
     from pipeline.builder.cluster import fit_context
     from pipeline.config import BuildConfig
     from pipeline.corpus.synthetic import make_conversation
@@ -130,7 +130,7 @@ def test_a_build_refuses_a_long_conversation_unless_cut_or_compact():
     conv = make_conversation("long", target_tokens=9500, seed=0)
     assert fit_context(conv, BuildConfig()) is conv
     for prefill, way_out in ((PrefillConfig(positions="original"), "--positions compact"),
-                             (PrefillConfig(tristate=TriStateConfig(enabled=True)), TRI_CANNOT)):
+                             (PrefillConfig(decode_positions=True), DAPQ_CANNOT)):
         with pytest.raises(ContextTooLongError, match=f"'long' is .* tokens.*{way_out}"):
             fit_context(conv, BuildConfig(prefill=prefill))
         cut = fit_context(conv, BuildConfig(prefill=prefill, max_context_tokens=7600))

@@ -11,11 +11,17 @@ import pytest
 import torch
 from safetensors.torch import load as st_load
 
-from kernels.quant_reference import dequantize_reference, quantize_int8_reference
+from kernels.quant_reference import (
+    dequantize_reference,
+    quantize_fp8_reference,
+    quantize_int8_reference,
+)
 from pipeline.answer.decode import generate_from_cache
 from pipeline.kv.attention import patch_attention_moments
+from pipeline.kv.cache import EpisodicCache, EpisodicLayer
 from pipeline.kv.methods.epicache import EpiCache
 from pipeline.kv.methods.full import Full
+from pipeline.kv.positions import KeyRotation
 from pipeline.kv.prefill import PrefillConfig, block_prefill, entry_bytes
 from pipeline.kv.tristate import (
     EntryBytes,
@@ -341,3 +347,103 @@ def test_plain_objects_still_read(llama):
 def test_entry_bytes_of_a_model(llama):
     assert entry_bytes(llama, 2) == EntryBytes(original=C_O, quantized=C_Q)
     assert entry_bytes(llama) == EntryBytes(original=2 * D * 4, quantized=C_Q)  # float32 model
+
+
+# --------------------------------------------------------------------------------------------
+# Compact positions: Quantized keys re-rotated, their codes made anew
+# --------------------------------------------------------------------------------------------
+
+def compact_tri(fp8: bool) -> PrefillConfig:
+    return PrefillConfig(block=24, selection="headwise", positions="compact", compact_recent=16,
+                         tristate=TriStateConfig(enabled=True, window=8, fp8=fp8))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_compacted_tristate_cache_answers_as_its_float_entries_would(llama, fp8, monkeypatch):
+    """Tri-state at compact positions: a Quantized entry's key is the float key the build
+    quantized, moved to the entry's compact position, within two roundings of the code (its
+    codes are made anew from the rotated value, never from the last codes), its value within
+    one; read back from the store, the cache answers as the cache of those float entries."""
+    quantized_as = {}  # (layer, head, token position) -> (key, value, rope position) as quantized
+    quantize = EpisodicLayer.quantize
+
+    def recording(layer, mask, fp8=False):
+        for h, s in (mask & layer.valid & ~layer.quantized_mask()).nonzero().tolist():
+            quantized_as[(id(layer), h, int(layer.positions[h, s]))] = (
+                layer.keys[0, h, s].clone(), layer.values[0, h, s].clone(),
+                int(layer.rope_positions[h, s]))
+        quantize(layer, mask, fp8)
+
+    monkeypatch.setattr(EpisodicLayer, "quantize", recording)
+    ids, question = random_ids(200), random_ids(6, seed=3)
+    cache, _ = block_prefill(llama, ids, scorer(), [40] * 3, compact_tri(fp8),
+                             original_element_size=2)
+    data = cache_format.serialize(cache, {"model_id": "tiny"}, torch.float32)
+    back, header = cache_format.deserialize(data, cache_format.sha256(data))
+    assert header["positions"] == "compact" and back.state_counts() == cache.state_counts()
+    rotation = KeyRotation.for_model(llama)
+    floats, moved, worst = copy.deepcopy(back), 0, 0.0
+    for built, read, twin in zip(cache.layers, back.layers, floats.layers):
+        for h, s in read.quantized_mask().nonzero().tolist():
+            key, value, rope = quantized_as[(id(built), h, int(read.positions[h, s]))]
+            shift = int(read.rope_positions[h, s]) - rope
+            moved += shift != 0
+            key = rotation.rotate(key[None], torch.tensor([shift]))[0]
+            twin.keys[0, h, s], twin.values[0, h, s] = key, value
+            # per number and rounding: int8 half a step of the row's absmax / 127, fp8 2^-4 of
+            # the row's absmax (a rotation mixes each pair of numbers, so one number's relative
+            # error does not survive it); the key rounded twice, its absmax moved by rotation
+            step = 254 if not fp8 else 16
+            assert ((read.keys[0, h, s] - key).abs() <= 2.5 * key.abs().max() / step + 1e-6).all()
+            assert ((read.values[0, h, s] - value).abs() <= value.abs().max() / step + 1e-6).all()
+            worst = max(worst, float((read.keys[0, h, s] - key).abs().max()))
+        twin.quantized = twin.key_codes = twin.value_codes = None
+        twin.key_scales = twin.value_scales = None
+    assert moved > 0 and worst > 0  # Quantized entries did move, and are coded, not copied
+    # within the code's error: no further from the float entries' logits than those entries
+    # rounded once, at the positions they sit at, are (the stored keys were rounded twice)
+    once = copy.deepcopy(floats)
+    for layer, read in zip(once.layers, back.layers):
+        for tensor in (layer.keys, layer.values):
+            rows = tensor[0][read.quantized_mask()]
+            codes, scales = (quantize_fp8_reference if fp8 else quantize_int8_reference)(rows)
+            tensor[0][read.quantized_mask()] = dequantize_reference(codes, scales)
+    want = next_logits(llama, floats, question)
+    rounded_once = float((next_logits(llama, once, question) - want).abs().max())
+    assert 0 < float((next_logits(llama, back, question) - want).abs().max()) <= 3 * rounded_once
+    lm = StandIn(llama)
+    assert torch.equal(generate_from_cache(lm, back, question, 6),
+                       generate_from_cache(lm, floats, question, 6))
+    zeroed = copy.deepcopy(floats)  # the Quantized entries matter: without them, other logits
+    for layer, read in zip(zeroed.layers, back.layers):
+        layer.values[0][read.quantized_mask()] = 0
+    assert float((next_logits(llama, zeroed, question) - want).abs().max()) > 10 * rounded_once
+
+
+def test_a_tristate_cache_joins_with_its_codes(llama):
+    """A question read from two episodes: a tri-state cache joined with a plain one keeps each
+    token once, its Quantized entries Quantized with their own codes; joined with itself it
+    reads as itself."""
+    ids, question = random_ids(200), random_ids(6, seed=3)
+    tri_cache, _ = block_prefill(llama, ids, scorer(), [40] * 3, tri(), original_element_size=2)
+    plain, _ = block_prefill(llama, ids, EpiCache(patch=random_ids(12, seed=8)), [40] * 3,
+                             PrefillConfig(block=24))
+    assert tri_cache.state_counts()[1] > 0
+    itself = EpisodicCache.joined([tri_cache, tri_cache])
+    assert itself.state_counts() == tri_cache.state_counts()
+    torch.testing.assert_close(next_logits(llama, itself, question),
+                               next_logits(llama, tri_cache, question), atol=1e-5, rtol=0)
+    both = EpisodicCache.joined([tri_cache, plain])
+    for joined, layer in zip(both.layers, tri_cache.layers):
+        for h in range(layer.valid.shape[0]):
+            held = joined.quantized_mask()[h]
+            quantized = set(layer.positions[h][layer.quantized_mask()[h]].tolist())
+            assert set(joined.positions[h][held].tolist()) == quantized  # the first cache's
+            mine = {int(p): s for s, p in enumerate(layer.positions[h].tolist())
+                    if layer.quantized_mask()[h, s]}
+            for s in held.nonzero().flatten().tolist():
+                source = mine[int(joined.positions[h, s])]
+                assert torch.equal(joined.key_codes[h, s], layer.key_codes[h, source])
+                assert joined.key_scales[h, s] == layer.key_scales[h, source]
+    data = cache_format.serialize(both, {}, torch.float32)  # and it stores as any tri-state cache
+    assert cache_format.deserialize(data, None)[0].state_counts() == both.state_counts()

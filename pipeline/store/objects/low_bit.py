@@ -1,0 +1,100 @@
+"""A stored layer's keys and values in KIVI's low-bit codes (arXiv 2402.02750).
+
+Keys carry outlier channels, so they are coded per channel: each channel of `group`
+consecutive entries of one head shares a minimum and a step. Values are coded per token: each
+run of `group` channels of one entry (at most the head dimension) shares them. The codes are
+`kernels.quant`'s asymmetric group codes (`quantize_groups`: Triton on CUDA, torch on CPU).
+
+Entries are as `cache_format` stores them: the valid entries of every head, head after head, in
+token order, with `lengths` [Hkv] entries per head. A head's last group of keys is filled up by
+repeating its last entry, which leaves that group's minimum and maximum as they are; the filler
+is dropped when decoding.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from kernels.quant import dequantize_groups, quantize_groups
+
+
+class Coded(NamedTuple):
+    """Rows of `group` numbers coded: packed codes [R, group x bits / 8], float16 steps and
+    minimums [R]."""
+    codes: torch.Tensor
+    steps: torch.Tensor
+    mins: torch.Tensor
+
+
+def _groups_per_head(lengths: list[int], group: int) -> list[int]:
+    return [-(-n // group) for n in lengths]
+
+
+def encode_keys(keys: torch.Tensor, lengths: list[int], bits: int, group: int) -> Coded:
+    """keys [entries, d], head after head -> per-channel codes: for each head, for each run of
+    `group` entries, one row of `group` numbers per channel."""
+    rows = []
+    for head in torch.split(keys, lengths):
+        if not len(head):
+            continue
+        fill = -len(head) % group
+        if fill:
+            head = torch.cat([head, head[-1:].expand(fill, -1)])
+        rows.append(head.reshape(-1, group, head.shape[-1]).transpose(1, 2)
+                    .reshape(-1, group))
+    data = torch.cat(rows) if rows else keys.new_zeros(0, group)
+    return Coded(*quantize_groups(data.contiguous(), bits))
+
+
+def decode_keys(coded: Coded, lengths: list[int], head_dim: int, bits: int, group: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """`encode_keys` undone: keys [entries, d] in `dtype`, the filler dropped."""
+    groups = _groups_per_head(lengths, group)
+    if sum(groups) * head_dim != coded.codes.shape[0]:
+        raise ValueError(f"{coded.codes.shape[0]} key code rows, {sum(groups) * head_dim} "
+                         "expected from the entries per head")
+    rows = dequantize_groups(coded.codes, coded.steps, coded.mins, bits, dtype)
+    heads = []
+    for n, chunk in zip(lengths, torch.split(rows, [g * head_dim for g in groups])):
+        heads.append(chunk.reshape(-1, head_dim, group).transpose(1, 2)
+                     .reshape(-1, head_dim)[:n])
+    return torch.cat(heads) if heads else rows.new_zeros(0, head_dim)
+
+
+def value_group(head_dim: int, group: int) -> int:
+    """The channels a value group spans: `group`, or the whole head when it is shorter; a head
+    dimension it does not divide cannot be coded per token."""
+    span = min(group, head_dim)
+    if head_dim % span:
+        raise ValueError(f"a head dimension of {head_dim} does not split into groups of {span}")
+    return span
+
+
+def encode_values(values: torch.Tensor, bits: int, group: int) -> Coded:
+    """values [entries, d] -> per-token codes: each entry's channels in runs of
+    `value_group(d, group)`."""
+    span = value_group(values.shape[-1], group)
+    return Coded(*quantize_groups(values.reshape(-1, span).contiguous(), bits))
+
+
+def decode_values(coded: Coded, entries: int, head_dim: int, bits: int, group: int,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """`encode_values` undone: values [entries, d] in `dtype`."""
+    span = value_group(head_dim, group)
+    if coded.codes.shape[0] * span != entries * head_dim:
+        raise ValueError(f"{coded.codes.shape[0]} value code rows, {entries * head_dim // span} "
+                         "expected from the entries")
+    rows = dequantize_groups(coded.codes, coded.steps, coded.mins, bits, dtype)
+    return rows.reshape(entries, head_dim)
+
+
+def coded_bytes(lengths: list[int], head_dim: int, bits: int, group: int) -> int:
+    """Bytes of one layer's keys and values coded (codes, steps and minimums; what a float
+    object's `.keys` and `.values` take), for `lengths` entries per head."""
+    span = value_group(head_dim, group)
+    key_rows = sum(_groups_per_head(lengths, group)) * head_dim
+    value_rows = sum(lengths) * head_dim // span
+    # each row: its codes, a float16 step and a float16 minimum
+    return key_rows * (group * bits // 8 + 4) + value_rows * (span * bits // 8 + 4)

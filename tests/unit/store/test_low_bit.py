@@ -1,0 +1,168 @@
+"""Caches stored in low-bit codes (`BuildConfig.code`, format 3): keys per channel and values per
+token (`pipeline.store.objects.low_bit`), read back within the code's error, their bytes as
+counted, and a damaged object refused like any other."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load, save
+
+from kernels.quant_reference import GROUP_BITS
+from pipeline.answer.decode import generate_from_cache
+from pipeline.config import BuildConfig, CodeConfig, PrefillConfig, TriStateConfig
+from pipeline.config.format_version import CODED_FORMAT, READABLE_FORMATS
+from pipeline.config.stages import CODE_BITS
+from pipeline.kv.methods.epicache import EpiCache
+from pipeline.kv.prefill import block_prefill
+from pipeline.store.objects import low_bit
+from pipeline.store.objects.cache_format import (
+    CacheCorruptError,
+    as_stored,
+    coded_kv_bytes,
+    deserialize,
+    serialize,
+    sha256,
+)
+from tests.support.tiny_models import StandIn, one_torch_thread, random_ids, tiny_model  # noqa: F401
+
+NAME = "caches/conv-1/abcd/episode-0.safetensors"
+
+
+def step_bound(rows: torch.Tensor) -> torch.Tensor:
+    """Per group of `rows` [R, G]: half the float16 step plus float16's rounding of the range's
+    ends (2^-10 of the largest magnitude), what a code may be off by."""
+    step = (rows.amax(dim=1) - rows.amin(dim=1)) / 15
+    return step / 2 + rows.abs().amax(dim=1) * 2 ** -10 + 1e-6
+
+
+def test_the_config_and_the_kernels_agree_on_the_widths():
+    assert CODE_BITS == GROUP_BITS
+
+
+@pytest.mark.parametrize("lengths", [[37, 5, 0, 64], [1, 1, 1, 1], [0, 0, 0, 0]])
+def test_keys_are_coded_per_channel_over_each_heads_entries(lengths):
+    """Each head's entries in runs of `group`, per channel: a head's last run filled up with its
+    last entry and cut off again; an outlier channel widens only its own channel's step."""
+    torch.manual_seed(0)
+    keys = torch.randn(sum(lengths), 16)
+    keys[:, 3] *= 50  # an outlier channel, as keys have
+    coded = low_bit.encode_keys(keys, lengths, bits=4, group=8)
+    back = low_bit.decode_keys(coded, lengths, 16, 4, 8, torch.float32)
+    assert back.shape == keys.shape
+    if not sum(lengths):
+        return
+    error = (back - keys).abs()
+    assert float(error[:, 3].max()) > 5 * float(error[:, [0, 1, 2, 4]].max())
+    start = 0
+    for n in lengths:  # every run of a head within its own channel's bound
+        head, head_back = keys[start:start + n], back[start:start + n]
+        for run in range(0, n, 8):
+            part = head[run:run + 8].T  # [channels, entries]
+            assert ((head_back[run:run + 8].T - part).abs() <= step_bound(part)[:, None]).all()
+        start += n
+    values = low_bit.encode_values(keys, bits=4, group=8)  # any [entries, d] will do
+    assert sum(t.nbytes for t in (*coded, *values)) == low_bit.coded_bytes(lengths, 16, 4, 8)
+
+
+def test_values_are_coded_per_token_in_runs_of_channels():
+    torch.manual_seed(1)
+    values = torch.randn(21, 16)
+    for group, span in ((8, 8), (32, 16)):  # a group past the head dimension spans the head
+        coded = low_bit.encode_values(values, bits=4, group=group)
+        assert coded.codes.shape == (21 * 16 // span, span * 4 // 8)
+        back = low_bit.decode_values(coded, 21, 16, 4, group, torch.float32)
+        rows = values.reshape(-1, span)
+        assert ((back.reshape(-1, span) - rows).abs() <= step_bound(rows)[:, None]).all()
+    with pytest.raises(ValueError, match="does not split"):
+        low_bit.encode_values(torch.randn(3, 24), bits=4, group=16)
+
+
+@pytest.fixture(scope="module")
+def built():
+    """(model, cache): a head-wise budgeted block prefill at compact positions, heads ragged."""
+    model = tiny_model("llama")
+    cache, _ = block_prefill(model, random_ids(70, seed=1), EpiCache(patch=random_ids(5, seed=2)),
+                             [10, 14, 18], PrefillConfig(block=8, selection="headwise",
+                                                         positions="compact", compact_recent=16))
+    return model, cache
+
+
+@pytest.mark.parametrize("bits", GROUP_BITS)
+def test_a_coded_cache_reads_back_within_its_codes_error(built, bits):
+    """Format 3 keeps every head's entries, positions and compact positions exactly, and keys and
+    values within the code's error; smaller per bit; a question decodes from it."""
+    model, cache = built
+    code = CodeConfig(bits=bits, group=8)
+    data = serialize(cache, {"conversation_id": "conv-1"}, code=code)
+    loaded, header = deserialize(data, sha256(data), NAME)
+    assert header["format"] == CODED_FORMAT in READABLE_FORMATS
+    assert header["code"] == {"bits": bits, "group": 8} and header["positions"] == "compact"
+    assert loaded.tokens_seen == cache.tokens_seen and loaded.next_position == cache.next_position
+    floats = sum(int(layer.valid.sum()) * 2 * layer.keys.shape[-1] * 2 for layer in cache.layers)
+    # per number: bits / 8 bytes of code and a 4-byte step and minimum per group of 8 (float16:
+    # 2 bytes), with room for the keys' last runs filled up
+    assert coded_kv_bytes(loaded, code) < floats * (bits / 8 + 4 / 8) / 2 * 1.25
+    worst = 0.0
+    for a, b in zip(cache.layers, loaded.layers):
+        assert torch.equal(a.valid.sum(1), b.valid.sum(1))
+        assert torch.equal(a.positions[a.valid], b.positions[b.valid])
+        assert torch.equal(a.rope_positions[a.valid], b.rope_positions[b.valid])
+        for name in ("keys", "values"):
+            x, y = getattr(a, name)[0][a.valid], getattr(b, name)[0][b.valid]
+            spread = float(x.max() - x.min())
+            assert float((x - y).abs().max()) <= spread / (2 ** bits - 1)  # a whole step at most
+            worst = max(worst, float((x - y).abs().max()) / spread)
+    assert worst > 0  # coded, not copied
+    question = random_ids(4, seed=3)
+    assert generate_from_cache(StandIn(model), loaded, question, 4).shape[-1] == 4
+    coded_parts = ("codes", "steps", "mins")
+    assert coded_kv_bytes(loaded, code) == sum(
+        t.nbytes for k, t in load(data).items() if k.split(".")[-1][1:] in coded_parts)
+
+
+def test_eight_bits_answer_as_the_float_cache(built):
+    """At 8 bits the cache is within a 255th of each group's range: the same greedy tokens."""
+    model, cache = built
+    question = random_ids(4, seed=3)
+    assert generate_from_cache(StandIn(model), as_stored(cache, CodeConfig(bits=8)), question,
+                               6).tolist() == \
+        generate_from_cache(StandIn(model), cache, question, 6).tolist()
+    assert as_stored(cache, CodeConfig()) is cache
+
+
+def _with(data: bytes, change) -> bytes:
+    """The object with its tensors or header changed by `change(tensors, header)`."""
+    (size,) = struct.unpack("<Q", data[:8])
+    header = json.loads(json.loads(data[8:8 + size])["__metadata__"]["header"])
+    tensors = dict(load(data))
+    change(tensors, header)
+    return save(tensors, metadata={"header": json.dumps(header)})
+
+
+@pytest.mark.parametrize("change", [
+    lambda t, h: t.update({"layers.0.kcodes": t["layers.0.kcodes"][:-1]}),
+    lambda t, h: t.update({"layers.1.vsteps": t["layers.1.vsteps"][:-2]}),
+    lambda t, h: t.pop("layers.0.vmins"),
+    lambda t, h: h["code"].update(bits=3),
+    lambda t, h: h.pop("code") and None,
+    lambda t, h: h.update(head_dim=0),
+], ids=["key-rows", "value-steps", "missing", "bits", "no-code", "head-dim"])
+def test_a_damaged_coded_object_is_corrupt_naming_it(built, change):
+    _, cache = built
+    data = _with(serialize(cache, {}, code=CodeConfig(bits=4, group=8)), change)
+    with pytest.raises(CacheCorruptError, match="episode-0"):
+        deserialize(data, None, NAME)
+
+
+def test_codes_and_tristate_are_one_or_the_other():
+    with pytest.raises(ValueError, match="choose one"):
+        BuildConfig(code=CodeConfig(bits=4),
+                    prefill=PrefillConfig(tristate=TriStateConfig(enabled=True)))
+    with pytest.raises(ValueError, match="bits"):
+        CodeConfig(bits=3)
+    with pytest.raises(ValueError, match="group"):
+        CodeConfig(bits=4, group=24)
