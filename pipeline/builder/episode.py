@@ -14,6 +14,7 @@ import torch
 
 from pipeline.builder.cluster import ClusterResult, is_episodic
 from pipeline.config import BuildConfig, ModelFingerprints
+from pipeline.config.build import STORE_ELEMENT_BYTES
 from pipeline.corpus.render import render_conversation
 from pipeline.corpus.schema import Conversation
 from pipeline.kv import methods, models, prompts
@@ -46,10 +47,9 @@ def episode_scorer(tokenizer, conv: Conversation, patch_text: str, members: tupl
 
 
 def store_dtype(config: BuildConfig) -> tuple[torch.dtype, int]:
-    """The dtype the caches are stored in and its bytes per number (tri-state reads a budget
-    of M entries as the bytes of M Original entries at this size)."""
-    dtype = getattr(torch, config.store_dtype)
-    return dtype, torch.empty(0, dtype=dtype).element_size()
+    """The dtype the caches are stored in and its bytes per number (tri-state and a code's
+    budget in bytes read a budget of M entries as the bytes of M entries at this size)."""
+    return getattr(torch, config.store_dtype), STORE_ELEMENT_BYTES[config.store_dtype]
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ references, dequantized attention, the safetensors round trip, on tiny random mo
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import numpy as np
@@ -354,8 +355,7 @@ def test_entry_bytes_of_a_model(llama):
 # --------------------------------------------------------------------------------------------
 
 def compact_tri(fp8: bool) -> PrefillConfig:
-    return PrefillConfig(block=24, selection="headwise", positions="compact", compact_recent=16,
-                         tristate=TriStateConfig(enabled=True, window=8, fp8=fp8))
+    return dataclasses.replace(tri(fp8=fp8), positions="compact", compact_recent=16)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
