@@ -21,7 +21,7 @@ import json
 import logging
 import sys
 
-from pipeline.answer.malloc_tuning import retain_freed_memory
+from pipeline.allocator import retain_freed_memory
 from pipeline.cli.numbers import non_negative
 from pipeline.cli.options import add_topup_options, topup_config_from_args
 from pipeline.cli.parser import add_store_options, make_parser, store_options

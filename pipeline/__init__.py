@@ -19,6 +19,7 @@ package imports only from packages above it:
     cli/           the command line's shared parser and options
     ray_runtime.py the Ray worker environment and joining or starting Ray
     telemetry.py   the metrics the Serve replicas and the build driver export through Ray
+    allocator.py   glibc's allocator: freed memory kept by a server, handed back by a build
 
 `jobs/` holds the commands that wire these together; `kernels/` the Triton kernels; `lab/`
 what the benchmarks, the screen, the demo and the tests run the library with (no part of it).

@@ -37,8 +37,8 @@ import torch
 
 from lab.bench_cli import bench_parser, start_bench
 from lab.tables import print_table
+from pipeline.allocator import retain_freed_memory
 from pipeline.answer.answerer import Answerer
-from pipeline.answer.malloc_tuning import retain_freed_memory
 from pipeline.builder.conversation import build_conversation, files_of, is_built
 from pipeline.cli.numbers import positive_int
 from pipeline.cli.options import (

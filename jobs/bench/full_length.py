@@ -2,7 +2,8 @@
 one full prefill of the same tokens, at its 7,600-token cut and whole.
 
     python -m jobs.bench.full_length --corpus ../shared/data/locomo [--conversations 30] \\
-        [--cut-tokens 7600] [--questions 20] [--paths block,one-pass] [--threads 2]
+        [--cut-tokens 7600] [--questions 20] [--paths block,one-pass] [--repeats 1] \\
+        [--threads 2]
 
 Per conversation and length (the cut, the whole), each run in a fresh process so that one's
 peak memory is its own: transformers' stock prefill (one forward, DynamicCache) of the same
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import statistics
 import sys
 import tempfile
 import time
@@ -40,6 +42,7 @@ from lab.bench_support import cpu_peak_extra, cuda_peak_extra, dynamic_cache_byt
 from lab.tables import print_table
 from pipeline.answer.answerer import Answerer
 from pipeline.builder.conversation import build_conversation
+from pipeline.cli.numbers import positive_int
 from pipeline.cli.options import add_threads_option
 from pipeline.config import BuildConfig
 from pipeline.corpus.render import cut_at_session, render_conversation
@@ -128,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the cut build's length, at a session boundary (default: 7600)")
     p.add_argument("--questions", type=int, default=20,
                    help="questions routed per conversation for the bytes read (default: 20)")
+    p.add_argument("--repeats", type=positive_int, default=1,
+                   help="rounds per length, each the prefill and every build in turn; each "
+                        "figure the median of the rounds, a ratio the median of each round's "
+                        "(this machine's speed drifts by 10-20%% between runs) (default: 1)")
     p.add_argument("--paths", default=",".join(PATHS),
                    help=f"the build paths to run, comma-separated, of {', '.join(PATHS)} "
                    "(default: all)")
@@ -152,14 +159,20 @@ def main(argv: list[str] | None = None) -> int:
                              lambda text: len(prompts.context_ids(tokenizer, text)))
         at_cut: dict[str, dict] = {}
         for length, text in (("cut", cut), ("whole", replace(conv, questions=cut.questions))):
-            runs = {PREFILL: in_fresh_process(run_full_prefill, text, a.questions, a.threads,
-                                              default)}
-            runs |= {name: in_fresh_process(run_build, text, a.questions, a.threads, config)
-                     for name, config in configs.items()}
-            for name, r in runs.items():
+            rounds = []
+            for _ in range(a.repeats):  # each round: the prefill, then each build, in turn
+                rounds.append({PREFILL: in_fresh_process(run_full_prefill, text, a.questions,
+                                                         a.threads, default)})
+                rounds[-1] |= {name: in_fresh_process(run_build, text, a.questions, a.threads,
+                                                      config) for name, config in configs.items()}
+            for name in rounds[0]:
+                r = rounds[0][name] | {key: statistics.median(one[name][key] for one in rounds)
+                                       for key in ("seconds", "peak_added")}
                 at_cut.setdefault(name, r)
                 rows.append(r | {"conversation": conv.conversation_id, "length": length,
-                                 "run": name, "x_prefill": r["seconds"] / runs[PREFILL]["seconds"],
+                                 "run": name, "x_prefill": statistics.median(
+                                     one[name]["seconds"] / one[PREFILL]["seconds"]
+                                     for one in rounds),
                                  "peak_mib": r["peak_added"] / 2**20,
                                  "x_peak": r["peak_added"] / max(at_cut[name]["peak_added"], 1),
                                  "stored_mib": r["stored"] / 2**20,

@@ -12,7 +12,6 @@
     answerer.py       Answerer: plan, load and decode in one process
     packed.py         several caches' rows packed into one decode step (DecodeRow, packed_step)
     batcher.py        DecodeBatcher: continuous batching on two threads (prefill, decode)
-    malloc_tuning.py  glibc malloc thresholds so freed cache memory is reused, not returned
 
 The limits on one answer (AnswerLimits, torch-free) are in pipeline.config.limits: checked once
 at each entry (`Answerer.answer`, `jobs.answer`'s arguments, the server's request body), trusted

@@ -190,10 +190,14 @@ def episodic_mask(request: AttentionRequest, q_len: int, group: int,
 
 def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             request: AttentionRequest, scaling: float | None,
-            sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+            sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """SDPA of one conversation's queries [1, Hq, q, d] over its keys and values: the output
-    [1, Hq, q, d] and the boolean mask it used."""
+    [1, Hq, q, d] and the boolean mask it used (None: plain causal attention over new tokens
+    alone, which SDPA's causal kernel runs without a mask and with half the work)."""
     group = query.shape[1] // key.shape[1]
+    if request.past_valid.shape[1] == 0 and request.packing is None and sliding_window is None:
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                              enable_gqa=group > 1), None
     mask = episodic_mask(request, query.shape[2], group, sliding_window)
     # An additive float mask takes SDPA's fused CPU kernel (a boolean one is ~1.7x slower).
     additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
@@ -252,7 +256,7 @@ def episodic_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
         p = request.n_patch
         n_cached = key.shape[2] - p  # cached slots plus the new block: all that may be kept
         # the last patch query sees every valid slot (a shared mask: the same for every head)
-        valid = mask[0, ::group, -1, :n_cached].expand(key.shape[1], -1)
+        valid = None if mask is None else mask[0, ::group, -1, :n_cached].expand(key.shape[1], -1)
         request.scores = patch_attention_scores(
             query[0, :, -p:], key[0, :, :n_cached], key[0, :, n_cached:], valid,
             scale=scaling if scaling is not None else query.shape[-1] ** -0.5)

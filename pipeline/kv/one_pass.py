@@ -6,8 +6,10 @@ with the episode's patch. Offline the whole conversation is known before the fir
 token's keys and values never depend on the patch that follows it, so here the conversation
 goes through the model layer by layer, once for all the episodes:
 
-1. a layer reads the hidden states of every token (in `PrefillConfig.block`-token chunks, each
-   attending causally over the layer's keys so far) and holds that one layer's keys and values;
+1. a layer reads the hidden states of every token (the first `pass_window` tokens in one
+   causal forward, as a plain prefill runs them; the rest in `PrefillConfig.block`-token
+   chunks, each reading the keys of the window up to its last token) and holds that one
+   layer's keys and values;
 2. each episode's patch (its own hidden states, carried layer to layer) follows the whole
    conversation in that layer: its queries score every key, as the patch of a block scores
    the cache in block prefill;
@@ -21,9 +23,10 @@ compacts after its last block.
 
 Memory: the model, one layer's keys and values (in buffers made once per layer) and the hidden
 states of every token, in and out of the layer (N x (2 x kv_dim + 2 x hidden) numbers: 6 KiB a
-token for SmolLM2 in float32), one chunk's attention, and the kept caches; no layer but the
-current one is held whole. It grows with the length, by that small constant; block prefill's
-is flat.
+token for SmolLM2 in float32), one forward's activations (at most the model's positions: the
+first window), and the kept caches; no layer but the current one is held whole, and its pages
+go back to the kernel when it is done (`pipeline.allocator.release_freed_memory`). It grows
+with the length, by that small constant; block prefill's is flat.
 
 Positions: no query reads further back than the model's positions (`pass_window`), as in a
 sliding-window model, so a conversation longer than them is built too. A patch scores keys
@@ -42,6 +45,7 @@ from collections.abc import Sequence
 import torch
 
 from kernels.score import patch_attention_scores
+from pipeline.allocator import release_freed_memory
 from pipeline.config import PrefillConfig
 from pipeline.config.stages import ONE_PASS_NOT_TRISTATE
 from pipeline.kv.attention import AttentionRequest, hand_off
@@ -155,35 +159,38 @@ class _PassLayer(EpisodicLayer):
     """The pass's layer: every token's keys and values written in place into buffers made once
     for the conversation and its longest patch (a layer grown chunk by chunk would copy itself
     at every chunk and leave the allocator a trail of sizes). A patch is written after the
-    tokens and never kept, as in `EpisodicLayer`; the caller sets `valid` before each forward
-    (what the new tokens may read)."""
+    tokens and never kept, as in `EpisodicLayer`; the caller sets `first_key` before each
+    forward: the new tokens read the held keys from there on, no earlier ones (the attention
+    never computes what a mask would throw away)."""
 
     def __init__(self, capacity: int):
         super().__init__()
         self.capacity = capacity
         self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.first_key = 0
         self.score_patch = True  # False: the pass scores the patch span by span itself
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        n_new, start = key_states.shape[-2], self.tokens_seen
+        n_new, start, first = key_states.shape[-2], self.tokens_seen, self.first_key
+        n_heads, device = key_states.shape[1], key_states.device
         if self.buffers is None:
-            self.buffers = tuple(t.new_empty(1, t.shape[1], self.capacity, t.shape[-1])
+            self.buffers = tuple(t.new_empty(1, n_heads, self.capacity, t.shape[-1])
                                  for t in (key_states, value_states))
-            self.valid = torch.ones(key_states.shape[1], 0, dtype=torch.bool,
-                                    device=key_states.device)
-            self.positions = self.valid.long()
             self.is_initialized = True
         for buffer, new in zip(self.buffers, (key_states, value_states)):
             buffer[:, :, start:start + n_new] = new
-        keys, values = (b[:, :, :start + n_new] for b in self.buffers)
-        self.last_request = AttentionRequest(key=keys, past_valid=self.valid[:, :start],
-                                             past_positions=self.positions, first_position=start,
-                                             n_patch=self.n_patch, score_patch=self.score_patch)
+        keys, values = (b[:, :, first:start + n_new] for b in self.buffers)
+        past = torch.arange(first, start, device=device).expand(n_heads, -1)
+        self.last_request = AttentionRequest(
+            key=keys, past_valid=torch.ones(past.shape, dtype=torch.bool, device=device),
+            past_positions=past, first_position=start, n_patch=self.n_patch,
+            score_patch=self.score_patch)
         hand_off(self.last_request)
         self.tokens_seen = self.next_position = start + n_new - self.n_patch
         self.keys, self.values = (b[:, :, :self.tokens_seen] for b in self.buffers)
         self.positions = self.rope_positions = torch.arange(
-            self.tokens_seen, device=keys.device).expand(keys.shape[1], -1)
+            self.tokens_seen, device=device).expand(n_heads, -1)
+        self.valid = torch.ones(self.positions.shape, dtype=torch.bool, device=device)
         return keys, values
 
 
@@ -208,18 +215,18 @@ class _Pass:
             position_ids=positions, past_key_values=self.cache, use_cache=True)
 
     def context(self, idx: int, hidden: torch.Tensor) -> torch.Tensor:
-        """Every token through layer `idx`, chunk by chunk, each reading at most `window` back;
-        the layer's keys and values stay held."""
+        """Every token through layer `idx`: the first `window` tokens in one causal forward
+        (no mask: the stock prefill's attention), the rest chunk by chunk, each chunk reading
+        the keys of the `window` positions up to its last token; the layer's keys and values
+        stay held."""
         held, n = self.held(idx), hidden.shape[1]
         out = torch.empty_like(hidden)
-        reach = torch.arange(self.capacity, device=hidden.device)
-        for begin in range(0, n, self.chunk):
-            stop = min(begin + self.chunk, n)
-            held.valid = (reach[:begin] > stop - 1 - self.window).expand(
-                self.decoder.config.num_key_value_heads, -1)
+        first = min(n, self.window)
+        chunks = [(b, min(b + self.chunk, n)) for b in range(first, n, self.chunk)]
+        for begin, stop in [(0, first)] * (first > 0) + chunks:
+            held.first_key = max(0, stop - self.window)
             positions = torch.arange(begin, stop, device=hidden.device)[None]
             out[:, begin:stop] = self._layer(idx, hidden[:, begin:stop], positions)
-        held.valid = torch.ones_like(held.positions, dtype=torch.bool)
         self.peak_bytes[idx] = sum(b.nbytes for b in held.buffers)
         return out
 
@@ -234,22 +241,23 @@ class _Pass:
         if n_patch == 0:
             return hidden, None
         n = held.tokens_seen
-        everything = held.valid
-        held.valid = held.positions > n + n_patch - 1 - self.window
+        held.first_key = max(0, n + n_patch - self.window)
         held.score_patch = n <= self.span  # every key within one span: the patch's attention
         with self.cache.patched(n_patch):
             out = self._layer(idx, hidden, positions)
-        held.valid = everything
         request = held.last_request
         held.last_request = None
         if held.score_patch:
             return out, request.scores
         attention = self.decoder.layers[idx].self_attn
-        return out, span_scores(request.patch_queries, held.keys[0], request.key[0, :, n:],
+        return out, span_scores(request.patch_queries, held.keys[0], request.key[0, :, -n_patch:],
                                 self.span, rotation, attention.scaling)
 
     def drop(self, idx: int) -> None:
-        """Layer `idx` is done: its keys and values go, the next layer's buffers come."""
+        """Layer `idx` is done: its keys and values go (their pages back to the kernel: the
+        kept entries made in between would otherwise hold the heap at its largest,
+        `pipeline.allocator`), the next layer's buffers come."""
         self.cache.layers[idx] = EpisodicLayer()
+        release_freed_memory()
         if idx + 1 < len(self.cache.layers):
             self.cache.layers[idx + 1] = _PassLayer(self.capacity)

@@ -21,12 +21,12 @@ from ray import serve
 from ray.serve.exceptions import RayServeException
 from transformers import AsyncTextIteratorStreamer
 
+from pipeline.allocator import retain_freed_memory
 from pipeline.answer.batcher import DecodeBatcher
 from pipeline.answer.decode import AnswerPieces
 from pipeline.answer.fetch import resident_read
 from pipeline.answer.lookup import check_models
 from pipeline.answer.lru import CacheLRU
-from pipeline.answer.malloc_tuning import retain_freed_memory
 from pipeline.kv import models
 from pipeline.serve.errors import classify, is_corrupt
 from pipeline.serve.settings import ServeSettings

@@ -21,7 +21,7 @@ PACKAGES = ("kernels", "pipeline", "lab", "jobs", "tests")
 # ones. Packages of one rank do not import each other.
 LAYERS = [
     ("kernels", 0), ("pipeline.config", 0),
-    ("pipeline.ray_runtime", 0), ("pipeline.telemetry", 0),
+    ("pipeline.ray_runtime", 0), ("pipeline.telemetry", 0), ("pipeline.allocator", 0),
     ("pipeline.corpus", 1), ("pipeline.routers", 1),
     ("pipeline.kv", 2), ("pipeline.episodes", 2),
     # the store's parts: where objects live, what one holds, what the store holds

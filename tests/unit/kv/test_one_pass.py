@@ -119,6 +119,36 @@ def test_past_the_model_positions_every_distance_stays_within_them():
                               ).lt(150).any())  # entries from the first half are kept too
 
 
+def test_each_forward_reads_the_window_up_to_its_last_token(monkeypatch):
+    """What a forward of the pass reads: the first `window` tokens in one forward with no
+    earlier key (the causal attention of a plain prefill), then each chunk, and each patch, the
+    keys of the `window` positions up to its last token: none further back, none left out (the
+    attention is handed only those, nothing computed and masked away), and the pages freed
+    after every layer go back to the kernel."""
+    from pipeline.kv import one_pass
+
+    reads, released = [], []
+    hand_off = one_pass.hand_off
+
+    def recording(request):
+        n_keys, n_new = request.key.shape[2], request.n_patch
+        reads.append((request.first_position, n_keys, n_new, bool(request.past_valid.all())))
+        hand_off(request)
+
+    monkeypatch.setattr(one_pass, "hand_off", recording)
+    monkeypatch.setattr(one_pass, "release_freed_memory", lambda: released.append(1))
+    model = tiny_model("llama", max_position_embeddings=100)
+    one_pass_prefill(model, random_ids(300, seed=11), episode_scorers()[:1], BUDGETS,
+                     PrefillConfig(block=32, compact_recent=16))
+    per_layer = len(reads) // 3
+    assert len(reads) == 3 * per_layer and len(released) == 3
+    context, patch = reads[:per_layer - 1], reads[per_layer - 1]
+    assert context[0] == (0, 100, 0, True)  # tokens 0-99 in one forward, no earlier key
+    # then 32 at a time, each reading the 100 positions up to its last token, all valid
+    assert context[1:] == [(first, 100, 0, True) for first in range(100, 300, 32)]
+    assert patch[:3] == (300, 100, 12)  # the patch: tokens 212-299 and its own 12
+
+
 def test_tristate_is_refused_with_the_way_out():
     with pytest.raises(ValueError, match="block by block"):
         PrefillConfig(one_pass=True, tristate=TriStateConfig(enabled=True))
