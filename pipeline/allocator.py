@@ -16,10 +16,11 @@ benchmark), never the library.
 
 Handing it back (`release_freed_memory`). One pass (`pipeline.kv.one_pass`) frees a layer's
 keys, values and copies, each the conversation's length, after every layer, while the small
-kept entries it made in between stay; glibc keeps the freed space inside its heaps, so the
-build's resident memory grew layer by layer with the conversation's length (1.24x at 14K tokens
-against the 7K cut, measured on LoCoMo 30). `malloc_trim` after each layer hands every free page
-back: 1.11x, for about 10 ms a layer.
+kept entries it made in between stay; glibc keeps the freed space inside its heaps, pinned by
+those, so the build's resident memory grew layer by layer with the conversation's length.
+`malloc_trim` after each layer hands every wholly free page back, for about 10 ms a layer
+(`jobs.bench.full_length`: 1.14x whole LoCoMo 30 against its 7,600-token cut,
+docs/benchmarks.md).
 
 Both are no-ops where the C library is not glibc.
 """
