@@ -222,8 +222,9 @@ class _Pass:
         held, n = self.held(idx), hidden.shape[1]
         out = torch.empty_like(hidden)
         first = min(n, self.window)
-        chunks = [(b, min(b + self.chunk, n)) for b in range(first, n, self.chunk)]
-        for begin, stop in [(0, first)] * (first > 0) + chunks:
+        bounds = [(0, first)] if first else []
+        bounds += [(b, min(b + self.chunk, n)) for b in range(first, n, self.chunk)]
+        for begin, stop in bounds:
             held.first_key = max(0, stop - self.window)
             positions = torch.arange(begin, stop, device=hidden.device)[None]
             out[:, begin:stop] = self._layer(idx, hidden[:, begin:stop], positions)
