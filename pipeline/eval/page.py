@@ -41,13 +41,16 @@ def _over_retrieval(figure: dict | None) -> str:
     return _pct(figure) + (" (low)" if figure and figure.get("low") else "")
 
 
-def _lead(lead: dict, fair: dict, measure: str) -> str:
-    """The default's lead at the row's budget and, where the row reads other entries than
-    the default there, at the row's own entries (`equal entries`)."""
-    same = _pct(lead.get(measure), True)
-    if measure not in fair:
-        return same
-    return f"{same}; equal entries: {_pct(fair[measure], True)}"
+def _lead(row: dict, measure: str) -> str:
+    """The default's lead at the row's budget and, where the row reads other entries or stores
+    other bytes than the default there, the default's curve read at the row's own entries
+    (`equal entries`) or bytes (`equal bytes`)."""
+    parts = [_pct((row.get("default_minus_row") or {}).get(measure), True)]
+    for cost in ("entries", "bytes"):
+        fair = row.get(f"default_minus_row_at_its_{cost}") or {}
+        if measure in fair:
+            parts.append(f"equal {cost}: {_pct(fair[measure], True)}")
+    return "; ".join(parts)
 
 
 SCORECARD_HEAD = ["row", "budget", "decode-time entries (cache + top-up)", "answer",
@@ -110,15 +113,13 @@ def scorecard_table(card: dict, default: str | None = None) -> str:
     of the mean NLLs in percent with its 90% interval, per row and budget."""
     lines = ["| " + " | ".join(SCORECARD_HEAD) + " |", "|" + "---|" * len(SCORECARD_HEAD)]
     for r in ordered_rows(card, default):
-        lead = r.get("default_minus_row") or {}
-        fair = r.get("default_minus_row_at_its_entries") or {}
         name = f"**{r['method']}**" if r["method"] == default else r["method"]
         hit = r.get("route_hit")
         lines.append("| " + " | ".join([
             name, str(r["budget"] or "-"), _entries(r), _pct(r["answer"]),
             _pct(r["copy_free"]), _over_retrieval(r.get("over_retrieval")),
-            _lead(lead, fair, "answer"), _nats(r.get("default_minus_row_nats")),
-            _lead(lead, fair, "copy_free"),
+            _lead(r, "answer"), _nats(r.get("default_minus_row_nats")),
+            _lead(r, "copy_free"),
             _pct(r["evidence"]), "-" if hit is None or not math.isfinite(hit) else
             f"{100 * hit:.0f}%", f"{r['questions']} ({r['copy_free']['questions']} copy-free)"])
             + " |")
@@ -391,7 +392,9 @@ How to read it:
   the default, say a larger top-up) is also given **equal entries**: the default's retention
   read off its curve (linear in mean decode-time entries between its budgets) at the row's
   entries, less the row's; none where the row's entries lie outside the default's budgets (no
-  extrapolation).
+  extrapolation). Likewise a row that stores other bytes than the default at its budget (a
+  low-bit code) is given **equal bytes**: the default's curve read at the row's stored cache
+  bytes per conversation.
 - **decode-time entries**: what a question reads before its own prompt, per layer and KV head:
   cache entries + top-up tokens. **`rag` at a budget**: retrieval alone given the default's
   decode-time entries there (the question's nearest turns, as many as fit); `rag` without a

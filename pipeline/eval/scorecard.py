@@ -37,9 +37,11 @@ RESAMPLES = 2000
 # A measure whose none -> full gap's lower bound is below this has too little signal to judge a
 # method in that group: retention divides by the gap.
 LOW_SIGNAL_NATS = 0.25
-# A row whose mean decode-time entries differ from the default's at its budget by more than this
-# share reads more (or less) than the default: it is also compared at its own entries.
-EQUAL_ENTRIES_SLACK = 0.02
+# A row whose mean decode-time entries (or stored cache bytes) differ from the default's at its
+# budget by more than this share reads (or stores) more or less than the default: it is also
+# compared with the default's curve at its own entries (bytes), the record field -> its name.
+EQUAL_COST_SLACK = 0.02
+EQUAL_COSTS = {"decode_entries": "entries", "stored_cache_bytes": "bytes"}
 
 Key = tuple[str, int]  # (conversation, question index)
 
@@ -173,28 +175,30 @@ def nats_difference(a: np.ndarray, b: np.ndarray, index: np.ndarray) -> dict:
     return interval(float(np.nanmean(diff)) if ok.any() else float("nan"), draws)
 
 
-def lead_at_equal_entries(rows: Rows, default: str, row: tuple[str, int | None],
-                          keys: list[Key], measure: str, index: np.ndarray) -> dict | None:
-    """The default's retention at the row's mean decode-time entries, less the row's: the
-    default's curve (retention against mean entries, linear between its budgets) read at the
-    row's entries, every resample drawing its own curve from the same questions as the row's
-    (paired). The fair comparison for a row that reads more than the default at its budget,
-    e.g. a larger top-up read from the default's caches. None where the default has fewer than
-    two budgets or the row's entries lie outside its curve: no extrapolation."""
+def lead_at_equal_cost(rows: Rows, default: str, row: tuple[str, int | None],
+                       keys: list[Key], measure: str, index: np.ndarray,
+                       cost: str = "decode_entries") -> dict | None:
+    """The default's retention at the row's mean `cost`, less the row's: the default's curve
+    (retention against its mean cost, linear between its budgets) read at the row's cost,
+    every resample drawing its own curve from the same questions as the row's (paired). The
+    fair comparison for a row that reads more decode-time entries than the default at its
+    budget (a larger top-up read from the default's caches), or stores fewer bytes (a low-bit
+    code: `cost="stored_cache_bytes"`). None where the default has fewer than two budgets or the
+    row's cost lies outside its curve: no extrapolation."""
     budgets = sorted(b for m, b in rows.by_row if m == default and b is not None)
     if len(budgets) < 2:
         return None
 
     curve_rows = [(default, b) for b in budgets]
-    curve = [(rows.arrays(r, keys, measure, [row, *curve_rows]),
-              rows.values(r, keys, "decode_entries")) for r in curve_rows]
+    curve = [(rows.arrays(r, keys, measure, [row, *curve_rows]), rows.values(r, keys, cost))
+             for r in curve_rows]
     triple = rows.arrays(row, keys, measure, curve_rows)
-    own = rows.values(row, keys, "decode_entries")
+    own = rows.values(row, keys, cost)
 
     def lead(ix: np.ndarray) -> np.ndarray:  # ix [draws, questions] -> [draws]
         with np.errstate(invalid="ignore"), warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # a draw of all-NaN entries
-            xs = np.stack([np.nanmean(e[ix], axis=1) for _, e in curve])
+            warnings.simplefilter("ignore", RuntimeWarning)  # a draw of all-NaN costs
+            xs = np.stack([np.nanmean(c[ix], axis=1) for _, c in curve])
             ys = np.stack([retention_of_means(*(x[ix] for x in t)) for t, _ in curve])
             at = np.nanmean(own[ix], axis=1)
         return np.array([np.interp(a, x, y) if np.all(np.diff(x) > 0) and x[0] <= a <= x[-1]
@@ -232,6 +236,12 @@ def retrieval_signal(rag: np.ndarray, ceiling: np.ndarray) -> dict:
     draws = diff[resamples(len(diff))].mean(axis=1) if len(diff) else np.array([])
     out = interval(float(diff.mean()) if len(diff) else float("nan"), draws)
     return out | {"questions": int(ok.sum()), "low": not out["lo"] >= LOW_SIGNAL_NATS}
+
+
+def _differs(cost: float, default_cost: float) -> bool:
+    """Whether a row's mean cost is not the default's (beyond `EQUAL_COST_SLACK`); False
+    where either is unknown."""
+    return bool(default_cost > 0 and abs(cost / default_cost - 1) > EQUAL_COST_SLACK)
 
 
 def _row_mean(records: dict[Key, dict], keys: list[Key], field: str) -> float:
@@ -323,7 +333,7 @@ def best_rows(table: list[dict], rows: Rows, keys: list[Key], index: np.ndarray,
                     (default, budget)), float("inf"))
         here = [r for r in table if r["method"] not in ("full", CEILING) and (
             r["budget"] == budget or r["budget"] is None and
-            not r["decode_entries"] > cap * (1 + EQUAL_ENTRIES_SLACK))]
+            not r["decode_entries"] > cap * (1 + EQUAL_COST_SLACK))]
         for measure in HEADLINE:
             ranked = sorted((r for r in here if np.isfinite(r[measure]["value"])),
                             key=lambda r: -r[measure]["value"])
@@ -438,12 +448,13 @@ def group_scorecard(records: list[dict], default: str | None,
                 for m in HEADLINE}
             line["default_minus_row_nats"] = nats_difference(
                 rows.arrays((default, budget), keys, "answer"), triples["answer"], index)
-            theirs = _row_mean(rows.by_row[(default, budget)], keys, "decode_entries")
-            if budget is not None and abs(line["decode_entries"] / theirs - 1) > \
-                    EQUAL_ENTRIES_SLACK:
-                fair = {m: lead_at_equal_entries(rows, default, (method, budget), keys, m,
-                                                 index) for m in HEADLINE}
-                line["default_minus_row_at_its_entries"] = {
+            for cost, name in EQUAL_COSTS.items():
+                if budget is None or not _differs(_row_mean(got, keys, cost), _row_mean(
+                        rows.by_row[(default, budget)], keys, cost)):
+                    continue  # the same cost (or none known): the lead above is the fair one
+                fair = {m: lead_at_equal_cost(rows, default, (method, budget), keys, m, index,
+                                              cost) for m in HEADLINE}
+                line[f"default_minus_row_at_its_{name}"] = {
                     m: lead for m, lead in fair.items() if lead is not None}
         table.append(line)
     by_conversation = {}

@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 
+from pipeline.eval.page import scorecard_table
 from pipeline.eval.scorecard import (
     CEILING,
     RAG,
@@ -157,6 +158,36 @@ def test_a_row_reading_more_entries_is_compared_with_the_default_at_its_entries(
     assert fair["value"] == pytest.approx(-0.05, abs=0.02) and fair["lo"] < fair["value"]
     assert rows[("wider", 1024)]["default_minus_row_at_its_entries"] == {}  # past the curve
     assert "default_minus_row_at_its_entries" not in rows[("epicache", 1024)]
+
+
+def test_a_row_storing_fewer_bytes_is_compared_with_the_default_at_its_bytes():
+    """A low-bit code of the default at budget 512: the same entries as the default there (no
+    equal-entries figure), a quarter of its bytes. The default stores 1 MiB at 128 (40%
+    retention), 2 at 256 (60%), 4 at 512 (80%); the code keeps 75% at 1 MiB, so at equal bytes
+    it leads the default by 35 points, at equal entries it trails by 5. The default at 128
+    stores its own curve's bytes: no equal-bytes figure of its own."""
+    rng = np.random.default_rng(2)
+    records = []
+    mib = 2.0 ** 20
+    for q in range(30):
+        low = 5.0 + rng.normal(0, 0.3)
+
+        def at(share, budget, stored, method="epicache"):
+            return _record(method, budget, q, low - share + rng.normal(0, 0.02), {"a": low},
+                           stored_cache_bytes=stored)
+        records += [_record("none", None, q, low, {"a": low}),
+                    _record("full", None, q, low - 1.0, {"a": low - 1.0}),
+                    at(0.4, 128, mib), at(0.6, 256, 2 * mib), at(0.8, 512, 4 * mib),
+                    at(0.75, 512, mib, "epicache+code.bits=4")]
+    rows = {(r["method"], r["budget"]): r for r in group_scorecard(records, "epicache")["rows"]}
+    coded = rows[("epicache+code.bits=4", 512)]
+    assert coded["default_minus_row"]["answer"]["value"] == pytest.approx(0.05, abs=0.02)
+    assert "default_minus_row_at_its_entries" not in coded
+    fair = coded["default_minus_row_at_its_bytes"]["answer"]
+    assert fair["value"] == pytest.approx(-0.35, abs=0.02) and fair["hi"] < 0
+    assert "default_minus_row_at_its_bytes" not in rows[("epicache", 128)]
+    cell = scorecard_table(group_scorecard(records, "epicache"), "epicache")
+    assert "equal bytes: -35." in cell
 
 
 def _costed(n: int = 24) -> list[dict]:
