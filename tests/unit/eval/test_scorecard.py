@@ -136,21 +136,27 @@ def test_a_measure_with_a_small_gap_is_marked_low_signal_and_groups_are_separate
     assert twice[0] == twice[1]  # NaN-safe
 
 
+def _on_a_curve(seed: int, cost: str, rows: list[tuple[float, int, float, str]]) -> list[dict]:
+    """30 questions with their two references, and each (retention, budget, cost, method) row
+    answering at about that retention, its `cost` field as given."""
+    rng = np.random.default_rng(seed)
+    records = []
+    for q in range(30):
+        low = 5.0 + rng.normal(0, 0.3)
+        records += [_record("none", None, q, low, {"a": low}),
+                    _record("full", None, q, low - 1.0, {"a": low - 1.0})]
+        records += [_record(method, budget, q, low - share + rng.normal(0, 0.02), {"a": low},
+                            **{cost: value}) for share, budget, value, method in rows]
+    return records
+
+
 def test_a_row_reading_more_entries_is_compared_with_the_default_at_its_entries():
     """A variant of the default that reads 150 entries at budget 512, where the default reads
     100 at 512 (60% retention) and 200 at 1024 (80%): the fair comparison is the default's
     curve at 150 (70%), not its 512 row; a row outside the curve gets none."""
-    rng = np.random.default_rng(1)
-    records = []
-    for q in range(30):
-        low = 5.0 + rng.normal(0, 0.3)
-        def at(share, budget, entries, method="epicache"):
-            return _record(method, budget, q, low - share + rng.normal(0, 0.02), {"a": low},
-                           decode_entries=entries)
-        records += [_record("none", None, q, low, {"a": low}),
-                    _record("full", None, q, low - 1.0, {"a": low - 1.0}),
-                    at(0.6, 512, 100.0), at(0.8, 1024, 200.0),
-                    at(0.75, 512, 150.0, "wider"), at(0.9, 1024, 400.0, "wider")]
+    records = _on_a_curve(1, "decode_entries", [
+        (0.6, 512, 100.0, "epicache"), (0.8, 1024, 200.0, "epicache"),
+        (0.75, 512, 150.0, "wider"), (0.9, 1024, 400.0, "wider")])
     rows = {(r["method"], r["budget"]): r for r in group_scorecard(records, "epicache")["rows"]}
     wider = rows[("wider", 512)]
     assert wider["default_minus_row"]["answer"]["value"] == pytest.approx(-0.15, abs=0.02)
@@ -166,19 +172,10 @@ def test_a_row_storing_fewer_bytes_is_compared_with_the_default_at_its_bytes():
     retention), 2 at 256 (60%), 4 at 512 (80%); the code keeps 75% at 1 MiB, so at equal bytes
     it leads the default by 35 points, at equal entries it trails by 5. The default at 128
     stores its own curve's bytes: no equal-bytes figure of its own."""
-    rng = np.random.default_rng(2)
-    records = []
     mib = 2.0 ** 20
-    for q in range(30):
-        low = 5.0 + rng.normal(0, 0.3)
-
-        def at(share, budget, stored, method="epicache"):
-            return _record(method, budget, q, low - share + rng.normal(0, 0.02), {"a": low},
-                           stored_cache_bytes=stored)
-        records += [_record("none", None, q, low, {"a": low}),
-                    _record("full", None, q, low - 1.0, {"a": low - 1.0}),
-                    at(0.4, 128, mib), at(0.6, 256, 2 * mib), at(0.8, 512, 4 * mib),
-                    at(0.75, 512, mib, "epicache+code.bits=4")]
+    records = _on_a_curve(2, "stored_cache_bytes", [
+        (0.4, 128, mib, "epicache"), (0.6, 256, 2 * mib, "epicache"),
+        (0.8, 512, 4 * mib, "epicache"), (0.75, 512, mib, "epicache+code.bits=4")])
     rows = {(r["method"], r["budget"]): r for r in group_scorecard(records, "epicache")["rows"]}
     coded = rows[("epicache+code.bits=4", 512)]
     assert coded["default_minus_row"]["answer"]["value"] == pytest.approx(0.05, abs=0.02)
