@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from pipeline.eval.scorecard import HEADLINE, LOW_SIGNAL_NATS, SPREAD
+from pipeline.eval.scorecard import EQUAL_COSTS, HEADLINE, LOW_SIGNAL_NATS, SPREAD
 from pipeline.eval.window import EVIDENCE_SESSIONS
 
 FULL_LENGTH_PAGE = "scorecard-full.md"  # `jobs.scorecard --full-length`'s page, beside a cut's
@@ -46,7 +46,7 @@ def _lead(row: dict, measure: str) -> str:
     other bytes than the default there, the default's curve read at the row's own entries
     (`equal entries`) or bytes (`equal bytes`)."""
     parts = [_pct((row.get("default_minus_row") or {}).get(measure), True)]
-    for cost in ("entries", "bytes"):
+    for cost in EQUAL_COSTS.values():
         fair = row.get(f"default_minus_row_at_its_{cost}") or {}
         if measure in fair:
             parts.append(f"equal {cost}: {_pct(fair[measure], True)}")

@@ -176,15 +176,15 @@ def test_a_row_storing_fewer_bytes_is_compared_with_the_default_at_its_bytes():
     records = _on_a_curve(2, "stored_cache_bytes", [
         (0.4, 128, mib, "epicache"), (0.6, 256, 2 * mib, "epicache"),
         (0.8, 512, 4 * mib, "epicache"), (0.75, 512, mib, "epicache+code.bits=4")])
-    rows = {(r["method"], r["budget"]): r for r in group_scorecard(records, "epicache")["rows"]}
+    card = group_scorecard(records, "epicache")
+    rows = {(r["method"], r["budget"]): r for r in card["rows"]}
     coded = rows[("epicache+code.bits=4", 512)]
     assert coded["default_minus_row"]["answer"]["value"] == pytest.approx(0.05, abs=0.02)
     assert "default_minus_row_at_its_entries" not in coded
     fair = coded["default_minus_row_at_its_bytes"]["answer"]
     assert fair["value"] == pytest.approx(-0.35, abs=0.02) and fair["hi"] < 0
     assert "default_minus_row_at_its_bytes" not in rows[("epicache", 128)]
-    cell = scorecard_table(group_scorecard(records, "epicache"), "epicache")
-    assert "equal bytes: -35." in cell
+    assert "equal bytes: -35." in scorecard_table(card, "epicache")
 
 
 def _costed(n: int = 24) -> list[dict]:
