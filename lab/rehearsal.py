@@ -30,6 +30,7 @@ from pipeline.builder.tasks import Planned, Stages, WorkerStamp
 from pipeline.config import BuildConfig, GrowthConfig, ModelFingerprints
 from pipeline.corpus.schema import Conversation
 from pipeline.episodes import Episode, EpisodeConfig, EpisodeSet
+from pipeline.kv import models
 from pipeline.store.backends.base import Store, cache_key
 from pipeline.store.backends.s3 import S3Store
 from pipeline.store.catalogue.manifest import ManifestRecord
@@ -164,7 +165,7 @@ def synthetic_cluster_task(conv: Conversation, config: BuildConfig,
 @ray.remote
 def synthetic_budgets_task(store: Store, config: BuildConfig
                            ) -> tuple[list[int] | None, ModelFingerprints, WorkerStamp]:
-    return [config.budget or 16] * LAYERS, SYNTHETIC_FILES, WorkerStamp.here()
+    return [config.budget or 16] * LAYERS, SYNTHETIC_FILES, WorkerStamp.here(models.load_count())
 
 
 @ray.remote(max_calls=0)
@@ -172,8 +173,9 @@ def synthetic_episode_task(clustered: ClusterResult | AppendPlan, episodes: tupl
                            budgets: list[int] | None,
                            config: BuildConfig,
                            store: Store) -> tuple[list[ManifestRecord], WorkerStamp]:
+    before = models.load_count()  # none: the synthetic build loads no model
     records = [synthetic_episode(clustered, e, budgets, config, store) for e in episodes]
-    stamp = WorkerStamp.here()
+    stamp = WorkerStamp.here(before)
     return [stamp.on(record) for record in records], stamp
 
 

@@ -330,7 +330,7 @@ class _Driver:
 
     def _loads(self, stamp: WorkerStamp) -> None:
         node, pid, loads = stamp.node_id, stamp.pid, stamp.loads
-        self.summary.loads[(node, pid)] = max(loads, self.summary.loads.get((node, pid), 0))
+        self.summary.loads[(node, pid)] = self.summary.loads.get((node, pid), 0) + loads
 
     def _postfix(self) -> None:
         now = time.perf_counter()

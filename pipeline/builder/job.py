@@ -50,7 +50,8 @@ class Summary:
     episodes: int = 0
     tokens: int = 0
     bytes: int = 0
-    loads: dict[tuple[str, int], int] = field(default_factory=dict)  # (node, pid) -> model loads
+    # (node, pid) -> the models that worker loaded in this build (not those of earlier jobs)
+    loads: dict[tuple[str, int], int] = field(default_factory=dict)
     bad_records: int = 0
     questions_dropped: int = 0  # bad questions dropped from kept conversations (skip mode)
     tasks: int = 0  # tasks submitted

@@ -33,17 +33,20 @@ from pipeline.store.catalogue.manifest import ManifestRecord
 
 @dataclass(frozen=True)
 class WorkerStamp:
-    """Where a task ran (the Ray node, host:pid) and how many models its process has loaded so
-    far (a worker should load each model once)."""
+    """Where a task ran (the Ray node, host:pid) and how many models it loaded (`loads`: the
+    process's loads since `before`, taken as the task started). A worker should load each model
+    once over a build; counting per task keeps the loads of earlier jobs on a reused worker
+    (another build, a test before) out of this build's count."""
     node_id: str
     worker: str
     pid: int
     loads: int
 
     @classmethod
-    def here(cls) -> "WorkerStamp":
+    def here(cls, before: int) -> "WorkerStamp":
         return cls(ray.get_runtime_context().get_node_id(),
-                   f"{socket.gethostname()}:{os.getpid()}", os.getpid(), models.load_count())
+                   f"{socket.gethostname()}:{os.getpid()}", os.getpid(),
+                   models.load_count() - before)
 
     def on(self, record: ManifestRecord) -> ManifestRecord:
         """The record as built here: its node and worker set."""
@@ -92,8 +95,9 @@ def budgets_task(store: Store, config: BuildConfig
                  ) -> tuple[list[int] | None, ModelFingerprints, WorkerStamp]:
     """Stage 2 (`build_basis`): the layer budgets, and the fingerprints of the model files the
     build runs with."""
+    before = models.load_count()
     budgets, files = build_basis(store, config)
-    return budgets, files, WorkerStamp.here()
+    return budgets, files, WorkerStamp.here(before)
 
 
 # max_calls=0: the worker process is reused, so its model stays loaded (Ray's default for GPU
@@ -103,8 +107,9 @@ def episode_task(planned: Plan, episodes: tuple[int, ...], budgets: list[int] | 
                  config: BuildConfig, store: Store) -> tuple[list[ManifestRecord], WorkerStamp]:
     """Stage 3 (`prefill_episodes`): a task's episodes (one, or a conversation's all when
     they are built in one pass) built, appended to or repaired, and stored."""
+    before = models.load_count()
     records = prefill_episodes(planned, episodes, budgets, config, store)
-    stamp = WorkerStamp.here()  # after the build: its model load counted
+    stamp = WorkerStamp.here(before)  # after the build: its model load counted
     return [stamp.on(record) for record in records], stamp
 
 

@@ -50,8 +50,9 @@ def built(tmp_path_factory, ray_local):
 def test_build_writes_manifests_and_objects_that_reload(built):
     corpus, store_uri, summary = built
     assert summary.built == 2 and not summary.failed
-    # One model load per worker: every process that built an episode recorded exactly one load
-    # (an empty record, or a process that never loaded, fails here).
+    # At most one model load per worker over the build (the session's Ray reuses workers, so
+    # one that loaded the model for an earlier test loads nothing here); every process that
+    # built an episode has its count recorded (an empty record fails here).
     assert summary.loads and all(n <= 1 for n in summary.loads.values()), summary.loads
     builders = set()
     store = open_store(store_uri)
@@ -74,7 +75,7 @@ def test_build_writes_manifests_and_objects_that_reload(built):
             assert header["conversation_id"] == conv.conversation_id
             assert cache.tokens_seen == row.tokens
             assert cache.entries_per_layer() == pytest.approx(budgets)
-    assert builders and all(summary.loads.get(b) == 1 for b in builders), (builders, summary.loads)
+    assert builders and all(b in summary.loads for b in builders), (builders, summary.loads)
 
 
 def _episode_topic(conv, row) -> str:
