@@ -9,4 +9,7 @@ FORMAT = "epicache-kv/2"
 # format 2 with the keys and values in low-bit codes (`BuildConfig.code`): written only by builds
 # that code them, whose hash already differs, so FORMAT (hashed by every build) stays 2
 CODED_FORMAT = "epicache-kv/3"
-READABLE_FORMATS = ("epicache-kv/1", FORMAT, CODED_FORMAT)
+# format 3 with some entries of each head kept as floats beside the codes (`CodeConfig`'s
+# float_sinks and float_recent): written only by builds that keep them, whose hash differs
+FLOATS_CODED_FORMAT = "epicache-kv/4"
+READABLE_FORMATS = ("epicache-kv/1", FORMAT, CODED_FORMAT, FLOATS_CODED_FORMAT)

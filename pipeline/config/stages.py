@@ -139,6 +139,10 @@ class CodeConfig:
     # the budget M reads as the bytes of M entries at the store dtype: the build keeps as many
     # coded entries as those bytes hold (`BuildConfig.entry_budget`), as tri-state's does
     bytes_budget: bool = False
+    # entries of each head kept as floats beside the codes: its first (the attention sinks,
+    # which every query reads) and its last (the most recent turns: KIVI's float residual)
+    float_sinks: int = 0
+    float_recent: int = 0
 
     @property
     def bytes_per_number(self) -> float:
@@ -152,6 +156,12 @@ class CodeConfig:
                              f"{self.bits}")
         if self.group < 8 or self.group & (self.group - 1):
             raise ValueError(f"code group must be a power of two >= 8, got {self.group}")
+        if self.float_sinks < 0 or self.float_recent < 0:
+            raise ValueError(f"code float_sinks and float_recent must be >= 0, got "
+                             f"{self.float_sinks} and {self.float_recent}")
+        if (self.float_sinks or self.float_recent) and not self.bits:
+            raise ValueError("entries kept as floats beside the codes (code.float_sinks, "
+                             "code.float_recent) need a low-bit code (code.bits)")
         if self.bytes_budget and not self.bits:
             raise ValueError("a budget in bytes (code.bytes_budget) needs a low-bit code "
                              "(code.bits)")
@@ -187,6 +197,9 @@ class PrefillConfig:
     # patch followed it (as a block's patch reads a budget-sized cache); 0: every key the
     # model's positions reach at once
     score_span: int = 0
+    # with `score_span`: the spans' share of a key's score, the rest the plain pass's (each
+    # summed to 1 over the layer first), so a key either reading finds important can be kept
+    score_span_share: float = 1.0
 
     @property
     def cannot_compact(self) -> str | None:
@@ -222,6 +235,10 @@ class PrefillConfig:
             raise ValueError(f"compact_recent must be >= 0, got {self.compact_recent}")
         if self.score_span < 0 or (self.score_span and not self.one_pass):
             raise ValueError(f"score_span must be >= 0 and needs one_pass, got {self.score_span}")
+        if not 0 <= self.score_span_share <= 1 or (self.score_span_share < 1 and
+                                                    not self.score_span):
+            raise ValueError(f"score_span_share must be in [0, 1] and, below 1, needs score_span, "
+                             f"got {self.score_span_share}")
         if self.one_pass and self.tristate.enabled:
             raise ValueError(ONE_PASS_NOT_TRISTATE)
         if self.positions == "compact" and self.cannot_compact:

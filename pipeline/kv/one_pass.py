@@ -32,7 +32,8 @@ Positions: no query reads further back than the model's positions (`pass_window`
 sliding-window model, so a conversation longer than them is built too. A patch scores keys
 further back than that span by span, its queries re-rotated to sit right after each span
 (`span_scores`), as they would after a block; `PrefillConfig.score_span` asks for shorter
-spans (each read as a block's patch reads a budget-sized cache). Tri-state compression plans
+spans (each read as a block's patch reads a budget-sized cache), and `score_span_share` mixes
+those scores with the plain pass's (`mixed_scores`). Tri-state compression plans
 every layer's byte split from all the layers' attention at once, which one layer at a time
 cannot: it builds block by block.
 """
@@ -77,6 +78,15 @@ def span_scores(queries: torch.Tensor, keys: torch.Tensor, patch_keys: torch.Ten
     return torch.cat(scores, dim=1)
 
 
+def mixed_scores(whole: torch.Tensor, spans: torch.Tensor, share: float) -> torch.Tensor:
+    """A layer's scores as the spans read them (`share`) and as the plain pass reads them (the
+    rest), each first summed to 1 over the layer, so neither reading's scale outweighs the
+    other's and the heads keep their relative weights."""
+    def unit(scores: torch.Tensor) -> torch.Tensor:
+        return scores / scores.sum().clamp_min(torch.finfo(scores.dtype).tiny)
+    return (1 - share) * unit(whole) + share * unit(spans)
+
+
 def _moved(vectors: torch.Tensor, shift: int, rotation: KeyRotation) -> torch.Tensor:
     if shift == 0:
         return vectors
@@ -109,7 +119,8 @@ def one_pass_prefill(model: torch.nn.Module, input_ids: torch.Tensor, scorers: S
     reach = max(window - longest, 1)  # the keys a patch can score at once within the positions
     span = min(config.score_span, reach) if config.score_span else reach
     rotation = KeyRotation.for_model(model) if n > span else None
-    passing = _Pass(decoder, n_layers, config.block, window, n + longest, span)
+    passing = _Pass(decoder, n_layers, config.block, window, n + longest, span, reach,
+                    config.score_span_share)
     hidden = decoder.embed_tokens(ids[None])
     patch_hidden = [decoder.embed_tokens(p[None]) for p in patches]
     patch_positions = [c.patch_positions(0, n, p.shape[0], n)[n:].to(device)[None]
@@ -199,9 +210,12 @@ class _Pass:
     and values (`_PassLayer`), run through the model's decoder layers one at a time."""
 
     def __init__(self, decoder: torch.nn.Module, n_layers: int, chunk: int, window: int,
-                 capacity: int, span: int):
+                 capacity: int, span: int, reach: int, span_share: float = 1.0):
         self.decoder, self.chunk, self.window = decoder, chunk, window
-        self.capacity, self.span = capacity, span
+        self.capacity, self.span, self.reach = capacity, span, reach
+        # the plain pass's scores are needed where spans are shorter than the reach and share
+        self.plain_share = 1 - span_share if span < reach else 0.0
+        self.span_share = span_share
         self.cache = EpisodicCache(n_layers)
         self.cache.layers[0] = _PassLayer(capacity)
         self.peak_bytes = [0] * n_layers
@@ -236,23 +250,31 @@ class _Pass:
         """A patch through layer `idx` after every token: its hidden states for the next layer
         and its scores of every held entry ([Hkv, N]; None without a patch). Its own hidden
         states read the last `window` tokens; its scores are taken span by span
-        (`span_scores`, `rotation` needed) where the keys are more than a span."""
+        (`span_scores`, `rotation` needed) where the keys are more than a span, and mixed with
+        the plain pass's (`mixed_scores`) where the spans take only a share."""
         held = self.held(idx)
         n_patch = hidden.shape[1]
         if n_patch == 0:
             return hidden, None
         n = held.tokens_seen
         held.first_key = max(0, n + n_patch - self.window)
-        held.score_patch = n <= self.span  # every key within one span: the patch's attention
+        # every key within what one reading scores: the patch's own attention gives its scores
+        held.score_patch = n <= (self.reach if self.plain_share else self.span)
         with self.cache.patched(n_patch):
             out = self._layer(idx, hidden, positions)
         request = held.last_request
         held.last_request = None
-        if held.score_patch:
+        if held.score_patch and n <= self.span:
             return out, request.scores
-        attention = self.decoder.layers[idx].self_attn
-        return out, span_scores(request.patch_queries, held.keys[0], request.key[0, :, -n_patch:],
-                                self.span, rotation, attention.scaling)
+        scale = self.decoder.layers[idx].self_attn.scaling
+        def read(span: int) -> torch.Tensor:
+            return span_scores(request.patch_queries, held.keys[0], request.key[0, :, -n_patch:],
+                               span, rotation, scale)
+        spans = read(self.span)
+        if not self.plain_share:
+            return out, spans
+        whole = request.scores if held.score_patch else read(self.reach)
+        return out, mixed_scores(whole, spans, self.span_share)
 
     def drop(self, idx: int) -> None:
         """Layer `idx` is done: its keys and values go (their pages back to the kernel: the

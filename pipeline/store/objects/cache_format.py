@@ -24,6 +24,11 @@ Format 3 (low-bit codes, `BuildConfig.code`, header `code: {"bits", "group"}`): 
 `layers.{i}.kcodes` uint8, `.ksteps` and `.kmins` float16 (keys per channel over `group`
 entries of a head), `.vcodes`, `.vsteps` and `.vmins` (values per token over `group`
 channels), and `.positions` as int32. The reader decodes them to floats.
+
+Format 4 (header `code` also `{"float_sinks", "float_recent"}`): format 3 with each head's first
+`float_sinks` and last `float_recent` entries kept as floats at `dtype` beside the codes,
+`layers.{i}.kfloats` and `.vfloats` [entries, d] head after head (`low_bit.float_entries`); the
+codes hold the rest.
 """
 
 from __future__ import annotations
@@ -41,7 +46,12 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from kernels.quant import dequantize
-from pipeline.config.format_version import CODED_FORMAT, FORMAT, READABLE_FORMATS
+from pipeline.config.format_version import (
+    CODED_FORMAT,
+    FLOATS_CODED_FORMAT,
+    FORMAT,
+    READABLE_FORMATS,
+)
 from pipeline.config.stages import CodeConfig
 from pipeline.kv.cache import EpisodicCache, EpisodicLayer, QuantizedTier
 from pipeline.store.objects import low_bit
@@ -104,7 +114,7 @@ def check_sha256(got: str, expected: str | None, name: str = "cache") -> None:
 def serialize(cache: EpisodicCache, header: dict, dtype: torch.dtype = torch.float16,
               code: CodeConfig = CodeConfig()) -> bytes:
     """Safetensors bytes of the cache's valid entries, stored as `dtype`, or in `code`'s
-    low-bit codes (format 3) when it has bits."""
+    low-bit codes (format 3; 4 with entries kept as floats beside them) when it has bits."""
     tensors: dict[str, torch.Tensor] = {}
     quant = None
     if code.bits and any(layer.quantized is not None for layer in cache.layers):
@@ -115,7 +125,7 @@ def serialize(cache: EpisodicCache, header: dict, dtype: torch.dtype = torch.flo
         lengths = original.sum(dim=1)
         keys, values = layer.keys[0][original], layer.values[0][original]
         if code.bits:
-            tensors |= _coded(i, keys, values, lengths.tolist(), code)
+            tensors |= _coded(i, keys, values, lengths.tolist(), code, dtype)
             tensors[f"layers.{i}.positions"] = layer.positions[original].to(torch.int32)
         else:
             tensors[f"layers.{i}.keys"] = keys.to(dtype).contiguous()
@@ -133,7 +143,8 @@ def serialize(cache: EpisodicCache, header: dict, dtype: torch.dtype = torch.flo
     first = cache.layers[0]
     compacted = any(not torch.equal(layer.rope_positions, layer.positions)
                     for layer in cache.layers)
-    header = dict(header, format=CODED_FORMAT if code.bits else FORMAT,
+    floats = {"float_sinks": code.float_sinks, "float_recent": code.float_recent}
+    header = dict(header, format=_format(code),
                   tokens_seen=cache.tokens_seen,
                   next_position=cache.next_position,
                   positions="compact" if compacted else "original", num_layers=len(cache.layers),
@@ -141,7 +152,8 @@ def serialize(cache: EpisodicCache, header: dict, dtype: torch.dtype = torch.flo
                      if compacted and first.compact_cut is not None else {}),
                   kv_heads=int(first.valid.shape[0]), head_dim=int(first.keys.shape[-1]),
                   dtype=str(dtype).removeprefix("torch."), quant=quant,
-                  **({"code": {"bits": code.bits, "group": code.group}} if code.bits else {}))
+                  **({"code": {"bits": code.bits, "group": code.group} |
+                      (floats if any(floats.values()) else {})} if code.bits else {}))
     return st_save({k: v.cpu() for k, v in tensors.items()},
                    metadata={"header": json.dumps(header)})
 
@@ -159,13 +171,27 @@ def coded_kv_bytes(cache: EpisodicCache, code: CodeConfig) -> int:
     """Bytes of the cache's keys and values in `code`'s low-bit codes, as an object stores them
     (`low_bit.coded_bytes` per layer)."""
     return sum(low_bit.coded_bytes(layer.valid.sum(dim=1).tolist(), layer.keys.shape[-1],
-                                   code.bits, code.group) for layer in cache.layers)
+                                   code.bits, code.group, code.float_sinks, code.float_recent)
+               for layer in cache.layers)
+
+
+def _format(code: CodeConfig) -> str:
+    if not code.bits:
+        return FORMAT
+    return FLOATS_CODED_FORMAT if code.float_sinks or code.float_recent else CODED_FORMAT
 
 
 def _coded(i: int, keys: torch.Tensor, values: torch.Tensor, lengths: list[int],
-           code: CodeConfig) -> dict[str, torch.Tensor]:
-    """Layer `i`'s keys and values [entries, d] as format 3's code tensors."""
+           code: CodeConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Layer `i`'s keys and values [entries, d] as format 3's code tensors, with format 4's
+    float entries (at `dtype`) where `code` keeps some."""
     out = {}
+    if code.float_sinks or code.float_recent:
+        floats = low_bit.float_entries(lengths, code.float_sinks, code.float_recent)
+        out |= {f"layers.{i}.kfloats": keys[floats].to(dtype).contiguous(),
+                f"layers.{i}.vfloats": values[floats].to(dtype).contiguous()}
+        keys, values = keys[~floats], values[~floats]
+        lengths = low_bit.coded_lengths(lengths, code.float_sinks, code.float_recent)
     for prefix, coded in (("k", low_bit.encode_keys(keys, lengths, code.bits, code.group)),
                           ("v", low_bit.encode_values(values, code.bits, code.group))):
         out |= {f"layers.{i}.{prefix}codes": coded.codes, f"layers.{i}.{prefix}steps": coded.steps,
@@ -178,16 +204,33 @@ def _decoded(i: int, tensors: dict[str, torch.Tensor], header: dict, lengths: li
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer `i`'s keys and values [entries, d]: as stored, or decoded from format 3's codes
     on `device` (the Triton kernels on a GPU; the header's bits and group, checked as a
-    configuration is)."""
+    configuration is), format 4's float entries put back in their places."""
     if "code" not in header:
         return tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"]
-    code = CodeConfig(bits=int(header["code"]["bits"]), group=int(header["code"]["group"]))
+    stored = header["code"]
+    code = CodeConfig(bits=int(stored["bits"]), group=int(stored["group"]),
+                      float_sinks=int(stored.get("float_sinks", 0)),
+                      float_recent=int(stored.get("float_recent", 0)))
     head_dim = int(header["head_dim"])
+    coded = low_bit.coded_lengths(lengths, code.float_sinks, code.float_recent)
     keys, values = (low_bit.Coded(*(tensors[f"layers.{i}.{prefix}{part}"].to(device)
                                     for part in ("codes", "steps", "mins")))
                     for prefix in ("k", "v"))
-    return (low_bit.decode_keys(keys, lengths, head_dim, code.bits, code.group, dtype),
-            low_bit.decode_values(values, sum(lengths), head_dim, code.bits, code.group, dtype))
+    keys = low_bit.decode_keys(keys, coded, head_dim, code.bits, code.group, dtype)
+    values = low_bit.decode_values(values, sum(coded), head_dim, code.bits, code.group, dtype)
+    if coded == lengths:
+        return keys, values
+    floats = low_bit.float_entries(lengths, code.float_sinks, code.float_recent).to(device)
+    return tuple(_placed(floats, tensors[f"layers.{i}.{prefix}floats"].to(device, dtype), part)
+                 for prefix, part in (("k", keys), ("v", values)))
+
+
+def _placed(floats: torch.Tensor, float_rows: torch.Tensor, coded_rows: torch.Tensor
+            ) -> torch.Tensor:
+    """Every entry's row [entries, d]: the float rows where `floats`, the decoded rows else."""
+    rows = coded_rows.new_empty(len(floats), coded_rows.shape[-1])
+    rows[floats], rows[~floats] = float_rows, coded_rows
+    return rows
 
 
 def read_header(data: bytes, name: str = "cache") -> dict:

@@ -9,6 +9,10 @@ Entries are as `cache_format` stores them: the valid entries of every head, head
 token order, with `lengths` [Hkv] entries per head. A head's last group of keys is filled up by
 repeating its last entry, which leaves that group's minimum and maximum as they are; the filler
 is dropped when decoding.
+
+Some entries of each head may be kept as floats beside the codes (`float_entries`): its first
+(the attention sinks, which every question reads) and its last (KIVI's float residual of the
+most recent tokens). The codes then cover the rest, and `lengths` count the coded entries.
 """
 
 from __future__ import annotations
@@ -90,11 +94,28 @@ def decode_values(coded: Coded, entries: int, head_dim: int, bits: int, group: i
     return rows.reshape(entries, head_dim)
 
 
-def coded_bytes(lengths: list[int], head_dim: int, bits: int, group: int) -> int:
+def float_entries(lengths: list[int], sinks: int, recent: int) -> torch.Tensor:
+    """[sum(lengths)] bool over the entries of every head, head after head: those kept as
+    floats, each head's first `sinks` and last `recent` (all of a head shorter than both)."""
+    marks = [(torch.arange(n) < sinks) | (torch.arange(n) >= n - recent) for n in lengths]
+    return torch.cat(marks) if marks else torch.zeros(0, dtype=torch.bool)
+
+
+def coded_lengths(lengths: list[int], sinks: int, recent: int) -> list[int]:
+    """The entries per head left to the codes once `float_entries` are taken out."""
+    return [max(n - sinks - recent, 0) for n in lengths]
+
+
+def coded_bytes(lengths: list[int], head_dim: int, bits: int, group: int, sinks: int = 0,
+                recent: int = 0, float_bytes: int = 2) -> int:
     """Bytes of one layer's keys and values coded (codes, steps and minimums; what a float
-    object's `.keys` and `.values` take), for `lengths` entries per head."""
+    object's `.keys` and `.values` take), for `lengths` entries per head, the `float_entries`
+    among them at `float_bytes` a number."""
+    floats = (sum(lengths) - sum(coded_lengths(lengths, sinks, recent))) * head_dim * 2
+    lengths = coded_lengths(lengths, sinks, recent)
     span = value_group(head_dim, group)
     key_rows = sum(_groups_per_head(lengths, group)) * head_dim
     value_rows = sum(lengths) * head_dim // span
     # each row: its codes, a float16 step and a float16 minimum
-    return key_rows * (group * bits // 8 + 4) + value_rows * (span * bits // 8 + 4)
+    return (key_rows * (group * bits // 8 + 4) + value_rows * (span * bits // 8 + 4)
+            + floats * float_bytes)

@@ -58,8 +58,12 @@ def _variants(config):
 
 # a field that is refused without another, or has no effect without it: changed together with
 # it (or to a value it accepts)
-NEEDS = {"score_span": {"one_pass": True}, "bits": {"bits": 4}, "group": {"group": 64, "bits": 4},
-         "bytes_budget": {"bytes_budget": True, "bits": 4}}
+NEEDS = {"score_span": {"one_pass": True},
+         "score_span_share": {"score_span_share": 0.5, "score_span": 64, "one_pass": True},
+         "bits": {"bits": 4}, "group": {"group": 64, "bits": 4},
+         "bytes_budget": {"bytes_budget": True, "bits": 4},
+         "float_sinks": {"float_sinks": 4, "bits": 4},
+         "float_recent": {"float_recent": 16, "bits": 4}}
 
 
 def test_build_config_hash_is_stable():

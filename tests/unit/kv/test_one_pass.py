@@ -14,7 +14,7 @@ from pipeline.kv.methods.epicache import EpiCache
 from pipeline.kv.methods.keydiff import KeyDiff
 from pipeline.kv.methods.snapkv import SnapKV
 from pipeline.kv.methods.streamingllm import StreamingLLM
-from pipeline.kv.one_pass import one_pass_prefill, pass_window, span_scores
+from pipeline.kv.one_pass import mixed_scores, one_pass_prefill, pass_window, span_scores
 from pipeline.kv.positions import KeyRotation
 from pipeline.kv.prefill import block_prefill, build_tokens
 from tests.support.tiny_models import one_torch_thread, random_ids, tiny_model  # noqa: F401
@@ -196,3 +196,28 @@ def test_scores_by_spans_are_each_spans_patch_attention():
     assert spans.entries_per_layer() == whole.entries_per_layer()
     with pytest.raises(ValueError, match="needs one_pass"):
         PrefillConfig(score_span=50)
+
+
+def test_a_share_of_span_scores_mixes_the_two_readings():
+    """`score_span_share`: 1 is the spans' reading alone, 0 the plain pass's (its scores only
+    rescaled), in between each reading summed to 1 over the layer and weighed by its share."""
+    model = tiny_model("llama")
+    ids = random_ids(N, seed=5)
+    scorers = episode_scorers()[:1]
+    plain = PrefillConfig(one_pass=True, positions="original", block=32)
+    spans = dataclasses.replace(plain, score_span=50)
+    (want_plain, _), = one_pass_prefill(model, ids, scorers, BUDGETS, plain)
+    (want_spans, _), = one_pass_prefill(model, ids, scorers, BUDGETS, spans)
+    (all_spans, _), = one_pass_prefill(model, ids, scorers, BUDGETS,
+                                       dataclasses.replace(spans, score_span_share=1.0))
+    (no_spans, _), = one_pass_prefill(model, ids, scorers, BUDGETS,
+                                      dataclasses.replace(spans, score_span_share=0.0))
+    assert_same_cache(all_spans, want_spans)
+    assert_same_cache(no_spans, want_plain)
+
+    whole = torch.tensor([[1.0, 3.0], [0.0, 4.0]])
+    by_spans = torch.tensor([[2.0, 2.0], [2.0, 2.0]])
+    torch.testing.assert_close(mixed_scores(whole, by_spans, 0.25),
+                               0.75 * whole / 8 + 0.25 * by_spans / 8)
+    with pytest.raises(ValueError, match="needs score_span"):
+        PrefillConfig(one_pass=True, score_span_share=0.5)

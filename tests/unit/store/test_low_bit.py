@@ -14,7 +14,7 @@ from safetensors.torch import load, save
 from kernels.quant_reference import GROUP_BITS
 from pipeline.answer.decode import generate_from_cache
 from pipeline.config import BuildConfig, CodeConfig, PrefillConfig, TriStateConfig
-from pipeline.config.format_version import CODED_FORMAT, READABLE_FORMATS
+from pipeline.config.format_version import CODED_FORMAT, FLOATS_CODED_FORMAT, READABLE_FORMATS
 from pipeline.config.stages import CODE_BITS
 from pipeline.kv.methods.epicache import EpiCache
 from pipeline.kv.prefill import block_prefill
@@ -122,6 +122,38 @@ def test_a_coded_cache_reads_back_within_its_codes_error(built, bits):
     coded_parts = ("codes", "steps", "mins")
     assert coded_kv_bytes(loaded, code) == sum(
         t.nbytes for k, t in load(data).items() if k.split(".")[-1][1:] in coded_parts)
+
+
+def test_float_sinks_and_recent_entries_read_back_exactly_the_rest_coded(built):
+    """Format 4: each head's first and last entries kept as floats beside the codes read back
+    as the float16 object would hold them, the others within the code's error as in format 3,
+    each entry in its place; the bytes counted are those stored."""
+    model, cache = built
+    code = CodeConfig(bits=4, group=8, float_sinks=2, float_recent=3)
+    data = serialize(cache, {"conversation_id": "conv-1"}, code=code)
+    loaded, header = deserialize(data, sha256(data), NAME)
+    assert header["format"] == FLOATS_CODED_FORMAT in READABLE_FORMATS
+    assert header["code"] == {"bits": 4, "group": 8, "float_sinks": 2, "float_recent": 3}
+    plain = as_stored(cache, CodeConfig(bits=4, group=8))
+    for a, b, c in zip(cache.layers, loaded.layers, plain.layers):
+        assert torch.equal(a.positions[a.valid], b.positions[b.valid])
+        floats = low_bit.float_entries(a.valid.sum(1).tolist(), 2, 3)
+        assert 0 < int(floats.sum()) < len(floats)
+        for name in ("keys", "values"):
+            x, y = getattr(a, name)[0][a.valid], getattr(b, name)[0][b.valid]
+            assert torch.equal(y[floats], x[floats].half().float())
+            spread = float(x.max() - x.min())
+            assert float((x - y).abs().max()) <= spread / 15
+            assert not torch.equal(y[~floats], getattr(c, name)[0][c.valid][~floats]) or \
+                name == "values"  # keys coded per channel over other runs than format 3's
+    coded_parts = ("codes", "steps", "mins", "floats")
+    assert coded_kv_bytes(loaded, code) == sum(
+        t.nbytes for k, t in load(data).items() if k.split(".")[-1][1:] in coded_parts)
+    assert coded_kv_bytes(loaded, code) > coded_kv_bytes(loaded, CodeConfig(bits=4, group=8))
+    question = random_ids(4, seed=3)
+    assert generate_from_cache(StandIn(model), loaded, question, 4).shape[-1] == 4
+    with pytest.raises(ValueError, match="need a low-bit code"):
+        CodeConfig(float_sinks=4)
 
 
 def test_eight_bits_answer_as_the_float_cache(built):
