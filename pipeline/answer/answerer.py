@@ -45,6 +45,7 @@ class AnswerResult:
     # the question-time top-up (`TopUp.as_dict`): the turns prefilled after the cache, or why none
     topup: dict = field(default_factory=dict)
     live_tokens: int = 0  # the live tail's, read after the top-up
+    prompt_tokens: int = 0  # every token prefilled after the cache (top-up, live tail, question)
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -143,7 +144,8 @@ class Answerer:
         timings["decode"] = (time.perf_counter() - t) * 1000
         return AnswerResult(conversation_id, question.text, decoded.text, plan.read[0].episode,
                             plan.similarity, hit, {k: round(v, 2) for k, v in timings.items()},
-                            [r.episode for r in plan.read], plan.topup.as_dict(), live_tokens)
+                            [r.episode for r in plan.read], plan.topup.as_dict(), live_tokens,
+                            decoded.prompt_tokens)
 
     def answer_nll(self, conversation_id: str, question: str, answer: str,
                    live: Sequence[ChatTurn] = ()) -> float:

@@ -57,8 +57,12 @@ class DecodeJob:
     row: DecodeRow | None = None
     next_ids: torch.Tensor | None = None
     ids: list[int] = field(default_factory=list)
+    prompt_tokens: int = field(init=False)  # the prompt's tokens: `next_ids` as made
     generator: torch.Generator | None = None
     warpers: object | None = None  # a sampled request's logits warpers (made once, at its start)
+
+    def __post_init__(self) -> None:
+        self.prompt_tokens = len(self.next_ids) if self.next_ids is not None else 0
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -364,7 +368,8 @@ class DecodeBatcher:
             with self._wake:
                 self.completed += 1
             job.future.set_result(Decoded(text, len(job.ids),
-                                          finish_reason(self.lm, ids, job.max_new_tokens)))
+                                          finish_reason(self.lm, ids, job.max_new_tokens),
+                                          job.prompt_tokens))
         else:
             job.next_ids = torch.tensor([token], dtype=torch.long)
 

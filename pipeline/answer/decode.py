@@ -57,6 +57,8 @@ class Decoded:
     text: str
     tokens: int
     finish_reason: str  # "stop" (end of sequence) or "length" (max_new_tokens reached)
+    # the tokens prefilled after the cache: top-up, live tail, instruction and question
+    prompt_tokens: int = 0
 
 
 def finish_reason(lm: models.LoadedModel, ids: torch.Tensor, max_new_tokens: int) -> str:
@@ -80,7 +82,7 @@ def decode_answer(lm: models.LoadedModel, cache: EpisodicCache, question: str,
     prompt = question_prompt(lm, cache, question, max_new_tokens, limits, topup, live)
     ids = generate_from_cache(lm, cache, prompt, max_new_tokens, temperature)
     text = lm.tokenizer.decode(ids, skip_special_tokens=True).strip()
-    return Decoded(text, int(len(ids)), finish_reason(lm, ids, max_new_tokens))
+    return Decoded(text, int(len(ids)), finish_reason(lm, ids, max_new_tokens), len(prompt))
 
 
 @torch.inference_mode()

@@ -124,11 +124,11 @@ class Decoder:
 
     async def answer(self, ref: CacheRef | tuple[CacheRef, ...], question: str, max_new_tokens: int,
                      temperature: float, topup: str = "", live: str = "") -> dict:
-        """{"answer", "tokens", "finish_reason", "cache_hit", "replica", "fetch_ms", "decode_ms",
-        "queue_ms"} or {"error": {"status", "message"}}; `topup`: the question's top-up text
-        (the router's, `pipeline.answer.topup`), read after the cache; `live`: the request's
-        live tail as the router rendered it (`pipeline.kv.prompts.live_text`), read after the
-        top-up."""
+        """{"answer", "tokens", "prompt_tokens", "finish_reason", "cache_hit", "replica",
+        "fetch_ms", "decode_ms", "queue_ms"} or {"error": {"status", "message"}}; `topup`: the
+        question's top-up text (the router's, `pipeline.answer.topup`), read after the cache;
+        `live`: the request's live tail as the router rendered it
+        (`pipeline.kv.prompts.live_text`), read after the top-up."""
         try:
             cache, hit, fetch_ms = await asyncio.to_thread(self._cache, ref)
             job = await asyncio.to_thread(self.batcher.submit, cache, question, max_new_tokens,
@@ -143,6 +143,7 @@ class Decoder:
             job.cancel()  # no-op once done; a request the router cancelled leaves the batch
         self.metrics.decoded(job.decode_ms, decoded.tokens)
         return {"answer": decoded.text, "tokens": decoded.tokens,
+                "prompt_tokens": decoded.prompt_tokens,
                 "finish_reason": decoded.finish_reason, "cache_hit": hit,
                 "replica": self.replica, "fetch_ms": round(fetch_ms, 3),
                 "decode_ms": round(job.decode_ms, 3), "queue_ms": round(job.queue_ms, 3)}
@@ -151,8 +152,8 @@ class Decoder:
                      temperature: float, topup: str = "", live: str = "") -> AsyncIterator[dict]:
         """First {"cache_hit", "fetch_ms"} (or {"error": ...}: a bad cache or a request over
         the limits is an HTTP status, not a stream), then {"text": piece}s, then
-        {"done": {"tokens", "finish_reason", "decode_ms", "queue_ms"}} (or {"error": ...});
-        `topup` and `live` as for `answer`."""
+        {"done": {"tokens", "prompt_tokens", "finish_reason", "decode_ms", "queue_ms"}} (or
+        {"error": ...}); `topup` and `live` as for `answer`."""
         streamer = AsyncTextIteratorStreamer(self.lm.tokenizer, skip_prompt=True,
                                              skip_special_tokens=True)
         try:
@@ -176,7 +177,8 @@ class Decoder:
         finally:
             job.cancel()  # no-op once done; a client that went away leaves the batch
         self.metrics.decoded(job.decode_ms, decoded.tokens)
-        yield {"done": {"tokens": decoded.tokens, "finish_reason": decoded.finish_reason,
+        yield {"done": {"tokens": decoded.tokens, "prompt_tokens": decoded.prompt_tokens,
+                        "finish_reason": decoded.finish_reason,
                         "decode_ms": round(job.decode_ms, 3), "queue_ms": round(job.queue_ms, 3)}}
 
     def prefetch(self, refs: list[CacheRef]) -> int:

@@ -390,7 +390,7 @@ class Router:
         if not body.stream:
             result = await self._ask_decoder(plan, question, live)
             timings |= {"fetch": result["fetch_ms"], "decode": result["decode_ms"]}
-            return openai_chat.completion(base, question.text, result, meta, timings)
+            return openai_chat.completion(base, result, meta, timings)
 
         gen = self._decoder_for(body.conversation_id, stream=True).stream.remote(
             refs_of(rows), question.text, question.max_new_tokens, question.temperature,

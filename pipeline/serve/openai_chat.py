@@ -17,7 +17,7 @@ from pipeline.serve.schemas import ChatMessage
 
 def message_text(message: ChatMessage) -> str:
     if isinstance(message.content, list):
-        return "".join(p.text or "" for p in message.content if p.type == "text")
+        return "".join(p.text for p in message.content)
     return message.content or ""
 
 
@@ -31,10 +31,10 @@ def _rounded(timings: dict) -> dict:
     return {k: round(v, 3) for k, v in timings.items()}
 
 
-def completion(base: dict, question: str, result: dict, meta: dict, timings: dict) -> dict:
+def completion(base: dict, result: dict, meta: dict, timings: dict) -> dict:
     """The `chat.completion` object of a decoder's whole answer."""
-    # the question approximate (its words: the decoder counts its tokens), the live tail exact
-    prompt_tokens = len(question.split()) + meta.get("live_tokens", 0)
+    # the tokens the decoder prefilled after the cache (top-up, live tail, question)
+    prompt_tokens = result["prompt_tokens"]
     return {**base, "object": "chat.completion",
             "choices": [{"index": 0, "finish_reason": result["finish_reason"],
                          "message": {"role": "assistant", "content": result["answer"]}}],

@@ -3,6 +3,8 @@ then 422 naming the fields that do not fit (the OpenAI chat request is read as O
 send it). The ranges of the sampling fields are checked by `AnswerLimits`, as `jobs.answer` and
 the `Answerer` check them."""
 
+from typing import Literal
+
 from fastapi import Request
 from pydantic import (
     BaseModel,
@@ -37,9 +39,11 @@ class AnswerRequest(BaseModel):
 
 
 class ContentPart(BaseModel):
+    """A part of a message's content: text only (the model reads text), so an image or audio
+    part is refused naming it rather than dropped unread."""
     model_config = ConfigDict(extra="allow")
-    type: StrictStr
-    text: StrictStr | None = None
+    type: Literal["text"]
+    text: StrictStr
 
 
 class ChatMessage(BaseModel):

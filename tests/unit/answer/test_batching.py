@@ -13,8 +13,14 @@ import torch
 from transformers import TextIteratorStreamer
 
 from pipeline.answer.batcher import DecodeBatcher
-from pipeline.answer.decode import AnswerPieces, decode_answer, generate_from_cache
+from pipeline.answer.decode import (
+    AnswerPieces,
+    decode_answer,
+    generate_from_cache,
+    question_prompt,
+)
 from pipeline.answer.packed import DecodeRow, packed_step
+from pipeline.config.limits import DEFAULT_LIMITS
 from pipeline.kv.cache import EpisodicCache
 from pipeline.kv.methods.epicache import EpiCache
 from pipeline.kv.prefill import PrefillConfig, block_prefill
@@ -142,6 +148,9 @@ def test_batcher_answers_equal_decode_answer_also_when_joining_midway(lm_and_cac
     lm, caches = lm_and_caches
     before = [_state(c) for c in caches]
     alone = [decode_answer(lm, c, q, 24) for c, q in zip(caches, QUESTIONS)]
+    # the usage a client is billed: every token prefilled after the cache (equal below: batched)
+    assert [a.prompt_tokens for a in alone] == [
+        len(question_prompt(lm, c, q, 24, DEFAULT_LIMITS)) for c, q in zip(caches, QUESTIONS)]
     batcher = DecodeBatcher(lm, max_batch=8)
     try:
         pause = PauseAfter(6)

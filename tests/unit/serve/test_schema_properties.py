@@ -8,6 +8,7 @@ import asyncio
 import copy
 import json
 
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
@@ -119,3 +120,15 @@ def test_a_number_field_refuses_text_and_booleans(model, value):
     else:
         raise AssertionError(f"temperature {value!r} was accepted")
     assert model.model_validate(VALID[model] | {"temperature": 0}).temperature == 0.0
+
+
+def test_a_content_part_that_is_not_text_is_refused_naming_it():
+    """An image (or any part the model cannot read) is a 422 naming the part, never dropped
+    unread from the question."""
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    body = copy.deepcopy(VALID[ChatRequest])
+    body["messages"][1]["content"].append(image)
+    with pytest.raises(ApiError) as refused:
+        asyncio.run(parse_body(_request(json.dumps(body).encode()), ChatRequest, MAX_BYTES))
+    assert refused.value.status == 422
+    assert "messages.1.content" in str(refused.value)
