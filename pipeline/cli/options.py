@@ -227,6 +227,12 @@ BUILD_OPTIONS = SHARED_BUILD_OPTIONS + (
     FieldOption("--code-group", "code.group",
                 "low-bit codes: numbers sharing a minimum and a step (keys: a channel over this "
                 "many entries; values: this many channels of an entry)"),
+    FieldOption("--code-float-sinks", "code.float_sinks",
+                "low-bit codes: each head's first N entries (the attention sinks) kept as floats "
+                "beside the codes"),
+    FieldOption("--code-float-recent", "code.float_recent",
+                "low-bit codes: each head's last N entries (the most recent) kept as floats "
+                "beside the codes"),
     FieldOption("--code-equal-bytes", "code.bytes_budget",
                 "low-bit codes: --budget M reads as the bytes of M float entries, and the build "
                 "keeps as many coded entries as they hold", const=True),
