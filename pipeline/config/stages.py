@@ -145,6 +145,11 @@ class CodeConfig:
     float_recent: int = 0
 
     @property
+    def keeps_floats(self) -> bool:
+        """Whether some entries of each head are kept as floats beside the codes."""
+        return bool(self.float_sinks or self.float_recent)
+
+    @property
     def bytes_per_number(self) -> float:
         """Stored bytes per key or value number: its code, and its share of its group's float16
         step and minimum."""
@@ -159,7 +164,7 @@ class CodeConfig:
         if self.float_sinks < 0 or self.float_recent < 0:
             raise ValueError(f"code float_sinks and float_recent must be >= 0, got "
                              f"{self.float_sinks} and {self.float_recent}")
-        if (self.float_sinks or self.float_recent) and not self.bits:
+        if self.keeps_floats and not self.bits:
             raise ValueError("entries kept as floats beside the codes (code.float_sinks, "
                              "code.float_recent) need a low-bit code (code.bits)")
         if self.bytes_budget and not self.bits:

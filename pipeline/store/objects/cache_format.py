@@ -143,7 +143,6 @@ def serialize(cache: EpisodicCache, header: dict, dtype: torch.dtype = torch.flo
     first = cache.layers[0]
     compacted = any(not torch.equal(layer.rope_positions, layer.positions)
                     for layer in cache.layers)
-    floats = {"float_sinks": code.float_sinks, "float_recent": code.float_recent}
     header = dict(header, format=_format(code),
                   tokens_seen=cache.tokens_seen,
                   next_position=cache.next_position,
@@ -152,8 +151,7 @@ def serialize(cache: EpisodicCache, header: dict, dtype: torch.dtype = torch.flo
                      if compacted and first.compact_cut is not None else {}),
                   kv_heads=int(first.valid.shape[0]), head_dim=int(first.keys.shape[-1]),
                   dtype=str(dtype).removeprefix("torch."), quant=quant,
-                  **({"code": {"bits": code.bits, "group": code.group} |
-                      (floats if any(floats.values()) else {})} if code.bits else {}))
+                  **({"code": _code_header(code)} if code.bits else {}))
     return st_save({k: v.cpu() for k, v in tensors.items()},
                    metadata={"header": json.dumps(header)})
 
@@ -178,7 +176,13 @@ def coded_kv_bytes(cache: EpisodicCache, code: CodeConfig) -> int:
 def _format(code: CodeConfig) -> str:
     if not code.bits:
         return FORMAT
-    return FLOATS_CODED_FORMAT if code.float_sinks or code.float_recent else CODED_FORMAT
+    return FLOATS_CODED_FORMAT if code.keeps_floats else CODED_FORMAT
+
+
+def _code_header(code: CodeConfig) -> dict:
+    """The header's `code`: bits and group, and format 4's float entries where it keeps some."""
+    floats = {"float_sinks": code.float_sinks, "float_recent": code.float_recent}
+    return {"bits": code.bits, "group": code.group} | (floats if code.keeps_floats else {})
 
 
 def _coded(i: int, keys: torch.Tensor, values: torch.Tensor, lengths: list[int],
@@ -186,7 +190,7 @@ def _coded(i: int, keys: torch.Tensor, values: torch.Tensor, lengths: list[int],
     """Layer `i`'s keys and values [entries, d] as format 3's code tensors, with format 4's
     float entries (at `dtype`) where `code` keeps some."""
     out = {}
-    if code.float_sinks or code.float_recent:
+    if code.keeps_floats:
         floats = low_bit.float_entries(lengths, code.float_sinks, code.float_recent)
         out |= {f"layers.{i}.kfloats": keys[floats].to(dtype).contiguous(),
                 f"layers.{i}.vfloats": values[floats].to(dtype).contiguous()}
@@ -218,7 +222,7 @@ def _decoded(i: int, tensors: dict[str, torch.Tensor], header: dict, lengths: li
                     for prefix in ("k", "v"))
     keys = low_bit.decode_keys(keys, coded, head_dim, code.bits, code.group, dtype)
     values = low_bit.decode_values(values, sum(coded), head_dim, code.bits, code.group, dtype)
-    if coded == lengths:
+    if not code.keeps_floats:
         return keys, values
     floats = low_bit.float_entries(lengths, code.float_sinks, code.float_recent).to(device)
     return tuple(_placed(floats, tensors[f"layers.{i}.{prefix}floats"].to(device, dtype), part)

@@ -97,7 +97,10 @@ def decode_values(coded: Coded, entries: int, head_dim: int, bits: int, group: i
 def float_entries(lengths: list[int], sinks: int, recent: int) -> torch.Tensor:
     """[sum(lengths)] bool over the entries of every head, head after head: those kept as
     floats, each head's first `sinks` and last `recent` (all of a head shorter than both)."""
-    marks = [(torch.arange(n) < sinks) | (torch.arange(n) >= n - recent) for n in lengths]
+    marks = []
+    for n in lengths:
+        index = torch.arange(n)
+        marks.append((index < sinks) | (index >= n - recent))
     return torch.cat(marks) if marks else torch.zeros(0, dtype=torch.bool)
 
 
@@ -111,8 +114,9 @@ def coded_bytes(lengths: list[int], head_dim: int, bits: int, group: int, sinks:
     """Bytes of one layer's keys and values coded (codes, steps and minimums; what a float
     object's `.keys` and `.values` take), for `lengths` entries per head, the `float_entries`
     among them at `float_bytes` a number."""
-    floats = (sum(lengths) - sum(coded_lengths(lengths, sinks, recent))) * head_dim * 2
-    lengths = coded_lengths(lengths, sinks, recent)
+    coded = coded_lengths(lengths, sinks, recent)
+    floats = (sum(lengths) - sum(coded)) * head_dim * 2  # keys and values
+    lengths = coded
     span = value_group(head_dim, group)
     key_rows = sum(_groups_per_head(lengths, group)) * head_dim
     value_rows = sum(lengths) * head_dim // span
