@@ -224,6 +224,9 @@ BUILD_OPTIONS = SHARED_BUILD_OPTIONS + (
     FieldOption("--code-bits", "code.bits",
                 "store the keys and values in KIVI's low-bit codes of this many bits (2, 4 or "
                 "8; 0: floats at --store-dtype); not with --tristate"),
+    FieldOption("--code-value-bits", "code.value_bits",
+                "low-bit codes: the values at this many bits (2, 4 or 8), the keys at "
+                "--code-bits (default: the same)"),
     FieldOption("--code-group", "code.group",
                 "low-bit codes: numbers sharing a minimum and a step (keys: a channel over this "
                 "many entries; values: this many channels of an entry)"),

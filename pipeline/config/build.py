@@ -65,12 +65,13 @@ class BuildConfig:
     @property
     def entry_budget(self) -> int | None:
         """The entries a build keeps per layer and KV head: `budget`, or, where the code reads
-        it as bytes (`code.bytes_budget`), as many coded entries as `budget` entries at the
-        store dtype take."""
+        it as bytes (`code.bytes_budget`), as many entries as `budget` entries at the store
+        dtype take: the code's float entries at that dtype, the rest coded."""
         if self.budget is None or not self.code.bytes_budget:
             return self.budget
         element = STORE_ELEMENT_BYTES[self.store_dtype]
-        return int(self.budget * element / self.code.bytes_per_number)
+        floats = min(self.code.float_sinks + self.code.float_recent, self.budget)
+        return floats + int((self.budget - floats) * element / self.code.bytes_per_number)
 
     def as_dict(self) -> dict:
         """The configuration as hashed (`hashing.hashed_fields`)."""

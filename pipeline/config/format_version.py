@@ -12,4 +12,7 @@ CODED_FORMAT = "epicache-kv/3"
 # format 3 with some entries of each head kept as floats beside the codes (`CodeConfig`'s
 # float_sinks and float_recent): written only by builds that keep them, whose hash differs
 FLOATS_CODED_FORMAT = "epicache-kv/4"
-READABLE_FORMATS = ("epicache-kv/1", FORMAT, CODED_FORMAT, FLOATS_CODED_FORMAT)
+# format 3 or 4 with the values coded at another width than the keys (`CodeConfig.value_bits`):
+# a reader of format 4 would decode them at the keys' width, so it must refuse them
+MIXED_BITS_FORMAT = "epicache-kv/5"
+READABLE_FORMATS = ("epicache-kv/1", FORMAT, CODED_FORMAT, FLOATS_CODED_FORMAT, MIXED_BITS_FORMAT)

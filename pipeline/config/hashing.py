@@ -41,7 +41,7 @@ ADDED_LATER = (("prefill", "compact_recent", 0), ("prefill", "one_pass", False),
                ("prefill", "score_span", 0), ("prefill", "score_span_share", 1.0),
                ("code", "bits", 0), ("code", "group", 32),
                ("code", "bytes_budget", False), ("code", "float_sinks", 0),
-               ("code", "float_recent", 0))
+               ("code", "float_recent", 0), ("code", "value_bits", None))
 # (section, field, the value every build that `jobs.build` could make had, hashed or not): knobs
 # measured and retired (docs/changelog.md). A hashed one is hashed with that value, so stores
 # keep their hash; a stored configuration holding another value no longer reads back.

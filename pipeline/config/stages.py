@@ -143,6 +143,9 @@ class CodeConfig:
     # which every query reads) and its last (the most recent turns: KIVI's float residual)
     float_sinks: int = 0
     float_recent: int = 0
+    # the values' code width where it differs from the keys' (None: `bits`): a value's error
+    # moves its share of the output alone, a key's moves every weight of the softmax
+    value_bits: int | None = None
 
     @property
     def keeps_floats(self) -> bool:
@@ -150,10 +153,20 @@ class CodeConfig:
         return bool(self.float_sinks or self.float_recent)
 
     @property
+    def values_bits(self) -> int:
+        """The values' code width: `value_bits`, or the keys' `bits`."""
+        return self.bits if self.value_bits is None else self.value_bits
+
+    @property
+    def mixed_bits(self) -> bool:
+        """Whether the values are coded at another width than the keys."""
+        return self.values_bits != self.bits
+
+    @property
     def bytes_per_number(self) -> float:
-        """Stored bytes per key or value number: its code, and its share of its group's float16
-        step and minimum."""
-        return self.bits / 8 + 4 / self.group
+        """Stored bytes per key or value number (their mean): its code, and its share of its
+        group's float16 step and minimum."""
+        return (self.bits + self.values_bits) / 16 + 4 / self.group
 
     def __post_init__(self):
         if self.bits not in (0, *CODE_BITS):
@@ -167,6 +180,10 @@ class CodeConfig:
         if self.keeps_floats and not self.bits:
             raise ValueError("entries kept as floats beside the codes (code.float_sinks, "
                              "code.float_recent) need a low-bit code (code.bits)")
+        if self.value_bits is not None and (not self.bits or self.value_bits not in CODE_BITS):
+            raise ValueError(f"code value_bits must be one of {CODE_BITS} and needs a low-bit "
+                             f"code for the keys (code.bits), got {self.value_bits} with bits "
+                             f"{self.bits}")
         if self.bytes_budget and not self.bits:
             raise ValueError("a budget in bytes (code.bytes_budget) needs a low-bit code "
                              "(code.bits)")

@@ -29,6 +29,9 @@ Format 4 (header `code` also `{"float_sinks", "float_recent"}`): format 3 with e
 `float_sinks` and last `float_recent` entries kept as floats at `dtype` beside the codes,
 `layers.{i}.kfloats` and `.vfloats` [entries, d] head after head (`low_bit.float_entries`); the
 codes hold the rest.
+
+Format 5 (header `code` also `{"value_bits"}`): format 3 or 4 with the values coded at
+`value_bits` and the keys at `bits`.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from pipeline.config.format_version import (
     CODED_FORMAT,
     FLOATS_CODED_FORMAT,
     FORMAT,
+    MIXED_BITS_FORMAT,
     READABLE_FORMATS,
 )
 from pipeline.config.stages import CodeConfig
@@ -114,7 +118,8 @@ def check_sha256(got: str, expected: str | None, name: str = "cache") -> None:
 def serialize(cache: EpisodicCache, header: dict, dtype: torch.dtype = torch.float16,
               code: CodeConfig = CodeConfig()) -> bytes:
     """Safetensors bytes of the cache's valid entries, stored as `dtype`, or in `code`'s
-    low-bit codes (format 3; 4 with entries kept as floats beside them) when it has bits."""
+    low-bit codes (format 3; 4 with entries kept as floats beside them; 5 with the values at
+    another width) when it has bits."""
     tensors: dict[str, torch.Tensor] = {}
     quant = None
     if code.bits and any(layer.quantized is not None for layer in cache.layers):
@@ -169,20 +174,25 @@ def coded_kv_bytes(cache: EpisodicCache, code: CodeConfig) -> int:
     """Bytes of the cache's keys and values in `code`'s low-bit codes, as an object stores them
     (`low_bit.coded_bytes` per layer)."""
     return sum(low_bit.coded_bytes(layer.valid.sum(dim=1).tolist(), layer.keys.shape[-1],
-                                   code.bits, code.group, code.float_sinks, code.float_recent)
+                                   code.bits, code.group, code.float_sinks, code.float_recent,
+                                   value_bits=code.values_bits)
                for layer in cache.layers)
 
 
 def _format(code: CodeConfig) -> str:
     if not code.bits:
         return FORMAT
+    if code.mixed_bits:
+        return MIXED_BITS_FORMAT
     return FLOATS_CODED_FORMAT if code.keeps_floats else CODED_FORMAT
 
 
 def _code_header(code: CodeConfig) -> dict:
-    """The header's `code`: bits and group, and format 4's float entries where it keeps some."""
+    """The header's `code`: bits and group, format 4's float entries where it keeps some, and
+    format 5's values' width where it differs."""
     floats = {"float_sinks": code.float_sinks, "float_recent": code.float_recent}
-    return {"bits": code.bits, "group": code.group} | (floats if code.keeps_floats else {})
+    return ({"bits": code.bits, "group": code.group} | (floats if code.keeps_floats else {})
+            | ({"value_bits": code.value_bits} if code.mixed_bits else {}))
 
 
 def _coded(i: int, keys: torch.Tensor, values: torch.Tensor, lengths: list[int],
@@ -197,7 +207,7 @@ def _coded(i: int, keys: torch.Tensor, values: torch.Tensor, lengths: list[int],
         keys, values = keys[~floats], values[~floats]
         lengths = low_bit.coded_lengths(lengths, code.float_sinks, code.float_recent)
     for prefix, coded in (("k", low_bit.encode_keys(keys, lengths, code.bits, code.group)),
-                          ("v", low_bit.encode_values(values, code.bits, code.group))):
+                          ("v", low_bit.encode_values(values, code.values_bits, code.group))):
         out |= {f"layers.{i}.{prefix}codes": coded.codes, f"layers.{i}.{prefix}steps": coded.steps,
                 f"layers.{i}.{prefix}mins": coded.mins}
     return out
@@ -214,14 +224,17 @@ def _decoded(i: int, tensors: dict[str, torch.Tensor], header: dict, lengths: li
     stored = header["code"]
     code = CodeConfig(bits=int(stored["bits"]), group=int(stored["group"]),
                       float_sinks=int(stored.get("float_sinks", 0)),
-                      float_recent=int(stored.get("float_recent", 0)))
+                      float_recent=int(stored.get("float_recent", 0)),
+                      value_bits=None if stored.get("value_bits") is None else
+                      int(stored["value_bits"]))
     head_dim = int(header["head_dim"])
     coded = low_bit.coded_lengths(lengths, code.float_sinks, code.float_recent)
     keys, values = (low_bit.Coded(*(tensors[f"layers.{i}.{prefix}{part}"].to(device)
                                     for part in ("codes", "steps", "mins")))
                     for prefix in ("k", "v"))
     keys = low_bit.decode_keys(keys, coded, head_dim, code.bits, code.group, dtype)
-    values = low_bit.decode_values(values, sum(coded), head_dim, code.bits, code.group, dtype)
+    values = low_bit.decode_values(values, sum(coded), head_dim, code.values_bits, code.group,
+                                   dtype)
     if not code.keeps_floats:
         return keys, values
     floats = low_bit.float_entries(lengths, code.float_sinks, code.float_recent).to(device)

@@ -110,10 +110,10 @@ def coded_lengths(lengths: list[int], sinks: int, recent: int) -> list[int]:
 
 
 def coded_bytes(lengths: list[int], head_dim: int, bits: int, group: int, sinks: int = 0,
-                recent: int = 0, float_bytes: int = 2) -> int:
+                recent: int = 0, float_bytes: int = 2, value_bits: int | None = None) -> int:
     """Bytes of one layer's keys and values coded (codes, steps and minimums; what a float
     object's `.keys` and `.values` take), for `lengths` entries per head, the `float_entries`
-    among them at `float_bytes` a number."""
+    among them at `float_bytes` a number, the values at `value_bits` (None: `bits`)."""
     coded = coded_lengths(lengths, sinks, recent)
     floats = (sum(lengths) - sum(coded)) * head_dim * 2  # keys and values
     lengths = coded
@@ -121,5 +121,6 @@ def coded_bytes(lengths: list[int], head_dim: int, bits: int, group: int, sinks:
     key_rows = sum(_groups_per_head(lengths, group)) * head_dim
     value_rows = sum(lengths) * head_dim // span
     # each row: its codes, a float16 step and a float16 minimum
-    return (key_rows * (group * bits // 8 + 4) + value_rows * (span * bits // 8 + 4)
+    value_bits = bits if value_bits is None else value_bits
+    return (key_rows * (group * bits // 8 + 4) + value_rows * (span * value_bits // 8 + 4)
             + floats * float_bytes)

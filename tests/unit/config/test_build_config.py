@@ -14,6 +14,7 @@ import pytest
 from pipeline.config import (
     BuildConfig,
     CalibrationConfig,
+    CodeConfig,
     EpisodeConfig,
     MergeConfig,
     PrefillConfig,
@@ -21,6 +22,7 @@ from pipeline.config import (
     TriStateConfig,
 )
 from pipeline.config.hashing import ADDED_LATER
+from pipeline.store.objects import low_bit
 from tests.support.paths import REPO
 
 
@@ -63,7 +65,8 @@ NEEDS = {"score_span": {"one_pass": True},
          "bits": {"bits": 4}, "group": {"group": 64, "bits": 4},
          "bytes_budget": {"bytes_budget": True, "bits": 4},
          "float_sinks": {"float_sinks": 4, "bits": 4},
-         "float_recent": {"float_recent": 16, "bits": 4}}
+         "float_recent": {"float_recent": 16, "bits": 4},
+         "value_bits": {"value_bits": 2, "bits": 4}}
 
 
 def test_build_config_hash_is_stable():
@@ -207,3 +210,23 @@ def test_the_package_loads_without_torch():
             "print(sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert done.stdout.strip() == "[]", done.stderr
+
+
+@pytest.mark.parametrize("code", [CodeConfig(bits=4, bytes_budget=True),
+                                  CodeConfig(bits=4, bytes_budget=True, float_sinks=4,
+                                             float_recent=16),
+                                  CodeConfig(bits=4, value_bits=2, group=64, bytes_budget=True,
+                                             float_sinks=4, float_recent=16)])
+def test_a_budget_in_bytes_keeps_the_entries_those_bytes_hold(code):
+    """`code.bytes_budget`: the entries kept take the bytes of `budget` float16 entries, the
+    float entries counted at float16 (more floats, fewer entries), within a key group's
+    rounding of the budget."""
+    config = BuildConfig(budget=512, code=code)
+    kept, head_dim, heads = config.entry_budget, 64, 3
+    stored = low_bit.coded_bytes([kept] * heads, head_dim, code.bits, code.group,
+                                 code.float_sinks, code.float_recent, value_bits=code.values_bits)
+    budget = heads * 512 * 2 * head_dim * 2
+    assert kept > 512 and budget * 0.97 < stored <= budget * 1.02
+    assert stored > low_bit.coded_bytes([kept - 8] * heads, head_dim, code.bits, code.group,
+                                        code.float_sinks, code.float_recent,
+                                        value_bits=code.values_bits)

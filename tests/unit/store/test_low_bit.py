@@ -14,7 +14,12 @@ from safetensors.torch import load, save
 from kernels.quant_reference import GROUP_BITS
 from pipeline.answer.decode import generate_from_cache
 from pipeline.config import BuildConfig, CodeConfig, PrefillConfig, TriStateConfig
-from pipeline.config.format_version import CODED_FORMAT, FLOATS_CODED_FORMAT, READABLE_FORMATS
+from pipeline.config.format_version import (
+    CODED_FORMAT,
+    FLOATS_CODED_FORMAT,
+    MIXED_BITS_FORMAT,
+    READABLE_FORMATS,
+)
 from pipeline.config.stages import CODE_BITS
 from pipeline.kv.methods.epicache import EpiCache
 from pipeline.kv.prefill import block_prefill
@@ -24,6 +29,7 @@ from pipeline.store.objects.cache_format import (
     as_stored,
     coded_kv_bytes,
     deserialize,
+    read_header,
     serialize,
     sha256,
 )
@@ -154,6 +160,42 @@ def test_float_sinks_and_recent_entries_read_back_exactly_the_rest_coded(built):
     assert generate_from_cache(StandIn(model), loaded, question, 4).shape[-1] == 4
     with pytest.raises(ValueError, match="need a low-bit code"):
         CodeConfig(float_sinks=4)
+
+
+def test_values_at_other_bits_than_the_keys(built):
+    """Format 5: the values coded at `value_bits`, the keys at `bits`, each within its own
+    code's error; the bytes counted are those stored, fewer than both at the keys' width; an
+    object of another width is refused by a configuration check, never misread."""
+    model, cache = built
+    code = CodeConfig(bits=4, group=8, float_sinks=1, value_bits=2)
+    assert code.mixed_bits and code.bytes_per_number == (4 + 2) / 16 + 4 / 8
+    data = serialize(cache, {"conversation_id": "conv-1"}, code=code)
+    loaded, header = deserialize(data, sha256(data), NAME)
+    assert header["format"] == MIXED_BITS_FORMAT in READABLE_FORMATS
+    assert header["code"] == {"bits": 4, "group": 8, "float_sinks": 1, "float_recent": 0,
+                              "value_bits": 2}
+    for a, b in zip(cache.layers, loaded.layers):
+        floats = low_bit.float_entries(a.valid.sum(1).tolist(), 1, 0)
+        for name, bits in (("keys", 4), ("values", 2)):
+            x, y = getattr(a, name)[0][a.valid], getattr(b, name)[0][b.valid]
+            assert torch.equal(y[floats], x[floats].half().float())
+            spread = float(x.max() - x.min())
+            assert float((x - y).abs().max()) <= spread / (2 ** bits - 1)
+        x, y = a.values[0][a.valid], b.values[0][b.valid]
+        assert float((x - y).abs().max()) > float(x.max() - x.min()) / 15  # 2 bits, not 4
+    coded_parts = ("codes", "steps", "mins", "floats")
+    assert coded_kv_bytes(loaded, code) == sum(
+        t.nbytes for k, t in load(data).items() if k.split(".")[-1][1:] in coded_parts)
+    same = CodeConfig(bits=4, group=8, float_sinks=1)
+    assert coded_kv_bytes(loaded, code) < coded_kv_bytes(loaded, same)
+    assert read_header(serialize(cache, {}, code=same))["format"] == FLOATS_CODED_FORMAT
+    assert not CodeConfig(bits=4, value_bits=4).mixed_bits
+    with pytest.raises(ValueError, match="value_bits must be one of"):
+        CodeConfig(value_bits=2)
+    with pytest.raises(ValueError, match="value_bits must be one of"):
+        CodeConfig(bits=4, value_bits=3)
+    question = random_ids(4, seed=3)
+    assert generate_from_cache(StandIn(model), loaded, question, 4).shape[-1] == 4
 
 
 def test_eight_bits_answer_as_the_float_cache(built):
