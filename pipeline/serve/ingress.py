@@ -406,4 +406,4 @@ class Router:
         timings["fetch"] = first["fetch_ms"]
         meta |= {"cache_hit": first["cache_hit"]}
         return openai_chat.stream_response(gen, base, meta, timings,
-                                           self.settings.decoder_timeout_s)
+                                           self.settings.decoder_timeout_s, body.include_usage)

@@ -1,7 +1,8 @@
 """The OpenAI chat wire format: the text of a chat request's messages (the last is the question,
 the earlier ones its live tail), the completion object, and the server-sent event chunks of a
 streamed answer (each object with an `epicache` extra: episode, similarity, top-up, live tokens,
-cache hit, timings)."""
+cache hit, timings; with `stream_options.include_usage`, a last chunk with the usage and no
+choices, as OpenAI sends it)."""
 
 import asyncio
 import json
@@ -31,24 +32,28 @@ def _rounded(timings: dict) -> dict:
     return {k: round(v, 3) for k, v in timings.items()}
 
 
+def usage(decoded: dict) -> dict:
+    """OpenAI's `usage` of a decoder's answer (its result, or a stream's done item): the
+    prompt is every token the decoder prefilled after the cache (top-up, live tail, question)."""
+    prompt_tokens = decoded["prompt_tokens"]
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": decoded["tokens"],
+            "total_tokens": prompt_tokens + decoded["tokens"]}
+
+
 def completion(base: dict, result: dict, meta: dict, timings: dict) -> dict:
     """The `chat.completion` object of a decoder's whole answer."""
-    # the tokens the decoder prefilled after the cache (top-up, live tail, question)
-    prompt_tokens = result["prompt_tokens"]
     return {**base, "object": "chat.completion",
             "choices": [{"index": 0, "finish_reason": result["finish_reason"],
                          "message": {"role": "assistant", "content": result["answer"]}}],
-            "usage": {"prompt_tokens": prompt_tokens,
-                      "completion_tokens": result["tokens"],
-                      "total_tokens": prompt_tokens + result["tokens"]},
+            "usage": usage(result),
             "epicache": {**meta, "cache_hit": result["cache_hit"],
                          "timings_ms": _rounded(timings)}}
 
 
-def chunk(base: dict, delta: dict, finish: str | None = None, **extra) -> str:
-    """One `chat.completion.chunk` as a server-sent event."""
-    obj = {**base, "object": "chat.completion.chunk",
-           "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
+def chunk(base: dict, delta: dict | None, finish: str | None = None, **extra) -> str:
+    """One `chat.completion.chunk` as a server-sent event (no `delta`: no choices)."""
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
+    obj = {**base, "object": "chat.completion.chunk", "choices": choices, **extra}
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
@@ -72,8 +77,8 @@ async def _items(gen, timeout: float | None) -> AsyncIterator[dict]:
         yield item
 
 
-async def _events(gen, base: dict, meta: dict, timings: dict,
-                  timeout: float | None) -> AsyncIterator[str]:
+async def _events(gen, base: dict, meta: dict, timings: dict, timeout: float | None,
+                  include_usage: bool) -> AsyncIterator[str]:
     yield chunk(base, {"role": "assistant", "content": ""}, epicache=meta)
     async for item in _items(gen, timeout):
         if "text" in item:
@@ -83,18 +88,20 @@ async def _events(gen, base: dict, meta: dict, timings: dict,
             timings["decode"] = done["decode_ms"]
             yield chunk(base, {}, done.get("finish_reason", "stop"),
                         epicache={**meta, "timings_ms": _rounded(timings)})
+            if include_usage:
+                yield chunk(base, None, usage=usage(done))
         elif "error" in item:
             yield f"data: {json.dumps(error_body(**_error_args(item['error'])))}\n\n"
             break
     yield "data: [DONE]\n\n"
 
 
-def stream_response(gen, base: dict, meta: dict, timings: dict,
-                    timeout: float | None = None) -> StreamingResponse:
+def stream_response(gen, base: dict, meta: dict, timings: dict, timeout: float | None = None,
+                    include_usage: bool = False) -> StreamingResponse:
     """The decoder's stream (`gen`, past its first item, the fetch) as server-sent events: a
     first chunk with the role, a chunk per piece, a last one with the finish reason and the
-    timings (an error mid-stream, or no piece within `timeout` s, is an error object), then
-    `[DONE]`."""
-    return StreamingResponse(_events(gen, base, meta, timings, timeout),
+    timings (an error mid-stream, or no piece within `timeout` s, is an error object), with
+    `include_usage` one more with the usage and no choices, then `[DONE]`."""
+    return StreamingResponse(_events(gen, base, meta, timings, timeout, include_usage),
                              media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})

@@ -52,6 +52,12 @@ class ChatMessage(BaseModel):
     content: StrictStr | list[ContentPart] | None = None
 
 
+class StreamOptions(BaseModel):
+    """OpenAI's `stream_options`: `include_usage` asks for a last chunk holding the usage."""
+    model_config = ConfigDict(extra="allow")
+    include_usage: StrictBool = False
+
+
 class ChatRequest(BaseModel):
     model_config = ConfigDict(extra="allow")  # OpenAI clients send fields this server ignores
     conversation_id: StrictStr
@@ -61,7 +67,13 @@ class ChatRequest(BaseModel):
     max_completion_tokens: StrictInt | None = None
     temperature: StrictFloat | None = None  # a number: not "0.5", not true
     stream: StrictBool = False
+    stream_options: StreamOptions | None = None
     n: StrictInt | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a chunk holding the usage (`stream_options`)."""
+        return self.stream_options is not None and self.stream_options.include_usage
 
 
 async def parse_body(request: Request, model: type[BaseModel], max_bytes: int) -> BaseModel:

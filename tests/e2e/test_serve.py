@@ -442,10 +442,11 @@ def test_chat_completions_stream_read_by_the_openai_client(local_app, built):
                 {"role": "user", "content": question}]
     stream = client.chat.completions.create(
         model="SmolLM2-135M-Instruct", messages=messages, max_tokens=MAX_NEW, stream=True,
-        extra_body={"conversation_id": cid})
-    chunks = list(stream)
+        stream_options={"include_usage": True}, extra_body={"conversation_id": cid})
+    *chunks, usage = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert usage.choices == [] and all(c.usage is None for c in chunks)
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
     whole = client.chat.completions.create(
         model="SmolLM2-135M-Instruct", messages=messages, max_tokens=MAX_NEW,
@@ -458,6 +459,7 @@ def test_chat_completions_stream_read_by_the_openai_client(local_app, built):
     assert chunks[0].model_extra["epicache"]["live_tokens"] == live_tokens
     assert whole.model_extra["epicache"]["episode"] == native["episode"]
     assert whole.usage.completion_tokens == native["tokens"]
+    assert usage.usage == whole.usage  # the stream's usage chunk: the same answer's usage
 
 
 # A fact planted in the session the client is in: no cache and no turn of the corpus holds it
