@@ -126,16 +126,24 @@ REPAIR = ("re-run the build to repair it: python -m jobs.build (same corpus and 
           "--verify also finds damage that keeps the object's size)")
 
 
+# the turn indexes a router keeps: about 300 LoCoMo-length conversations' (~200 KiB each)
+KEEP_BYTES = 64 << 20
+
+
 class TopUps:
     """Questions' top-ups over their conversations' turn indexes, each index fetched once
-    (verified) and kept, the last `keep` conversations'. An index that cannot be used gives
-    `TopUp.unavailable` saying why, logged, and is tried again at the next question."""
+    (verified) and kept, the most recently used first, within `keep_bytes` of stored index
+    bytes (the newest always kept): a bound in bytes, since one long conversation's index can
+    weigh a hundred short ones'. An index that cannot be used gives `TopUp.unavailable` saying
+    why, logged, and is tried again at the next question."""
 
-    def __init__(self, store: Store, config: TopUpConfig = TopUpConfig(), keep: int = 256):
-        self.store, self.config, self.keep = store, config, keep
-        self._indexes: OrderedDict[tuple[str, str], TurnIndex] = OrderedDict()
+    def __init__(self, store: Store, config: TopUpConfig = TopUpConfig(),
+                 keep_bytes: int = KEEP_BYTES):
+        self.store, self.config, self.keep_bytes = store, config, keep_bytes
+        self._indexes: OrderedDict[tuple[str, str], tuple[TurnIndex, int]] = OrderedDict()
         self._lock = threading.Lock()
         self.fetched_bytes = 0
+        self.held_bytes = 0
 
     def index(self, record: ManifestRecord) -> TurnIndex:
         """The conversation's turn index (`TurnIndexUnavailable` if it has none usable)."""
@@ -147,14 +155,17 @@ class TopUps:
         with self._lock:
             if key in self._indexes:
                 self._indexes.move_to_end(key)
-                return self._indexes[key]
+                return self._indexes[key][0]
         index = read_turn_index(self.store, stored, record.conversation_id,
                                 record.encoder_fingerprint)
+        size = stored.size or 0
         with self._lock:
-            self.fetched_bytes += stored.size or 0
-            self._indexes[key] = index
-            while len(self._indexes) > self.keep:
-                self._indexes.popitem(last=False)
+            self.fetched_bytes += size
+            if key not in self._indexes:  # another question may have read it meanwhile
+                self._indexes[key] = (index, size)
+                self.held_bytes += size
+            while self.held_bytes > self.keep_bytes and len(self._indexes) > 1:
+                self.held_bytes -= self._indexes.popitem(last=False)[1][1]
         return index
 
     def for_question(self, records: list[ManifestRecord], read: list[ManifestRecord],

@@ -121,6 +121,37 @@ def test_top_ups_fetch_the_index_once_and_answer_from_the_episode_alone_without_
         store.drop()
 
 
+def test_top_ups_keep_their_indexes_within_a_bound_in_bytes():
+    """The indexes kept are the most recently used within `keep_bytes` (the newest always): an
+    index pushed out is fetched again at its conversation's next question."""
+    store = MemoryStore("topup-bytes-test")
+    try:
+        conversations = []
+        for name, n in (("a", 6), ("b", 6), ("c", 40)):
+            index = dataclasses.replace(_index(n), conversation_id=name)
+            stored = store_turn_index(index, store)
+            base = {f.name: None for f in dataclasses.fields(ManifestRecord)}
+            conversations.append([ManifestRecord(**base | {
+                "conversation_id": name, "episode": 0, "member_turn_ids": [],
+                "encoder_fingerprint": "fp", **stored.fields()})])
+        small, large = (c[0].turn_index_bytes for c in conversations[1:])
+        topups = TopUps(store, ON, keep_bytes=2 * small)
+        question = np.array([0.1, 0.9, 0.0, 0.5], np.float32)
+
+        def ask(records):
+            assert topups.for_question(records, records, question, words).status == "used"
+
+        a, b, c = conversations
+        ask(a), ask(b), ask(a)  # both fit: a is read once
+        assert topups.fetched_bytes == 2 * small and topups.held_bytes == 2 * small
+        ask(c)  # over the bound: only the newest is kept, however large
+        assert large > 2 * small and topups.held_bytes == large
+        ask(b)  # pushed out: fetched again; c pushed out in turn
+        assert topups.fetched_bytes == 3 * small + large and topups.held_bytes == small
+    finally:
+        store.drop()
+
+
 def test_held_turns_of_records_without_members_is_empty():
     assert held_turns([None, ("a",), ["b"]]) == {"a", "b"}
 
