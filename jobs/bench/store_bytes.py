@@ -5,7 +5,9 @@
 
 Builds the conversation as `jobs.build` does (the default method, in memory), then writes each
 episode's cache in every object format side by side in one run: float16 (the default) and the
-low-bit codes (`BuildConfig.code`: 8, 4 and 2 bits, KIVI's groups of 32). Per format: the
+low-bit codes (`BuildConfig.code`: 8, 4 and 2 bits, KIVI's groups of 32; and the codes measured
+since, in groups of 64 with each head's first 4 and last 16 entries as floats, the values at 4 or
+2 bits). Per format: the
 conversation's bytes and their ratio to float16, the object compressed losslessly (zstd at
 levels 1 and 3, lz4: pyarrow's codecs) as a share of itself, and the seconds to write (encode)
 and to parse (decode) one episode, against float16's. Quality at these bytes is the scorecard's
@@ -29,8 +31,11 @@ from pipeline.config.stages import CODE_BITS
 from pipeline.store.backends.memory import MemoryStore
 from pipeline.store.objects import cache_format
 
+FLOATS = {"group": 64, "float_sinks": 4, "float_recent": 16}
 FORMATS = (("float16", CodeConfig()),
-           *((f"int{bits}", CodeConfig(bits=bits)) for bits in sorted(CODE_BITS, reverse=True)))
+           *((f"int{bits}", CodeConfig(bits=bits)) for bits in sorted(CODE_BITS, reverse=True)),
+           ("int4 g64 floats", CodeConfig(bits=4, **FLOATS)),
+           ("k4 v2 g64 floats", CodeConfig(bits=4, value_bits=2, **FLOATS)))
 CODECS = (("zstd1", "zstd", 1), ("zstd3", "zstd", 3), ("lz4", "lz4", None))
 
 
