@@ -153,20 +153,20 @@ class CodeConfig:
         return bool(self.float_sinks or self.float_recent)
 
     @property
-    def values_bits(self) -> int:
+    def value_width(self) -> int:
         """The values' code width: `value_bits`, or the keys' `bits`."""
         return self.bits if self.value_bits is None else self.value_bits
 
     @property
     def mixed_bits(self) -> bool:
         """Whether the values are coded at another width than the keys."""
-        return self.values_bits != self.bits
+        return self.value_width != self.bits
 
     @property
     def bytes_per_number(self) -> float:
         """Stored bytes per key or value number (their mean): its code, and its share of its
         group's float16 step and minimum."""
-        return (self.bits + self.values_bits) / 16 + 4 / self.group
+        return (self.bits + self.value_width) / 16 + 4 / self.group
 
     def __post_init__(self):
         if self.bits not in (0, *CODE_BITS):

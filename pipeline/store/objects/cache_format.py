@@ -175,7 +175,7 @@ def coded_kv_bytes(cache: EpisodicCache, code: CodeConfig) -> int:
     (`low_bit.coded_bytes` per layer)."""
     return sum(low_bit.coded_bytes(layer.valid.sum(dim=1).tolist(), layer.keys.shape[-1],
                                    code.bits, code.group, code.float_sinks, code.float_recent,
-                                   value_bits=code.values_bits)
+                                   value_bits=code.value_width)
                for layer in cache.layers)
 
 
@@ -207,7 +207,7 @@ def _coded(i: int, keys: torch.Tensor, values: torch.Tensor, lengths: list[int],
         keys, values = keys[~floats], values[~floats]
         lengths = low_bit.coded_lengths(lengths, code.float_sinks, code.float_recent)
     for prefix, coded in (("k", low_bit.encode_keys(keys, lengths, code.bits, code.group)),
-                          ("v", low_bit.encode_values(values, code.values_bits, code.group))):
+                          ("v", low_bit.encode_values(values, code.value_width, code.group))):
         out |= {f"layers.{i}.{prefix}codes": coded.codes, f"layers.{i}.{prefix}steps": coded.steps,
                 f"layers.{i}.{prefix}mins": coded.mins}
     return out
@@ -233,7 +233,7 @@ def _decoded(i: int, tensors: dict[str, torch.Tensor], header: dict, lengths: li
                                     for part in ("codes", "steps", "mins")))
                     for prefix in ("k", "v"))
     keys = low_bit.decode_keys(keys, coded, head_dim, code.bits, code.group, dtype)
-    values = low_bit.decode_values(values, sum(coded), head_dim, code.values_bits, code.group,
+    values = low_bit.decode_values(values, sum(coded), head_dim, code.value_width, code.group,
                                    dtype)
     if not code.keeps_floats:
         return keys, values
