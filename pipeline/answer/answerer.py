@@ -20,7 +20,7 @@ from pipeline.answer.fetch import resident_read
 from pipeline.answer.lookup import check_models, embed_question
 from pipeline.answer.lru import CacheLRU
 from pipeline.answer.plan import QuestionPlanner, QuestionTools
-from pipeline.answer.topup import TopUps
+from pipeline.answer.topup import TopUps, read_view
 from pipeline.config import RoutingConfig, TopUpConfig
 from pipeline.config.limits import DEFAULT_LIMITS, AnswerLimits, CheckedQuestion, LimitError
 from pipeline.kv import models, prompts
@@ -136,6 +136,7 @@ class Answerer:
         timings = {k: plan.timings_ms[k] for k in ("embed", "route")}
         t = time.perf_counter()
         cache, hit = self.load_caches(plan.read)
+        cache = read_view(cache, plan.topup.hidden_spans)
         timings["load"] = (time.perf_counter() - t) * 1000
         timings["topup"] = plan.timings_ms["topup"]
         t = time.perf_counter()
@@ -158,7 +159,7 @@ class Answerer:
         plan = self.planner.plan(conversation_id, checked.text)
         lm = models.load_llm(plan.records[0].model_id, self.device)
         live_text, _ = self.live_text(lm, live)
-        cache, _ = self.load_caches(plan.read)
+        cache = read_view(self.load_caches(plan.read)[0], plan.topup.hidden_spans)
         answer_tokens = max(1, prompts.count_tokens(lm.tokenizer, answer.strip()))
         prompt = question_prompt(lm, cache, checked.text, answer_tokens, self.limits,
                                  plan.topup.text, live_text)

@@ -19,12 +19,13 @@ import functools
 import logging
 import threading
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 import numpy as np
 
 from pipeline.config import TopUpConfig
+from pipeline.kv.cache import EpisodicCache
 from pipeline.store.backends.base import Store
 from pipeline.store.catalogue.manifest import ManifestRecord
 from pipeline.store.objects.turn_index import (
@@ -42,15 +43,19 @@ class TopUp:
     """What a question reads after the cache: `text` ("" when nothing), the turns in it, its
     tokens, and `status`: "used", "none" (nothing to read: with `skip_held`, the episodes read
     hold the nearest turns),
-    "off" (not configured) or "unavailable" (no usable turn index; `note` says why)."""
+    "off" (not configured) or "unavailable" (no usable turn index; `note` says why).
+    `hidden_spans`: with `TopUpConfig.read_once`, the [start, end) token spans of its turns,
+    whose entries the cache read hides for this question (`EpisodicCache.without_tokens`)."""
     text: str = ""
     turn_ids: tuple[str, ...] = ()
     tokens: int = 0
     status: str = "off"
     note: str = ""
+    hidden_spans: tuple[tuple[int, int], ...] = ()
 
     def as_dict(self) -> dict:
-        return asdict(self) | {"turn_ids": list(self.turn_ids)}
+        return asdict(self) | {"turn_ids": list(self.turn_ids),
+                               "hidden_spans": [list(s) for s in self.hidden_spans]}
 
     @classmethod
     def unavailable(cls, note: str) -> "TopUp":
@@ -101,7 +106,26 @@ def select_topup(index: TurnIndex, question_embedding: np.ndarray, held: set[str
     if not chosen:
         return TopUp(status="none")
     turns = [index.turns[j] for j in sorted(chosen)]
-    return TopUp(render_topup(turns), tuple(t.turn_id for t in turns), tokens, "used")
+    topup = TopUp(render_topup(turns), tuple(t.turn_id for t in turns), tokens, "used")
+    return read_once(topup, turns) if config.read_once else topup
+
+
+def read_once(topup: TopUp, turns: list[IndexedTurn]) -> TopUp:
+    """The top-up with its turns' token spans to hide from the cache read; an index without
+    spans (format 1) hides nothing, and the top-up's note says so."""
+    if any(t.span is None for t in turns):
+        return replace(topup, note="the turn index holds no token spans (built before them), "
+                                   "so the cache's entries of the top-up's turns are read too: "
+                                   "python -m jobs.build --force stores an index with them")
+    return replace(topup, hidden_spans=tuple(t.span for t in turns))
+
+
+def read_view(cache: EpisodicCache, hidden_spans) -> EpisodicCache:
+    """The cache as a question reads it: with a top-up read once (`TopUp.hidden_spans`),
+    a view without its turns' entries (the stored and resident cache unchanged)."""
+    if not hidden_spans:
+        return cache
+    return cache.without_tokens(EpisodicCache.token_mask(hidden_spans, cache.tokens_seen))
 
 
 # a line's own tokens can exceed what it adds to the rendered text by a token or two (the

@@ -73,5 +73,6 @@ def plan_conversation(conv: Conversation, config: BuildConfig,
     if store is None:
         return planned
     index = write_turn_index(planned.conversation, models.load_encoder(config.encoder),
-                             config.encoder, planned.encoder_fingerprint, store, previous)
+                             config.encoder, planned.encoder_fingerprint, store, previous,
+                             models.load_tokenizer(config.model))
     return replace(planned, turn_index=index, seconds=time.perf_counter() - start)

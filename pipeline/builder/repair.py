@@ -107,7 +107,8 @@ def plan_repair(conv: Conversation, previous: list[ManifestRecord], damage: Dama
     index = first.turn_index
     if damage.turn_index:
         index = write_turn_index(held, models.load_encoder(config.encoder), config.encoder,
-                                 models.encoder_fingerprint(config.encoder), store)
+                                 models.encoder_fingerprint(config.encoder), store,
+                                 tokenizer=tokenizer)
     return RepairPlan(held, tuple(previous), damage.episodes, index,
                       time.perf_counter() - start)
 

@@ -12,6 +12,7 @@ import numpy as np
 from pipeline.corpus.render import render_session_header, render_turn
 from pipeline.corpus.schema import Conversation
 from pipeline.episodes import embed_texts
+from pipeline.kv.layout import token_layout
 from pipeline.store.backends.base import Store
 from pipeline.store.catalogue.manifest import ManifestRecord
 from pipeline.store.objects.turn_index import (
@@ -24,16 +25,21 @@ from pipeline.store.objects.turn_index import (
 )
 
 
-def indexed_turns(conv: Conversation) -> tuple[IndexedTurn, ...]:
-    return tuple(IndexedTurn(t.turn_id, t.session, render_session_header(t), render_turn(t))
-                 for t in conv.turns)
+def indexed_turns(conv: Conversation, tokenizer=None) -> tuple[IndexedTurn, ...]:
+    """The conversation's turns as indexed; with the model's `tokenizer`, each with its token
+    span in the ids its caches are built from (`pipeline.kv.layout`)."""
+    spans = (token_layout(tokenizer, conv).turn_spans if tokenizer is not None
+             else [None] * len(conv.turns))
+    return tuple(IndexedTurn(t.turn_id, t.session, render_session_header(t), render_turn(t), span)
+                 for t, span in zip(conv.turns, spans))
 
 
 def index_turns(conv: Conversation, encoder, encoder_id: str, encoder_fingerprint: str,
-                previous: TurnIndex | None = None) -> TurnIndex:
-    """The turn index of `conv`: each turn's rendered line embedded (unit norm). Turns
-    `previous` holds with the same line keep its embeddings."""
-    turns = indexed_turns(conv)
+                previous: TurnIndex | None = None, tokenizer=None) -> TurnIndex:
+    """The turn index of `conv`: each turn's rendered line embedded (unit norm) and, with the
+    model's `tokenizer`, its token span. Turns `previous` holds with the same line keep its
+    embeddings."""
+    turns = indexed_turns(conv, tokenizer)
     known = {} if previous is None else {
         (t.turn_id, t.line): row for t, row in zip(previous.turns, previous.embeddings)}
     new = [t for t in turns if (t.turn_id, t.line) not in known]
@@ -58,8 +64,10 @@ def stored_index(store: Store, previous: list[ManifestRecord] | None) -> TurnInd
 
 
 def write_turn_index(conv: Conversation, encoder, encoder_id: str, encoder_fingerprint: str,
-                     store: Store, previous: list[ManifestRecord] | None = None) -> StoredIndex:
-    """Embed (or extend) and store the conversation's turn index."""
+                     store: Store, previous: list[ManifestRecord] | None = None,
+                     tokenizer=None) -> StoredIndex:
+    """Embed (or extend) and store the conversation's turn index (with the model's
+    `tokenizer`, its turns' token spans)."""
     index = index_turns(conv, encoder, encoder_id, encoder_fingerprint,
-                        stored_index(store, previous))
+                        stored_index(store, previous), tokenizer)
     return store_turn_index(index, store)

@@ -416,6 +416,7 @@ TOPUP_OPTIONS = (
     FieldOption("--topup-skip-held", "skip_held", _serve_help("topup_skip_held")),
     FieldOption("--topup-nearer-than-held", "nearer_than_held",
                 _serve_help("topup_nearer_than_held")),
+    FieldOption("--topup-read-once", "read_once", _serve_help("topup_read_once")),
 )
 
 

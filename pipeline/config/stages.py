@@ -309,6 +309,11 @@ class TopUpConfig:
     # what the episodes lack (a question routed right reads little); off, the default, every
     # question reads its nearest turns right before it, whatever its cache holds
     skip_held: bool = False
+    # each top-up turn read once, as the text next to the question: the entries the cache(s)
+    # read hold of the top-up's turns are hidden for that question (a far, compacted copy of
+    # the same words otherwise competes with the text for attention; the stored cache is
+    # unchanged). Needs the turns' token spans, which turn indexes hold from format 2 on.
+    read_once: bool = False
 
     def __post_init__(self):
         if self.nearer_than_held and not self.skip_held:

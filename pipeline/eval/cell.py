@@ -216,15 +216,30 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
         chosen = [questions[i] for i in indices]
         footprint = cache_footprint(cache, sizes, builds.merged.get(id(cache), 0),  # joined: 0
                                     build.code)
-        kept = float(np.mean(cache.entries_per_layer()))
-        measured = measure_all(lm, conv, chosen, cache, config, topups, answer)
-        return [{"kept_entries": kept, "decode_entries": kept + topup.tokens,
-                 # a cold question fetches its cache(s) and, topped up, the turn index
-                 "fetched_bytes": footprint["kv_bytes"] +
-                 (costs["turn_index_bytes"] if topup.tokens else 0),
-                 **evidence_diagnostics(conv, q, layouts.get(id(cache), layout), cache),
-                 **footprint, **record}
-                for q, topup, record in zip(chosen, topups, measured)]
+        # a top-up read once hides the cache's entries of its turns: each such question
+        # reads a cache of its own (a view), measured alone
+        reads = [cache.without_tokens(layouts.get(id(cache), layout).turn_mask(topup.turn_ids))
+                 if topup.hidden_spans else cache for topup in topups]
+        measured = [None] * len(chosen)
+        shared = [j for j, read in enumerate(reads) if read is cache]
+        for j, record in zip(shared, measure_all(lm, conv, [chosen[j] for j in shared], cache,
+                                                 config, [topups[j] for j in shared],
+                                                 [answer[j] for j in shared])):
+            measured[j] = record
+        for j in set(range(len(chosen))) - set(shared):
+            measured[j] = measure_all(lm, conv, [chosen[j]], reads[j], config, [topups[j]],
+                                      [answer[j]])[0]
+        records = []
+        for q, topup, read, record in zip(chosen, topups, reads, measured):
+            kept = float(np.mean(read.entries_per_layer()))
+            records.append({
+                "kept_entries": kept, "decode_entries": kept + topup.tokens,
+                # a cold question fetches its cache(s) and, topped up, the turn index
+                "fetched_bytes": footprint["kv_bytes"] +
+                (costs["turn_index_bytes"] if topup.tokens else 0),
+                **evidence_diagnostics(conv, q, layouts.get(id(cache), layout), read),
+                **footprint, **record})
+        return records
 
     def full_cache(ids: torch.Tensor) -> EpisodicCache:  # the references': nothing evicted
         return built(*block_prefill(lm.model, ids, Full(), None, build.prefill,
@@ -312,7 +327,8 @@ def topup_chooser(conv: Conversation, questions: list[Question], config: EvalCon
         encoder = models.load_encoder(config.encoder)
         turns = index if index is not None else index_turns(
             conv, encoder, config.encoder,
-            encoder_fingerprint or models.encoder_fingerprint(config.encoder))
+            encoder_fingerprint or models.encoder_fingerprint(config.encoder),
+            tokenizer=models.load_tokenizer(config.model))
         if costs is not None:
             costs["turn_index_bytes"] = len(serialize_turn_index(turns))
         embedded = question_embeddings(encoder, questions) if embeddings is None else embeddings

@@ -6,7 +6,7 @@ path, as the build's options name them: `epicache`, `epicache-paper`,
 (`pipeline.config.BuildConfig`: `alpha`, `scoring.pool`, `prefill.tristate.fp8`,
 `episodes.episodes`, ...), of the routing (`routing.router`, `routing.two_below`) or of the
 question-time top-up (`topup.enabled`, `topup.turns`, `topup.max_tokens`,
-`topup.nearer_than_held`); its text is
+`topup.nearer_than_held`, `topup.read_once`); its text is
 cast by the field's type (`none` for an optional field's None). `jobs.evaluate --set PATH=VALUE`
 applies an override to every method.
 
@@ -340,7 +340,7 @@ class EvalConfig:
 
 Route = tuple[str, float]  # (router, two_below): `RoutingConfig`'s fields
 # top-up fields added after cells were kept, with the value every read had before them
-TOPUP_ADDED_LATER = {"skip_held": True}
+TOPUP_ADDED_LATER = {"skip_held": True, "read_once": False}
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ number it holds, so `model.generate()` continues at the right RoPE positions.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -162,6 +163,17 @@ class EpisodicLayer(CacheLayerMixin):
                 1, order[:, :, None].expand(-1, -1, self.key_codes.shape[-1]))
             self.value_codes = self.value_codes.gather(
                 1, order[:, :, None].expand(-1, -1, self.value_codes.shape[-1]))
+
+    def without_tokens(self, hidden: torch.Tensor) -> EpisodicLayer:
+        """A view of the layer whose entries of the tokens in `hidden` ([N] bool over original
+        positions; a token past N is kept) are invalid. Keys, values and codes are shared,
+        never written: appends concatenate and `restore` slices, so the layer stays as it was."""
+        view = copy.copy(self)
+        if self.is_initialized and self.valid.numel() and len(hidden):
+            hidden = hidden.to(self.positions.device)
+            hit = (self.positions < len(hidden)) & hidden[self.positions.clamp(max=len(hidden) - 1)]
+            view.valid = self.valid & ~hit
+        return view
 
     def quantized_mask(self) -> torch.Tensor:
         """[Hkv, slots] bool: the slots holding Quantized entries."""
@@ -363,6 +375,20 @@ class EpisodicCache(Cache):
             layer.is_initialized = True
             layer.keep(layer.valid & ~_repeated(layer.positions, layer.valid))
         return out
+
+    def without_tokens(self, hidden: torch.Tensor) -> EpisodicCache:
+        """The cache as a question reads it with the entries of the tokens in `hidden` ([N]
+        bool over token positions) hidden: a view (`EpisodicLayer.without_tokens`), the
+        cache itself unchanged. A top-up with `read_once` reads its turns as text alone."""
+        return EpisodicCache.from_layers([layer.without_tokens(hidden) for layer in self.layers])
+
+    @staticmethod
+    def token_mask(spans, n_tokens: int) -> torch.Tensor:
+        """[n_tokens] bool: the tokens of the [start, end) `spans`."""
+        mask = torch.zeros(n_tokens, dtype=torch.bool)
+        for start, end in spans:
+            mask[max(start, 0):max(end, 0)] = True
+        return mask
 
     def entries_per_layer(self) -> list[float]:
         return [layer.entries for layer in self.layers]

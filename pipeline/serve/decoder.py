@@ -27,6 +27,7 @@ from pipeline.answer.decode import AnswerPieces
 from pipeline.answer.fetch import resident_read
 from pipeline.answer.lookup import check_models
 from pipeline.answer.lru import CacheLRU
+from pipeline.answer.topup import read_view
 from pipeline.kv import models
 from pipeline.serve.errors import classify, is_corrupt
 from pipeline.serve.settings import ServeSettings
@@ -110,27 +111,30 @@ class Decoder:
         """`ModelMismatchError` (409) unless the episode was built with this model's files."""
         check_models([ref], self.model_name, None, model_fingerprint=self.lm.fingerprint)
 
-    def _cache(self, refs: CacheRef | tuple[CacheRef, ...]):
+    def _cache(self, refs: CacheRef | tuple[CacheRef, ...], hidden=()):
         """The cache a question reads, (cache, hit, ms): its episode's, or two episodes'
-        joined (`resident_read`)."""
+        joined (`resident_read`), less the entries of `hidden` spans (`read_view`)."""
         refs = refs if isinstance(refs, tuple) else (refs,)
         for ref in refs:
             self._check(ref)
         t = time.perf_counter()
         cache, hit = resident_read(self.caches, refs, self._load)
+        cache = read_view(cache, hidden)
         ms = (time.perf_counter() - t) * 1000
         self.metrics.cache_read(hit, ms, self.caches.bytes)
         return cache, hit, ms
 
     async def answer(self, ref: CacheRef | tuple[CacheRef, ...], question: str, max_new_tokens: int,
-                     temperature: float, topup: str = "", live: str = "") -> dict:
+                     temperature: float, topup: str = "", live: str = "",
+                     hidden: tuple[tuple[int, int], ...] = ()) -> dict:
         """{"answer", "tokens", "prompt_tokens", "finish_reason", "cache_hit", "replica",
         "fetch_ms", "decode_ms", "queue_ms"} or {"error": {"status", "message"}}; `topup`: the
         question's top-up text (the router's, `pipeline.answer.topup`), read after the cache;
         `live`: the request's live tail as the router rendered it
-        (`pipeline.kv.prompts.live_text`), read after the top-up."""
+        (`pipeline.kv.prompts.live_text`), read after the top-up; `hidden`: the token spans
+        a top-up read once hides from the cache (`pipeline.answer.topup.read_view`)."""
         try:
-            cache, hit, fetch_ms = await asyncio.to_thread(self._cache, ref)
+            cache, hit, fetch_ms = await asyncio.to_thread(self._cache, ref, hidden)
             job = await asyncio.to_thread(self.batcher.submit, cache, question, max_new_tokens,
                                           temperature, None, topup, live)
         except Exception as e:
@@ -149,15 +153,16 @@ class Decoder:
                 "decode_ms": round(job.decode_ms, 3), "queue_ms": round(job.queue_ms, 3)}
 
     async def stream(self, ref: CacheRef | tuple[CacheRef, ...], question: str, max_new_tokens: int,
-                     temperature: float, topup: str = "", live: str = "") -> AsyncIterator[dict]:
+                     temperature: float, topup: str = "", live: str = "",
+                     hidden: tuple[tuple[int, int], ...] = ()) -> AsyncIterator[dict]:
         """First {"cache_hit", "fetch_ms"} (or {"error": ...}: a bad cache or a request over
         the limits is an HTTP status, not a stream), then {"text": piece}s, then
         {"done": {"tokens", "prompt_tokens", "finish_reason", "decode_ms", "queue_ms"}} (or
-        {"error": ...}); `topup` and `live` as for `answer`."""
+        {"error": ...}); `topup`, `live` and `hidden` as for `answer`."""
         streamer = AsyncTextIteratorStreamer(self.lm.tokenizer, skip_prompt=True,
                                              skip_special_tokens=True)
         try:
-            cache, hit, fetch_ms = await asyncio.to_thread(self._cache, ref)
+            cache, hit, fetch_ms = await asyncio.to_thread(self._cache, ref, hidden)
             job = await asyncio.to_thread(self.batcher.submit, cache, question, max_new_tokens,
                                           temperature, streamer, topup, live)
         except Exception as e:

@@ -56,7 +56,7 @@ def public_topup(topup: TopUp, records: list[ManifestRecord]) -> dict:
     """A question's top-up as a client sees it: its turns, tokens, status and note, not its text
     (the turn ids name it; the answer stays small). The library's note on an index it could not
     use names the object, so the client gets a fixed one (the server log has the library's)."""
-    fields = {k: v for k, v in topup.as_dict().items() if k != "text"}
+    fields = {k: v for k, v in topup.as_dict().items() if k not in ("text", "hidden_spans")}
     if topup.status == "unavailable" and records[0].turn_index is not None:
         fields["note"] = UNUSABLE_INDEX
     return fields
@@ -264,7 +264,7 @@ class Router:
         for attempt in (1, 2):
             response = self._decoder_for(rows[0].conversation_id).answer.remote(
                 refs_of(rows), question.text, question.max_new_tokens, question.temperature,
-                plan.topup.text, live)
+                plan.topup.text, live, plan.topup.hidden_spans)
             try:
                 result = await asyncio.wait_for(response, max(0.0, deadline - time.monotonic()))
                 break
@@ -394,7 +394,7 @@ class Router:
 
         gen = self._decoder_for(body.conversation_id, stream=True).stream.remote(
             refs_of(rows), question.text, question.max_new_tokens, question.temperature,
-            plan.topup.text, live)
+            plan.topup.text, live, plan.topup.hidden_spans)
         try:  # the fetch: a bad cache (or a dead replica) is an HTTP error, not a stream
             first = await asyncio.wait_for(gen.__anext__(), self.settings.decoder_timeout_s)
         except Exception as e:

@@ -74,6 +74,10 @@ class ServeSettings:
     topup_nearer_than_held: bool = setting(
         TopUpConfig.nearer_than_held, "top-up: only the turns nearer the question than every "
                                       "turn the episodes read hold (with --topup-skip-held)")
+    topup_read_once: bool = setting(
+        TopUpConfig.read_once, "top-up: read its turns once, as the text: the cache read hides "
+                               "its entries of them (needs a turn index with token spans: "
+                               "built from turn index format 2 on)")
     router_replicas: int = setting(1, "router (HTTP ingress) replicas")
     router_cpus: float = setting(0.5, "Ray CPUs per router replica")
     decoder_replicas: int = setting(1, "decoder replicas (fixed; see --decoder-autoscale)")
@@ -212,7 +216,8 @@ class ServeSettings:
     def topup_config(self) -> TopUpConfig:
         """The question-time top-up the router computes (`pipeline.answer.topup`)."""
         return TopUpConfig(self.topup, self.topup_turns, self.topup_max_tokens,
-                           self.topup_nearer_than_held, self.topup_skip_held)
+                           self.topup_nearer_than_held, self.topup_skip_held,
+                           self.topup_read_once)
 
     @classmethod
     def from_strings(cls, args: dict[str, str], **defaults: Any) -> "ServeSettings":

@@ -5,10 +5,12 @@ whole conversation, not only in the episode it was routed to, and prefills the o
 lacks. This object is what it searches: safetensors (never pickle) holding `embeddings`
 [turns, d] float16 (unit norm, the encoder's space), with the turns (id, session, the session's
 date line and the turn's rendered line) and what the index is bound to (conversation, encoder
-name and fingerprint) in the header (one JSON metadata entry, `index`). It is written in stage
-1 of a build, before the manifest that names it, under a key of its own content
-(`turn_index_key`), and checked as a cache is: the manifest records its length and SHA-256,
-and a reader checks both and the header's binding.
+name and fingerprint) in the header (one JSON metadata entry, `index`). From format 2 on each
+turn also holds its [start, end) token span in the ids the conversation's caches were built
+from, so a top-up that reads its turns once (`TopUpConfig.read_once`) can hide the caches'
+entries of them. It is written in stage 1 of a build, before the manifest that names it,
+under a key of its own content (`turn_index_key`), and checked as a cache is: the manifest
+records its length and SHA-256, and a reader checks both and the header's binding.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from safetensors.numpy import save as st_save
 from pipeline.corpus.schema import check_safe_id
 from pipeline.store.backends.base import ObjectNotFound, Store, StoreError
 
-FORMAT = 1
+FORMAT = 2  # 2: each turn's token span; 1 (read): none
+READABLE_FORMATS = (1, 2)
 MAX_TURNS = 1_000_000  # a header claiming more is corrupt (limits what a reader allocates)
 # a manifest claiming a bigger index is corrupt: nothing that large is read (a 1,000-turn
 # conversation's index is about 1 MB)
@@ -43,6 +46,9 @@ class IndexedTurn:
     session: int
     date_line: str  # the session's header as the conversation renders it
     line: str  # the turn as the conversation renders it
+    # [start, end) of its tokens in the ids the caches were built from; None: not recorded
+    # (a format-1 index, built before spans)
+    span: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -89,7 +95,9 @@ def serialize(index: TurnIndex) -> bytes:
     one metadata entry: safetensors writes several in a random order)."""
     header = {"format": FORMAT, "conversation_id": index.conversation_id,
               "encoder_id": index.encoder_id, "encoder_fingerprint": index.encoder_fingerprint,
-              "turns": [[t.turn_id, t.session, t.date_line, t.line] for t in index.turns]}
+              "turns": [[t.turn_id, t.session, t.date_line, t.line,
+                         *(t.span if t.span is not None else (None, None))]
+                        for t in index.turns]}
     return st_save({"embeddings": np.ascontiguousarray(index.embeddings, dtype=np.float16)},
                    metadata={"index": json.dumps(header, ensure_ascii=False)})
 
@@ -102,12 +110,13 @@ def parse(data: bytes, name: str) -> TurnIndex:
     try:
         header = json.loads(_metadata(data)["index"])
         rows = header["turns"]
-        if header.get("format") != FORMAT:
-            raise bad(f"format {header.get('format')!r}, this reader reads {FORMAT}")
+        if header.get("format") not in READABLE_FORMATS:
+            raise bad(f"format {header.get('format')!r}, this reader reads "
+                      f"{', '.join(map(str, READABLE_FORMATS))}")
         if not isinstance(rows, list) or len(rows) > MAX_TURNS:
             raise bad("its turn list is not a list of at most "
                       f"{MAX_TURNS:,} turns")
-        turns = tuple(IndexedTurn(str(a), int(b), str(c), str(d)) for a, b, c, d in rows)
+        turns = tuple(_turn(row, header["format"]) for row in rows)
         embeddings = st_load(data)["embeddings"]
         return TurnIndex(header["conversation_id"], header["encoder_id"],
                          header["encoder_fingerprint"], turns, embeddings)
@@ -115,6 +124,21 @@ def parse(data: bytes, name: str) -> TurnIndex:
         raise
     except (SafetensorError, KeyError, ValueError, TypeError, AttributeError) as e:
         raise bad(f"{type(e).__name__}: {e}") from None
+
+
+def _turn(row: list, format: int) -> IndexedTurn:
+    """A turn of the header's list: [id, session, date line, line] and, from format 2 on, its
+    span's start and end (both null where it was not recorded)."""
+    if len(row) != (4 if format == 1 else 6):
+        raise ValueError(f"a turn of {len(row)} fields, format {format} has "
+                         f"{4 if format == 1 else 6}")
+    turn_id, session, date_line, line, *span = row
+    if span and (span[0] is None) != (span[1] is None):
+        raise ValueError(f"turn {turn_id!r} has half a span: {span}")
+    if span and span[0] is not None and not 0 <= int(span[0]) <= int(span[1]):
+        raise ValueError(f"turn {turn_id!r} has span {span}")
+    return IndexedTurn(str(turn_id), int(session), str(date_line), str(line),
+                       None if not span or span[0] is None else (int(span[0]), int(span[1])))
 
 
 def _metadata(data: bytes) -> dict[str, str]:

@@ -65,6 +65,23 @@ def test_nearer_than_held_reads_only_the_turns_nearer_than_the_episodes_own():
     assert select_topup(index, question, set(), nearer, words).turn_ids == ("D1:2", "D2:2", "D3:2")
 
 
+def test_a_top_up_read_once_hides_its_turns_spans_where_the_index_has_them():
+    """`read_once` gives the top-up's turns' token spans to hide from the cache read, in the
+    top-up's order; an index built before spans hides nothing and says so."""
+    index = _index()
+    spanned = dataclasses.replace(index, turns=tuple(
+        dataclasses.replace(t, span=(10 * i, 10 * i + 7)) for i, t in enumerate(index.turns)))
+    question = np.array([0.1, 0.9, 0.0, 0.5], np.float32)  # turns 1, 3 and 5
+    once = dataclasses.replace(ON, read_once=True)
+    plain = select_topup(spanned, question, set(), ON, words)
+    topup = select_topup(spanned, question, set(), once, words)
+    assert topup == dataclasses.replace(plain, hidden_spans=((10, 17), (30, 37), (50, 57)))
+    assert plain.hidden_spans == ()
+    unspanned = select_topup(index, question, set(), once, words)
+    assert unspanned.hidden_spans == () and unspanned.turn_ids == plain.turn_ids
+    assert "no token spans" in unspanned.note and "jobs.build --force" in unspanned.note
+
+
 def test_off_reads_nothing():
     assert select_topup(_index(), np.ones(4, np.float32), set(), TopUpConfig(enabled=False),
                         words) == TopUp()

@@ -54,7 +54,7 @@ def _by_hand(conv, build, store, *, basis, prefill) -> BuiltConversation:
     the turn index embedded and stored, each episode's stage 3, the manifest written unchecked."""
     clustered = cluster_conversation(conv, build)
     index = index_turns(clustered.conversation, models.load_encoder(build.encoder), build.encoder,
-                        clustered.encoder_fingerprint)
+                        clustered.encoder_fingerprint, tokenizer=models.load_tokenizer(build.model))
     clustered = replace(clustered, turn_index=store_turn_index(index, store))
     built = tuple(b for e in range(clustered.n_episodes)
                   for b in prefill(clustered, (e,), basis.budgets, build, store))

@@ -287,6 +287,35 @@ def test_per_layer_budgets_and_generation():
     assert_same_state(before, cache_state(cache))
 
 
+def test_a_view_without_tokens_reads_as_the_cache_with_those_entries_evicted():
+    """`without_tokens` (a top-up read once) hides the entries of the given tokens for one read:
+    a question over the view gives the logits of the cache with those entries evicted
+    (`keep`), and the cache itself is left as it was."""
+    model = tiny_model("llama")
+    cache, _ = block_prefill(model, random_ids(70, seed=21), EpiCache(patch=random_ids(5, seed=22)),
+                             [30] * 3, PrefillConfig(block=10, selection="headwise"))
+    hidden = EpisodicCache.token_mask([(12, 30), (41, 44)], cache.tokens_seen)
+    assert hidden.sum() == 21 and hidden[12] and not hidden[30] and hidden[43]
+    before = cache_state(cache)
+    view = cache.without_tokens(hidden)
+    evicted = cache.without_tokens(torch.zeros(0, dtype=torch.bool))  # hides nothing
+    assert evicted.entries_per_layer() == cache.entries_per_layer()
+    for layer in evicted.layers:
+        layer.keep(layer.valid & ~hidden[layer.positions])
+    dropped = [c - v for c, v in zip(cache.entries_per_layer(), view.entries_per_layer())]
+    assert all(d > 0 for d in dropped)
+    assert view.entries_per_layer() == evicted.entries_per_layer()
+    question = random_ids(6, seed=23)
+    logits = []
+    for c in (view, evicted, cache):
+        with torch.no_grad(), c.scratch():
+            logits.append(model(question[None], past_key_values=c, use_cache=True, position_ids=(
+                torch.arange(c.next_position, c.next_position + 6)[None])).logits)
+    torch.testing.assert_close(logits[0], logits[1], atol=ATOL, rtol=0)
+    assert (logits[0] - logits[2]).abs().max() > 1e-3  # the hidden entries mattered
+    assert_same_state(before, cache_state(cache))
+
+
 def test_block_prefill_rejects_wrong_number_of_budgets():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="layer budgets"):

@@ -29,6 +29,7 @@ def test_the_command_line_sets_the_topup_both_ways():
         TopUpConfig(enabled=True, turns=6, max_tokens=128)
     assert config("--topup", "--no-topup").enabled is False
     assert config("--topup-skip-held").skip_held is True
+    assert config("--topup-read-once").read_once is True and config().read_once is False
     with pytest.raises(ValueError, match="needs skip_held"):  # compares with the skipped turns
         config("--topup-nearer-than-held")
 
@@ -41,6 +42,7 @@ def test_serve_run_keys_set_the_topup_both_ways():
     assert config(topup="true", topup_turns="2", topup_max_tokens="32") == \
         TopUpConfig(enabled=True, turns=2, max_tokens=32)
     assert config(topup="false").enabled is False and config(topup="on").enabled is True
+    assert config(topup_read_once="true").read_once is True
     with pytest.raises(ValueError, match="not a boolean"):
         config(topup="maybe")
 
@@ -79,7 +81,8 @@ def _records(stored: StoredIndex | None):
 
 
 def test_a_client_sees_the_topups_turns_not_its_text_nor_the_index_objects_key():
-    used = TopUp("\n\nSession 2\nAnna: the kitten is Miso.", ("D2:4",), 14, "used")
+    used = TopUp("\n\nSession 2\nAnna: the kitten is Miso.", ("D2:4",), 14, "used",
+                 hidden_spans=((120, 134),))  # the decoder's business, not the client's
     stored = StoredIndex("turns/synth-0000/0123456789abcdef/index-fedcba.safetensors", "ab", 9)
     assert public_topup(used, _records(stored)) == {
         "turn_ids": ["D2:4"], "tokens": 14, "status": "used", "note": ""}

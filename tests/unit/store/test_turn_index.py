@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import tracemalloc
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -46,6 +47,25 @@ def test_serialize_and_parse_round_trip():
     index = TurnIndex(index.conversation_id, index.encoder_id, FP, (*index.turns[:4], odd),
                       index.embeddings)
     assert_same(parse(serialize(index), "x"), index)
+
+
+def test_token_spans_round_trip_and_a_format_1_index_reads_without_them():
+    """Format 2 keeps each turn's token span (a turn may have none); a format-1 object, written
+    before spans, still reads, its turns with no span."""
+    index = tiny_turn_index("conv-1", FP, turns=3, dim=8)
+    spanned = TurnIndex(index.conversation_id, index.encoder_id, FP, (
+        replace(index.turns[0], span=(7, 19)), replace(index.turns[1], span=(19, 19)),
+        index.turns[2]), index.embeddings)
+    assert_same(parse(serialize(spanned), "x"), spanned)
+    data = serialize(index)
+    length = int.from_bytes(data[:8], "little")
+    safetensors = json.loads(data[8:8 + length])
+    header = json.loads(safetensors["__metadata__"]["index"])
+    header |= {"format": 1, "turns": [row[:4] for row in header["turns"]]}
+    meta = json.dumps({**safetensors, "__metadata__": {"index": json.dumps(header)}}).encode()
+    meta += b" " * (-len(meta) % 8)
+    old = parse(len(meta).to_bytes(8, "little") + meta + data[8 + length:], "old")
+    assert old.turns == index.turns and all(t.span is None for t in old.turns)
 
 
 def test_store_and_read_round_trip_under_a_key_of_its_content(store):
@@ -127,8 +147,11 @@ def test_every_truncation_and_a_bad_header_raise_turn_index_unavailable():
                       "KeyError"),
                      (with_fields(turns=[["t", 0, "d"]]), "ValueError"),
                      (with_fields(turns={"a": 1}), "not a list"),
-                     (with_fields(format=2), "format 2, this reader reads 1"),
-                     (with_fields(turns=[["t", 0, "d", "l"]] * 2), "2 turns need"),
+                     (with_fields(format=3), "format 3, this reader reads 1, 2"),
+                     (with_fields(turns=[["t", 0, "d", "l", 0, 4]] * 2), "2 turns need"),
+                     (with_fields(turns=[["t", 0, "d", "l"]]), "4 fields, format 2 has 6"),
+                     (with_fields(turns=[["t", 0, "d", "l", 3, None]]), "half a span"),
+                     (with_fields(turns=[["t", 0, "d", "l", 5, 3]]), r"span \[5, 3\]"),
                      (data[:8] + b"[" + data[9:], "JSONDecodeError")]:
         with pytest.raises(TurnIndexUnavailable, match=f"^turn index obj is corrupt: .*{why}"):
             parse(bad, "obj")
