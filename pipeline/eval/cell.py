@@ -159,6 +159,16 @@ def measure_all(lm: models.LoadedModel, conv: Conversation, questions: list[Ques
     return records
 
 
+def read_once(cache: EpisodicCache, layout: TokenLayout, topup: TopUp) -> EpisodicCache:
+    """The cache a question reads: with a top-up read once (`TopUp.hidden_spans`), a view less
+    its entries of the top-up's turns (where `layout`, the cache's, places them), else (or if
+    it holds none of them) the cache itself."""
+    if not topup.hidden_spans:
+        return cache
+    view = cache.without_tokens(layout.turn_mask(topup.turn_ids))
+    return cache if view.entries_per_layer() == cache.entries_per_layer() else view
+
+
 def scored_answer(prediction: str, q: Question) -> dict:
     prediction = prediction.strip()
     return {"prediction": prediction, "f1": f1_score(prediction, q.answer)}
@@ -216,10 +226,9 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
         chosen = [questions[i] for i in indices]
         footprint = cache_footprint(cache, sizes, builds.merged.get(id(cache), 0),  # joined: 0
                                     build.code)
-        # a top-up read once hides the cache's entries of its turns: each such question
-        # reads a cache of its own (a view), measured alone
-        reads = [cache.without_tokens(layouts.get(id(cache), layout).turn_mask(topup.turn_ids))
-                 if topup.hidden_spans else cache for topup in topups]
+        # a top-up read once hides the cache's entries of its turns: a question whose cache
+        # holds some reads a view of its own, measured alone
+        reads = [read_once(cache, layouts.get(id(cache), layout), topup) for topup in topups]
         measured = [None] * len(chosen)
         shared = [j for j, read in enumerate(reads) if read is cache]
         for j, record in zip(shared, measure_all(lm, conv, [chosen[j] for j in shared], cache,
