@@ -7,8 +7,8 @@ Builds the conversation as `jobs.build` does (the default method, in memory), th
 episode's cache in every object format side by side in one run: float16 (the default) and the
 low-bit codes (`BuildConfig.code`: 8, 4 and 2 bits, KIVI's groups of 32; and the codes measured
 since, in groups of 64 with each head's first 4 and last 16 entries as floats, the values at 4 or
-2 bits). Per format: the
-conversation's bytes and their ratio to float16, the object compressed losslessly (zstd at
+2 bits; and three of them compressed as the store writes them with `code.zstd`). Per format:
+the conversation's bytes and their ratio to float16, the object compressed losslessly (zstd at
 levels 1 and 3, lz4: pyarrow's codecs) as a share of itself, and the seconds to write (encode)
 and to parse (decode) one episode, against float16's. Quality at these bytes is the scorecard's
 (docs/scorecard-bytes.md); this is the bytes and the read path's cost.
@@ -35,7 +35,11 @@ FLOATS = {"group": 64, "float_sinks": 4, "float_recent": 16}
 FORMATS = (("float16", CodeConfig()),
            *((f"int{bits}", CodeConfig(bits=bits)) for bits in sorted(CODE_BITS, reverse=True)),
            ("int4 g64 floats", CodeConfig(bits=4, **FLOATS)),
-           ("k4 v2 g64 floats", CodeConfig(bits=4, value_bits=2, **FLOATS)))
+           ("k4 v2 g64 floats", CodeConfig(bits=4, value_bits=2, **FLOATS)),
+           # the objects as the store holds them compressed (`code.zstd`), read back through it
+           ("float16 zstd1", CodeConfig(zstd=1)),
+           ("int4 g64 floats zstd3", CodeConfig(bits=4, zstd=3, **FLOATS)),
+           ("k4 v2 g64 floats zstd3", CodeConfig(bits=4, value_bits=2, zstd=3, **FLOATS)))
 CODECS = (("zstd1", "zstd", 1), ("zstd3", "zstd", 3), ("lz4", "lz4", None))
 
 

@@ -41,7 +41,7 @@ ADDED_LATER = (("prefill", "compact_recent", 0), ("prefill", "one_pass", False),
                ("prefill", "score_span", 0), ("prefill", "score_span_share", 1.0),
                ("code", "bits", 0), ("code", "group", 32),
                ("code", "bytes_budget", False), ("code", "float_sinks", 0),
-               ("code", "float_recent", 0), ("code", "value_bits", None))
+               ("code", "float_recent", 0), ("code", "value_bits", None), ("code", "zstd", None))
 # (section, field, the value every build that `jobs.build` could make had, hashed or not): knobs
 # measured and retired (docs/changelog.md). A hashed one is hashed with that value, so stores
 # keep their hash; a stored configuration holding another value no longer reads back.
@@ -101,6 +101,8 @@ def hashed_fields(config: Any) -> dict:
         d["prefill"].pop("compact_recent", None)
     if not config.code.bits:  # floats: no groups
         d.pop("code", None)
+    else:  # compression keeps the caches as they are: not hashed
+        d["code"].pop("zstd", None)
     return d
 
 

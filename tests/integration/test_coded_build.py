@@ -68,3 +68,29 @@ def test_coded_caches_read_back_as_measured_and_a_lost_one_is_repaired_alone(fol
     assert not is_built(store, conv.conversation_id, config, files_of(config), conv)
     repaired = build_conversation(conv, config, store).records
     assert [r.sha256 for r in repaired] == [r.sha256 for r in product.records]  # the very bytes
+
+
+@pytest.mark.parametrize("code", [{}, {"bits": 4}], ids=["float16", "coded"])
+def test_a_build_compressed_with_zstd_stores_fewer_bytes_of_the_same_caches(folders, tmp_path,
+                                                                           code):
+    """`code.zstd`: each object compressed whole, read back (and by the answer path's reader)
+    as the uncompressed build's, to the bit; the compressed build is current over the plain
+    store (the same hash), so a re-run with it keeps the stored objects."""
+    plain_config, packed_config = coded_config(folders, **code), coded_config(folders, zstd=3,
+                                                                              **code)
+    conv = make_conversation("zstd-0", target_tokens=600, seed=5)
+    plain_store, packed_store = LocalStore(tmp_path / "plain"), LocalStore(tmp_path / "packed")
+    plain = build_conversation(conv, plain_config, plain_store).records
+    packed = build_conversation(conv, packed_config, packed_store).records
+    lm = models.load_llm(plain_config.model)
+    for a, b in zip(plain, packed):
+        assert packed_store.get(b.object_key)[:8] == cache_format.ZSTD_MAGIC
+        assert b.object_bytes < a.object_bytes
+        one, other = (read_stored_cache(s, r, lm.model) for s, r in ((plain_store, a),
+                                                                       (packed_store, b)))
+        for x, y in zip(one.layers, other.layers):
+            assert torch.equal(x.valid, y.valid) and torch.equal(x.keys, y.keys)
+            assert torch.equal(x.values, y.values)
+    assert packed_config.hash == plain_config.hash
+    assert is_built(plain_store, conv.conversation_id, packed_config, files_of(packed_config),
+                    conv)

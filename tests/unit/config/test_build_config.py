@@ -110,10 +110,16 @@ def test_build_config_hash_of_a_fixed_configuration_is_pinned():
         f"rebuilt. If that is intended, update PINNED_HASH. Hashed JSON: {PINNED_CONFIG.to_json()}")
 
 
+# fields that change how the caches are stored, not the caches: left out of the hash, so a
+# store built without them is not rebuilt (a reader reads either)
+UNHASHED = {"code.zstd"}
+
+
 def test_build_config_hash_changes_with_every_field():
-    """Changing any one field, at any depth, changes the hash; all variants differ."""
+    """Changing any one field, at any depth, changes the hash (but those `UNHASHED`); all
+    variants differ."""
     base = BuildConfig()
-    variants = _variants(base)
+    variants = [(path, v) for path, v in _variants(base) if path not in UNHASHED]
     paths = [p for p, _ in variants]
     assert {"model", "budget", "alpha", "store_dtype", "episodes.window", "episodes.seed",
             "scoring.focus", "scoring.utterance", "prefill.head_floor",
@@ -123,6 +129,20 @@ def test_build_config_hash_changes_with_every_field():
     assert base.hash not in hashes
     assert len(set(hashes)) == len(hashes)
     assert BuildConfig(budget=None).hash != base.hash
+
+
+@pytest.mark.parametrize("code", [CodeConfig(), CodeConfig(bits=4, value_bits=2)])
+def test_compressing_the_stored_objects_keeps_the_hash(code):
+    """zstd stores the same caches in fewer bytes: a build with it is current over a store
+    built without it (and back), floats or codes; its level is recorded in the JSON."""
+    plain = BuildConfig(code=code)
+    packed = BuildConfig(code=dataclasses.replace(code, zstd=3))
+    assert packed.hash == plain.hash
+    assert json.loads(packed.to_json())["code"]["zstd"] == 3
+    assert "zstd" not in json.loads(plain.to_json()).get("code", {})
+    assert BuildConfig.from_json(packed.to_json()) == packed
+    with pytest.raises(ValueError, match="zstd level"):
+        CodeConfig(zstd=23)
 
 
 @pytest.mark.parametrize("config", [

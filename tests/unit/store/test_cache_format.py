@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import struct
 from pathlib import Path
 
 import pyarrow as pa
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 from pipeline.answer.decode import generate_from_cache
+from pipeline.config import CodeConfig
 from pipeline.corpus.schema import UnsafeIdError
 from pipeline.kv.methods.epicache import EpiCache
 from pipeline.kv.prefill import PrefillConfig, block_prefill
@@ -27,7 +30,10 @@ from pipeline.store.catalogue.manifest import (
 )
 from pipeline.store.objects.cache_format import (
     FORMAT,
+    MAX_ZSTD_RATIO,
+    ZSTD_MAGIC,
     CacheCorruptError,
+    decompressed,
     deserialize,
     read_header,
     serialize,
@@ -134,6 +140,47 @@ def test_truncated_object_is_corrupt(built):
     data = serialize(cache, {}, dtype=torch.float16)
     with pytest.raises(CacheCorruptError, match=NAME):
         deserialize(data[: len(data) - 100], None, NAME)
+
+
+@pytest.mark.parametrize("code", [CodeConfig(zstd=1),
+                                  CodeConfig(bits=4, value_bits=2, float_sinks=2, zstd=19)],
+                         ids=["float16", "coded"])
+def test_a_compressed_object_reads_back_as_the_plain_one(built, code):
+    """`code.zstd` compresses the object whole (after its magic and length): fewer bytes, and
+    the reader gives back exactly what the plain object gives, header and entries."""
+    _, cache = built
+    plain = serialize(cache, {"conversation_id": "conv-1"},
+                      code=dataclasses.replace(code, zstd=None))
+    packed = serialize(cache, {"conversation_id": "conv-1"}, code=code)
+    assert packed[:8] == ZSTD_MAGIC and len(packed) < len(plain) and decompressed(plain) is plain
+    assert decompressed(packed) == plain
+    (a, a_header), (b, b_header) = (deserialize(d, sha256(d), NAME) for d in (plain, packed))
+    assert a_header == b_header
+    for a_layer, b_layer in zip(per_head_entries(a), per_head_entries(b)):
+        for one, other in zip(a_layer, b_layer):
+            assert all(torch.equal(x, y) for x, y in zip(one, other))
+
+
+def test_a_damaged_compressed_object_is_corrupt_and_its_length_claim_is_bounded(built):
+    """Every truncation and a length claim past `MAX_ZSTD_RATIO` times the object are
+    `CacheCorruptError` naming it (the claim refused before anything is allocated); a flipped
+    byte in the frame (zstd may decode it to other numbers) fails the object's checksum."""
+    _, cache = built
+    packed = serialize(cache, {}, code=CodeConfig(zstd=3))
+    for cut in range(0, len(packed), max(1, len(packed) // 40)):
+        with pytest.raises(CacheCorruptError, match=NAME):
+            deserialize(packed[:cut], None, NAME)
+    flipped = bytearray(packed)
+    flipped[len(packed) // 2] ^= 0xFF
+    with pytest.raises(CacheCorruptError, match=f"{NAME} failed its checksum"):
+        deserialize(bytes(flipped), sha256(packed), NAME)
+    claim = MAX_ZSTD_RATIO * len(packed) + 1
+    huge = packed[:8] + struct.pack("<Q", claim) + packed[16:]
+    with pytest.raises(CacheCorruptError, match=f"{claim:,} bytes"):
+        deserialize(huge, None, NAME)
+    short = packed[:8] + struct.pack("<Q", 10) + packed[16:]  # a length the frame does not have
+    with pytest.raises(CacheCorruptError, match=NAME):
+        deserialize(short, None, NAME)
 
 
 def _object(header: dict, tensors: dict) -> bytes:
