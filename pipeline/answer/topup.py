@@ -107,10 +107,10 @@ def select_topup(index: TurnIndex, question_embedding: np.ndarray, held: set[str
         return TopUp(status="none")
     turns = [index.turns[j] for j in sorted(chosen)]
     topup = TopUp(render_topup(turns), tuple(t.turn_id for t in turns), tokens, "used")
-    return read_once(topup, turns) if config.read_once else topup
+    return hiding_turns(topup, turns) if config.read_once else topup
 
 
-def read_once(topup: TopUp, turns: list[IndexedTurn]) -> TopUp:
+def hiding_turns(topup: TopUp, turns: list[IndexedTurn]) -> TopUp:
     """The top-up with its turns' token spans to hide from the cache read; an index without
     spans (format 1) hides nothing, and the top-up's note says so."""
     if any(t.span is None for t in turns):

@@ -159,7 +159,7 @@ def measure_all(lm: models.LoadedModel, conv: Conversation, questions: list[Ques
     return records
 
 
-def read_once(cache: EpisodicCache, layout: TokenLayout, topup: TopUp) -> EpisodicCache:
+def question_cache(cache: EpisodicCache, layout: TokenLayout, topup: TopUp) -> EpisodicCache:
     """The cache a question reads: with a top-up read once (`TopUp.hidden_spans`), a view less
     its entries of the top-up's turns (where `layout`, the cache's, places them), else (or if
     it holds none of them) the cache itself."""
@@ -228,14 +228,14 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
                                     build.code)
         # a top-up read once hides the cache's entries of its turns: a question whose cache
         # holds some reads a view of its own, measured alone
-        reads = [read_once(cache, layouts.get(id(cache), layout), topup) for topup in topups]
+        reads = [question_cache(cache, layouts.get(id(cache), layout), topup) for topup in topups]
         measured = [None] * len(chosen)
         shared = [j for j, read in enumerate(reads) if read is cache]
         for j, record in zip(shared, measure_all(lm, conv, [chosen[j] for j in shared], cache,
                                                  config, [topups[j] for j in shared],
                                                  [answer[j] for j in shared])):
             measured[j] = record
-        for j in set(range(len(chosen))) - set(shared):
+        for j in (j for j, read in enumerate(reads) if read is not cache):
             measured[j] = measure_all(lm, conv, [chosen[j]], reads[j], config, [topups[j]],
                                       [answer[j]])[0]
         records = []
