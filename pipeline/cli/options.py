@@ -230,8 +230,8 @@ BUILD_OPTIONS = SHARED_BUILD_OPTIONS + (
     FieldOption("--zstd", "code.zstd",
                 "compress each stored cache object whole at this zstd level (1-22; lossless: "
                 "about 11%% fewer bytes for float16 entries, 15-20%% for codes, decompressed when "
-                "read); not in the build's hash, so a store built without it keeps its "
-                "objects as they are (--force writes them again)"),
+                "read; default: not compressed); not in the build's hash, so a store built "
+                "without it keeps its objects as they are (--force writes them again)"),
     FieldOption("--code-group", "code.group",
                 "low-bit codes: numbers sharing a minimum and a step (keys: a channel over this "
                 "many entries; values: this many channels of an entry)"),

@@ -169,6 +169,26 @@ def question_cache(cache: EpisodicCache, layout: TokenLayout, topup: TopUp) -> E
     return cache if view.entries_per_layer() == cache.entries_per_layer() else view
 
 
+def measure_over(lm: models.LoadedModel, conv: Conversation, questions: list[Question],
+                 cache: EpisodicCache, reads: list[EpisodicCache], config: EvalConfig,
+                 topups: list[TopUp], generate: list[bool]) -> list[dict]:
+    """`measure_all` of each question over the cache it reads (`reads`, `question_cache`):
+    those reading `cache` itself in its packed pass, each view (a top-up read once) alone;
+    with the entries it read (`kept_entries`, and `decode_entries` with its top-up's)."""
+    measured: list[dict] = [{}] * len(questions)
+    shared = [j for j, read in enumerate(reads) if read is cache]
+    for j, record in zip(shared, measure_all(lm, conv, [questions[j] for j in shared], cache,
+                                             config, [topups[j] for j in shared],
+                                             [generate[j] for j in shared])):
+        measured[j] = record
+    for j in (j for j, read in enumerate(reads) if read is not cache):
+        measured[j] = measure_all(lm, conv, [questions[j]], reads[j], config, [topups[j]],
+                                  [generate[j]])[0]
+    kept = [float(np.mean(read.entries_per_layer())) for read in reads]
+    return [{"kept_entries": k, "decode_entries": k + topup.tokens, **record}
+            for k, topup, record in zip(kept, topups, measured)]
+
+
 def scored_answer(prediction: str, q: Question) -> dict:
     prediction = prediction.strip()
     return {"prediction": prediction, "f1": f1_score(prediction, q.answer)}
@@ -226,29 +246,14 @@ def evaluate_cell(prep: Prepared, method: str, budget: int | None, config: EvalC
         chosen = [questions[i] for i in indices]
         footprint = cache_footprint(cache, sizes, builds.merged.get(id(cache), 0),  # joined: 0
                                     build.code)
-        # a top-up read once hides the cache's entries of its turns: a question whose cache
-        # holds some reads a view of its own, measured alone
-        reads = [question_cache(cache, layouts.get(id(cache), layout), topup) for topup in topups]
-        measured = [None] * len(chosen)
-        shared = [j for j, read in enumerate(reads) if read is cache]
-        for j, record in zip(shared, measure_all(lm, conv, [chosen[j] for j in shared], cache,
-                                                 config, [topups[j] for j in shared],
-                                                 [answer[j] for j in shared])):
-            measured[j] = record
-        for j in (j for j, read in enumerate(reads) if read is not cache):
-            measured[j] = measure_all(lm, conv, [chosen[j]], reads[j], config, [topups[j]],
-                                      [answer[j]])[0]
-        records = []
-        for q, topup, read, record in zip(chosen, topups, reads, measured):
-            kept = float(np.mean(read.entries_per_layer()))
-            records.append({
-                "kept_entries": kept, "decode_entries": kept + topup.tokens,
-                # a cold question fetches its cache(s) and, topped up, the turn index
-                "fetched_bytes": footprint["kv_bytes"] +
-                (costs["turn_index_bytes"] if topup.tokens else 0),
-                **evidence_diagnostics(conv, q, layouts.get(id(cache), layout), read),
-                **footprint, **record})
-        return records
+        cache_layout = layouts.get(id(cache), layout)
+        reads = [question_cache(cache, cache_layout, topup) for topup in topups]
+        measured = measure_over(lm, conv, chosen, cache, reads, config, topups, answer)
+        # a cold question fetches its cache(s) and, topped up, the turn index
+        return [{"fetched_bytes": footprint["kv_bytes"] +
+                 (costs["turn_index_bytes"] if topup.tokens else 0),
+                 **evidence_diagnostics(conv, q, cache_layout, read), **footprint, **record}
+                for q, topup, read, record in zip(chosen, topups, reads, measured)]
 
     def full_cache(ids: torch.Tensor) -> EpisodicCache:  # the references': nothing evicted
         return built(*block_prefill(lm.model, ids, Full(), None, build.prefill,

@@ -216,7 +216,12 @@ def test_an_append_extends_the_turn_index_and_leaves_the_old_one_to_gc(folders, 
                      for i in (old, new))
     n = len(first.turns)
     assert len(whole.turns) > n
-    assert before.turns == indexed_turns(first) and after.turns == indexed_turns(whole)
+    tokenizer = models.load_tokenizer(config.model)
+    assert before.turns == indexed_turns(first, tokenizer)
+    assert after.turns == indexed_turns(whole, tokenizer)
+    # the old turns keep their token spans: the append goes on from the tokens the caches hold
+    assert [t.span for t in after.turns[:n]] == [t.span for t in before.turns]
+    assert after.turns[n].span[0] >= built[0].tokens
     np.testing.assert_array_equal(after.embeddings[:n], before.embeddings)
     assert embedded == [t.line for t in after.turns[n:]]
     fresh = index_turns(whole, models.load_encoder(config.encoder), config.encoder, fingerprint)

@@ -17,6 +17,7 @@ from pipeline.corpus.synthetic import make_conversation
 from pipeline.kv import models
 from pipeline.store.backends.local import LocalStore
 from pipeline.store.objects import cache_format
+from pipeline.store.objects.zstd_object import ZSTD_MAGIC
 from tests.support.model_folders import make_model_folders
 
 
@@ -84,7 +85,7 @@ def test_a_build_compressed_with_zstd_stores_fewer_bytes_of_the_same_caches(fold
     packed = build_conversation(conv, packed_config, packed_store).records
     lm = models.load_llm(plain_config.model)
     for a, b in zip(plain, packed):
-        assert packed_store.get(b.object_key)[:8] == cache_format.ZSTD_MAGIC
+        assert packed_store.get(b.object_key)[:8] == ZSTD_MAGIC
         assert b.object_bytes < a.object_bytes
         one, other = (read_stored_cache(s, r, lm.model) for s, r in ((plain_store, a),
                                                                        (packed_store, b)))

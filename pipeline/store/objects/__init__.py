@@ -7,6 +7,7 @@
     cache_read.py    the read path's one way in: an episode's cache (or bytes), verified, from
                      the disk tier or the store
     low_bit.py       keys and values in KIVI's low-bit codes (format 3: BuildConfig.code)
+    zstd_object.py   a cache object compressed whole with zstd (BuildConfig.code.zstd)
     disk_tier.py     a bounded local-disk tier of cache objects (serving)
     turn_index.py    a conversation's turn index (every turn's text and embedding, for the
                      question-time top-up), checked as a cache object is

@@ -33,10 +33,8 @@ codes hold the rest.
 Format 5 (header `code` also `{"value_bits"}`): format 3 or 4 with the values coded at
 `value_bits` and the keys at `bits`.
 
-Compressed (`CodeConfig.zstd`): an object of any format above, compressed whole by zstd
-(pyarrow's codec) after `ZSTD_MAGIC` and its length as 8 little-endian bytes. The reader
-decompresses it first (`decompressed`); the length a header claims is held to
-`MAX_ZSTD_RATIO` times the compressed bytes, so a corrupt one is refused, never allocated.
+Compressed (`CodeConfig.zstd`): an object of any format above, compressed whole
+(`pipeline.store.objects.zstd_object`); the reader decompresses it first.
 """
 
 from __future__ import annotations
@@ -50,7 +48,6 @@ import threading
 from contextlib import contextmanager
 from typing import BinaryIO, Iterator, NamedTuple
 
-import pyarrow as pa
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
@@ -65,15 +62,9 @@ from pipeline.config.format_version import (
 )
 from pipeline.config.stages import CodeConfig
 from pipeline.kv.cache import EpisodicCache, EpisodicLayer, QuantizedTier
-from pipeline.store.objects import low_bit
+from pipeline.store.objects import low_bit, zstd_object
 
 _SERIAL_ELEMENTS = 32767  # a copy this small runs on the calling thread (grain: 32,768)
-# A compressed object's first 8 bytes: read as a safetensors header length they would claim
-# exabytes, so no plain object starts so
-ZSTD_MAGIC = b"EPKVZSTD"
-# what a compressed object may claim to decompress to, times its bytes: a KV cache compresses
-# to 0.77-0.92 of itself (docs/benchmarks.md), a zero-filled one further, never this far
-MAX_ZSTD_RATIO = 64
 
 
 class CacheCorruptError(RuntimeError):
@@ -172,34 +163,7 @@ def serialize(cache: EpisodicCache, header: dict, dtype: torch.dtype = torch.flo
                   **({"code": _code_header(code)} if code.bits else {}))
     data = st_save({k: v.cpu() for k, v in tensors.items()},
                    metadata={"header": json.dumps(header)})
-    return data if code.zstd is None else compressed(data, code.zstd)
-
-
-def compressed(data: bytes, level: int) -> bytes:
-    """The object compressed whole at zstd `level`, after `ZSTD_MAGIC` and its length."""
-    packed = pa.Codec("zstd", compression_level=level).compress(data, asbytes=True)
-    return ZSTD_MAGIC + struct.pack("<Q", len(data)) + packed
-
-
-def decompressed(data: bytes, name: str = "cache") -> bytes:
-    """The object's own bytes: `data` itself, or decompressed if `compressed` wrote it;
-    `CacheCorruptError` naming the object if its length or its zstd frame is bad."""
-    if data[:8] != ZSTD_MAGIC:
-        return data
-    if len(data) < 16:
-        raise CacheCorruptError(f"cache object {name} is a truncated compressed object")
-    (length,) = struct.unpack("<Q", data[8:16])
-    if length > MAX_ZSTD_RATIO * len(data):
-        raise CacheCorruptError(f"cache object {name} claims to decompress to {length:,} bytes "
-                                f"from {len(data):,} (at most {MAX_ZSTD_RATIO}x are read)")
-    try:
-        out = pa.Codec("zstd").decompress(data[16:], decompressed_size=length, asbytes=True)
-    except (pa.ArrowException, OSError, ValueError) as e:
-        raise CacheCorruptError(f"cache object {name} cannot be decompressed ({e})") from None
-    if len(out) != length:
-        raise CacheCorruptError(f"cache object {name} decompressed to {len(out):,} bytes, its "
-                                f"header says {length:,}")
-    return out
+    return data if code.zstd is None else zstd_object.compressed(data, code.zstd)
 
 
 def as_stored(cache: EpisodicCache, code: CodeConfig) -> EpisodicCache:
@@ -320,7 +284,10 @@ def parse(data: bytes, name: str = "cache", dtype: torch.dtype = torch.float32,
           device: str | torch.device = "cpu") -> tuple[EpisodicCache, dict]:
     """Parse and rebuild bytes: no hash here (`deserialize` checks it first; the read path,
     `pipeline.store.objects.cache_read`, beside the parse, in `verifying`)."""
-    data = decompressed(data, name)
+    try:
+        data = zstd_object.decompressed(data)
+    except ValueError as e:
+        raise CacheCorruptError(f"cache object {name} {e}") from None
     header = read_header(data, name)
     try:
         tensors = st_load(data)

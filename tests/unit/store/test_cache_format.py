@@ -30,15 +30,13 @@ from pipeline.store.catalogue.manifest import (
 )
 from pipeline.store.objects.cache_format import (
     FORMAT,
-    MAX_ZSTD_RATIO,
-    ZSTD_MAGIC,
     CacheCorruptError,
-    decompressed,
     deserialize,
     read_header,
     serialize,
     sha256,
 )
+from pipeline.store.objects.zstd_object import MAX_ZSTD_RATIO, ZSTD_MAGIC, decompressed
 from tests.support.tiny_models import StandIn, one_torch_thread, random_ids, tiny_model  # noqa: F401
 
 NAME = "caches/conv-1/abcd/episode-0.safetensors"
