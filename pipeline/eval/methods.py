@@ -28,7 +28,7 @@ import hashlib
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from pipeline.config import BuildConfig, RoutingConfig, ScoringConfig, TopUpConfig
+from pipeline.config import BuildConfig, RoutingConfig, ScoringConfig, TopUpConfig, registry
 from pipeline.config.fields import field_hint, is_optional, parser_of, replace_path
 from pipeline.kv.methods import REGISTRY, Registered, registered, sections
 
@@ -128,12 +128,11 @@ class MethodSpec:
         return self.history and self.registration.evicts
 
     def reads_section(self, section: str) -> bool:
-        """Whether its build reads a method section of the configuration (`episodes`, or a
-        method's own parameters: `Registered.section`); the other sections every build reads."""
-        if section == "episodes":
-            return self.episodic
-        readers = sections().get(section)
-        return readers is None or self.preset.scorer in readers
+        """Whether its build reads a section of the configuration: the build's own rule
+        (`pipeline.config.registry.reads`: `episodes` where it is built per episode, a method's
+        own parameters where it is theirs), and the budget always (a cell's budget is its own
+        column, `takes_budget`)."""
+        return section == "budget" or registry.reads(self.preset.scorer, section)
 
     def refuses(self, path: str) -> str | None:
         """Why this method cannot take an override of `path` (None: it takes it): a field it
