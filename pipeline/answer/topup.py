@@ -26,6 +26,7 @@ import numpy as np
 
 from pipeline.config import TopUpConfig
 from pipeline.kv.cache import EpisodicCache
+from pipeline.kv.layout import token_mask
 from pipeline.store.backends.base import Store
 from pipeline.store.catalogue.manifest import ManifestRecord
 from pipeline.store.objects.turn_index import (
@@ -125,7 +126,7 @@ def read_view(cache: EpisodicCache, hidden_spans) -> EpisodicCache:
     a view without its turns' entries (the stored and resident cache unchanged)."""
     if not hidden_spans:
         return cache
-    return cache.without_tokens(EpisodicCache.token_mask(hidden_spans, cache.tokens_seen))
+    return cache.without_tokens(token_mask(hidden_spans, cache.tokens_seen))
 
 
 # a line's own tokens can exceed what it adds to the rendered text by a token or two (the

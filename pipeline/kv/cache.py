@@ -382,14 +382,6 @@ class EpisodicCache(Cache):
         cache itself unchanged. A top-up with `read_once` reads its turns as text alone."""
         return EpisodicCache.from_layers([layer.without_tokens(hidden) for layer in self.layers])
 
-    @staticmethod
-    def token_mask(spans, n_tokens: int) -> torch.Tensor:
-        """[n_tokens] bool: the tokens of the [start, end) `spans`."""
-        mask = torch.zeros(n_tokens, dtype=torch.bool)
-        for start, end in spans:
-            mask[max(start, 0):max(end, 0)] = True
-        return mask
-
     def entries_per_layer(self) -> list[float]:
         return [layer.entries for layer in self.layers]
 

@@ -30,11 +30,17 @@ class TokenLayout:
     def turn_mask(self, turn_ids) -> torch.Tensor:
         """[N] bool: the tokens of the given turns."""
         wanted = set(turn_ids)
-        mask = torch.zeros(self.n_tokens, dtype=torch.bool)
-        for tid, (start, end) in zip(self.turn_ids, self.turn_spans):
-            if tid in wanted:
-                mask[start:end] = True
-        return mask
+        return token_mask([span for tid, span in zip(self.turn_ids, self.turn_spans)
+                           if tid in wanted], self.n_tokens)
+
+
+def token_mask(spans, n_tokens: int) -> torch.Tensor:
+    """[n_tokens] bool: the tokens of the [start, end) `spans` (a turn's, as `TokenLayout` or
+    a turn index holds them)."""
+    mask = torch.zeros(n_tokens, dtype=torch.bool)
+    for start, end in spans:
+        mask[max(start, 0):max(end, 0)] = True
+    return mask
 
 
 def token_layout(tokenizer, conv: Conversation) -> TokenLayout:

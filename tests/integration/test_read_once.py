@@ -19,8 +19,7 @@ from pipeline.builder.conversation import build_conversation
 from pipeline.config import BuildConfig, EpisodeConfig, PrefillConfig, TopUpConfig
 from pipeline.corpus.synthetic import make_corpus
 from pipeline.kv import models
-from pipeline.kv.cache import EpisodicCache
-from pipeline.kv.layout import token_layout
+from pipeline.kv.layout import token_layout, token_mask
 from pipeline.store.backends.local import LocalStore
 from pipeline.store.catalogue.manifest import read_manifest
 from pipeline.store.objects.turn_index import read_turn_index
@@ -65,7 +64,7 @@ def test_the_answer_path_reads_the_cache_without_the_top_ups_turns(built):
         layout.span_of(t) for t in plan.topup.turn_ids)
     cache, _ = once.load_caches(plan.read)
     view = read_view(cache, plan.topup.hidden_spans)
-    hidden = EpisodicCache.token_mask(plan.topup.hidden_spans, cache.tokens_seen)
+    hidden = token_mask(plan.topup.hidden_spans, cache.tokens_seen)
     assert sum(view.entries_per_layer()) < sum(cache.entries_per_layer())
     assert not any((layer.valid & hidden[layer.positions]).any() for layer in view.layers)
     lm = models.load_llm(plan.records[0].model_id)

@@ -11,6 +11,7 @@ from pipeline.answer.decode import generate_from_cache
 from pipeline.eval.metrics import continuation_nll
 from pipeline.kv.cache import EpisodicCache
 from pipeline.kv.eviction import select_keep
+from pipeline.kv.layout import token_mask
 from pipeline.kv.methods.epicache import EpiCache
 from pipeline.kv.methods.full import Full
 from pipeline.kv.methods.shaping import ShapedScorer
@@ -294,7 +295,7 @@ def test_a_view_without_tokens_reads_as_the_cache_with_those_entries_evicted():
     model = tiny_model("llama")
     cache, _ = block_prefill(model, random_ids(70, seed=21), EpiCache(patch=random_ids(5, seed=22)),
                              [30] * 3, PrefillConfig(block=10, selection="headwise"))
-    hidden = EpisodicCache.token_mask([(12, 30), (41, 44)], cache.tokens_seen)
+    hidden = token_mask([(12, 30), (41, 44)], cache.tokens_seen)
     assert hidden.sum() == 21 and hidden[12] and not hidden[30] and hidden[43]
     before = cache_state(cache)
     view = cache.without_tokens(hidden)
