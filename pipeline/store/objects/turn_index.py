@@ -129,9 +129,9 @@ def parse(data: bytes, name: str) -> TurnIndex:
 def _turn(row: list, format: int) -> IndexedTurn:
     """A turn of the header's list: [id, session, date line, line] and, from format 2 on, its
     span's start and end (both null where it was not recorded)."""
-    if len(row) != (4 if format == 1 else 6):
-        raise ValueError(f"a turn of {len(row)} fields, format {format} has "
-                         f"{4 if format == 1 else 6}")
+    fields = 4 if format == 1 else 6
+    if len(row) != fields:
+        raise ValueError(f"a turn of {len(row)} fields, format {format} has {fields}")
     turn_id, session, date_line, line, *span = row
     if span and (span[0] is None) != (span[1] is None):
         raise ValueError(f"turn {turn_id!r} has half a span: {span}")
