@@ -6,6 +6,8 @@ package (it sits above `pipeline.cli`, below the commands).
     bench_support.py  what the build benchmarks measure with: an exact-length synthetic
                       conversation, a model cut to its first layers, a stock full prefill
     tables.py         fixed-width tables, as the benchmarks print them
+    routing_rules.py  routing rules scored from reads made once, two oracles among them
+                      (`jobs.bench.routing`)
     command_steps.py  commands run as a report's steps (`jobs.bench.gpu`)
     load_client.py    the load-test client the serving benchmarks share: a timed request, the
                       fault run's rule
