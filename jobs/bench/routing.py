@@ -37,7 +37,7 @@ from pipeline.answer.topup import select_topup
 from pipeline.builder.conversation import build_conversation, files_of
 from pipeline.builder.episode import build_episode_caches
 from pipeline.builder.profile import BuildBasis
-from pipeline.cli.numbers import positive_int
+from pipeline.cli.options import add_budget_option, add_threads_option
 from pipeline.config import BuildConfig, RoutingConfig, TopUpConfig
 from pipeline.corpus.schema import Conversation
 from pipeline.eval.cell import Prepared, evaluate_cell, measure_all, prepare
@@ -100,11 +100,10 @@ def references(prep: Prepared, config: EvalConfig) -> list[dict]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = bench_parser("routing", __doc__, conversations="26,30,41")
-    p.add_argument("--budget", type=positive_int, default=512, help="each episode's entries")
+    add_budget_option(p, 512)
     p.add_argument("--full-length", action="store_true",
                    help="whole conversations, each question against its oracle window")
-    p.add_argument("--threads", type=positive_int, default=None,
-                   help="torch threads (default: torch's)")
+    add_threads_option(p)
     return p
 
 

@@ -37,6 +37,7 @@ from pipeline.answer.topup import held_turns, select_topup
 from pipeline.builder.cluster import cluster_conversation
 from pipeline.builder.turns import index_turns
 from pipeline.cli.numbers import positive_int
+from pipeline.cli.options import add_threads_option
 from pipeline.config import BuildConfig, RoutingConfig, TopUpConfig
 from pipeline.eval.cell import history_ids, prepare
 from pipeline.eval.methods import EvalConfig
@@ -123,8 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queries", choices=("all", "last"), default="all",
                    help="the question prompt's queries that score the pages: all its tokens', or "
                         "the last one's (the first answer token's, as Quest scores at decode)")
-    p.add_argument("--threads", type=positive_int, default=None,
-                   help="torch threads (default: torch's)")
+    add_threads_option(p)
     return p
 
 
