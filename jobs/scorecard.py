@@ -40,6 +40,7 @@ from pipeline.corpus.reader import select_conversations
 from pipeline.corpus.schema import CorpusError
 from pipeline.eval.page import FULL_LENGTH_PAGE, scorecard_page
 from pipeline.eval.report import write_report
+from pipeline.eval.window import CUT_TOKENS
 
 ROWS = ("full", "epicache", "epicache-episode", "streamingllm",
         "streamingllm+topup.enabled=true", "snapkv+topup.enabled=true",
@@ -53,7 +54,6 @@ FULL_LENGTH_ROWS = ("full", "epicache", "epicache-episode", f"streamingllm{COMPA
                     f"snapkv{COMPACT}+topup.enabled=true", f"keydiff{COMPACT}+topup.enabled=true",
                     "rag", "full+topup.enabled=true")
 TUNING = ("locomo-26", "locomo-30", "locomo-41")  # the only conversations tuned on
-CUT_TOKENS = 7600  # the model's 8,192 positions hold the full-history reference (or window)
 
 # the summary's parts the page is made from, written beside it (`<page>.json`)
 PAGE_DATA = ("config", "methods", "budgets", "conversations", "equal_entries", "default",

@@ -43,13 +43,13 @@ from pipeline.corpus.schema import Conversation
 from pipeline.eval.cell import Prepared, evaluate_cell, measure_all, prepare
 from pipeline.eval.methods import NO_HISTORY, EvalConfig
 from pipeline.eval.reads import question_embeddings, route_scores
+from pipeline.eval.window import CUT_TOKENS
 from pipeline.kv import models, prompts
 from pipeline.kv.cache import EpisodicCache
 from pipeline.routers import chosen
 from pipeline.store.backends.memory import MemoryStore
 from pipeline.store.objects.turn_index import read_turn_index
 
-CUT_TOKENS = 7600  # the scorecard's cut, and its oracle window at full length
 METHOD = "epicache"
 
 

@@ -27,6 +27,9 @@ from pipeline.corpus.render import cut_at_session, render_conversation
 from pipeline.corpus.schema import Conversation, Question
 
 SESSION_RUN, EVIDENCE_SESSIONS = "window", "sessions"  # the two kinds of reference
+# the scorecard's cut, and its oracle window whole: the model's 8,192 positions hold the
+# full-history reference of either
+CUT_TOKENS = 7600
 
 
 @dataclass(frozen=True)
