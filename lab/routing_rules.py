@@ -19,7 +19,7 @@ from pipeline.eval.scorecard import (
     paired_difference,
     resamples,
 )
-from pipeline.routers import ROUTERS
+from pipeline.routers import ROUTERS, chosen
 
 DEFAULT, EVIDENCE, BEST = "default", "evidence", "best episode"
 
@@ -30,7 +30,7 @@ def rule_picks(read: dict) -> dict[str, tuple[int, ...]]:
     answers = [r["answer_nll"] for r in read["by_episode"]]
     episodes = range(len(read["holds"]))
     return {DEFAULT: tuple(read["default_pick"]),
-            **{name: (int(np.argmax(s)),) for name, s in read["scores"].items()},
+            **{name: chosen(s) for name, s in read["scores"].items()},
             EVIDENCE: (max(episodes, key=lambda e: (read["holds"][e], window[e])),),
             BEST: (min(episodes, key=lambda e: answers[e]),)}
 
