@@ -21,12 +21,16 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from kernels.score import patch_attention_scores, patch_probability_chunks
+from kernels.score import (
+    patch_attention_scores,
+    patch_attention_scores_given_logsumexp,
+    patch_probability_chunks,
+)
 
 EPISODIC_ATTENTION = "episodic"
 
@@ -188,23 +192,61 @@ def episodic_mask(request: AttentionRequest, q_len: int, group: int,
     return mask.repeat_interleave(group, dim=0)[None]
 
 
+# SDPA's fused CPU kernel, called directly where the caller needs what SDPA drops: each query's
+# softmax log-normaliser (None in a torch without it: the patch is then scored on its own)
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+class Attended(NamedTuple):
+    """`_attend`'s output [1, Hq, q, d], the boolean mask it used (None: plain causal attention
+    over the new tokens alone) and, where asked for and given, each query's softmax
+    log-normaliser [Hq, q]."""
+    out: torch.Tensor
+    mask: torch.Tensor | None
+    logsumexp: torch.Tensor | None = None
+
+
 def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-            request: AttentionRequest, scaling: float | None,
-            sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """SDPA of one conversation's queries [1, Hq, q, d] over its keys and values: the output
-    [1, Hq, q, d] and the boolean mask it used (None: plain causal attention over new tokens
-    alone, which SDPA's causal kernel runs without a mask and with half the work)."""
+            request: AttentionRequest, scaling: float | None, sliding_window: int | None,
+            normalisers: bool = False) -> Attended:
+    """SDPA of one conversation's queries [1, Hq, q, d] over its keys and values (without a
+    mask where it is plain causal attention over new tokens alone, which SDPA's causal kernel
+    runs with half the work); with `normalisers`, on CPU, the log-normalisers too
+    (`_attend_folded`)."""
     group = query.shape[1] // key.shape[1]
     if request.past_valid.shape[1] == 0 and request.packing is None and sliding_window is None:
-        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
-                                              enable_gqa=group > 1), None
+        return Attended(F.scaled_dot_product_attention(query, key, value, is_causal=True,
+                                                       scale=scaling, enable_gqa=group > 1), None)
     mask = episodic_mask(request, query.shape[2], group, sliding_window)
     # An additive float mask takes SDPA's fused CPU kernel (a boolean one is ~1.7x slower).
     additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
     additive.masked_fill_(~mask, float("-inf"))
+    if normalisers and _FLASH_CPU is not None and query.device.type == "cpu":
+        out, logsumexp = _attend_folded(query, key, value, additive, scaling)
+        return Attended(out, mask, logsumexp)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=additive, scale=scaling,
                                          enable_gqa=group > 1)
-    return out, mask
+    return Attended(out, mask)
+
+
+def _attend_folded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   additive: torch.Tensor, scaling: float | None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel `F.scaled_dot_product_attention` runs for this call on CPU, called for its
+    log-normalisers too ([Hq, q]), so that the patch's scores need no softmax of their own
+    (`kernels.score.patch_attention_scores_given_logsumexp`). The query heads of each KV group
+    are folded into that KV head's rows (a view; a mask the heads share has its rows repeated),
+    which also reads each KV head once, not once per query head: the same output."""
+    n_q_heads, q_len, dim = query.shape[1:]
+    n_kv_heads = key.shape[1]
+    rows = n_q_heads // n_kv_heads * q_len
+    if additive.shape[1] == n_q_heads:
+        additive = additive.reshape(1, n_kv_heads, rows, -1)
+    else:
+        additive = additive.repeat(1, 1, n_q_heads // n_kv_heads, 1)
+    out, logsumexp = _FLASH_CPU(query.reshape(1, n_kv_heads, rows, dim), key, value, 0.0, False,
+                                attn_mask=additive, scale=scaling)
+    return out.reshape(1, n_q_heads, q_len, -1), logsumexp.reshape(n_q_heads, q_len)
 
 
 def _attend_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -228,7 +270,7 @@ def _packed_attention(query: torch.Tensor, request: PackedRequest, scaling: floa
             outs.append(_attend_heads(segment, row.keys, row.values, row.first_entries, scaling))
         else:
             outs.append(_attend(segment, row.keys, row.values, row.request, scaling,
-                                sliding_window)[0])
+                                sliding_window).out)
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 
@@ -249,21 +291,27 @@ def episodic_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     if query.shape[0] != 1:
         raise ValueError("episodic caches hold one conversation: batch size must be 1")
     group = query.shape[1] // key.shape[1]
-    out, mask = _attend(query, key, value, request, scaling, sliding_window)
+    scored = bool(request.n_patch and request.score_patch)
+    out, mask, logsumexp = _attend(query, key, value, request, scaling, sliding_window,
+                                   normalisers=scored)
     if request.n_patch:
         request.patch_queries = query[0, :, -request.n_patch:]
-    if request.n_patch and request.score_patch:
+    if scored:
         p = request.n_patch
         n_cached = key.shape[2] - p  # cached slots plus the new block: all that may be kept
         # the last patch query sees every valid slot (a shared mask: the same for every head)
         valid = None if mask is None else mask[0, ::group, -1, :n_cached].expand(key.shape[1], -1)
-        request.scores = patch_attention_scores(
-            query[0, :, -p:], key[0, :, :n_cached], key[0, :, n_cached:], valid,
-            scale=scaling if scaling is not None else query.shape[-1] ** -0.5)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        queries, cached = query[0, :, -p:], key[0, :, :n_cached]
+        if logsumexp is None:
+            request.scores = patch_attention_scores(queries, cached, key[0, :, n_cached:], valid,
+                                                    scale)
+        else:  # the normalisers SDPA's kernel computed: no second softmax
+            request.scores = patch_attention_scores_given_logsumexp(
+                queries, cached, logsumexp[:, -p:], valid, scale)
         if request.moments:
             request.patch_sum, request.patch_sumsq, request.patch_count = patch_attention_moments(
-                query[0, :, -p:], key[0, :, :n_cached], key[0, :, n_cached:], valid,
-                scale=scaling if scaling is not None else query.shape[-1] ** -0.5)
+                queries, cached, key[0, :, n_cached:], valid, scale)
     return out.transpose(1, 2).contiguous(), None
 
 

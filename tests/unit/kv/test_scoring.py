@@ -7,7 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.score import patch_attention_scores, patch_attention_scores_reference
+from kernels.score import (
+    patch_attention_scores,
+    patch_attention_scores_given_logsumexp,
+    patch_attention_scores_reference,
+)
 from pipeline.kv.cache import EpisodicCache
 from tests.support.tiny_models import one_torch_thread, random_ids, stock_twin, tiny_model  # noqa: F401
 
@@ -66,6 +70,35 @@ def test_query_chunking_does_not_change_scores(query_chunk):
     got = patch_attention_scores_reference(q, kc, kp, valid, scale=0.25, query_chunk=query_chunk)
     torch.testing.assert_close(got.double(), naive_scores(q, kc, kp, valid, 0.25),
                                atol=1e-6, rtol=1e-5)
+
+
+def naive_logsumexp(queries, cached_keys, patch_keys, valid, scale):
+    """Each patch query's log-normaliser over the keys `naive_scores` softmaxes: [Hq, P]."""
+    n_q_heads, n_patch, _ = queries.shape
+    group = n_q_heads // cached_keys.shape[0]
+    out = torch.empty(n_q_heads, n_patch, dtype=torch.float64)
+    for h in range(n_q_heads):
+        kv = h // group
+        logits = queries[h].double() @ torch.cat([cached_keys[kv], patch_keys[kv]]).double().T
+        allowed = torch.cat([valid[kv].expand(n_patch, -1),
+                             torch.ones(n_patch, n_patch, dtype=torch.bool).tril()], dim=1)
+        out[h] = torch.logsumexp((logits * scale).masked_fill(~allowed, float("-inf")), dim=-1)
+    return out
+
+
+@pytest.mark.parametrize("key_chunk", [1, 16, 2048])
+@pytest.mark.parametrize("n_q_heads,n_kv_heads", [(4, 4), (6, 2), (3, 1)])
+def test_scores_given_the_attentions_logsumexp_match_naive_softmax(key_chunk, n_q_heads,
+                                                                   n_kv_heads):
+    """Given each patch query's log-normaliser (what SDPA's CPU kernel hands the attention),
+    the max scores are the plain softmax's, whatever the key chunks; invalid slots score 0."""
+    q, kc, kp, valid = random_inputs(n_q_heads, n_kv_heads, 17, 53, seed=key_chunk)
+    lse = naive_logsumexp(q, kc, kp, valid, 0.25).float()
+    got = patch_attention_scores_given_logsumexp(q, kc, lse, valid, 0.25, key_chunk=key_chunk)
+    assert got.shape == (n_kv_heads, 53) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), naive_scores(q, kc, kp, valid, 0.25),
+                               atol=1e-6, rtol=1e-5)
+    assert (got[~valid] == 0).all()
 
 
 def test_no_valid_mask_means_all_valid_and_empty_head_scores_zero():
@@ -137,3 +170,34 @@ def test_forward_scores_match_eager_attention_weights(family):
         torch.testing.assert_close(scores[layer.valid], expected[layer.valid], atol=1e-5, rtol=1e-4)
         assert (scores[~layer.valid] == 0).all()
         assert scores[layer.valid].max() > 1e-3  # not trivially zero
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_the_attention_scores_a_patch_as_without_sdpas_normalisers(monkeypatch, per_head):
+    """The attention call that scores a patch on CPU (SDPA's kernel asked for its normalisers,
+    each KV group's query heads folded into one head's rows) gives the output and the scores
+    it gives without them (SDPA over every query head, the reference softmax): with every
+    cached slot valid (one pass: a mask the heads share) and with some evicted per head."""
+    from pipeline.kv import attention
+
+    n_kv, group, n_past, n_new, n_patch, dim = 2, 3, 40, 12, 5, 16
+    g = torch.Generator().manual_seed(7)
+    query = torch.randn(1, n_kv * group, n_new, dim, generator=g)
+    key, value = (torch.randn(1, n_kv, n_past + n_new, dim, generator=g) for _ in range(2))
+    valid = torch.rand(n_kv, n_past, generator=g) < (0.6 if per_head else 2.0)
+
+    def attend():
+        request = attention.AttentionRequest(
+            key=key, past_valid=valid, past_positions=torch.arange(n_past).expand(n_kv, -1),
+            first_position=n_past, n_patch=n_patch)
+        attention.hand_off(request)
+        out, _ = attention.episodic_attention(None, query, key, value, None, scaling=0.25)
+        return out, request.scores
+
+    assert attention._FLASH_CPU is not None  # the path under test runs in this torch
+    got_out, got_scores = attend()
+    monkeypatch.setattr(attention, "_FLASH_CPU", None)
+    want_out, want_scores = attend()
+    torch.testing.assert_close(got_out, want_out, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got_scores, want_scores, atol=1e-6, rtol=1e-5)
+    assert (got_scores[:, :n_past][~valid] == 0).all() and got_scores.max() > 1e-3
