@@ -17,8 +17,9 @@ object the build wrote: caches, manifest, turn index; for the full prefill, its 
 store's float16), and bytes read per question: the cache objects of the episodes the answer
 path reads for each of the first `--questions` questions
 (routed by `Answerer` as `jobs.answer` routes them; for the full prefill, the whole cache).
-Ratios: seconds against the full prefill of the same tokens (the build's bill in prefills),
-peak memory against the same run at the cut.
+Ratios: seconds against the full prefill of the same tokens (the build's bill in prefills; on a
+GPU, a build's tokens/s against the model's own prefill's), peak memory against the same run at
+the cut.
 A build's seconds include its clustering and turn index (the encoder), as a build task's do.
 Past the model's 8,192 positions the full prefill's output does not matter, only its cost.
 """
@@ -55,7 +56,8 @@ PATHS = {"block": False, "one-pass": True}  # --paths: PrefillConfig.one_pass
 PREFILL = "full prefill"
 COLUMNS = [("conversation", "conversation", ""), ("length", "length", ""), ("run", "run", ""),
            ("tokens", "tokens", ","), ("episodes", "caches", ""), ("seconds", "seconds", ".1f"),
-           ("x_prefill", "x prefill", ".2f"), ("peak_mib", "peak added MiB", ".0f"),
+           ("tokens_per_s", "tokens/s", ",.0f"), ("x_prefill", "x prefill", ".2f"),
+           ("peak_mib", "peak added MiB", ".0f"),
            ("x_peak", "peak x cut", ".2f"), ("stored_mib", "stored MiB", ".1f"),
            ("read_mib", "read per question MiB", ".2f")]
 
@@ -173,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "run": name, "x_prefill": statistics.median(
                                      one[name]["seconds"] / one[PREFILL]["seconds"]
                                      for one in rounds),
+                                 "tokens_per_s": r["tokens"] / r["seconds"],
                                  "peak_mib": r["peak_added"] / 2**20,
                                  "x_peak": r["peak_added"] / max(at_cut[name]["peak_added"], 1),
                                  "stored_mib": r["stored"] / 2**20,

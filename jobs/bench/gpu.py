@@ -18,7 +18,10 @@ is recorded and the next one runs. The steps:
    `--force` (model converted, layer profile stored), each with its tokens/s from the build's
    summary line (end to end: Ray start, model loads and clustering included);
 4. the decode benchmark (`jobs.bench.decode`), with fewer questions than its default (its
-   builds and its answers on the GPU).
+   builds and its answers on the GPU);
+5. where the LoCoMo folder is present, the build's costs at full length
+   (`jobs.bench.full_length`, in-process, no Ray): LoCoMo 30 at its cut and whole, block
+   prefill and one pass against the model's own prefill of the same tokens, tokens/s each.
 
 The report (`<out>/gpu-report.md`) has the device, the torch / Triton / CUDA versions and per
 step the command, exit code, wall time and the tail of its output; the command prints the
@@ -91,6 +94,10 @@ def run_all() -> list[Step]:
         steps.append(run_step(ROOT, "decode benchmark",
                               ["-m", "jobs.bench.decode", "--questions", "4",
                                "--max-new-tokens", "32", "--store", str(Path(work) / "decode")]))
+    if (ROOT / LOCOMO).is_dir():
+        steps.append(run_step(ROOT, "build costs at full length, block and one pass",
+                              ["-m", "jobs.bench.full_length", "--corpus", LOCOMO,
+                               "--conversations", "30", "--questions", "4"]))
     return steps
 
 
