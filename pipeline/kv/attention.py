@@ -292,8 +292,10 @@ def episodic_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
         raise ValueError("episodic caches hold one conversation: batch size must be 1")
     group = query.shape[1] // key.shape[1]
     scored = bool(request.n_patch and request.score_patch)
+    # SDPA's normalisers are the scores' own only where every patch query sees the same cached
+    # slots: a sliding window hides different ones from each (the scores read the last one's)
     out, mask, logsumexp = _attend(query, key, value, request, scaling, sliding_window,
-                                   normalisers=scored)
+                                   normalisers=scored and sliding_window is None)
     if request.n_patch:
         request.patch_queries = query[0, :, -request.n_patch:]
     if scored:

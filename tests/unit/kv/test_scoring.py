@@ -172,12 +172,14 @@ def test_forward_scores_match_eager_attention_weights(family):
         assert scores[layer.valid].max() > 1e-3  # not trivially zero
 
 
-@pytest.mark.parametrize("per_head", [False, True])
-def test_the_attention_scores_a_patch_as_without_sdpas_normalisers(monkeypatch, per_head):
+@pytest.mark.parametrize("per_head,sliding", [(False, None), (True, None), (True, 30)])
+def test_the_attention_scores_a_patch_as_without_sdpas_normalisers(monkeypatch, per_head,
+                                                                   sliding):
     """The attention call that scores a patch on CPU (SDPA's kernel asked for its normalisers,
     each KV group's query heads folded into one head's rows) gives the output and the scores
     it gives without them (SDPA over every query head, the reference softmax): with every
-    cached slot valid (one pass: a mask the heads share) and with some evicted per head."""
+    cached slot valid (one pass: a mask the heads share), with some evicted per head, and with
+    a sliding window (each patch query sees other slots: the scores' own softmax)."""
     from pipeline.kv import attention
 
     n_kv, group, n_past, n_new, n_patch, dim = 2, 3, 40, 12, 5, 16
@@ -191,7 +193,8 @@ def test_the_attention_scores_a_patch_as_without_sdpas_normalisers(monkeypatch, 
             key=key, past_valid=valid, past_positions=torch.arange(n_past).expand(n_kv, -1),
             first_position=n_past, n_patch=n_patch)
         attention.hand_off(request)
-        out, _ = attention.episodic_attention(None, query, key, value, None, scaling=0.25)
+        out, _ = attention.episodic_attention(None, query, key, value, None, scaling=0.25,
+                                              sliding_window=sliding)
         return out, request.scores
 
     assert attention._FLASH_CPU is not None  # the path under test runs in this torch
