@@ -23,9 +23,10 @@ from pipeline.config import BuildConfig
 from pipeline.corpus.reader import iter_corpus, select_conversations
 from pipeline.corpus.schema import Conversation, CorpusError
 from pipeline.eval.methods import EvalConfig, parse_method
+from pipeline.eval.window import CUT_TOKENS
 
 # The screen's conversations are cut as the quality work cuts them (docs/quality.md).
-SCREEN_BUILD = BuildConfig(max_context_tokens=7600)
+SCREEN_BUILD = BuildConfig(max_context_tokens=CUT_TOKENS)
 
 
 def build_parser() -> argparse.ArgumentParser:

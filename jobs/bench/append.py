@@ -46,6 +46,7 @@ from pipeline.episodes import embed_texts
 from pipeline.eval.cell import history_ids, measure_all
 from pipeline.eval.methods import EvalConfig
 from pipeline.eval.metrics import ADVERSARIAL_CATEGORY, retention
+from pipeline.eval.window import CUT_TOKENS
 from pipeline.kv import models, prompts
 from pipeline.kv.methods.full import Full
 from pipeline.kv.prefill import block_prefill
@@ -204,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--encoder", default=BuildConfig().encoder, help="sentence encoder")
     p.add_argument("--start-tokens", type=int, default=3000,
                    help="the first build: the most whole sessions within this many tokens")
-    p.add_argument("--cut-tokens", type=int, default=7600,
+    p.add_argument("--cut-tokens", type=int, default=CUT_TOKENS,
                    help="grown one session at a time up to this many tokens")
     add_budgets_option(p, "1024,512")
     p.add_argument("--questions", type=int, default=40,

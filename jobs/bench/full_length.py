@@ -48,6 +48,7 @@ from pipeline.cli.options import add_threads_option
 from pipeline.config import BuildConfig
 from pipeline.corpus.render import cut_at_session, render_conversation
 from pipeline.corpus.schema import Conversation
+from pipeline.eval.window import CUT_TOKENS
 from pipeline.kv import models, prompts
 from pipeline.store.backends.local import LocalStore
 from pipeline.store.catalogue.manifest import read_manifest
@@ -129,7 +130,7 @@ def in_fresh_process(run, conv: Conversation, questions: int, threads: int | Non
 
 def build_parser() -> argparse.ArgumentParser:
     p = bench_parser("full_length", __doc__, conversations="30")
-    p.add_argument("--cut-tokens", type=int, default=7600,
+    p.add_argument("--cut-tokens", type=int, default=CUT_TOKENS,
                    help="the cut build's length, at a session boundary (default: 7600)")
     p.add_argument("--questions", type=int, default=20,
                    help="questions routed per conversation for the bytes read (default: 20)")

@@ -31,6 +31,7 @@ from pipeline.config import BuildConfig
 from pipeline.eval.cell import evaluate_cell, prepare
 from pipeline.eval.methods import EvalConfig
 from pipeline.eval.metrics import retention
+from pipeline.eval.window import CUT_TOKENS
 from pipeline.kv import models
 
 COMPACT = "epicache+prefill.compact_recent=0"  # every kept entry packed
@@ -63,7 +64,7 @@ def measure(conv, config: EvalConfig, budget: int) -> list[dict]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = bench_parser("positions", __doc__, conversations="26")
-    p.add_argument("--cut-tokens", type=int, default=7600,
+    p.add_argument("--cut-tokens", type=int, default=CUT_TOKENS,
                    help="the cut build's length, and which questions are measured")
     add_options(p, PREFILL_BENCH_OPTIONS[:1], BuildConfig())
     p.add_argument("--questions", type=int, default=0,

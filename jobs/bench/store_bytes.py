@@ -28,6 +28,7 @@ from pipeline.builder.episode import build_episode_caches
 from pipeline.cli.options import add_budget_option, add_threads_option
 from pipeline.config import BuildConfig, CodeConfig
 from pipeline.config.stages import CODE_BITS
+from pipeline.eval.window import CUT_TOKENS
 from pipeline.store.backends.memory import MemoryStore
 from pipeline.store.objects import cache_format
 
@@ -73,7 +74,7 @@ def measure(conv, config: BuildConfig) -> list[dict]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = bench_parser("store_bytes", __doc__, conversations="30")
-    p.add_argument("--max-context-tokens", type=int, default=7600,
+    p.add_argument("--max-context-tokens", type=int, default=CUT_TOKENS,
                    help="cut each conversation at a session boundary (0: whole)")
     add_budget_option(p, BuildConfig().budget)
     add_threads_option(p)

@@ -42,6 +42,7 @@ from pipeline.config import BuildConfig, RoutingConfig, TopUpConfig
 from pipeline.eval.cell import history_ids, prepare
 from pipeline.eval.methods import EvalConfig
 from pipeline.eval.reads import question_embeddings, route_scores
+from pipeline.eval.window import CUT_TOKENS
 from pipeline.kv import models, prompts
 from pipeline.kv.cache import EpisodicCache
 from pipeline.kv.layout import token_layout
@@ -112,7 +113,7 @@ def kv_recall(queries: list[torch.Tensor], cache: EpisodicCache, lacking: torch.
 
 def build_parser() -> argparse.ArgumentParser:
     p = bench_parser("topup_recall", __doc__, conversations="26,30,41")
-    p.add_argument("--max-context-tokens", type=positive_int, default=7600,
+    p.add_argument("--max-context-tokens", type=positive_int, default=CUT_TOKENS,
                    help="each conversation cut at a session boundary to this many tokens")
     p.add_argument("--questions-per-conversation", type=positive_int, default=40,
                    help="the first questions with evidence inside the cut")
