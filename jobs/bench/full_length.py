@@ -131,9 +131,10 @@ def in_fresh_process(run, conv: Conversation, questions: int, threads: int | Non
 def build_parser() -> argparse.ArgumentParser:
     p = bench_parser("full_length", __doc__, conversations="30")
     p.add_argument("--cut-tokens", type=int, default=CUT_TOKENS,
-                   help="the cut build's length, at a session boundary (default: 7600)")
+                   help="the cut build's length, at a session boundary (default: %(default)s)")
     p.add_argument("--questions", type=int, default=20,
-                   help="questions routed per conversation for the bytes read (default: 20)")
+                   help="questions routed per conversation for the bytes read "
+                        "(default: %(default)s)")
     p.add_argument("--repeats", type=positive_int, default=1,
                    help="rounds per length, each the prefill and every build in turn; each "
                         "figure the median of the rounds, a ratio the median of each round's "

@@ -304,16 +304,15 @@ def episodic_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
         # the last patch query sees every valid slot (a shared mask: the same for every head)
         valid = None if mask is None else mask[0, ::group, -1, :n_cached].expand(key.shape[1], -1)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        queries, cached = query[0, :, -p:], key[0, :, :n_cached]
+        queries, cached, patch_keys = query[0, :, -p:], key[0, :, :n_cached], key[0, :, n_cached:]
         if logsumexp is None:
-            request.scores = patch_attention_scores(queries, cached, key[0, :, n_cached:], valid,
-                                                    scale)
+            request.scores = patch_attention_scores(queries, cached, patch_keys, valid, scale)
         else:  # the normalisers SDPA's kernel computed: no second softmax
             request.scores = patch_attention_scores_given_logsumexp(
                 queries, cached, logsumexp[:, -p:], valid, scale)
         if request.moments:
             request.patch_sum, request.patch_sumsq, request.patch_count = patch_attention_moments(
-                queries, cached, key[0, :, n_cached:], valid, scale)
+                queries, cached, patch_keys, valid, scale)
     return out.transpose(1, 2).contiguous(), None
 
 
