@@ -41,7 +41,8 @@ ADDED_LATER = (("prefill", "compact_recent", 0), ("prefill", "one_pass", False),
                ("prefill", "score_span", 0), ("prefill", "score_span_share", 1.0),
                ("code", "bits", 0), ("code", "group", 32),
                ("code", "bytes_budget", False), ("code", "float_sinks", 0),
-               ("code", "float_recent", 0), ("code", "value_bits", None), ("code", "zstd", None))
+               ("code", "float_recent", 0), ("code", "value_bits", None), ("code", "zstd", None),
+               ("prefill", "pass_sinks", 0))
 # (section, field, the value every build that `jobs.build` could make had, hashed or not): knobs
 # measured and retired (docs/changelog.md). A hashed one is hashed with that value, so stores
 # keep their hash; a stored configuration holding another value no longer reads back.
@@ -90,8 +91,9 @@ def unread_as_before(d: dict, scorer: str) -> dict:
 def hashed_fields(config: Any) -> dict:
     """The fields as hashed, by what decides the caches: the method sections the method reads
     (`unread_as_before`), positions as resolved (so "auto" and the mode it resolves to share a
-    hash), `compact_recent` left out where the caches keep original positions, and the code's
-    group where the caches are stored as floats."""
+    hash), `compact_recent` left out where the caches keep original positions, one pass's
+    sinks where block prefill builds, and the code's group where the caches are stored as
+    floats."""
     d = unread_as_before(stored_fields(config), config.scorer)
     for section, name, value, hashed in RETIRED:
         if hashed and section in d:
@@ -99,6 +101,8 @@ def hashed_fields(config: Any) -> dict:
     d["prefill"]["positions"] = config.prefill.position_mode
     if config.prefill.position_mode == "original":  # no effect on such caches
         d["prefill"].pop("compact_recent", None)
+    if not config.prefill.one_pass:  # block prefill never reads them
+        d["prefill"].pop("pass_sinks", None)
     if not config.code.bits:  # floats: no groups
         d.pop("code", None)
     else:  # compression keeps the caches as they are: not hashed

@@ -229,6 +229,12 @@ class PrefillConfig:
     # with `score_span`: the spans' share of a key's score, the rest the plain pass's (each
     # summed to 1 over the layer first), so a key either reading finds important can be kept
     score_span_share: float = 1.0
+    # one pass: every forward past the model's positions also reads the first this-many tokens,
+    # moved to sit just before its window (StreamingLLM's attention sinks); without them each
+    # token past the first window is computed with no sink, and a whole conversation's caches
+    # lost half their copy-free evidence (docs/changelog.md). Block prefill keeps its sinks in
+    # the cache (`ScoringConfig.sink`) and never reads this
+    pass_sinks: int = 4
 
     @property
     def cannot_compact(self) -> str | None:
@@ -268,6 +274,8 @@ class PrefillConfig:
                                                     not self.score_span):
             raise ValueError(f"score_span_share must be in [0, 1] and, below 1, needs score_span, "
                              f"got {self.score_span_share}")
+        if self.pass_sinks < 0:
+            raise ValueError(f"pass_sinks must be >= 0, got {self.pass_sinks}")
         if self.one_pass and self.tristate.enabled:
             raise ValueError(ONE_PASS_NOT_TRISTATE)
         if self.positions == "compact" and self.cannot_compact:

@@ -8,7 +8,8 @@ goes through the model layer by layer, once for all the episodes:
 
 1. a layer reads the hidden states of every token (the first `pass_window` tokens in one
    causal forward, as a plain prefill runs them; the rest in `PrefillConfig.block`-token
-   chunks, each reading the keys of the window up to its last token) and holds that one
+   chunks, each reading the keys of the window up to its last token, and the first tokens:
+   the sinks) and holds that one
    layer's keys and values;
 2. each episode's patch (its own hidden states, carried layer to layer) follows the whole
    conversation in that layer: its queries score every key, as the patch of a block scores
@@ -29,7 +30,12 @@ go back to the kernel when it is done (`pipeline.allocator.release_freed_memory`
 with the length, by that small constant; block prefill's is flat.
 
 Positions: no query reads further back than the model's positions (`pass_window`), as in a
-sliding-window model, so a conversation longer than them is built too. A patch scores keys
+sliding-window model, so a conversation longer than them is built too. A forward whose window
+has left the first tokens behind reads the first `PrefillConfig.pass_sinks` too, moved to sit
+just before its window (StreamingLLM's attention sinks, the window shorter by as many): a model
+trained with its first tokens in view puts much of its attention there, and without them the
+keys and values of every later token came out different enough to halve a whole conversation's
+copy-free evidence (docs/changelog.md). A patch scores keys
 further back than that span by span, its queries re-rotated to sit right after each span
 (`span_scores`), as they would after a block; `PrefillConfig.score_span` asks for shorter
 spans (each read as a block's patch reads a budget-sized cache), and `score_span_share` mixes
@@ -42,6 +48,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -118,9 +125,10 @@ def one_pass_prefill(model: torch.nn.Module, input_ids: torch.Tensor, scorers: S
     longest = max((p.shape[0] for p in patches), default=0)
     reach = max(window - longest, 1)  # the keys a patch can score at once within the positions
     span = min(config.score_span, reach) if config.score_span else reach
-    rotation = KeyRotation.for_model(model) if n > span else None
+    beyond = n > span or n + longest > window  # keys re-rotated: spans, or sinks moved
+    rotation = KeyRotation.for_model(model) if beyond else None
     passing = _Pass(decoder, n_layers, config.block, window, n + longest, span, reach,
-                    config.score_span_share)
+                    config.score_span_share, _Sinks(config.pass_sinks, rotation))
     hidden = decoder.embed_tokens(ids[None])
     patch_hidden = [decoder.embed_tokens(p[None]) for p in patches]
     patch_positions = [c.patch_positions(0, n, p.shape[0], n)[n:].to(device)[None]
@@ -166,17 +174,42 @@ def _copy(layer: EpisodicLayer) -> EpisodicLayer:
         next_position=layer.next_position)
 
 
+@dataclass(frozen=True)
+class _Sinks:
+    """The conversation's first `count` tokens, which every forward whose window has left them
+    behind still reads: moved (keys re-rotated) into the window's first slots, in place of as
+    many of its oldest tokens, so no distance grows."""
+    count: int
+    rotation: KeyRotation | None  # needed once a window starts past the first token
+
+    def read(self, buffers: tuple[torch.Tensor, torch.Tensor], first: int, stop: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values at positions first..stop-1 ([1, Hkv, stop - first, d] each):
+        the held tokens', the first slots the sinks' where `first` is past them."""
+        keys, values = (b[:, :, first:stop] for b in buffers)
+        count = min(self.count, stop - first) if first else 0
+        if not count:
+            return keys, values
+        sink_keys = buffers[0][0, :, :count]
+        flat = sink_keys.reshape(-1, sink_keys.shape[-1])
+        moved = self.rotation.rotate(flat, torch.full((flat.shape[0],), first,
+                                                      device=flat.device))
+        keys = torch.cat([moved.view_as(sink_keys)[None], keys[:, :, count:]], dim=2)
+        values = torch.cat([buffers[1][:, :, :count], values[:, :, count:]], dim=2)
+        return keys, values
+
+
 class _PassLayer(EpisodicLayer):
     """The pass's layer: every token's keys and values written in place into buffers made once
     for the conversation and its longest patch (a layer grown chunk by chunk would copy itself
     at every chunk and leave the allocator a trail of sizes). A patch is written after the
     tokens and never kept, as in `EpisodicLayer`; the caller sets `first_key` before each
     forward: the new tokens read the held keys from there on, no earlier ones (the attention
-    never computes what a mask would throw away)."""
+    never computes what a mask would throw away), but the sinks (`_Sinks`)."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, sinks: _Sinks):
         super().__init__()
-        self.capacity = capacity
+        self.capacity, self.sinks = capacity, sinks
         self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         self.first_key = 0
         self.score_patch = True  # False: the pass scores the patch span by span itself
@@ -190,7 +223,7 @@ class _PassLayer(EpisodicLayer):
             self.is_initialized = True
         for buffer, new in zip(self.buffers, (key_states, value_states)):
             buffer[:, :, start:start + n_new] = new
-        keys, values = (b[:, :, first:start + n_new] for b in self.buffers)
+        keys, values = self.sinks.read(self.buffers, first, start + n_new)
         past = torch.arange(first, start, device=device).expand(n_heads, -1)
         self.last_request = AttentionRequest(
             key=keys, past_valid=torch.ones(past.shape, dtype=torch.bool, device=device),
@@ -210,14 +243,15 @@ class _Pass:
     and values (`_PassLayer`), run through the model's decoder layers one at a time."""
 
     def __init__(self, decoder: torch.nn.Module, n_layers: int, chunk: int, window: int,
-                 capacity: int, span: int, reach: int, span_share: float = 1.0):
+                 capacity: int, span: int, reach: int, span_share: float, sinks: _Sinks):
         self.decoder, self.chunk, self.window = decoder, chunk, window
         self.capacity, self.span, self.reach = capacity, span, reach
         # the plain pass's scores are needed where spans are shorter than the reach and share
         self.plain_share = 1 - span_share if span < reach else 0.0
         self.span_share = span_share
+        self.sinks = sinks
         self.cache = EpisodicCache(n_layers)
-        self.cache.layers[0] = _PassLayer(capacity)
+        self.cache.layers[0] = _PassLayer(capacity, sinks)
         self.peak_bytes = [0] * n_layers
 
     def held(self, idx: int) -> EpisodicLayer:
@@ -231,8 +265,8 @@ class _Pass:
     def context(self, idx: int, hidden: torch.Tensor) -> torch.Tensor:
         """Every token through layer `idx`: the first `window` tokens in one causal forward
         (no mask: the stock prefill's attention), the rest chunk by chunk, each chunk reading
-        the keys of the `window` positions up to its last token; the layer's keys and values
-        stay held."""
+        the keys of the `window` positions up to its last token (the first of them the sinks,
+        `_Sinks`, once past them); the layer's keys and values stay held."""
         held, n = self.held(idx), hidden.shape[1]
         out = torch.empty_like(hidden)
         first = min(n, self.window)
@@ -283,4 +317,4 @@ class _Pass:
         self.cache.layers[idx] = EpisodicLayer()
         release_freed_memory()
         if idx + 1 < len(self.cache.layers):
-            self.cache.layers[idx + 1] = _PassLayer(self.capacity)
+            self.cache.layers[idx + 1] = _PassLayer(self.capacity, self.sinks)

@@ -123,16 +123,18 @@ def test_each_forward_reads_the_window_up_to_its_last_token(monkeypatch):
     """What a forward of the pass reads: the first `window` tokens in one forward with no
     earlier key (the causal attention of a plain prefill), then each chunk, and each patch, the
     keys of the `window` positions up to its last token: none further back, none left out (the
-    attention is handed only those, nothing computed and masked away), and the pages freed
-    after every layer go back to the kernel."""
+    attention is handed only those, nothing computed and masked away), the first four of them
+    the conversation's first four tokens moved there (the sinks), and the pages freed after
+    every layer go back to the kernel."""
     from pipeline.kv import one_pass
 
-    reads, released = [], []
+    reads, keys, released = [], [], []
     hand_off = one_pass.hand_off
 
     def recording(request):
         n_keys, n_new = request.key.shape[2], request.n_patch
         reads.append((request.first_position, n_keys, n_new, bool(request.past_valid.all())))
+        keys.append(request.key[0, :, :4].clone())
         hand_off(request)
 
     monkeypatch.setattr(one_pass, "hand_off", recording)
@@ -147,6 +149,36 @@ def test_each_forward_reads_the_window_up_to_its_last_token(monkeypatch):
     # then 32 at a time, each reading the 100 positions up to its last token, all valid
     assert context[1:] == [(first, 100, 0, True) for first in range(100, 300, 32)]
     assert patch[:3] == (300, 100, 12)  # the patch: tokens 212-299 and its own 12
+    # each later forward's first slots: tokens 0-3 (as the first forward made them at
+    # positions 0-3) moved to the first positions its window reads
+    rotation = KeyRotation.for_model(model)
+    sinks = keys[0].reshape(-1, keys[0].shape[-1])
+    for (begin, n_keys, n_patch, _), got in zip(reads[1:per_layer], keys[1:per_layer]):
+        stop = 300 + n_patch if n_patch else min(begin + 32, 300)
+        first = stop - n_keys
+        moved = rotation.rotate(sinks, torch.full((sinks.shape[0],), first))
+        torch.testing.assert_close(got, moved.view_as(got))
+
+
+def test_without_sinks_a_window_reads_its_own_tokens_only(monkeypatch):
+    """`pass_sinks=0`: the plain sliding window, its first slots its oldest tokens'."""
+    from pipeline.kv import one_pass
+
+    firsts = []
+    read = one_pass._Sinks.read
+
+    def recording(self, buffers, first, stop):
+        got = read(self, buffers, first, stop)
+        assert torch.equal(got[0], buffers[0][:, :, first:stop])
+        assert torch.equal(got[1], buffers[1][:, :, first:stop])
+        firsts.append(first)
+        return got
+
+    monkeypatch.setattr(one_pass._Sinks, "read", recording)
+    one_pass_prefill(tiny_model("llama", max_position_embeddings=100), random_ids(300, seed=11),
+                     episode_scorers()[:1], BUDGETS,
+                     PrefillConfig(block=32, compact_recent=16, pass_sinks=0))
+    assert max(firsts) == 212  # windows past the first tokens were read (the patch's)
 
 
 def test_tristate_is_refused_with_the_way_out():
