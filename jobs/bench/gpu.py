@@ -21,7 +21,8 @@ is recorded and the next one runs. The steps:
    builds and its answers on the GPU);
 5. where the LoCoMo folder is present, the build's costs at full length
    (`jobs.bench.full_length`, in-process, no Ray): LoCoMo 30 at its cut and whole, block
-   prefill and one pass against the model's own prefill of the same tokens, tokens/s each.
+   prefill and one pass (by blocks past its first span, and by a window) against the model's
+   own prefill of the same tokens, tokens/s each.
 
 The report (`<out>/gpu-report.md`) has the device, the torch / Triton / CUDA versions and per
 step the command, exit code, wall time and the tail of its output; the command prints the

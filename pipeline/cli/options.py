@@ -219,6 +219,11 @@ BUILD_OPTIONS = SHARED_BUILD_OPTIONS + (
                 "build every episode of a conversation in one layer-by-layer pass (about one "
                 "prefill) instead of a block prefill per episode (not with --tristate)",
                 const=True),
+    FieldOption("--one-pass-beyond", "prefill.one_pass_beyond",
+                "with --one-pass, past what one reading of the model's positions holds: blocks: "
+                "each episode goes on by block prefill from the pass's cache (block prefill's "
+                "evidence whole); window: the pass slides a window (about one prefill, less "
+                "evidence whole)"),
     FieldOption("--store-dtype", "store_dtype", "dtype of the stored keys and values",
                 choices=STORE_DTYPES),
     FieldOption("--code-bits", "code.bits",

@@ -42,7 +42,7 @@ ADDED_LATER = (("prefill", "compact_recent", 0), ("prefill", "one_pass", False),
                ("code", "bits", 0), ("code", "group", 32),
                ("code", "bytes_budget", False), ("code", "float_sinks", 0),
                ("code", "float_recent", 0), ("code", "value_bits", None), ("code", "zstd", None),
-               ("prefill", "pass_sinks", 0))
+               ("prefill", "pass_sinks", 0), ("prefill", "one_pass_beyond", "window"))
 # (section, field, the value every build that `jobs.build` could make had, hashed or not): knobs
 # measured and retired (docs/changelog.md). A hashed one is hashed with that value, so stores
 # keep their hash; a stored configuration holding another value no longer reads back.
@@ -92,8 +92,8 @@ def hashed_fields(config: Any) -> dict:
     """The fields as hashed, by what decides the caches: the method sections the method reads
     (`unread_as_before`), positions as resolved (so "auto" and the mode it resolves to share a
     hash), `compact_recent` left out where the caches keep original positions, one pass's
-    sinks where block prefill builds, and the code's group where the caches are stored as
-    floats."""
+    own fields where block prefill builds, and the code's group where the caches are stored
+    as floats."""
     d = unread_as_before(stored_fields(config), config.scorer)
     for section, name, value, hashed in RETIRED:
         if hashed and section in d:
@@ -102,7 +102,8 @@ def hashed_fields(config: Any) -> dict:
     if config.prefill.position_mode == "original":  # no effect on such caches
         d["prefill"].pop("compact_recent", None)
     if not config.prefill.one_pass:  # block prefill never reads them
-        d["prefill"].pop("pass_sinks", None)
+        for name in ("pass_sinks", "one_pass_beyond"):
+            d["prefill"].pop(name, None)
     if not config.code.bits:  # floats: no groups
         d.pop("code", None)
     else:  # compression keeps the caches as they are: not hashed

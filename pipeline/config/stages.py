@@ -37,6 +37,8 @@ ROUTER_NAMES = tuple(ROUTERS)
 
 PositionMode = Literal["auto", "original", "compact"]
 POSITION_MODES: tuple[str, ...] = ("auto", "original", "compact")
+OnePassBeyond = Literal["blocks", "window"]  # PrefillConfig.one_pass_beyond
+ONE_PASS_BEYOND: tuple[str, ...] = ("blocks", "window")
 
 
 @dataclass(frozen=True)
@@ -235,6 +237,12 @@ class PrefillConfig:
     # lost half their copy-free evidence (docs/changelog.md). Block prefill keeps its sinks in
     # the cache (`ScoringConfig.sink`) and never reads this
     pass_sinks: int = 4
+    # one pass past its first span (what one reading of the model's positions holds): "blocks",
+    # each episode goes on from the pass's cache by block prefill, as an append does (every
+    # token read with its episode's cache: whole conversations keep block prefill's copy-free
+    # evidence); "window", the pass slides a window of the model's positions over the rest, at
+    # about one prefill's cost but with less copy-free evidence whole (docs/changelog.md)
+    one_pass_beyond: OnePassBeyond = "blocks"
 
     @property
     def cannot_compact(self) -> str | None:
@@ -274,6 +282,9 @@ class PrefillConfig:
                                                     not self.score_span):
             raise ValueError(f"score_span_share must be in [0, 1] and, below 1, needs score_span, "
                              f"got {self.score_span_share}")
+        if self.one_pass_beyond not in ONE_PASS_BEYOND:
+            raise ValueError(f"one_pass_beyond must be one of {ONE_PASS_BEYOND}, "
+                             f"got {self.one_pass_beyond!r}")
         if self.pass_sinks < 0:
             raise ValueError(f"pass_sinks must be >= 0, got {self.pass_sinks}")
         if self.one_pass and self.tristate.enabled:

@@ -1,5 +1,5 @@
-"""One pass builds every episode of a conversation (issue 61): the build at the cost of about
-one prefill.
+"""One pass builds every episode of a conversation (issue 61): within the model's positions,
+the build at the cost of about one prefill.
 
 Block prefill (`pipeline.kv.prefill`) runs the whole conversation once per episode, each block
 with the episode's patch. Offline the whole conversation is known before the first block, and a
@@ -9,8 +9,7 @@ goes through the model layer by layer, once for all the episodes:
 1. a layer reads the hidden states of every token (the first `pass_window` tokens in one
    causal forward, as a plain prefill runs them; the rest in `PrefillConfig.block`-token
    chunks, each reading the keys of the window up to its last token, and the first tokens:
-   the sinks) and holds that one
-   layer's keys and values;
+   the sinks) and holds that one layer's keys and values;
 2. each episode's patch (its own hidden states, carried layer to layer) follows the whole
    conversation in that layer: its queries score every key, as the patch of a block scores
    the cache in block prefill;
@@ -22,33 +21,41 @@ whole conversation as its one block (the equivalence `tests/unit/kv/test_one_pas
 After the last layer each cache is compacted (`Compression.after_step`) as block prefill
 compacts after its last block.
 
-Memory: the model, one layer's keys and values (in buffers made once per layer) and the hidden
-states of every token, in and out of the layer (N x (2 x kv_dim + 2 x hidden) numbers: 6 KiB a
-token for SmolLM2 in float32), one forward's activations (at most the model's positions: the
-first window), and the kept caches; no layer but the current one is held whole, and its pages
-go back to the kernel when it is done (`pipeline.allocator.release_freed_memory`). It grows
-with the length, by that small constant; block prefill's is flat.
+Past its first span (`first_span`: what one reading of the model's positions holds, the longest
+patch after it), by `PrefillConfig.one_pass_beyond`:
 
-Positions: no query reads further back than the model's positions (`pass_window`), as in a
-sliding-window model, so a conversation longer than them is built too. A forward whose window
-has left the first tokens behind reads the first `PrefillConfig.pass_sinks` too, moved to sit
-just before its window (StreamingLLM's attention sinks, the window shorter by as many): a model
-trained with its first tokens in view puts much of its attention there, and without them the
-keys and values of every later token came out different enough to halve a whole conversation's
-copy-free evidence (docs/changelog.md). A patch scores keys
-further back than that span by span, its queries re-rotated to sit right after each span
-(`span_scores`), as they would after a block; `PrefillConfig.score_span` asks for shorter
-spans (each read as a block's patch reads a budget-sized cache), and `score_span_share` mixes
-those scores with the plain pass's (`mixed_scores`). Tri-state compression plans
-every layer's byte split from all the layers' attention at once, which one layer at a time
-cannot: it builds block by block.
+- "blocks" (the default): the pass covers the first span, then each episode goes on from its
+  cache by block prefill over the rest, as the append of the rest would (`_then_blocks`): each
+  later token reads its episode's cache, as in block prefill, and whole conversations keep
+  block prefill's copy-free evidence; the cost of the rest is block prefill's, per episode;
+- "window": the pass goes on over every token, no query reading further back than the model's
+  positions, as in a sliding-window model. A forward whose window has left the first tokens
+  behind reads the first `PrefillConfig.pass_sinks` too, moved to sit just before its window
+  (StreamingLLM's attention sinks, the window shorter by as many): without them the keys and
+  values of every later token came out different enough to halve a whole conversation's
+  copy-free evidence. A patch scores keys further back than that span by span, its queries
+  re-rotated to sit right after each span (`span_scores`), as they would after a block;
+  `PrefillConfig.score_span` asks for shorter spans, and `score_span_share` mixes those scores
+  with the plain pass's (`mixed_scores`). About one prefill whole, but the caches hold less
+  copy-free evidence than block prefill's (docs/changelog.md).
+
+Memory: the model, one layer's keys and values (in buffers made once per layer) and the hidden
+states of every token the pass covers, in and out of the layer (N x (2 x kv_dim + 2 x hidden)
+numbers: 6 KiB a token for SmolLM2 in float32), one forward's activations (at most the model's
+positions: the first window), and the kept caches; no layer but the current one is held whole,
+and its pages go back to the kernel when it is done (`pipeline.allocator.release_freed_memory`).
+With "blocks" the pass covers the first span at most, so it is bounded for any length (block
+prefill's after it is flat); with "window" it grows with the length by that small constant.
+
+Tri-state compression plans every layer's byte split from all the layers' attention at once,
+which one layer at a time cannot: it builds block by block.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -61,7 +68,13 @@ from pipeline.kv.cache import EpisodicCache, EpisodicLayer
 from pipeline.kv.compression import compression_for
 from pipeline.kv.methods.base import BlockContext, LayerState, Scorer
 from pipeline.kv.positions import KeyRotation
-from pipeline.kv.prefill import PrefillStats, check_layer_budgets, count_states, entry_bytes
+from pipeline.kv.prefill import (
+    PrefillStats,
+    block_prefill,
+    check_layer_budgets,
+    count_states,
+    entry_bytes,
+)
 
 
 def pass_window(model: torch.nn.Module) -> int:
@@ -102,17 +115,66 @@ def _moved(vectors: torch.Tensor, shift: int, rotation: KeyRotation) -> torch.Te
     return moved.view_as(vectors)
 
 
+def first_span(model: torch.nn.Module, input_ids: torch.Tensor,
+               scorers: Sequence[Scorer]) -> int:
+    """The tokens one reading of the model's positions holds with the longest patch after."""
+    longest = max((_patch(s, input_ids).shape[0] for s in scorers), default=0)
+    return max(pass_window(model) - longest, 1)
+
+
 @torch.inference_mode()
 def one_pass_prefill(model: torch.nn.Module, input_ids: torch.Tensor, scorers: Sequence[Scorer],
                      budgets: list[int] | None, config: PrefillConfig = PrefillConfig(), *,
                      original_element_size: int | None = None
                      ) -> list[tuple[EpisodicCache, PrefillStats]]:
     """Each scorer's cache of `input_ids` ([N]) under `budgets` (entries per layer and KV head;
-    None: the full cache), all from one pass; what `block_prefill` with one block of the whole
-    input would make for each. The stats' seconds are the pass's, shared out equally."""
-    start_time = time.perf_counter()
+    None: the full cache), all from one pass: within the first span (`first_span`), what
+    `block_prefill` with one block of the whole input would make for each. Past it, as
+    `config.one_pass_beyond` says: each episode goes on by block prefill ("blocks",
+    `_then_blocks`), or the pass slides a window ("window"). The stats' seconds are the
+    pass's, shared out equally, and each episode's own blocks'."""
     if config.tristate.enabled:
         raise ValueError(ONE_PASS_NOT_TRISTATE)
+    head = first_span(model, input_ids, scorers)
+    if config.one_pass_beyond == "blocks" and input_ids.shape[0] > head:
+        return _then_blocks(model, input_ids, head, scorers, budgets, config,
+                            original_element_size)
+    return _one_pass(model, input_ids, scorers, budgets, config, original_element_size)
+
+
+def _then_blocks(model: torch.nn.Module, input_ids: torch.Tensor, head: int,
+                 scorers: Sequence[Scorer], budgets: list[int] | None, config: PrefillConfig,
+                 original_element_size: int | None) -> list[tuple[EpisodicCache, PrefillStats]]:
+    """One pass over the first `head` tokens, then each episode goes on from its cache by block
+    prefill over the rest, as the append of the rest would: every token after the first span
+    reads its episode's cache (block prefill's context) instead of a window of the
+    conversation."""
+    results = []
+    for (cache, first), scorer in zip(
+            _one_pass(model, input_ids[:head], scorers, budgets, config, original_element_size),
+            scorers):
+        cache, rest = block_prefill(model, input_ids[head:], scorer, budgets, config,
+                                    original_element_size=original_element_size, cache=cache)
+        results.append((cache, _joined(first, rest)))
+    return results
+
+
+def _joined(first: PrefillStats, rest: PrefillStats) -> PrefillStats:
+    """A cache's stats over the shared pass (`first`) and the blocks it ran alone (`rest`: the
+    state counts and final entries are the finished cache's)."""
+    return replace(
+        rest, tokens=first.tokens + rest.tokens, tokens_alone=rest.tokens,
+        shared_by=first.shared_by, blocks=first.blocks + rest.blocks,
+        patch_tokens=first.patch_tokens + rest.patch_tokens, seconds=first.seconds + rest.seconds,
+        **{name: [max(a, b) for a, b in zip(getattr(first, name), getattr(rest, name))]
+           for name in ("peak_entries", "peak_slots", "peak_bytes")})
+
+
+def _one_pass(model: torch.nn.Module, input_ids: torch.Tensor, scorers: Sequence[Scorer],
+              budgets: list[int] | None, config: PrefillConfig,
+              original_element_size: int | None) -> list[tuple[EpisodicCache, PrefillStats]]:
+    """The pass itself, over every token, a window sliding past the model's positions."""
+    start_time = time.perf_counter()
     n_layers = check_layer_budgets(model, budgets)
     sizes = entry_bytes(model, original_element_size)
     compressions = [compression_for(config, model, sizes, budgets) for _ in scorers]

@@ -37,6 +37,9 @@ class PrefillStats:
     # caches built from one run of the tokens through the model (one pass: the conversation's
     # episodes), so a cache's share of the build is tokens / shared_by + its patch tokens
     shared_by: int = 1
+    # of `tokens`, those its build then ran alone (one pass's episodes going on by block
+    # prefill past its first span): not shared
+    tokens_alone: int = 0
     peak_entries: list[float] = field(default_factory=list)  # per layer, max valid entries per head
     peak_slots: list[int] = field(default_factory=list)  # per layer, max padded slots per head
     peak_bytes: list[int] = field(default_factory=list)  # per layer, max bytes of K + V tensors
@@ -55,9 +58,10 @@ class PrefillStats:
 
 
 def build_tokens(stats: PrefillStats) -> float:
-    """The tokens a cache's build ran through the model: its share of the text's run and its
-    own patch tokens."""
-    return stats.tokens / stats.shared_by + stats.patch_tokens
+    """The tokens a cache's build ran through the model: its share of the text's run, what it
+    ran alone, and its own patch tokens."""
+    shared = stats.tokens - stats.tokens_alone
+    return shared / stats.shared_by + stats.tokens_alone + stats.patch_tokens
 
 
 def check_layer_budgets(model: torch.nn.Module, budgets: list[int] | None,

@@ -15,9 +15,10 @@ from pipeline.config.format_version import FORMAT
 ADDED_LATER = (("prefill", "compact_recent", 0),)
 # Fields added to the configuration after this copy, at the value those builds ran with: a
 # configuration of today holds them, the builds this copy stands for did not know them.
-# (`pass_sinks`: what today's block prefill holds, and never reads)
+# (`pass_sinks`, `one_pass_beyond`: what today's block prefill holds, and never reads)
 NOT_YET = (("prefill", "one_pass", False), ("prefill", "score_span", 0),
-           ("prefill", "score_span_share", 1.0), ("prefill", "pass_sinks", 4))
+           ("prefill", "score_span_share", 1.0), ("prefill", "pass_sinks", 4),
+           ("prefill", "one_pass_beyond", "blocks"))
 NOT_YET_SECTIONS = {"code": {"bits": 0, "group": 32, "bytes_budget": False, "float_sinks": 0,
                              "float_recent": 0, "value_bits": None, "zstd": None}}
 RETIRED = (("scoring", "reduce", "max", True), ("scoring", "include_patch", True, True),

@@ -61,6 +61,7 @@ def _variants(config):
 # a field that is refused without another, or has no effect without it: changed together with
 # it (or to a value it accepts)
 NEEDS = {"score_span": {"one_pass": True}, "pass_sinks": {"one_pass": True},
+         "one_pass_beyond": {"one_pass_beyond": "window", "one_pass": True},
          "score_span_share": {"score_span_share": 0.5, "score_span": 64, "one_pass": True},
          "bits": {"bits": 4}, "group": {"group": 64, "bits": 4},
          "bytes_budget": {"bytes_budget": True, "bits": 4},
@@ -200,20 +201,22 @@ def test_auto_positions_hash_as_what_they_resolve_to():
     assert (back.positions, back.compact_recent) == ("original", 0)
 
 
-def test_one_pass_sinks_are_hashed_in_one_pass_builds_only():
-    """Block prefill never reads `pass_sinks`: its builds keep their hash whatever it holds, and
-    one written before the field existed is current; a one-pass build from before the sinks
-    (its JSON without the field) read none, so it is not today's one pass."""
-    assert BuildConfig(prefill=PrefillConfig(pass_sinks=0)).hash == BuildConfig().hash
+@pytest.mark.parametrize("name, then", [("pass_sinks", 0), ("one_pass_beyond", "window")])
+def test_one_pass_fields_are_hashed_in_one_pass_builds_only(name, then):
+    """Block prefill never reads `pass_sinks` or `one_pass_beyond`: its builds keep their hash
+    whatever they hold, and one written before the field existed is current; a one-pass build
+    from before the field (its JSON without it) ran as `then` (no sinks; a window past the
+    first span), so it is not today's one pass."""
+    assert BuildConfig(prefill=PrefillConfig(**{name: then})).hash == BuildConfig().hash
     block_before = json.loads(BuildConfig().to_json())
-    del block_before["prefill"]["pass_sinks"]
+    del block_before["prefill"][name]
     assert BuildConfig().matches("0" * 16, json.dumps(block_before))
     one_pass = BuildConfig(prefill=PrefillConfig(one_pass=True))
     assert BuildConfig.from_json(one_pass.to_json()) == one_pass
     before = json.loads(one_pass.to_json())
-    del before["prefill"]["pass_sinks"]
+    del before["prefill"][name]
     back = BuildConfig.from_json(json.dumps(before))
-    assert back.prefill.pass_sinks == 0 and back.hash != one_pass.hash
+    assert getattr(back.prefill, name) == then and back.hash != one_pass.hash
     assert not one_pass.matches("0" * 16, json.dumps(before))
     with pytest.raises(ValueError, match="pass_sinks"):
         PrefillConfig(pass_sinks=-1)

@@ -14,7 +14,13 @@ from pipeline.kv.methods.epicache import EpiCache
 from pipeline.kv.methods.keydiff import KeyDiff
 from pipeline.kv.methods.snapkv import SnapKV
 from pipeline.kv.methods.streamingllm import StreamingLLM
-from pipeline.kv.one_pass import mixed_scores, one_pass_prefill, pass_window, span_scores
+from pipeline.kv.one_pass import (
+    first_span,
+    mixed_scores,
+    one_pass_prefill,
+    pass_window,
+    span_scores,
+)
 from pipeline.kv.positions import KeyRotation
 from pipeline.kv.prefill import block_prefill, build_tokens
 from tests.support.tiny_models import one_torch_thread, random_ids, tiny_model  # noqa: F401
@@ -102,14 +108,16 @@ def test_a_span_of_everything_is_the_patch_attention():
                                                                    moved[1], None, 0.25))
 
 
-def test_past_the_model_positions_every_distance_stays_within_them():
-    """A conversation longer than the model's positions is built: each token reads only the
-    window behind it, and the patch scores every span; the caches hold the budget."""
+@pytest.mark.parametrize("beyond", ["blocks", "window"])
+def test_past_the_model_positions_every_distance_stays_within_them(beyond):
+    """A conversation longer than the model's positions is built: past the first span each
+    episode goes on by block prefill, or each token reads only the window behind it and the
+    patch scores every span; the caches hold the budget."""
     model = tiny_model("llama", max_position_embeddings=100)
     assert pass_window(model) == 100
     ids = random_ids(300, seed=11)
     built = one_pass_prefill(model, ids, episode_scorers()[:2], BUDGETS,
-                             PrefillConfig(block=32, compact_recent=16))
+                             PrefillConfig(block=32, compact_recent=16, one_pass_beyond=beyond))
     for cache, stats in built:
         assert stats.tokens == 300
         assert cache.entries_per_layer() == [float(b) for b in BUDGETS]
@@ -117,6 +125,25 @@ def test_past_the_model_positions_every_distance_stays_within_them():
             assert int(layer.rope_positions[layer.valid].max()) < 100
         assert bool(torch.cat([layer.positions[layer.valid] for layer in cache.layers]
                               ).lt(150).any())  # entries from the first half are kept too
+
+
+def test_past_the_first_span_each_episode_goes_on_by_block_prefill():
+    """"blocks" (the default): one pass over what one reading of the model's positions holds
+    (100 positions less the 12-token patch), then each episode's cache goes on by block prefill
+    over the rest, as its append would; the stats count the pass once for all the episodes and
+    the blocks once for each."""
+    model = tiny_model("llama", max_position_embeddings=100)
+    ids, scorers = random_ids(300, seed=11), episode_scorers()[:2]
+    config = PrefillConfig(block=32, compact_recent=16)
+    assert first_span(model, ids, scorers) == 88
+    built = one_pass_prefill(model, ids, scorers, BUDGETS, config)
+    heads = one_pass_prefill(model, ids[:88], scorers, BUDGETS, config)
+    for (cache, stats), (head, _), scorer in zip(built, heads, scorers):
+        want, _ = block_prefill(model, ids[88:], scorer, BUDGETS, config, cache=head)
+        assert_same_cache(cache, want)
+        assert (stats.tokens, stats.tokens_alone, stats.shared_by) == (300, 212, 2)
+        assert build_tokens(stats) == 88 / 2 + 212 + stats.patch_tokens
+        assert stats.patch_tokens == 12 + 12 * 7  # the pass's patch, then each block's
 
 
 def test_each_forward_reads_the_window_up_to_its_last_token(monkeypatch):
@@ -141,7 +168,7 @@ def test_each_forward_reads_the_window_up_to_its_last_token(monkeypatch):
     monkeypatch.setattr(one_pass, "release_freed_memory", lambda: released.append(1))
     model = tiny_model("llama", max_position_embeddings=100)
     one_pass_prefill(model, random_ids(300, seed=11), episode_scorers()[:1], BUDGETS,
-                     PrefillConfig(block=32, compact_recent=16))
+                     PrefillConfig(block=32, compact_recent=16, one_pass_beyond="window"))
     per_layer = len(reads) // 3
     assert len(reads) == 3 * per_layer and len(released) == 3
     context, patch = reads[:per_layer - 1], reads[per_layer - 1]
@@ -177,7 +204,8 @@ def test_without_sinks_a_window_reads_its_own_tokens_only(monkeypatch):
     monkeypatch.setattr(one_pass._Sinks, "read", recording)
     one_pass_prefill(tiny_model("llama", max_position_embeddings=100), random_ids(300, seed=11),
                      episode_scorers()[:1], BUDGETS,
-                     PrefillConfig(block=32, compact_recent=16, pass_sinks=0))
+                     PrefillConfig(block=32, compact_recent=16, pass_sinks=0,
+                                   one_pass_beyond="window"))
     assert max(firsts) == 212  # windows past the first tokens were read (the patch's)
 
 
