@@ -252,11 +252,8 @@ class _Sinks:
         count = min(self.count, stop - first) if first else 0
         if not count:
             return keys, values
-        sink_keys = buffers[0][0, :, :count]
-        flat = sink_keys.reshape(-1, sink_keys.shape[-1])
-        moved = self.rotation.rotate(flat, torch.full((flat.shape[0],), first,
-                                                      device=flat.device))
-        keys = torch.cat([moved.view_as(sink_keys)[None], keys[:, :, count:]], dim=2)
+        moved = _moved(buffers[0][:, :, :count], first, self.rotation)
+        keys = torch.cat([moved, keys[:, :, count:]], dim=2)
         values = torch.cat([buffers[1][:, :, :count], values[:, :, count:]], dim=2)
         return keys, values
 
