@@ -23,7 +23,7 @@ reads their fields.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from pipeline.config.registry import ALLOCATORS, ROUTERS
 
@@ -36,9 +36,9 @@ ALLOCATOR_NAMES = tuple(ALLOCATORS)
 ROUTER_NAMES = tuple(ROUTERS)
 
 PositionMode = Literal["auto", "original", "compact"]
-POSITION_MODES: tuple[str, ...] = ("auto", "original", "compact")
+POSITION_MODES: tuple[str, ...] = get_args(PositionMode)
 OnePassBeyond = Literal["blocks", "window"]  # PrefillConfig.one_pass_beyond
-ONE_PASS_BEYOND: tuple[str, ...] = ("blocks", "window")
+ONE_PASS_BEYOND: tuple[str, ...] = get_args(OnePassBeyond)
 
 
 @dataclass(frozen=True)

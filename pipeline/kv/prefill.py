@@ -35,7 +35,7 @@ class PrefillStats:
     patch_tokens: int = 0
     seconds: float = 0.0
     # caches built from one run of the tokens through the model (one pass: the conversation's
-    # episodes), so a cache's share of the build is tokens / shared_by + its patch tokens
+    # episodes), so a cache's share of the build is that run / shared_by (`build_tokens`)
     shared_by: int = 1
     # of `tokens`, those its build then ran alone (one pass's episodes going on by block
     # prefill past its first span): not shared
