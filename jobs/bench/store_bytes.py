@@ -37,10 +37,12 @@ FORMATS = (("float16", CodeConfig()),
            *((f"int{bits}", CodeConfig(bits=bits)) for bits in sorted(CODE_BITS, reverse=True)),
            ("int4 g64 floats", CodeConfig(bits=4, **FLOATS)),
            ("k4 v2 g64 floats", CodeConfig(bits=4, value_bits=2, **FLOATS)),
+           ("int4 g64 floats turned", CodeConfig(bits=4, rotate=True, **FLOATS)),
            # the objects as the store holds them compressed (`code.zstd`), read back through it
            ("float16 zstd1", CodeConfig(zstd=1)),
            ("int4 g64 floats zstd3", CodeConfig(bits=4, zstd=3, **FLOATS)),
-           ("k4 v2 g64 floats zstd3", CodeConfig(bits=4, value_bits=2, zstd=3, **FLOATS)))
+           ("k4 v2 g64 floats zstd3", CodeConfig(bits=4, value_bits=2, zstd=3, **FLOATS)),
+           ("int4 g64 floats turned zstd3", CodeConfig(bits=4, rotate=True, zstd=3, **FLOATS)))
 CODECS = (("zstd1", "zstd", 1), ("zstd3", "zstd", 3), ("lz4", "lz4", None))
 
 

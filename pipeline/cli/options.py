@@ -232,6 +232,10 @@ BUILD_OPTIONS = SHARED_BUILD_OPTIONS + (
     FieldOption("--code-value-bits", "code.value_bits",
                 "low-bit codes: the values at this many bits (2, 4 or 8), the keys at "
                 "--code-bits (default: the same)"),
+    FieldOption("--code-rotate", "code.rotate",
+                "low-bit codes: turn the keys by a Hadamard matrix over each head's channels "
+                "before coding them, and back when read (QuaRot): finer steps, the same bytes",
+                const=True),
     FieldOption("--zstd", "code.zstd",
                 "compress each stored cache object whole at this zstd level (1-22; lossless: "
                 "about 11%% fewer bytes for float16 entries, 15-20%% for codes, decompressed when "

@@ -15,4 +15,8 @@ FLOATS_CODED_FORMAT = "epicache-kv/4"
 # format 3 or 4 with the values coded at another width than the keys (`CodeConfig.value_bits`):
 # a reader of format 4 would decode them at the keys' width, so it must refuse them
 MIXED_BITS_FORMAT = "epicache-kv/5"
-READABLE_FORMATS = ("epicache-kv/1", FORMAT, CODED_FORMAT, FLOATS_CODED_FORMAT, MIXED_BITS_FORMAT)
+# format 3, 4 or 5 with the keys coded after a Hadamard turn (`CodeConfig.rotate`): a reader of
+# format 5 would return them turned, so it must refuse them
+ROTATED_FORMAT = "epicache-kv/6"
+READABLE_FORMATS = ("epicache-kv/1", FORMAT, CODED_FORMAT, FLOATS_CODED_FORMAT, MIXED_BITS_FORMAT,
+                    ROTATED_FORMAT)

@@ -153,6 +153,10 @@ class CodeConfig:
     # a parse's time again to decompress on a CPU (docs/benchmarks.md, "Stored bytes"). Not in
     # the build's hash: the same caches in fewer bytes; a reader reads either
     zstd: int | None = None
+    # the keys turned by an orthonormal Hadamard matrix over each head's channels before they
+    # are coded, and back when read (QuaRot, arXiv 2404.00456): the code's error, which the
+    # keys' few wide channels (those the queries read) would take, is spread over all of them
+    rotate: bool = False
 
     @property
     def keeps_floats(self) -> bool:
@@ -191,6 +195,9 @@ class CodeConfig:
             raise ValueError(f"code value_bits must be one of {CODE_BITS} and needs a low-bit "
                              f"code for the keys (code.bits), got {self.value_bits} with bits "
                              f"{self.bits}")
+        if self.rotate and not self.bits:
+            raise ValueError("keys turned before coding (code.rotate) need a low-bit code "
+                             "(code.bits)")
         if self.zstd is not None and not 1 <= self.zstd <= 22:
             raise ValueError(f"code zstd is a zstd level from 1 to 22 (or None), got {self.zstd}")
         if self.bytes_budget and not self.bits:

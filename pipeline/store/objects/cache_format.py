@@ -33,6 +33,10 @@ codes hold the rest.
 Format 5 (header `code` also `{"value_bits"}`): format 3 or 4 with the values coded at
 `value_bits` and the keys at `bits`.
 
+Format 6 (header `code` also `{"rotate": "hadamard"}`): format 3, 4 or 5 with the coded keys
+turned by a Hadamard matrix before coding (`low_bit.turned`); the reader turns them back. The
+float entries are stored as they are.
+
 Compressed (`CodeConfig.zstd`): an object of any format above, compressed whole
 (`pipeline.store.objects.zstd_object`); the reader decompresses it first.
 """
@@ -59,6 +63,7 @@ from pipeline.config.format_version import (
     FORMAT,
     MIXED_BITS_FORMAT,
     READABLE_FORMATS,
+    ROTATED_FORMAT,
 )
 from pipeline.config.stages import CodeConfig
 from pipeline.kv.cache import EpisodicCache, EpisodicLayer, QuantizedTier
@@ -188,17 +193,20 @@ def coded_kv_bytes(cache: EpisodicCache, code: CodeConfig) -> int:
 def _format(code: CodeConfig) -> str:
     if not code.bits:
         return FORMAT
+    if code.rotate:
+        return ROTATED_FORMAT
     if code.mixed_bits:
         return MIXED_BITS_FORMAT
     return FLOATS_CODED_FORMAT if code.keeps_floats else CODED_FORMAT
 
 
 def _code_header(code: CodeConfig) -> dict:
-    """The header's `code`: bits and group, format 4's float entries where it keeps some, and
-    format 5's values' width where it differs."""
+    """The header's `code`: bits and group, format 4's float entries where it keeps some,
+    format 5's values' width where it differs, and format 6's turn of the keys."""
     floats = {"float_sinks": code.float_sinks, "float_recent": code.float_recent}
     return ({"bits": code.bits, "group": code.group} | (floats if code.keeps_floats else {})
-            | ({"value_bits": code.value_bits} if code.mixed_bits else {}))
+            | ({"value_bits": code.value_bits} if code.mixed_bits else {})
+            | ({"rotate": "hadamard"} if code.rotate else {}))
 
 
 def _coded(i: int, keys: torch.Tensor, values: torch.Tensor, lengths: list[int],
@@ -212,6 +220,8 @@ def _coded(i: int, keys: torch.Tensor, values: torch.Tensor, lengths: list[int],
                 f"layers.{i}.vfloats": values[floats].to(dtype).contiguous()}
         keys, values = keys[~floats], values[~floats]
         lengths = low_bit.coded_lengths(lengths, code.float_sinks, code.float_recent)
+    if code.rotate:
+        keys = low_bit.turned(keys)
     for prefix, coded in (("k", low_bit.encode_keys(keys, lengths, code.bits, code.group)),
                           ("v", low_bit.encode_values(values, code.value_width, code.group))):
         out |= {f"layers.{i}.{prefix}codes": coded.codes, f"layers.{i}.{prefix}steps": coded.steps,
@@ -232,13 +242,15 @@ def _decoded(i: int, tensors: dict[str, torch.Tensor], header: dict, lengths: li
                       float_sinks=int(stored.get("float_sinks", 0)),
                       float_recent=int(stored.get("float_recent", 0)),
                       value_bits=None if stored.get("value_bits") is None else
-                      int(stored["value_bits"]))
+                      int(stored["value_bits"]), rotate=_turned_keys(stored))
     head_dim = int(header["head_dim"])
     coded = low_bit.coded_lengths(lengths, code.float_sinks, code.float_recent)
     keys, values = (low_bit.Coded(*(tensors[f"layers.{i}.{prefix}{part}"].to(device)
                                     for part in ("codes", "steps", "mins")))
                     for prefix in ("k", "v"))
     keys = low_bit.decode_keys(keys, coded, head_dim, code.bits, code.group, dtype)
+    if code.rotate:
+        keys = low_bit.turned(keys).to(dtype)
     values = low_bit.decode_values(values, sum(coded), head_dim, code.value_width, code.group,
                                    dtype)
     if not code.keeps_floats:
@@ -246,6 +258,14 @@ def _decoded(i: int, tensors: dict[str, torch.Tensor], header: dict, lengths: li
     floats = low_bit.float_entries(lengths, code.float_sinks, code.float_recent).to(device)
     return tuple(_placed(floats, tensors[f"layers.{i}.{prefix}floats"].to(device, dtype), part)
                  for prefix, part in (("k", keys), ("v", values)))
+
+
+def _turned_keys(stored: dict) -> bool:
+    """Whether a header's `code` says its keys were turned before coding (format 6)."""
+    turn = stored.get("rotate")
+    if turn not in (None, "hadamard"):
+        raise ValueError(f"keys turned by {turn!r} cannot be read (known: 'hadamard')")
+    return turn == "hadamard"
 
 
 def _placed(floats: torch.Tensor, float_rows: torch.Tensor, coded_rows: torch.Tensor

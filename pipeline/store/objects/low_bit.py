@@ -13,10 +13,19 @@ is dropped when decoding.
 Some entries of each head may be kept as floats beside the codes (`float_entries`): its first
 (the attention sinks, which every question reads) and its last (KIVI's float residual of the
 most recent tokens). The codes then cover the rest, and `lengths` count the coded entries.
+
+The keys may be turned before they are coded (`turned`, QuaRot's rotation, arXiv 2404.00456):
+each key times an orthonormal Hadamard matrix over its head's channels. A few channels carry
+most of a key's range, and the queries are large in those same channels; coded per channel,
+they take the widest steps and so most of the error, where the attention logits weigh it most.
+Turned, every channel shares that range: the keys' own error is about as large (5-20% larger
+on SmolLM2's), but spread evenly, so the logits take a fraction of it. The matrix is its own
+inverse, so the same turn undoes it when read.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -30,6 +39,25 @@ class Coded(NamedTuple):
     codes: torch.Tensor
     steps: torch.Tensor
     mins: torch.Tensor
+
+
+@functools.lru_cache(maxsize=8)
+def _hadamard(d: int) -> torch.Tensor:
+    """The orthonormal Hadamard matrix of order `d` (Sylvester's: `d` a power of two)."""
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"keys turned before coding need a head dimension that is a power of two, "
+                         f"got {d}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h / d ** 0.5
+
+
+def turned(keys: torch.Tensor) -> torch.Tensor:
+    """keys [..., d] times the orthonormal Hadamard matrix of order d, in float32: the turn
+    before coding, and (the matrix being symmetric and orthogonal) its own undoing."""
+    h = _hadamard(keys.shape[-1]).to(keys.device)
+    return keys.float() @ h
 
 
 def _groups_per_head(lengths: list[int], group: int) -> list[int]:

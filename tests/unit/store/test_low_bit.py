@@ -19,6 +19,7 @@ from pipeline.config.format_version import (
     FLOATS_CODED_FORMAT,
     MIXED_BITS_FORMAT,
     READABLE_FORMATS,
+    ROTATED_FORMAT,
 )
 from pipeline.config.stages import CODE_BITS
 from pipeline.kv.methods.epicache import EpiCache
@@ -196,6 +197,58 @@ def test_values_at_other_bits_than_the_keys(built):
         CodeConfig(bits=4, value_bits=3)
     question = random_ids(4, seed=3)
     assert generate_from_cache(StandIn(model), loaded, question, 4).shape[-1] == 4
+
+
+def test_keys_turned_before_coding_are_turned_back(built):
+    """Format 6: the coded keys are turned by a Hadamard matrix before coding and back when
+    read, so their error is the code's in the turned space; the float entries and the values
+    are as without the turn, and so are the bytes."""
+    model, cache = built
+    plain = CodeConfig(bits=4, group=8, float_sinks=1)
+    code = CodeConfig(bits=4, group=8, float_sinks=1, rotate=True)
+    data = serialize(cache, {"conversation_id": "conv-1"}, code=code)
+    loaded, header = deserialize(data, sha256(data), NAME)
+    unturned, _ = deserialize(serialize(cache, {}, code=plain), None, NAME)
+    assert header["format"] == ROTATED_FORMAT in READABLE_FORMATS
+    assert header["code"]["rotate"] == "hadamard"
+    for a, b, c in zip(cache.layers, loaded.layers, unturned.layers):
+        floats = low_bit.float_entries(a.valid.sum(1).tolist(), 1, 0)
+        x, y = a.keys[0][a.valid], b.keys[0][b.valid]
+        assert torch.equal(y[floats], x[floats].half().float())
+        turned = low_bit.turned(x[~floats])
+        error = low_bit.turned(y[~floats]) - turned  # the code's own error, turned back
+        assert float(error.abs().max()) <= float(turned.max() - turned.min()) / 15 + 1e-3
+        assert torch.equal(b.values, c.values)
+    assert coded_kv_bytes(loaded, code) == coded_kv_bytes(loaded, plain)
+    tensor_bytes = [sum(t.nbytes for t in load(d).values())
+                    for d in (data, serialize(cache, {}, code=plain))]
+    assert tensor_bytes[0] == tensor_bytes[1]
+    with pytest.raises(ValueError, match="need a low-bit code"):
+        CodeConfig(rotate=True)
+    with pytest.raises(ValueError, match="power of two"):
+        low_bit.turned(torch.randn(3, 24))
+    question = random_ids(4, seed=3)
+    assert generate_from_cache(StandIn(model), loaded, question, 4).shape[-1] == 4
+
+
+def test_a_turn_evens_the_error_over_the_channels_the_queries_read():
+    """Why keys are turned: per channel, a key's outlier channel takes a wide step and so most
+    of the error, and queries are large in that same channel, so the attention logits take it
+    at its largest. Turned, the error is about as large but spread over every channel, and the
+    logits' error is a fraction of it."""
+    torch.manual_seed(2)
+    keys = torch.randn(64, 16)
+    keys[:, 3] *= 20  # an outlier channel, as keys have
+    queries = torch.randn(32, 16) * 0.1
+    queries[:, 3] = 3.0  # the queries read it
+    key_errors, logit_errors = [], []
+    for turn in (lambda x: x, low_bit.turned):
+        coded = low_bit.encode_keys(turn(keys).contiguous(), [64], bits=4, group=8)
+        error = turn(low_bit.decode_keys(coded, [64], 16, 4, 8, torch.float32)) - keys
+        key_errors.append(float(error.norm()))
+        logit_errors.append(float((queries @ error.T).norm()))
+    assert key_errors[1] < 1.5 * key_errors[0]
+    assert logit_errors[1] < 0.5 * logit_errors[0]
 
 
 def test_eight_bits_answer_as_the_float_cache(built):
