@@ -234,7 +234,8 @@ BUILD_OPTIONS = SHARED_BUILD_OPTIONS + (
                 "--code-bits (default: the same)"),
     FieldOption("--code-rotate", "code.rotate",
                 "low-bit codes: turn the keys by a Hadamard matrix over each head's channels "
-                "before coding them, and back when read (QuaRot): finer steps, the same bytes",
+                "before coding them, and back when read (QuaRot): the error of the few wide "
+                "channels the queries read spread over all, at the same bytes",
                 const=True),
     FieldOption("--zstd", "code.zstd",
                 "compress each stored cache object whole at this zstd level (1-22; lossless: "

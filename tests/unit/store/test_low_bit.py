@@ -277,7 +277,8 @@ def _with(data: bytes, change) -> bytes:
     lambda t, h: h["code"].update(bits=3),
     lambda t, h: h.pop("code") and None,
     lambda t, h: h.update(head_dim=0),
-], ids=["key-rows", "value-steps", "missing", "bits", "no-code", "head-dim"])
+    lambda t, h: h["code"].update(rotate="givens"),
+], ids=["key-rows", "value-steps", "missing", "bits", "no-code", "head-dim", "turn"])
 def test_a_damaged_coded_object_is_corrupt_naming_it(built, change):
     _, cache = built
     data = _with(serialize(cache, {}, code=CodeConfig(bits=4, group=8)), change)
