@@ -206,7 +206,7 @@ def _code_header(code: CodeConfig) -> dict:
     floats = {"float_sinks": code.float_sinks, "float_recent": code.float_recent}
     return ({"bits": code.bits, "group": code.group} | (floats if code.keeps_floats else {})
             | ({"value_bits": code.value_bits} if code.mixed_bits else {})
-            | ({"rotate": "hadamard"} if code.rotate else {}))
+            | ({"rotate": low_bit.TURN} if code.rotate else {}))
 
 
 def _coded(i: int, keys: torch.Tensor, values: torch.Tensor, lengths: list[int],
@@ -263,9 +263,9 @@ def _decoded(i: int, tensors: dict[str, torch.Tensor], header: dict, lengths: li
 def _turned_keys(stored: dict) -> bool:
     """Whether a header's `code` says its keys were turned before coding (format 6)."""
     turn = stored.get("rotate")
-    if turn not in (None, "hadamard"):
-        raise ValueError(f"keys turned by {turn!r} cannot be read (known: 'hadamard')")
-    return turn == "hadamard"
+    if turn not in (None, low_bit.TURN):
+        raise ValueError(f"keys turned by {turn!r} cannot be read (known: {low_bit.TURN!r})")
+    return turn == low_bit.TURN
 
 
 def _placed(floats: torch.Tensor, float_rows: torch.Tensor, coded_rows: torch.Tensor

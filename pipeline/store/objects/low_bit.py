@@ -41,23 +41,27 @@ class Coded(NamedTuple):
     mins: torch.Tensor
 
 
+# the turn `turned` makes, as a format 6 header names it
+TURN = "hadamard"
+
+
 @functools.lru_cache(maxsize=8)
-def _hadamard(d: int) -> torch.Tensor:
-    """The orthonormal Hadamard matrix of order `d` (Sylvester's: `d` a power of two)."""
+def _hadamard(d: int, device: torch.device) -> torch.Tensor:
+    """The orthonormal Hadamard matrix of order `d` (Sylvester's: `d` a power of two), made once
+    per device, not copied there at every layer read."""
     if d < 1 or d & (d - 1):
         raise ValueError(f"keys turned before coding need a head dimension that is a power of two, "
                          f"got {d}")
     h = torch.ones(1, 1)
     while h.shape[0] < d:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-    return h / d ** 0.5
+    return (h / d ** 0.5).to(device)
 
 
 def turned(keys: torch.Tensor) -> torch.Tensor:
     """keys [..., d] times the orthonormal Hadamard matrix of order d, in float32: the turn
     before coding, and (the matrix being symmetric and orthogonal) its own undoing."""
-    h = _hadamard(keys.shape[-1]).to(keys.device)
-    return keys.float() @ h
+    return keys.float() @ _hadamard(keys.shape[-1], keys.device)
 
 
 def _groups_per_head(lengths: list[int], group: int) -> list[int]:
