@@ -6,12 +6,12 @@
 Builds the conversation as `jobs.build` does (the default method, in memory), then writes each
 episode's cache in every object format side by side in one run: float16 (the default) and the
 low-bit codes (`BuildConfig.code`: 8, 4 and 2 bits, KIVI's groups of 32; and the codes measured
-since, in groups of 64 with each head's first 4 and last 16 entries as floats, the values at 4 or
-2 bits; and three of them compressed as the store writes them with `code.zstd`). Per format:
-the conversation's bytes and their ratio to float16, the object compressed losslessly (zstd at
-levels 1 and 3, lz4: pyarrow's codecs) as a share of itself, and the seconds to write (encode)
-and to parse (decode) one episode, against float16's. Quality at these bytes is the scorecard's
-(docs/scorecard-bytes.md); this is the bytes and the read path's cost.
+since, in groups of 64 with each head's first 4 and last 16 entries as floats, the values at 4 or 2
+bits, the keys turned, with and without the floats; and four of them compressed as the store writes
+them with `code.zstd`). Per format: the conversation's bytes and their ratio to float16, the object
+compressed losslessly (zstd at levels 1 and 3, lz4: pyarrow's codecs) as a share of itself, and the
+seconds to write (encode) and to parse (decode) one episode, against float16's. Quality at these
+bytes is the scorecard's (docs/scorecard-bytes.md); this is the bytes and the read path's cost.
 """
 
 from __future__ import annotations
@@ -38,11 +38,13 @@ FORMATS = (("float16", CodeConfig()),
            ("int4 g64 floats", CodeConfig(bits=4, **FLOATS)),
            ("k4 v2 g64 floats", CodeConfig(bits=4, value_bits=2, **FLOATS)),
            ("int4 g64 floats turned", CodeConfig(bits=4, rotate=True, **FLOATS)),
+           ("int4 g64 turned", CodeConfig(bits=4, group=64, rotate=True)),
            # the objects as the store holds them compressed (`code.zstd`), read back through it
            ("float16 zstd1", CodeConfig(zstd=1)),
            ("int4 g64 floats zstd3", CodeConfig(bits=4, zstd=3, **FLOATS)),
            ("k4 v2 g64 floats zstd3", CodeConfig(bits=4, value_bits=2, zstd=3, **FLOATS)),
-           ("int4 g64 floats turned zstd3", CodeConfig(bits=4, rotate=True, zstd=3, **FLOATS)))
+           ("int4 g64 floats turned zstd3", CodeConfig(bits=4, rotate=True, zstd=3, **FLOATS)),
+           ("int4 g64 turned zstd3", CodeConfig(bits=4, group=64, rotate=True, zstd=3)))
 CODECS = (("zstd1", "zstd", 1), ("zstd3", "zstd", 3), ("lz4", "lz4", None))
 
 

@@ -23,7 +23,8 @@ Format 3 (low-bit codes, `BuildConfig.code`, header `code: {"bits", "group"}`): 
 `.keys` and `.values` replaced by their codes (`pipeline.store.objects.low_bit`):
 `layers.{i}.kcodes` uint8, `.ksteps` and `.kmins` float16 (keys per channel over `group`
 entries of a head), `.vcodes`, `.vsteps` and `.vmins` (values per token over `group`
-channels), and `.positions` as int32. The reader decodes them to floats.
+channels), and `.positions` as int16 where every position fits, else int32 (the reader widens any
+integer type). The reader decodes them to floats.
 
 Format 4 (header `code` also `{"float_sinks", "float_recent"}`): format 3 with each head's first
 `float_sinks` and last `float_recent` entries kept as floats at `dtype` beside the codes,
@@ -140,7 +141,7 @@ def serialize(cache: EpisodicCache, header: dict, dtype: torch.dtype = torch.flo
         keys, values = layer.keys[0][original], layer.values[0][original]
         if code.bits:
             tensors |= _coded(i, keys, values, lengths.tolist(), code, dtype)
-            tensors[f"layers.{i}.positions"] = layer.positions[original].to(torch.int32)
+            tensors[f"layers.{i}.positions"] = _narrowest(layer.positions[original])
         else:
             tensors[f"layers.{i}.keys"] = keys.to(dtype).contiguous()
             tensors[f"layers.{i}.values"] = values.to(dtype).contiguous()
@@ -169,6 +170,12 @@ def serialize(cache: EpisodicCache, header: dict, dtype: torch.dtype = torch.flo
     data = st_save({k: v.cpu() for k, v in tensors.items()},
                    metadata={"header": json.dumps(header)})
     return data if code.zstd is None else zstd_object.compressed(data, code.zstd)
+
+
+def _narrowest(positions: torch.Tensor) -> torch.Tensor:
+    """Positions as int16 where all fit (as int32, ~5% of a coded entry's bytes), else int32."""
+    fits = positions.numel() == 0 or int(positions.max()) <= torch.iinfo(torch.int16).max
+    return positions.to(torch.int16 if fits else torch.int32)
 
 
 def as_stored(cache: EpisodicCache, code: CodeConfig) -> EpisodicCache:

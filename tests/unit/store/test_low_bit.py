@@ -4,6 +4,7 @@ counted, and a damaged object refused like any other."""
 
 from __future__ import annotations
 
+import copy
 import json
 import struct
 
@@ -129,6 +130,22 @@ def test_a_coded_cache_reads_back_within_its_codes_error(built, bits):
     coded_parts = ("codes", "steps", "mins")
     assert coded_kv_bytes(loaded, code) == sum(
         t.nbytes for k, t in load(data).items() if k.split(".")[-1][1:] in coded_parts)
+
+
+def test_a_coded_objects_positions_take_the_narrowest_integer_that_holds_them(built):
+    """int16 while every position fits (a coded entry is ~72 bytes, int32 would add 4), int32
+    past it; read back exactly either way."""
+    _, cache = built
+    code = CodeConfig(bits=4, group=8)
+    assert load(serialize(cache, {}, code=code))["layers.0.positions"].dtype == torch.int16
+    far = copy.deepcopy(cache)
+    for layer in far.layers:
+        layer.positions = layer.positions + 40_000
+    data = serialize(far, {}, code=code)
+    assert load(data)["layers.0.positions"].dtype == torch.int32
+    loaded, _ = deserialize(data, sha256(data), NAME)
+    for a, b in zip(far.layers, loaded.layers):
+        assert torch.equal(a.positions[a.valid], b.positions[b.valid])
 
 
 def test_float_sinks_and_recent_entries_read_back_exactly_the_rest_coded(built):
