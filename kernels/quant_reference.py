@@ -93,29 +93,51 @@ def dequantize_reference(codes: torch.Tensor, scales: torch.Tensor,
 # the clamp). A group whose minimum rounds above its maximum (all within half a float16 step of
 # one value) has step 0: its codes are 0 and it decodes to min16, as does a constant group.
 # Codes are packed 8 / bits to a byte, the first code in the lowest bits: a group of G numbers
-# takes G x bits / 8 bytes. Which numbers form a group (a channel over G tokens for keys, G
-# channels of a token for values) is the caller's choice: see `pipeline.store.objects.low_bit`.
+# takes G x bits / 8 bytes. A width that does not divide 8 (3, 5, 6) is split into two parts
+# that do (`code_parts`: 3 = 2 + 1, 5 = 4 + 1, 6 = 4 + 2): the codes' low bits packed as their
+# own width, then the high bits as theirs, one after the other in the group's bytes; a part's
+# codes shifted back and added are the code. Which numbers form a group (a channel over G tokens
+# for keys, G channels of a token for values) is the caller's choice: see
+# `pipeline.store.objects.low_bit`.
 
-GROUP_BITS = (2, 4, 8)
+GROUP_BITS = (2, 3, 4, 5, 6, 8)
+_SPLIT_BITS = {3: (2, 1), 5: (4, 1), 6: (4, 2)}
+
+
+def code_parts(bits: int) -> tuple[int, ...]:
+    """The widths a `bits`-bit code is packed in, its low bits first: `bits` itself where it
+    divides 8, else two that do."""
+    return _SPLIT_BITS.get(bits, (bits,))
 
 
 def check_group_bits(bits: int, group: int) -> int:
-    """Codes per byte at `bits`; a ValueError for another width or a group of `group` numbers
-    that does not fill whole bytes."""
+    """Bytes a group of `group` codes at `bits` takes; a ValueError for another width or a group
+    that does not fill whole bytes in each of its parts."""
     if bits not in GROUP_BITS:
         raise ValueError(f"bits must be one of {GROUP_BITS}, got {bits}")
-    per_byte = 8 // bits
-    if group % per_byte:
+    if group % (8 // min(code_parts(bits))):
         raise ValueError(f"a group of {group} numbers does not pack into whole bytes at {bits} "
                          "bits")
-    return per_byte
+    return group * bits // 8
+
+
+def group_of_bytes(bits: int, n_bytes: int) -> int:
+    """The numbers in a group whose codes at `bits` take `n_bytes` bytes; a ValueError for
+    another width or bytes that hold no whole group."""
+    if bits not in GROUP_BITS:
+        raise ValueError(f"bits must be one of {GROUP_BITS}, got {bits}")
+    if n_bytes * 8 % bits:
+        raise ValueError(f"{n_bytes} bytes hold no whole group of {bits}-bit codes")
+    group = n_bytes * 8 // bits
+    check_group_bits(bits, group)
+    return group
 
 
 def quantize_groups_reference(x: torch.Tensor, bits: int
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [R, G] (fp32/fp16/bf16) -> (codes uint8 [R, G * bits / 8], steps float16 [R],
     minimums float16 [R])."""
-    per_byte = check_group_bits(bits, x.shape[-1])
+    check_group_bits(bits, x.shape[-1])
     qmax = float(2 ** bits - 1)
     x32 = x.float()
     low = x32.amin(dim=-1).half()
@@ -123,18 +145,27 @@ def quantize_groups_reference(x: torch.Tensor, bits: int
     step = ((x32.amax(dim=-1) - low.float()) / qmax).clamp_min(0).half()
     safe = torch.where(step > 0, step.float(), torch.ones_like(step, dtype=torch.float32))
     codes = torch.round((x32 - low.float()[:, None]) / safe[:, None]).clamp_(0, qmax)
-    codes = codes.to(torch.uint8).view(x.shape[0], x.shape[-1] // per_byte, per_byte)
-    shifts = torch.arange(per_byte, dtype=torch.uint8) * bits
-    packed = (codes << shifts).sum(dim=-1, dtype=torch.int32).to(torch.uint8)
-    return packed, step, low
+    codes, packed, shift = codes.to(torch.uint8), [], 0
+    for width in code_parts(bits):
+        per_byte = 8 // width
+        part = ((codes >> shift) & (2 ** width - 1)).view(*x.shape[:-1], x.shape[-1] // per_byte,
+                                                            per_byte)
+        shifts = torch.arange(per_byte, dtype=torch.uint8) * width
+        packed.append((part << shifts).sum(dim=-1, dtype=torch.int32).to(torch.uint8))
+        shift += width
+    return torch.cat(packed, dim=-1), step, low
 
 
 def dequantize_groups_reference(codes: torch.Tensor, steps: torch.Tensor, mins: torch.Tensor,
                                 bits: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """codes uint8 [R, G * bits / 8], steps and mins float16 [R] -> [R, G] in `dtype`."""
-    per_byte = 8 // bits
-    check_group_bits(bits, codes.shape[-1] * per_byte)
-    shifts = torch.arange(per_byte, dtype=torch.uint8, device=codes.device) * bits
-    unpacked = (codes[..., None] >> shifts) & (2 ** bits - 1)
-    unpacked = unpacked.reshape(codes.shape[0], codes.shape[-1] * per_byte).float()
-    return (unpacked * steps.float()[:, None] + mins.float()[:, None]).to(dtype)
+    group = group_of_bytes(bits, codes.shape[-1])
+    unpacked, start, shift = 0, 0, 0
+    for width in code_parts(bits):
+        per_byte = 8 // width
+        part = codes[:, start:start + group // per_byte]
+        shifts = torch.arange(per_byte, dtype=torch.uint8, device=codes.device) * width
+        part = ((part[..., None] >> shifts) & (2 ** width - 1)).reshape(codes.shape[0], group)
+        unpacked = unpacked + (part.int() << shift)
+        start, shift = start + group // per_byte, shift + width
+    return (unpacked.float() * steps.float()[:, None] + mins.float()[:, None]).to(dtype)

@@ -1,5 +1,5 @@
 """Triton kernels for per-token, per-head int8 / fp8 (e4m3) KV quantization, and for KIVI's
-low-bit (2/4/8-bit) asymmetric group codes (see `kernels.quant_reference` for the formats and the
+low-bit (2- to 8-bit) asymmetric group codes (see `kernels.quant_reference` for the formats and the
 torch references they must match).
 
 Imported only by the dispatch in `kernels.quant` on CUDA tensors, and by the kernel tests under
@@ -11,7 +11,8 @@ Rounding is done in fp32 arithmetic, exactly, before the final cast: ties to eve
 only stores an exactly representable value, so the result does not depend on the cast's
 rounding mode (the CPU interpreter's fp8 cast rounds ties up and drops the mantissa carry).
 The group codes round the same way; each byte of packed codes is built from PER_BYTE strided
-column tiles (no reshapes), the first code in the lowest bits.
+column tiles (no reshapes), the first code in the lowest bits, one launch per part of a width
+that is packed in two (`code_parts`); decoding gathers each column's byte of each part.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from kernels.quant_reference import (
     FP8_E4M3_MAX,
     INT8_MAX,
     check_group_bits,
+    code_parts,
     gather_output,
+    group_of_bytes,
 )
 
 
@@ -154,11 +157,15 @@ def dequantize_triton(codes: torch.Tensor, scales: torch.Tensor,
 # ------------------------------------------------------------------ low-bit codes in groups
 
 @triton.jit
-def _quantize_groups_kernel(x_ptr, codes_ptr, steps_ptr, mins_ptr, n_rows, group, n_bytes,
-                            s_xr, s_xg, BITS: tl.constexpr, PER_BYTE: tl.constexpr,
-                            BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
-                            BLOCK_B: tl.constexpr):
+def _quantize_groups_kernel(x_ptr, codes_ptr, steps_ptr, mins_ptr, n_rows, group, row_bytes,
+                            part_start, part_bytes, s_xr, s_xg, BITS: tl.constexpr,
+                            PART_BITS: tl.constexpr, PART_SHIFT: tl.constexpr,
+                            PER_BYTE: tl.constexpr, BLOCK_R: tl.constexpr,
+                            BLOCK_G: tl.constexpr, BLOCK_B: tl.constexpr):
+    """One part of each group's codes (`code_parts`: PART_BITS of them from bit PART_SHIFT),
+    packed into bytes part_start .. part_start + part_bytes of each row's codes."""
     QMAX: tl.constexpr = (1 << BITS) - 1
+    PART_MASK: tl.constexpr = (1 << PART_BITS) - 1
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n_rows
     rows64 = rows.to(tl.int64)
@@ -178,74 +185,85 @@ def _quantize_groups_kernel(x_ptr, codes_ptr, steps_ptr, mins_ptr, n_rows, group
     step32 = step.to(tl.float32)
     safe = tl.broadcast_to(tl.where(step32 > 0, step32, 1.0)[:, None], [BLOCK_R, BLOCK_B])
     low_b = tl.broadcast_to(low32[:, None], [BLOCK_R, BLOCK_B])
-    # Byte p holds the codes of columns p * PER_BYTE + sub, code `sub` at bit sub * BITS.
+    # Byte p of the part holds the codes of columns p * PER_BYTE + sub, code `sub` at bit
+    # sub * PART_BITS.
     byte_idx = tl.arange(0, BLOCK_B)
-    ok = row_ok[:, None] & (byte_idx < n_bytes)[None, :]
+    ok = row_ok[:, None] & (byte_idx < part_bytes)[None, :]
     packed = tl.zeros([BLOCK_R, BLOCK_B], dtype=tl.int32)
     for sub in tl.static_range(PER_BYTE):
         sub_cols = byte_idx * PER_BYTE + sub
         xs = tl.load(x_ptr + rows64[:, None] * s_xr + sub_cols[None, :] * s_xg, mask=ok,
                      other=0.0).to(tl.float32)
         codes = _round_half_even(tl.div_rn(xs - low_b, safe))
-        codes = tl.minimum(tl.maximum(codes, 0.0), QMAX)
-        packed = packed | (codes.to(tl.int32) << (sub * BITS))
-    tl.store(codes_ptr + rows64[:, None] * n_bytes + byte_idx[None, :], packed.to(tl.uint8),
-             mask=ok)
+        codes = tl.minimum(tl.maximum(codes, 0.0), QMAX).to(tl.int32)
+        packed = packed | (((codes >> PART_SHIFT) & PART_MASK) << (sub * PART_BITS))
+    tl.store(codes_ptr + rows64[:, None] * row_bytes + part_start + byte_idx[None, :],
+             packed.to(tl.uint8), mask=ok)
     tl.store(steps_ptr + rows, step, mask=row_ok)
     tl.store(mins_ptr + rows, low, mask=row_ok)
 
 
 @triton.jit
-def _dequantize_groups_kernel(codes_ptr, steps_ptr, mins_ptr, out_ptr, n_rows, n_bytes,
-                              BITS: tl.constexpr, PER_BYTE: tl.constexpr,
-                              BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
-    MASK: tl.constexpr = (1 << BITS) - 1
+def _dequantize_groups_kernel(codes_ptr, steps_ptr, mins_ptr, out_ptr, n_rows, n_bytes, group,
+                              LOW_BITS: tl.constexpr, LOW_PER_BYTE: tl.constexpr,
+                              HIGH_BITS: tl.constexpr, HIGH_PER_BYTE: tl.constexpr,
+                              BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Each column's code gathered from its byte of the low part (and of the high part, after
+    it, where HIGH_BITS > 0: `code_parts`), then code x step + min."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n_rows
     rows64 = rows.to(tl.int64)
-    byte_idx = tl.arange(0, BLOCK_B)
-    ok = row_ok[:, None] & (byte_idx < n_bytes)[None, :]
-    packed = tl.load(codes_ptr + rows64[:, None] * n_bytes + byte_idx[None, :], mask=ok,
-                     other=0).to(tl.int32)
+    cols = tl.arange(0, BLOCK_G)
+    ok = row_ok[:, None] & (cols < group)[None, :]
+    row_codes = codes_ptr + rows64[:, None] * n_bytes
+    low_bytes = tl.load(row_codes + (cols // LOW_PER_BYTE)[None, :], mask=ok, other=0)
+    codes = (low_bytes.to(tl.int32) >> ((cols % LOW_PER_BYTE) * LOW_BITS)[None, :]) \
+        & ((1 << LOW_BITS) - 1)
+    if HIGH_BITS > 0:
+        high_bytes = tl.load(row_codes + (group // LOW_PER_BYTE + cols // HIGH_PER_BYTE)[None, :],
+                             mask=ok, other=0)
+        high = (high_bytes.to(tl.int32) >> ((cols % HIGH_PER_BYTE) * HIGH_BITS)[None, :]) \
+            & ((1 << HIGH_BITS) - 1)
+        codes = codes | (high << LOW_BITS)
     step = tl.load(steps_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     low = tl.load(mins_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    group = n_bytes * PER_BYTE
-    for sub in tl.static_range(PER_BYTE):
-        codes = ((packed >> (sub * BITS)) & MASK).to(tl.float32)
-        # code (<= 8 bits) x step (11 significant bits) is exact in fp32: fusing the product
-        # and the sum into an fma (as GPU compilers may) rounds exactly as torch's mul + add.
-        values = codes * step + low
-        out = out_ptr + rows64[:, None] * group + (byte_idx * PER_BYTE + sub)[None, :]
-        tl.store(out, values.to(out_ptr.dtype.element_ty), mask=ok)
+    # code (<= 8 bits) x step (11 significant bits) is exact in fp32: fusing the product and
+    # the sum into an fma (as GPU compilers may) rounds exactly as torch's mul + add.
+    values = codes.to(tl.float32) * step + low
+    tl.store(out_ptr + rows64[:, None] * group + cols[None, :],
+             values.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _group_blocks(group: int, per_byte: int) -> tuple[int, int, int]:
-    """Rows per program, the group tile and the byte tile: about 4K numbers per program."""
-    block_g = triton.next_power_of_2(group)
-    block_b = triton.next_power_of_2(max(1, group // per_byte))
-    return max(1, min(64, 4096 // block_g)), block_g, block_b
+def _rows_per_program(group: int) -> int:
+    """Rows per program: about 4K numbers per program."""
+    return max(1, min(64, 4096 // triton.next_power_of_2(group)))
 
 
 def quantize_groups_triton(x: torch.Tensor, bits: int
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [R, G] (fp32/fp16/bf16, any strides) -> (codes uint8 [R, G * bits / 8], steps float16
-    [R], mins float16 [R]); same contract as `kernels.quant_reference.quantize_groups_reference`."""
+    [R], mins float16 [R]); same contract as `kernels.quant_reference.quantize_groups_reference`
+    (one launch per part of the codes, `code_parts`)."""
     if x.dim() != 2:
         raise ValueError(f"x must be [rows, group], got shape {tuple(x.shape)}")
     n_rows, group = x.shape
-    per_byte = check_group_bits(bits, group)
+    n_bytes = check_group_bits(bits, group)
     if group == 0:
         raise ValueError("a group needs at least one number")
-    n_bytes = group // per_byte
     codes = torch.empty(n_rows, n_bytes, dtype=torch.uint8, device=x.device)
     steps = torch.empty(n_rows, dtype=torch.float16, device=x.device)
     mins = torch.empty(n_rows, dtype=torch.float16, device=x.device)
     if n_rows == 0:
         return codes, steps, mins
-    block_r, block_g, block_b = _group_blocks(group, per_byte)
-    _quantize_groups_kernel[(triton.cdiv(n_rows, block_r),)](
-        x, codes, steps, mins, n_rows, group, n_bytes, x.stride(0), x.stride(1), BITS=bits,
-        PER_BYTE=per_byte, BLOCK_R=block_r, BLOCK_G=block_g, BLOCK_B=block_b)
+    block_r, start, shift = _rows_per_program(group), 0, 0
+    for width in code_parts(bits):
+        part_bytes = group * width // 8
+        _quantize_groups_kernel[(triton.cdiv(n_rows, block_r),)](
+            x, codes, steps, mins, n_rows, group, n_bytes, start, part_bytes, x.stride(0),
+            x.stride(1), BITS=bits, PART_BITS=width, PART_SHIFT=shift, PER_BYTE=8 // width,
+            BLOCK_R=block_r, BLOCK_G=triton.next_power_of_2(group),
+            BLOCK_B=triton.next_power_of_2(part_bytes))
+        start, shift = start + part_bytes, shift + width
     return codes, steps, mins
 
 
@@ -257,15 +275,17 @@ def dequantize_groups_triton(codes: torch.Tensor, steps: torch.Tensor, mins: tor
         raise ValueError(f"codes must be uint8 [rows, bytes], got {codes.dtype} "
                          f"{tuple(codes.shape)}")
     n_rows, n_bytes = codes.shape
-    per_byte = check_group_bits(bits, 0)  # checks bits; whole bytes always hold whole codes
     if steps.shape != (n_rows,) or mins.shape != (n_rows,):
         raise ValueError(f"steps {tuple(steps.shape)} and mins {tuple(mins.shape)} must be "
                          f"[{n_rows}]")
-    out = torch.empty(n_rows, n_bytes * per_byte, dtype=dtype, device=codes.device)
+    group = group_of_bytes(bits, n_bytes)
+    out = torch.empty(n_rows, group, dtype=dtype, device=codes.device)
     if out.numel() == 0:
         return out
-    block_r, _, block_b = _group_blocks(n_bytes * per_byte, per_byte)
-    _dequantize_groups_kernel[(triton.cdiv(n_rows, block_r),)](
-        codes.contiguous(), steps.contiguous(), mins.contiguous(), out, n_rows,
-        n_bytes, BITS=bits, PER_BYTE=per_byte, BLOCK_R=block_r, BLOCK_B=block_b)
+    low_bits, high_bits = (code_parts(bits) + (0,))[:2]
+    _dequantize_groups_kernel[(triton.cdiv(n_rows, _rows_per_program(group)),)](
+        codes.contiguous(), steps.contiguous(), mins.contiguous(), out, n_rows, n_bytes, group,
+        LOW_BITS=low_bits, LOW_PER_BYTE=8 // low_bits, HIGH_BITS=high_bits,
+        HIGH_PER_BYTE=8 // high_bits if high_bits else 1, BLOCK_R=_rows_per_program(group),
+        BLOCK_G=triton.next_power_of_2(group))
     return out

@@ -5,14 +5,14 @@
 
 Builds the conversation as `jobs.build` does (the default method, in memory), then writes each
 episode's cache in every object format side by side in one run: float16 (the default) and the
-low-bit codes (`BuildConfig.code`: 8, 4 and 2 bits, KIVI's groups of 32; and the codes measured
+low-bit codes (`BuildConfig.code`: 8 to 2 bits, KIVI's groups of 32; and the codes measured
 since, in groups of 64 with each head's first 4 and last 16 entries as floats, the values at 4 or 2
-bits, the keys turned, with those floats or the first 4 alone ("sinks"); and five of them compressed
-as the store writes them with `code.zstd`). Per format: the conversation's bytes and their ratio to
-float16, the object compressed losslessly (zstd at levels 1 and 3, lz4: pyarrow's codecs) as a share
-of itself, and the seconds to write (encode) and to parse (decode) one episode, against float16's.
-Quality at these bytes is the scorecard's (docs/scorecard-bytes.md, docs/scorecard-turned.md); this
-is the bytes and the read path's cost.
+bits, the keys turned, with those floats or the first 4 alone ("sinks"), coded per channel or per
+token; and six of them compressed as the store writes them with `code.zstd`). Per format: the
+conversation's bytes and their ratio to float16, the object compressed losslessly (zstd at levels 1
+and 3, lz4: pyarrow's codecs) as a share of itself, and the seconds to write (encode) and to parse
+(decode) one episode, against float16's. Quality at these bytes is the scorecard's
+(docs/scorecard-bytes.md, docs/scorecard-turned.md); this is the bytes and the read path's cost.
 """
 
 from __future__ import annotations
@@ -41,12 +41,16 @@ FORMATS = (("float16", CodeConfig()),
            ("k4 v2 g64 floats", CodeConfig(bits=4, value_bits=2, **FLOATS)),
            ("int4 g64 floats turned", CodeConfig(bits=4, rotate=True, **FLOATS)),
            ("int4 g64 sinks turned", CodeConfig(bits=4, rotate=True, **SINKS)),
+           ("int4 g64 sinks turned per token", CodeConfig(bits=4, rotate=True, key_axis="token",
+                                                          **SINKS)),
            # the objects as the store holds them compressed (`code.zstd`), read back through it
            ("float16 zstd1", CodeConfig(zstd=1)),
            ("int4 g64 floats zstd3", CodeConfig(bits=4, zstd=3, **FLOATS)),
            ("k4 v2 g64 floats zstd3", CodeConfig(bits=4, value_bits=2, zstd=3, **FLOATS)),
            ("int4 g64 floats turned zstd3", CodeConfig(bits=4, rotate=True, zstd=3, **FLOATS)),
-           ("int4 g64 sinks turned zstd3", CodeConfig(bits=4, rotate=True, zstd=3, **SINKS)))
+           ("int4 g64 sinks turned zstd3", CodeConfig(bits=4, rotate=True, zstd=3, **SINKS)),
+           ("int4 g64 sinks turned per token zstd3",
+            CodeConfig(bits=4, rotate=True, key_axis="token", zstd=3, **SINKS)))
 CODECS = (("zstd1", "zstd", 1), ("zstd3", "zstd", 3), ("lz4", "lz4", None))
 
 

@@ -227,16 +227,20 @@ BUILD_OPTIONS = SHARED_BUILD_OPTIONS + (
     FieldOption("--store-dtype", "store_dtype", "dtype of the stored keys and values",
                 choices=STORE_DTYPES),
     FieldOption("--code-bits", "code.bits",
-                "store the keys and values in KIVI's low-bit codes of this many bits (2, 4 or "
-                "8; 0: floats at --store-dtype); not with --tristate"),
+                "store the keys and values in KIVI's low-bit codes of this many bits (2, 3, "
+                "4, 5, 6 or 8; 0: floats at --store-dtype); not with --tristate"),
     FieldOption("--code-value-bits", "code.value_bits",
-                "low-bit codes: the values at this many bits (2, 4 or 8), the keys at "
+                "low-bit codes: the values at this many bits (2, 3, 4, 5, 6 or 8), the keys at "
                 "--code-bits (default: the same)"),
     FieldOption("--code-rotate", "code.rotate",
                 "low-bit codes: turn the keys by a Hadamard matrix over each head's channels "
                 "before coding them, and back when read (QuaRot): the error of the few wide "
                 "channels the queries read spread over all, at the same bytes",
                 const=True),
+    FieldOption("--code-key-axis", "code.key_axis",
+                "low-bit codes: the keys coded per channel over --code-group entries (KIVI), or "
+                "per token over --code-group channels as the values are (with --code-rotate: "
+                "QuaRot's, the same bytes)", choices=("channel", "token")),
     FieldOption("--zstd", "code.zstd",
                 "compress each stored cache object whole at this zstd level (1-22; lossless: "
                 "about 11%% fewer bytes for float16 entries, 15-20%% for codes, decompressed when "

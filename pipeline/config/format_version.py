@@ -18,5 +18,8 @@ MIXED_BITS_FORMAT = "epicache-kv/5"
 # format 3, 4 or 5 with the keys coded after a Hadamard turn (`CodeConfig.rotate`): a reader of
 # format 5 would return them turned, so it must refuse them
 ROTATED_FORMAT = "epicache-kv/6"
+# format 3 to 6 with codes of 3, 5 or 6 bits (packed in two parts) or with the keys coded per
+# token (`CodeConfig.key_axis`): a reader of format 6 would fail on the one and misread the other
+SPLIT_FORMAT = "epicache-kv/7"
 READABLE_FORMATS = ("epicache-kv/1", FORMAT, CODED_FORMAT, FLOATS_CODED_FORMAT, MIXED_BITS_FORMAT,
-                    ROTATED_FORMAT)
+                    ROTATED_FORMAT, SPLIT_FORMAT)

@@ -126,7 +126,7 @@ class MergeConfig:
             raise ValueError(f"merge beta must be in (0, 1], got {self.beta}")
 
 
-CODE_BITS = (2, 4, 8)  # the low-bit codes' widths (`kernels.quant_reference.GROUP_BITS`)
+CODE_BITS = (2, 3, 4, 5, 6, 8)  # the low-bit codes' widths (`kernels.quant_reference.GROUP_BITS`)
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,7 @@ class CodeConfig:
     2402.02750): keys per channel over `group` tokens of a head, values per token over `group`
     channels, each group with a float16 minimum and step. Coded after the build, so the caches
     keep every position mode; the reader decodes them to floats."""
-    bits: int = 0  # 0: floats; 2, 4 or 8 bits a number
+    bits: int = 0  # 0: floats; 2, 3, 4, 5, 6 or 8 bits a number
     group: int = 32  # numbers sharing a minimum and a step (KIVI: 32)
     # the budget M reads as the bytes of M entries at the store dtype: the build keeps as many
     # coded entries as those bytes hold (`BuildConfig.entry_budget`), as tri-state's does
@@ -157,6 +157,10 @@ class CodeConfig:
     # are coded, and back when read (QuaRot, arXiv 2404.00456): the code's error, which the
     # keys' few wide channels (those the queries read) would take, is spread over all of them
     rotate: bool = False
+    # the keys coded per channel over `group` entries (KIVI: their few wide channels each get
+    # their own step), or per token over `group` channels as the values are (QuaRot's choice
+    # once they are turned, which leaves no wide channel: the same bytes, a smaller error)
+    key_axis: Literal["channel", "token"] = "channel"
 
     @property
     def keeps_floats(self) -> bool:
@@ -197,6 +201,11 @@ class CodeConfig:
                              f"{self.bits}")
         if self.rotate and not self.bits:
             raise ValueError("keys turned before coding (code.rotate) need a low-bit code "
+                             "(code.bits)")
+        if self.key_axis not in ("channel", "token"):
+            raise ValueError(f"code key_axis must be 'channel' or 'token', got {self.key_axis!r}")
+        if self.key_axis == "token" and not self.bits:
+            raise ValueError("keys coded per token (code.key_axis) need a low-bit code "
                              "(code.bits)")
         if self.zstd is not None and not 1 <= self.zstd <= 22:
             raise ValueError(f"code zstd is a zstd level from 1 to 22 (or None), got {self.zstd}")

@@ -38,6 +38,10 @@ Format 6 (header `code` also `{"rotate": "hadamard"}`): format 3, 4 or 5 with th
 turned by a Hadamard matrix before coding (`low_bit.turned`); the reader turns them back. The
 float entries are stored as they are.
 
+Format 7: format 3 to 6 with `bits` or `value_bits` of 3, 5 or 6 (each code packed in two
+parts, `kernels.quant_reference.code_parts`), or with header `code` also `{"key_axis":
+"token"}`: the keys coded per token as the values are (`low_bit.encode_per_token`).
+
 Compressed (`CodeConfig.zstd`): an object of any format above, compressed whole
 (`pipeline.store.objects.zstd_object`); the reader decompresses it first.
 """
@@ -65,6 +69,7 @@ from pipeline.config.format_version import (
     MIXED_BITS_FORMAT,
     READABLE_FORMATS,
     ROTATED_FORMAT,
+    SPLIT_FORMAT,
 )
 from pipeline.config.stages import CodeConfig
 from pipeline.kv.cache import EpisodicCache, EpisodicLayer, QuantizedTier
@@ -166,7 +171,7 @@ def serialize(cache: EpisodicCache, header: dict, dtype: torch.dtype = torch.flo
                      if compacted and first.compact_cut is not None else {}),
                   kv_heads=int(first.valid.shape[0]), head_dim=int(first.keys.shape[-1]),
                   dtype=str(dtype).removeprefix("torch."), quant=quant,
-                  **({"code": _code_header(code)} if code.bits else {}))
+                  **({"code": low_bit.code_header(code)} if code.bits else {}))
     data = st_save({k: v.cpu() for k, v in tensors.items()},
                    metadata={"header": json.dumps(header)})
     return data if code.zstd is None else zstd_object.compressed(data, code.zstd)
@@ -193,27 +198,21 @@ def coded_kv_bytes(cache: EpisodicCache, code: CodeConfig) -> int:
     (`low_bit.coded_bytes` per layer)."""
     return sum(low_bit.coded_bytes(layer.valid.sum(dim=1).tolist(), layer.keys.shape[-1],
                                    code.bits, code.group, code.float_sinks, code.float_recent,
-                                   value_bits=code.value_width)
+                                   value_bits=code.value_width,
+                                   keys_per_token=code.key_axis == "token")
                for layer in cache.layers)
 
 
 def _format(code: CodeConfig) -> str:
     if not code.bits:
         return FORMAT
+    if code.key_axis == "token" or {code.bits, code.value_width} - {2, 4, 8}:
+        return SPLIT_FORMAT
     if code.rotate:
         return ROTATED_FORMAT
     if code.mixed_bits:
         return MIXED_BITS_FORMAT
     return FLOATS_CODED_FORMAT if code.keeps_floats else CODED_FORMAT
-
-
-def _code_header(code: CodeConfig) -> dict:
-    """The header's `code`: bits and group, format 4's float entries where it keeps some,
-    format 5's values' width where it differs, and format 6's turn of the keys."""
-    floats = {"float_sinks": code.float_sinks, "float_recent": code.float_recent}
-    return ({"bits": code.bits, "group": code.group} | (floats if code.keeps_floats else {})
-            | ({"value_bits": code.value_bits} if code.mixed_bits else {})
-            | ({"rotate": low_bit.TURN} if code.rotate else {}))
 
 
 def _coded(i: int, keys: torch.Tensor, values: torch.Tensor, lengths: list[int],
@@ -229,8 +228,8 @@ def _coded(i: int, keys: torch.Tensor, values: torch.Tensor, lengths: list[int],
         lengths = low_bit.coded_lengths(lengths, code.float_sinks, code.float_recent)
     if code.rotate:
         keys = low_bit.turned(keys)
-    for prefix, coded in (("k", low_bit.encode_keys(keys, lengths, code.bits, code.group)),
-                          ("v", low_bit.encode_values(values, code.value_width, code.group))):
+    for prefix, coded in (("k", low_bit.encode_keys(keys, lengths, code)),
+                          ("v", low_bit.encode_per_token(values, code.value_width, code.group))):
         out |= {f"layers.{i}.{prefix}codes": coded.codes, f"layers.{i}.{prefix}steps": coded.steps,
                 f"layers.{i}.{prefix}mins": coded.mins}
     return out
@@ -244,35 +243,22 @@ def _decoded(i: int, tensors: dict[str, torch.Tensor], header: dict, lengths: li
     configuration is), format 4's float entries put back in their places."""
     if "code" not in header:
         return tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"]
-    stored = header["code"]
-    code = CodeConfig(bits=int(stored["bits"]), group=int(stored["group"]),
-                      float_sinks=int(stored.get("float_sinks", 0)),
-                      float_recent=int(stored.get("float_recent", 0)),
-                      value_bits=None if stored.get("value_bits") is None else
-                      int(stored["value_bits"]), rotate=_turned_keys(stored))
+    code = low_bit.code_of_header(header["code"])
     head_dim = int(header["head_dim"])
     coded = low_bit.coded_lengths(lengths, code.float_sinks, code.float_recent)
     keys, values = (low_bit.Coded(*(tensors[f"layers.{i}.{prefix}{part}"].to(device)
                                     for part in ("codes", "steps", "mins")))
                     for prefix in ("k", "v"))
-    keys = low_bit.decode_keys(keys, coded, head_dim, code.bits, code.group, dtype)
+    keys = low_bit.decode_keys(keys, coded, head_dim, code, dtype)
     if code.rotate:
         keys = low_bit.turned(keys).to(dtype)
-    values = low_bit.decode_values(values, sum(coded), head_dim, code.value_width, code.group,
-                                   dtype)
+    values = low_bit.decode_per_token(values, sum(coded), head_dim, code.value_width,
+                                      code.group, dtype)
     if not code.keeps_floats:
         return keys, values
     floats = low_bit.float_entries(lengths, code.float_sinks, code.float_recent).to(device)
     return tuple(_placed(floats, tensors[f"layers.{i}.{prefix}floats"].to(device, dtype), part)
                  for prefix, part in (("k", keys), ("v", values)))
-
-
-def _turned_keys(stored: dict) -> bool:
-    """Whether a header's `code` says its keys were turned before coding (format 6)."""
-    turn = stored.get("rotate")
-    if turn not in (None, low_bit.TURN):
-        raise ValueError(f"keys turned by {turn!r} cannot be read (known: {low_bit.TURN!r})")
-    return turn == low_bit.TURN
 
 
 def _placed(floats: torch.Tensor, float_rows: torch.Tensor, coded_rows: torch.Tensor

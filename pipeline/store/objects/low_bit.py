@@ -1,9 +1,11 @@
 """A stored layer's keys and values in KIVI's low-bit codes (arXiv 2402.02750).
 
-Keys carry outlier channels, so they are coded per channel: each channel of `group`
-consecutive entries of one head shares a minimum and a step. Values are coded per token: each
-run of `group` channels of one entry (at most the head dimension) shares them. The codes are
-`kernels.quant`'s asymmetric group codes (`quantize_groups`: Triton on CUDA, torch on CPU).
+Keys carry outlier channels, so they are coded per channel (`encode_per_channel`): each channel
+of `group` consecutive entries of one head shares a minimum and a step. Values are coded per
+token (`encode_per_token`): each run of `group` channels of one entry (at most the head
+dimension) shares them; so are turned keys where `CodeConfig.key_axis` says so, since the turn
+leaves no outlier channel (QuaRot codes them so). The codes are `kernels.quant`'s asymmetric
+group codes (`quantize_groups`: Triton on CUDA, torch on CPU).
 
 Entries are as `cache_format` stores them: the valid entries of every head, head after head, in
 token order, with `lengths` [Hkv] entries per head. A head's last group of keys is filled up by
@@ -31,6 +33,7 @@ from typing import NamedTuple
 import torch
 
 from kernels.quant import dequantize_groups, quantize_groups
+from pipeline.config.stages import CodeConfig
 
 
 class Coded(NamedTuple):
@@ -64,11 +67,37 @@ def turned(keys: torch.Tensor) -> torch.Tensor:
     return keys.float() @ _hadamard(keys.shape[-1], keys.device)
 
 
+def code_header(code: CodeConfig) -> dict:
+    """A stored object's header `code`: bits and group, the float entries where it keeps some,
+    the values' width where it differs, the keys' turn and their axis where not per channel
+    (formats 3 to 7, `pipeline.store.objects.cache_format`)."""
+    floats = {"float_sinks": code.float_sinks, "float_recent": code.float_recent}
+    return ({"bits": code.bits, "group": code.group} | (floats if code.keeps_floats else {})
+            | ({"value_bits": code.value_bits} if code.mixed_bits else {})
+            | ({"rotate": TURN} if code.rotate else {})
+            | ({"key_axis": code.key_axis} if code.key_axis != "channel" else {}))
+
+
+def code_of_header(stored: dict) -> CodeConfig:
+    """`code_header` read back, checked as a configuration is (a ValueError where a field is
+    out of range or the keys were turned by a turn this reader does not know)."""
+    turn = stored.get("rotate")
+    if turn not in (None, TURN):
+        raise ValueError(f"keys turned by {turn!r} cannot be read (known: {TURN!r})")
+    value_bits = stored.get("value_bits")
+    return CodeConfig(bits=int(stored["bits"]), group=int(stored["group"]),
+                      float_sinks=int(stored.get("float_sinks", 0)),
+                      float_recent=int(stored.get("float_recent", 0)),
+                      value_bits=None if value_bits is None else int(value_bits),
+                      rotate=turn == TURN, key_axis=stored.get("key_axis", "channel"))
+
+
 def _groups_per_head(lengths: list[int], group: int) -> list[int]:
     return [-(-n // group) for n in lengths]
 
 
-def encode_keys(keys: torch.Tensor, lengths: list[int], bits: int, group: int) -> Coded:
+def encode_per_channel(keys: torch.Tensor, lengths: list[int], bits: int, group: int
+                       ) -> Coded:
     """keys [entries, d], head after head -> per-channel codes: for each head, for each run of
     `group` entries, one row of `group` numbers per channel."""
     rows = []
@@ -84,9 +113,9 @@ def encode_keys(keys: torch.Tensor, lengths: list[int], bits: int, group: int) -
     return Coded(*quantize_groups(data.contiguous(), bits))
 
 
-def decode_keys(coded: Coded, lengths: list[int], head_dim: int, bits: int, group: int,
-                dtype: torch.dtype) -> torch.Tensor:
-    """`encode_keys` undone: keys [entries, d] in `dtype`, the filler dropped."""
+def decode_per_channel(coded: Coded, lengths: list[int], head_dim: int, bits: int, group: int,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """`encode_per_channel` undone: keys [entries, d] in `dtype`, the filler dropped."""
     groups = _groups_per_head(lengths, group)
     if sum(groups) * head_dim != coded.codes.shape[0]:
         raise ValueError(f"{coded.codes.shape[0]} key code rows, {sum(groups) * head_dim} "
@@ -99,6 +128,21 @@ def decode_keys(coded: Coded, lengths: list[int], head_dim: int, bits: int, grou
     return torch.cat(heads) if heads else rows.new_zeros(0, head_dim)
 
 
+def encode_keys(keys: torch.Tensor, lengths: list[int], code: CodeConfig) -> Coded:
+    """Keys [entries, d], head after head, coded along `code.key_axis` at `code.bits`."""
+    if code.key_axis == "token":
+        return encode_per_token(keys, code.bits, code.group)
+    return encode_per_channel(keys, lengths, code.bits, code.group)
+
+
+def decode_keys(coded: Coded, lengths: list[int], head_dim: int, code: CodeConfig,
+                dtype: torch.dtype) -> torch.Tensor:
+    """`encode_keys` undone: keys [entries, d] in `dtype`."""
+    if code.key_axis == "token":
+        return decode_per_token(coded, sum(lengths), head_dim, code.bits, code.group, dtype)
+    return decode_per_channel(coded, lengths, head_dim, code.bits, code.group, dtype)
+
+
 def value_group(head_dim: int, group: int) -> int:
     """The channels a value group spans: `group`, or the whole head when it is shorter; a head
     dimension it does not divide cannot be coded per token."""
@@ -108,16 +152,16 @@ def value_group(head_dim: int, group: int) -> int:
     return span
 
 
-def encode_values(values: torch.Tensor, bits: int, group: int) -> Coded:
-    """values [entries, d] -> per-token codes: each entry's channels in runs of
+def encode_per_token(values: torch.Tensor, bits: int, group: int) -> Coded:
+    """values (or turned keys) [entries, d] -> per-token codes: each entry's channels in runs of
     `value_group(d, group)`."""
     span = value_group(values.shape[-1], group)
     return Coded(*quantize_groups(values.reshape(-1, span).contiguous(), bits))
 
 
-def decode_values(coded: Coded, entries: int, head_dim: int, bits: int, group: int,
-                  dtype: torch.dtype) -> torch.Tensor:
-    """`encode_values` undone: values [entries, d] in `dtype`."""
+def decode_per_token(coded: Coded, entries: int, head_dim: int, bits: int, group: int,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """`encode_per_token` undone: [entries, d] in `dtype`."""
     span = value_group(head_dim, group)
     if coded.codes.shape[0] * span != entries * head_dim:
         raise ValueError(f"{coded.codes.shape[0]} value code rows, {entries * head_dim // span} "
@@ -142,17 +186,20 @@ def coded_lengths(lengths: list[int], sinks: int, recent: int) -> list[int]:
 
 
 def coded_bytes(lengths: list[int], head_dim: int, bits: int, group: int, sinks: int = 0,
-                recent: int = 0, float_bytes: int = 2, value_bits: int | None = None) -> int:
+                recent: int = 0, float_bytes: int = 2, value_bits: int | None = None,
+                keys_per_token: bool = False) -> int:
     """Bytes of one layer's keys and values coded (codes, steps and minimums; what a float
     object's `.keys` and `.values` take), for `lengths` entries per head, the `float_entries`
-    among them at `float_bytes` a number, the values at `value_bits` (None: `bits`)."""
+    among them at `float_bytes` a number, the values at `value_bits` (None: `bits`), the keys
+    per channel or per token."""
     coded = coded_lengths(lengths, sinks, recent)
     floats = (sum(lengths) - sum(coded)) * head_dim * 2  # keys and values
     lengths = coded
     span = value_group(head_dim, group)
-    key_rows = sum(_groups_per_head(lengths, group)) * head_dim
     value_rows = sum(lengths) * head_dim // span
+    key_rows, key_group = ((value_rows, span) if keys_per_token else
+                           (sum(_groups_per_head(lengths, group)) * head_dim, group))
     # each row: its codes, a float16 step and a float16 minimum
     value_bits = bits if value_bits is None else value_bits
-    return (key_rows * (group * bits // 8 + 4) + value_rows * (span * value_bits // 8 + 4)
+    return (key_rows * (key_group * bits // 8 + 4) + value_rows * (span * value_bits // 8 + 4)
             + floats * float_bytes)

@@ -317,21 +317,23 @@ def check_group_codes(device: str, bits: int, dtype: str, group: int, rows: int 
 
 
 def check_group_codes_edges(device: str) -> None:
-    """No rows, and the reference's errors for bits outside (2, 4, 8) and groups that do not
-    pack into whole bytes."""
+    """No rows, and the reference's errors for bits outside (2, 3, 4, 5, 6, 8) and groups that
+    do not pack into whole bytes (in each part of a split width)."""
     from kernels.quant_triton import dequantize_groups_triton, quantize_groups_triton
 
     codes, steps, mins = quantize_groups_triton(torch.empty(0, 32, device=device), 4)
     assert codes.shape == (0, 16) and steps.shape == mins.shape == (0,)
     assert dequantize_groups_triton(codes, steps, mins, 4, dtype=torch.float16).shape == (0, 32)
     with pytest.raises(ValueError, match="bits must be one of"):
-        quantize_groups_triton(torch.randn(3, 32, device=device), 3)
+        quantize_groups_triton(torch.randn(3, 32, device=device), 7)
     with pytest.raises(ValueError, match="bits must be one of"):
-        dequantize_groups_triton(torch.zeros(3, 12, dtype=torch.uint8, device=device),
+        dequantize_groups_triton(torch.zeros(3, 14, dtype=torch.uint8, device=device),
                                  torch.ones(3, dtype=torch.float16, device=device),
-                                 torch.zeros(3, dtype=torch.float16, device=device), 3)
+                                 torch.zeros(3, dtype=torch.float16, device=device), 7)
     with pytest.raises(ValueError, match="whole bytes"):
         quantize_groups_triton(torch.randn(3, 6, device=device), 2)
+    with pytest.raises(ValueError, match="whole bytes"):  # 3 bits: a 1-bit part of 4 codes
+        quantize_groups_triton(torch.randn(3, 4, device=device), 3)
 
 
 @dataclass
@@ -393,10 +395,15 @@ CASES = [
            dict(fmt=fmt, out_dtype="fp32", gather="all", dim=24)) for fmt in ("int8", "fp8")],
     Case("dequantize-rejects-out-of-range-index", check_dequantize_rejects_bad_index),
     # low-bit group codes: 2, 4, 8 bits, groups of 32 and 64, three input dtypes; 150 rows
-    # (BLOCK_R is 64: the last program is partly padding).
+    # (BLOCK_R is 64: the last program is partly padding); the widths packed in two parts
+    # (3, 5, 6) at both groups in fp32, and in every dtype at 64.
     *[Case(f"groups-{bits}bit-{dtype}-G{group}", check_group_codes,
            dict(bits=bits, dtype=dtype, group=group, seed=bits * group))
       for bits in (2, 4, 8) for dtype in DTYPES for group in (32, 64)],
+    *[Case(f"groups-{bits}bit-{dtype}-G{group}", check_group_codes,
+           dict(bits=bits, dtype=dtype, group=group, seed=bits * group))
+      for bits in (3, 5, 6) for dtype in DTYPES for group in (32, 64)
+      if dtype == "fp32" or group == 64],
     Case("groups-4bit-bf16-strided", check_group_codes,
          dict(bits=4, dtype="bf16", group=64, rows=37, strided=True)),
     Case("groups-no-rows-and-bad-arguments", check_group_codes_edges),
@@ -584,14 +591,41 @@ def test_reference_group_packing_puts_the_first_code_lowest(bits: int) -> None:
                                torch.stack([ramp, ramp.flip(0)]), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("bits, parts", [(3, (2, 1)), (5, (4, 1)), (6, (4, 2))])
+def test_reference_split_widths_pack_their_low_bits_then_their_high_bits(
+        bits: int, parts: tuple[int, int]) -> None:
+    """A width that does not divide 8 is packed in two parts: the low bits of every code of
+    the group, packed as their width packs, then the high bits; the group takes G x bits / 8
+    bytes and decodes exactly."""
+    group = 2 ** bits
+    ramp = torch.arange(group, dtype=torch.float32)
+    codes, steps, mins = quant.quantize_groups(torch.stack([ramp, ramp.flip(0)]), bits)
+    assert (steps == 1).all() and (mins == 0).all() and codes.shape == (2, group * bits // 8)
+    low, high = parts
+    for row, values in zip(codes.tolist(), (ramp, ramp.flip(0))):
+        expected = []
+        for width, shift in ((low, 0), (high, low)):
+            part = [(int(v) >> shift) & (2 ** width - 1) for v in values]
+            per_byte = 8 // width
+            expected += [sum(c << (k * width) for k, c in enumerate(part[p:p + per_byte]))
+                         for p in range(0, group, per_byte)]
+        assert row == expected
+    torch.testing.assert_close(quant.dequantize_groups(codes, steps, mins, bits),
+                               torch.stack([ramp, ramp.flip(0)]), rtol=0, atol=0)
+
+
 def test_reference_group_codes_reject_bad_bits_and_groups() -> None:
-    """Bits outside (2, 4, 8), and groups that do not fill whole bytes, are clear errors."""
-    with pytest.raises(ValueError, match=r"bits must be one of \(2, 4, 8\), got 3"):
-        quant.quantize_groups(torch.randn(2, 32), 3)
+    """Bits outside (2, 3, 4, 5, 6, 8), groups that do not fill whole bytes in each part, and
+    bytes that hold no whole group are clear errors."""
+    with pytest.raises(ValueError, match=r"bits must be one of \(2, 3, 4, 5, 6, 8\), got 7"):
+        quant.quantize_groups(torch.randn(2, 32), 7)
     with pytest.raises(ValueError, match="bits must be one of"):
-        quant.dequantize_groups(torch.zeros(2, 12, dtype=torch.uint8), torch.ones(2).half(),
+        quant.dequantize_groups(torch.zeros(2, 14, dtype=torch.uint8), torch.ones(2).half(),
+                                torch.zeros(2).half(), 7)
+    with pytest.raises(ValueError, match="hold no whole group of 3-bit codes"):
+        quant.dequantize_groups(torch.zeros(2, 5, dtype=torch.uint8), torch.ones(2).half(),
                                 torch.zeros(2).half(), 3)
-    for bits, group in ((2, 6), (4, 5), (2, 2)):
+    for bits, group in ((2, 6), (4, 5), (2, 2), (3, 4), (5, 12), (6, 2)):
         with pytest.raises(ValueError, match=f"a group of {group} numbers does not pack into "
                                              f"whole bytes at {bits} bits"):
             quant.quantize_groups(torch.randn(2, group), bits)

@@ -1,4 +1,4 @@
-"""Caches stored in low-bit codes (`BuildConfig.code`, format 3): keys per channel and values per
+"""Caches stored in low-bit codes (`BuildConfig.code`, formats 3-7): keys per channel and values per
 token (`pipeline.store.objects.low_bit`), read back within the code's error, their bytes as
 counted, and a damaged object refused like any other."""
 
@@ -21,6 +21,7 @@ from pipeline.config.format_version import (
     MIXED_BITS_FORMAT,
     READABLE_FORMATS,
     ROTATED_FORMAT,
+    SPLIT_FORMAT,
 )
 from pipeline.config.stages import CODE_BITS
 from pipeline.kv.methods.epicache import EpiCache
@@ -58,8 +59,8 @@ def test_keys_are_coded_per_channel_over_each_heads_entries(lengths):
     torch.manual_seed(0)
     keys = torch.randn(sum(lengths), 16)
     keys[:, 3] *= 50  # an outlier channel, as keys have
-    coded = low_bit.encode_keys(keys, lengths, bits=4, group=8)
-    back = low_bit.decode_keys(coded, lengths, 16, 4, 8, torch.float32)
+    coded = low_bit.encode_per_channel(keys, lengths, bits=4, group=8)
+    back = low_bit.decode_per_channel(coded, lengths, 16, 4, 8, torch.float32)
     assert back.shape == keys.shape
     if not sum(lengths):
         return
@@ -72,7 +73,7 @@ def test_keys_are_coded_per_channel_over_each_heads_entries(lengths):
             part = head[run:run + 8].T  # [channels, entries]
             assert ((head_back[run:run + 8].T - part).abs() <= step_bound(part)[:, None]).all()
         start += n
-    values = low_bit.encode_values(keys, bits=4, group=8)  # any [entries, d] will do
+    values = low_bit.encode_per_token(keys, bits=4, group=8)  # any [entries, d] will do
     assert sum(t.nbytes for t in (*coded, *values)) == low_bit.coded_bytes(lengths, 16, 4, 8)
 
 
@@ -80,13 +81,13 @@ def test_values_are_coded_per_token_in_runs_of_channels():
     torch.manual_seed(1)
     values = torch.randn(21, 16)
     for group, span in ((8, 8), (32, 16)):  # a group past the head dimension spans the head
-        coded = low_bit.encode_values(values, bits=4, group=group)
+        coded = low_bit.encode_per_token(values, bits=4, group=group)
         assert coded.codes.shape == (21 * 16 // span, span * 4 // 8)
-        back = low_bit.decode_values(coded, 21, 16, 4, group, torch.float32)
+        back = low_bit.decode_per_token(coded, 21, 16, 4, group, torch.float32)
         rows = values.reshape(-1, span)
         assert ((back.reshape(-1, span) - rows).abs() <= step_bound(rows)[:, None]).all()
     with pytest.raises(ValueError, match="does not split"):
-        low_bit.encode_values(torch.randn(3, 24), bits=4, group=16)
+        low_bit.encode_per_token(torch.randn(3, 24), bits=4, group=16)
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +108,9 @@ def test_a_coded_cache_reads_back_within_its_codes_error(built, bits):
     code = CodeConfig(bits=bits, group=8)
     data = serialize(cache, {"conversation_id": "conv-1"}, code=code)
     loaded, header = deserialize(data, sha256(data), NAME)
-    assert header["format"] == CODED_FORMAT in READABLE_FORMATS
+    # widths packed in two parts are format 7's
+    assert header["format"] == (CODED_FORMAT if bits in (2, 4, 8) else SPLIT_FORMAT)
+    assert header["format"] in READABLE_FORMATS
     assert header["code"] == {"bits": bits, "group": 8} and header["positions"] == "compact"
     assert loaded.tokens_seen == cache.tokens_seen and loaded.next_position == cache.next_position
     floats = sum(int(layer.valid.sum()) * 2 * layer.keys.shape[-1] * 2 for layer in cache.layers)
@@ -211,7 +214,7 @@ def test_values_at_other_bits_than_the_keys(built):
     with pytest.raises(ValueError, match="value_bits must be one of"):
         CodeConfig(value_bits=2)
     with pytest.raises(ValueError, match="value_bits must be one of"):
-        CodeConfig(bits=4, value_bits=3)
+        CodeConfig(bits=4, value_bits=7)
     question = random_ids(4, seed=3)
     assert generate_from_cache(StandIn(model), loaded, question, 4).shape[-1] == 4
 
@@ -248,6 +251,45 @@ def test_keys_turned_before_coding_are_turned_back(built):
     assert generate_from_cache(StandIn(model), loaded, question, 4).shape[-1] == 4
 
 
+def test_turned_keys_coded_per_token_and_widths_in_two_parts(built):
+    """Format 7: keys turned then coded per token (`key_axis="token"`), each entry within its
+    own group's step in the turned space; keys at 5 bits and values at 3 (codes packed in two
+    parts), each within its width's step; the bytes counted are those stored, and 5 + 3 bits
+    take the bytes of 4 + 4."""
+    model, cache = built
+    code = CodeConfig(bits=5, value_bits=3, group=8, float_sinks=1, rotate=True,
+                      key_axis="token")
+    data = serialize(cache, {"conversation_id": "conv-1"}, code=code)
+    loaded, header = deserialize(data, sha256(data), NAME)
+    assert header["format"] == SPLIT_FORMAT in READABLE_FORMATS
+    assert header["code"] == {"bits": 5, "group": 8, "float_sinks": 1, "float_recent": 0,
+                              "value_bits": 3, "rotate": "hadamard", "key_axis": "token"}
+    for a, b in zip(cache.layers, loaded.layers):
+        floats = low_bit.float_entries(a.valid.sum(1).tolist(), 1, 0)
+        x, y = a.keys[0][a.valid], b.keys[0][b.valid]
+        assert torch.equal(y[floats], x[floats].half().float())
+        rows = low_bit.turned(x[~floats]).reshape(-1, 8)  # the groups: 8 channels of a token
+        error = (low_bit.turned(y[~floats]).reshape(-1, 8) - rows).abs()
+        assert (error <= (rows.amax(1) - rows.amin(1))[:, None] / 31 / 2 + 2e-3).all()
+        x, y = a.values[0][a.valid][~floats], b.values[0][b.valid][~floats]
+        rows = x.reshape(-1, 8)
+        error = (y.reshape(-1, 8) - rows).abs()
+        assert (error <= (rows.amax(1) - rows.amin(1))[:, None] / 7 / 2 + 2e-3).all()
+        assert float(error.max()) > float((rows.amax(1) - rows.amin(1)).max()) / 31  # 3 bits
+    coded_parts = ("codes", "steps", "mins", "floats")
+    assert coded_kv_bytes(loaded, code) == sum(
+        t.nbytes for k, t in load(data).items() if k.split(".")[-1][1:] in coded_parts)
+    same_bytes = CodeConfig(bits=4, group=8, float_sinks=1, rotate=True, key_axis="token")
+    assert coded_kv_bytes(loaded, code) == coded_kv_bytes(loaded, same_bytes)
+    assert read_header(serialize(cache, {}, code=same_bytes))["format"] == SPLIT_FORMAT
+    with pytest.raises(ValueError, match="key_axis"):
+        CodeConfig(key_axis="token")
+    with pytest.raises(ValueError, match="key_axis"):
+        CodeConfig(bits=4, key_axis="diagonal")
+    question = random_ids(4, seed=3)
+    assert generate_from_cache(StandIn(model), loaded, question, 4).shape[-1] == 4
+
+
 def test_a_turn_evens_the_error_over_the_channels_the_queries_read():
     """Why keys are turned: per channel, a key's outlier channel takes a wide step and so most
     of the error, and queries are large in that same channel, so the attention logits take it
@@ -260,8 +302,8 @@ def test_a_turn_evens_the_error_over_the_channels_the_queries_read():
     queries[:, 3] = 3.0  # the queries read it
     key_errors, logit_errors = [], []
     for turn in (lambda x: x, low_bit.turned):
-        coded = low_bit.encode_keys(turn(keys).contiguous(), [64], bits=4, group=8)
-        error = turn(low_bit.decode_keys(coded, [64], 16, 4, 8, torch.float32)) - keys
+        coded = low_bit.encode_per_channel(turn(keys).contiguous(), [64], bits=4, group=8)
+        error = turn(low_bit.decode_per_channel(coded, [64], 16, 4, 8, torch.float32)) - keys
         key_errors.append(float(error.norm()))
         logit_errors.append(float((queries @ error.T).norm()))
     assert key_errors[1] < 1.5 * key_errors[0]
@@ -291,11 +333,15 @@ def _with(data: bytes, change) -> bytes:
     lambda t, h: t.update({"layers.0.kcodes": t["layers.0.kcodes"][:-1]}),
     lambda t, h: t.update({"layers.1.vsteps": t["layers.1.vsteps"][:-2]}),
     lambda t, h: t.pop("layers.0.vmins"),
-    lambda t, h: h["code"].update(bits=3),
+    lambda t, h: h["code"].update(bits=7),
     lambda t, h: h.pop("code") and None,
     lambda t, h: h.update(head_dim=0),
     lambda t, h: h["code"].update(rotate="givens"),
-], ids=["key-rows", "value-steps", "missing", "bits", "no-code", "head-dim", "turn"])
+    lambda t, h: h["code"].update(bits=5),
+    lambda t, h: h["code"].update(key_axis="token"),
+    lambda t, h: h["code"].update(key_axis="diagonal"),
+], ids=["key-rows", "value-steps", "missing", "bits", "no-code", "head-dim", "turn", "width",
+        "key-axis", "unknown-axis"])
 def test_a_damaged_coded_object_is_corrupt_naming_it(built, change):
     _, cache = built
     data = _with(serialize(cache, {}, code=CodeConfig(bits=4, group=8)), change)
@@ -308,6 +354,6 @@ def test_codes_and_tristate_are_one_or_the_other():
         BuildConfig(code=CodeConfig(bits=4),
                     prefill=PrefillConfig(tristate=TriStateConfig(enabled=True)))
     with pytest.raises(ValueError, match="bits"):
-        CodeConfig(bits=3)
+        CodeConfig(bits=7)
     with pytest.raises(ValueError, match="group"):
         CodeConfig(bits=4, group=24)
