@@ -283,9 +283,10 @@ def dequantize_groups_triton(codes: torch.Tensor, steps: torch.Tensor, mins: tor
     if out.numel() == 0:
         return out
     low_bits, high_bits = (code_parts(bits) + (0,))[:2]
-    _dequantize_groups_kernel[(triton.cdiv(n_rows, _rows_per_program(group)),)](
+    block_r = _rows_per_program(group)
+    _dequantize_groups_kernel[(triton.cdiv(n_rows, block_r),)](
         codes.contiguous(), steps.contiguous(), mins.contiguous(), out, n_rows, n_bytes, group,
         LOW_BITS=low_bits, LOW_PER_BYTE=8 // low_bits, HIGH_BITS=high_bits,
-        HIGH_PER_BYTE=8 // high_bits if high_bits else 1, BLOCK_R=_rows_per_program(group),
+        HIGH_PER_BYTE=8 // high_bits if high_bits else 1, BLOCK_R=block_r,
         BLOCK_G=triton.next_power_of_2(group))
     return out

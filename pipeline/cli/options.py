@@ -240,7 +240,7 @@ BUILD_OPTIONS = SHARED_BUILD_OPTIONS + (
     FieldOption("--code-key-axis", "code.key_axis",
                 "low-bit codes: the keys coded per channel over --code-group entries (KIVI), or "
                 "per token over --code-group channels as the values are (with --code-rotate: "
-                "QuaRot's, the same bytes)", choices=("channel", "token")),
+                "QuaRot's, the same bytes)"),
     FieldOption("--zstd", "code.zstd",
                 "compress each stored cache object whole at this zstd level (1-22; lossless: "
                 "about 11%% fewer bytes for float16 entries, 15-20%% for codes, decompressed when "

@@ -39,6 +39,8 @@ PositionMode = Literal["auto", "original", "compact"]
 POSITION_MODES: tuple[str, ...] = get_args(PositionMode)
 OnePassBeyond = Literal["blocks", "window"]  # PrefillConfig.one_pass_beyond
 ONE_PASS_BEYOND: tuple[str, ...] = get_args(OnePassBeyond)
+KeyAxis = Literal["channel", "token"]  # CodeConfig.key_axis
+KEY_AXES: tuple[str, ...] = get_args(KeyAxis)
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,7 @@ class CodeConfig:
     # their own step), or per token over `group` channels as the values are (QuaRot's choice
     # once they are turned, which leaves no wide channel): the same bytes; measured turned, it
     # loses copy-free evidence @1,024 on the tuning cuts (docs/changelog.md), so not the default
-    key_axis: Literal["channel", "token"] = "channel"
+    key_axis: KeyAxis = "channel"
 
     @property
     def keeps_floats(self) -> bool:
@@ -203,8 +205,8 @@ class CodeConfig:
         if self.rotate and not self.bits:
             raise ValueError("keys turned before coding (code.rotate) need a low-bit code "
                              "(code.bits)")
-        if self.key_axis not in ("channel", "token"):
-            raise ValueError(f"code key_axis must be 'channel' or 'token', got {self.key_axis!r}")
+        if self.key_axis not in KEY_AXES:
+            raise ValueError(f"code key_axis must be one of {KEY_AXES}, got {self.key_axis!r}")
         if self.key_axis == "token" and not self.bits:
             raise ValueError("keys coded per token (code.key_axis) need a low-bit code "
                              "(code.bits)")

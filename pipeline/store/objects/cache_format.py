@@ -62,6 +62,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from kernels.quant import dequantize
+from kernels.quant_reference import code_parts
 from pipeline.config.format_version import (
     CODED_FORMAT,
     FLOATS_CODED_FORMAT,
@@ -196,17 +197,15 @@ def as_stored(cache: EpisodicCache, code: CodeConfig) -> EpisodicCache:
 def coded_kv_bytes(cache: EpisodicCache, code: CodeConfig) -> int:
     """Bytes of the cache's keys and values in `code`'s low-bit codes, as an object stores them
     (`low_bit.coded_bytes` per layer)."""
-    return sum(low_bit.coded_bytes(layer.valid.sum(dim=1).tolist(), layer.keys.shape[-1],
-                                   code.bits, code.group, code.float_sinks, code.float_recent,
-                                   value_bits=code.value_width,
-                                   keys_per_token=code.key_axis == "token")
+    return sum(low_bit.coded_bytes(layer.valid.sum(dim=1).tolist(), layer.keys.shape[-1], code)
                for layer in cache.layers)
 
 
 def _format(code: CodeConfig) -> str:
     if not code.bits:
         return FORMAT
-    if code.key_axis == "token" or {code.bits, code.value_width} - {2, 4, 8}:
+    if code.key_axis == "token" or any(len(code_parts(bits)) > 1
+                                       for bits in (code.bits, code.value_width)):
         return SPLIT_FORMAT
     if code.rotate:
         return ROTATED_FORMAT

@@ -185,21 +185,18 @@ def coded_lengths(lengths: list[int], sinks: int, recent: int) -> list[int]:
     return [max(n - sinks - recent, 0) for n in lengths]
 
 
-def coded_bytes(lengths: list[int], head_dim: int, bits: int, group: int, sinks: int = 0,
-                recent: int = 0, float_bytes: int = 2, value_bits: int | None = None,
-                keys_per_token: bool = False) -> int:
-    """Bytes of one layer's keys and values coded (codes, steps and minimums; what a float
+def coded_bytes(lengths: list[int], head_dim: int, code: CodeConfig, float_bytes: int = 2
+                ) -> int:
+    """Bytes of one layer's keys and values in `code` (codes, steps and minimums; what a float
     object's `.keys` and `.values` take), for `lengths` entries per head, the `float_entries`
-    among them at `float_bytes` a number, the values at `value_bits` (None: `bits`), the keys
-    per channel or per token."""
-    coded = coded_lengths(lengths, sinks, recent)
+    among them at `float_bytes` a number."""
+    coded = coded_lengths(lengths, code.float_sinks, code.float_recent)
     floats = (sum(lengths) - sum(coded)) * head_dim * 2  # keys and values
     lengths = coded
-    span = value_group(head_dim, group)
+    span = value_group(head_dim, code.group)
     value_rows = sum(lengths) * head_dim // span
-    key_rows, key_group = ((value_rows, span) if keys_per_token else
-                           (sum(_groups_per_head(lengths, group)) * head_dim, group))
+    key_rows, key_group = ((value_rows, span) if code.key_axis == "token" else
+                           (sum(_groups_per_head(lengths, code.group)) * head_dim, code.group))
     # each row: its codes, a float16 step and a float16 minimum
-    value_bits = bits if value_bits is None else value_bits
-    return (key_rows * (key_group * bits // 8 + 4) + value_rows * (span * value_bits // 8 + 4)
-            + floats * float_bytes)
+    return (key_rows * (key_group * code.bits // 8 + 4)
+            + value_rows * (span * code.value_width // 8 + 4) + floats * float_bytes)

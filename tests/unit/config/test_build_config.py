@@ -266,10 +266,7 @@ def test_a_budget_in_bytes_keeps_the_entries_those_bytes_hold(code):
     rounding of the budget."""
     config = BuildConfig(budget=512, code=code)
     kept, head_dim, heads = config.entry_budget, 64, 3
-    stored = low_bit.coded_bytes([kept] * heads, head_dim, code.bits, code.group,
-                                 code.float_sinks, code.float_recent, value_bits=code.value_width)
+    stored = low_bit.coded_bytes([kept] * heads, head_dim, code)
     budget = heads * 512 * 2 * head_dim * 2
     assert kept > 512 and budget * 0.97 < stored <= budget * 1.02
-    assert stored > low_bit.coded_bytes([kept - 8] * heads, head_dim, code.bits, code.group,
-                                        code.float_sinks, code.float_recent,
-                                        value_bits=code.value_width)
+    assert stored > low_bit.coded_bytes([kept - 8] * heads, head_dim, code)

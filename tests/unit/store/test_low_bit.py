@@ -74,7 +74,8 @@ def test_keys_are_coded_per_channel_over_each_heads_entries(lengths):
             assert ((head_back[run:run + 8].T - part).abs() <= step_bound(part)[:, None]).all()
         start += n
     values = low_bit.encode_per_token(keys, bits=4, group=8)  # any [entries, d] will do
-    assert sum(t.nbytes for t in (*coded, *values)) == low_bit.coded_bytes(lengths, 16, 4, 8)
+    stored = low_bit.coded_bytes(lengths, 16, CodeConfig(bits=4, group=8))
+    assert sum(t.nbytes for t in (*coded, *values)) == stored
 
 
 def test_values_are_coded_per_token_in_runs_of_channels():
