@@ -94,9 +94,12 @@ def dequantize_reference(codes: torch.Tensor, scales: torch.Tensor,
 # one value) has step 0: its codes are 0 and it decodes to min16, as does a constant group.
 # Codes are packed 8 / bits to a byte, the first code in the lowest bits: a group of G numbers
 # takes G x bits / 8 bytes. A width that does not divide 8 (3, 5, 6) is split into two parts
-# that do (`code_parts`: 3 = 2 + 1, 5 = 4 + 1, 6 = 4 + 2): the codes' low bits packed as their
-# own width, then the high bits as theirs, one after the other in the group's bytes; a part's
-# codes shifted back and added are the code. Which numbers form a group (a channel over G tokens
+# that do (`code_parts`: 3 = 2 + 1, 5 = 4 + 1, 6 = 4 + 2): the codes' high bits packed as the
+# wider part's width, then the low bits as the narrower's, one after the other in the group's
+# bytes; the parts shifted back and added are the code. High bits first because they carry what
+# a lossless coder can take (a code's distribution is peaked, its lowest bit nearly a coin): a
+# 5-bit code's high nibbles compress as a 4-bit code's do. (Format 7 packed the low bits first:
+# `high_bits_first` reorders its codes.) Which numbers form a group (a channel over G tokens
 # for keys, G channels of a token for values) is the caller's choice: see
 # `pipeline.store.objects.low_bit`.
 
@@ -105,7 +108,7 @@ _SPLIT_BITS = {3: (2, 1), 5: (4, 1), 6: (4, 2)}
 
 
 def code_parts(bits: int) -> tuple[int, ...]:
-    """The widths a `bits`-bit code is packed in, its low bits first: `bits` itself where it
+    """The widths a `bits`-bit code is packed in, its high bits first: `bits` itself where it
     divides 8, else two that do."""
     return _SPLIT_BITS.get(bits, (bits,))
 
@@ -145,27 +148,55 @@ def quantize_groups_reference(x: torch.Tensor, bits: int
     step = ((x32.amax(dim=-1) - low.float()) / qmax).clamp_min(0).half()
     safe = torch.where(step > 0, step.float(), torch.ones_like(step, dtype=torch.float32))
     codes = torch.round((x32 - low.float()[:, None]) / safe[:, None]).clamp_(0, qmax)
-    codes, packed, shift = codes.to(torch.uint8), [], 0
-    for width in code_parts(bits):
-        per_byte = 8 // width
-        part = ((codes >> shift) & (2 ** width - 1)).view(*x.shape[:-1], x.shape[-1] // per_byte,
-                                                            per_byte)
-        shifts = torch.arange(per_byte, dtype=torch.uint8) * width
-        packed.append((part << shifts).sum(dim=-1, dtype=torch.int32).to(torch.uint8))
-        shift += width
-    return torch.cat(packed, dim=-1), step, low
+    return pack_codes(codes.to(torch.uint8), bits), step, low
 
 
 def dequantize_groups_reference(codes: torch.Tensor, steps: torch.Tensor, mins: torch.Tensor,
                                 bits: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """codes uint8 [R, G * bits / 8], steps and mins float16 [R] -> [R, G] in `dtype`."""
+    codes = unpack_codes(codes, bits).float()
+    return (codes * steps.float()[:, None] + mins.float()[:, None]).to(dtype)
+
+
+def part_shifts(bits: int, high_first: bool = True) -> list[tuple[int, int]]:
+    """Each part of a `bits`-bit code in packing order: (its width, the code bit it starts at);
+    format 7's order where not `high_first`."""
+    widths, shifts = code_parts(bits), []
+    for i, width in enumerate(widths):
+        shifts.append(bits - sum(widths[:i + 1]) if high_first else sum(widths[:i]))
+    return list(zip(widths, shifts))
+
+
+def pack_codes(codes: torch.Tensor, bits: int, high_first: bool = True) -> torch.Tensor:
+    """codes uint8 [R, G] (each below 2^bits) -> their bytes [R, G * bits / 8], the first code of
+    each byte in its lowest bits, part after part (`part_shifts`)."""
+    packed = []
+    for width, shift in part_shifts(bits, high_first):
+        per_byte = 8 // width
+        part = ((codes >> shift) & (2 ** width - 1)).view(*codes.shape[:-1],
+                                                          codes.shape[-1] // per_byte, per_byte)
+        shifts = torch.arange(per_byte, dtype=torch.uint8, device=codes.device) * width
+        packed.append((part << shifts).sum(dim=-1, dtype=torch.int32).to(torch.uint8))
+    return torch.cat(packed, dim=-1)
+
+
+def unpack_codes(codes: torch.Tensor, bits: int, high_first: bool = True) -> torch.Tensor:
+    """`pack_codes` undone: bytes uint8 [R, G * bits / 8] -> codes int32 [R, G]."""
     group = group_of_bytes(bits, codes.shape[-1])
-    unpacked, start, shift = 0, 0, 0
-    for width in code_parts(bits):
+    unpacked, start = 0, 0
+    for width, shift in part_shifts(bits, high_first):
         per_byte = 8 // width
         part = codes[:, start:start + group // per_byte]
         shifts = torch.arange(per_byte, dtype=torch.uint8, device=codes.device) * width
         part = ((part[..., None] >> shifts) & (2 ** width - 1)).reshape(codes.shape[0], group)
         unpacked = unpacked + (part.int() << shift)
-        start, shift = start + group // per_byte, shift + width
-    return (unpacked.float() * steps.float()[:, None] + mins.float()[:, None]).to(dtype)
+        start += group // per_byte
+    return unpacked
+
+
+def high_bits_first(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Packed codes of format 7 (a split width's low bits first) in today's layout (high bits
+    first); codes of a width that is not split are returned as they are."""
+    if len(code_parts(bits)) == 1:
+        return codes
+    return pack_codes(unpack_codes(codes, bits, high_first=False).to(torch.uint8), bits)

@@ -12,7 +12,8 @@ only stores an exactly representable value, so the result does not depend on the
 rounding mode (the CPU interpreter's fp8 cast rounds ties up and drops the mantissa carry).
 The group codes round the same way; each byte of packed codes is built from PER_BYTE strided
 column tiles (no reshapes), the first code in the lowest bits, one launch per part of a width
-that is packed in two (`code_parts`); decoding gathers each column's byte of each part.
+that is packed in two (`part_shifts`: high bits first); decoding gathers each column's byte of
+each part.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from kernels.quant_reference import (
     code_parts,
     gather_output,
     group_of_bytes,
+    part_shifts,
 )
 
 
@@ -162,7 +164,7 @@ def _quantize_groups_kernel(x_ptr, codes_ptr, steps_ptr, mins_ptr, n_rows, group
                             PART_BITS: tl.constexpr, PART_SHIFT: tl.constexpr,
                             PER_BYTE: tl.constexpr, BLOCK_R: tl.constexpr,
                             BLOCK_G: tl.constexpr, BLOCK_B: tl.constexpr):
-    """One part of each group's codes (`code_parts`: PART_BITS of them from bit PART_SHIFT),
+    """One part of each group's codes (`part_shifts`: PART_BITS of them from bit PART_SHIFT),
     packed into bytes part_start .. part_start + part_bytes of each row's codes."""
     QMAX: tl.constexpr = (1 << BITS) - 1
     PART_MASK: tl.constexpr = (1 << PART_BITS) - 1
@@ -205,26 +207,26 @@ def _quantize_groups_kernel(x_ptr, codes_ptr, steps_ptr, mins_ptr, n_rows, group
 
 @triton.jit
 def _dequantize_groups_kernel(codes_ptr, steps_ptr, mins_ptr, out_ptr, n_rows, n_bytes, group,
+                              FIRST_BITS: tl.constexpr, FIRST_PER_BYTE: tl.constexpr,
                               LOW_BITS: tl.constexpr, LOW_PER_BYTE: tl.constexpr,
-                              HIGH_BITS: tl.constexpr, HIGH_PER_BYTE: tl.constexpr,
                               BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
-    """Each column's code gathered from its byte of the low part (and of the high part, after
-    it, where HIGH_BITS > 0: `code_parts`), then code x step + min."""
+    """Each column's code gathered from its byte of the first part (the high bits) and of the
+    low part after it, where LOW_BITS > 0 (`part_shifts`), then code x step + min."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n_rows
     rows64 = rows.to(tl.int64)
     cols = tl.arange(0, BLOCK_G)
     ok = row_ok[:, None] & (cols < group)[None, :]
     row_codes = codes_ptr + rows64[:, None] * n_bytes
-    low_bytes = tl.load(row_codes + (cols // LOW_PER_BYTE)[None, :], mask=ok, other=0)
-    codes = (low_bytes.to(tl.int32) >> ((cols % LOW_PER_BYTE) * LOW_BITS)[None, :]) \
-        & ((1 << LOW_BITS) - 1)
-    if HIGH_BITS > 0:
-        high_bytes = tl.load(row_codes + (group // LOW_PER_BYTE + cols // HIGH_PER_BYTE)[None, :],
-                             mask=ok, other=0)
-        high = (high_bytes.to(tl.int32) >> ((cols % HIGH_PER_BYTE) * HIGH_BITS)[None, :]) \
-            & ((1 << HIGH_BITS) - 1)
-        codes = codes | (high << LOW_BITS)
+    first_bytes = tl.load(row_codes + (cols // FIRST_PER_BYTE)[None, :], mask=ok, other=0)
+    codes = (first_bytes.to(tl.int32) >> ((cols % FIRST_PER_BYTE) * FIRST_BITS)[None, :]) \
+        & ((1 << FIRST_BITS) - 1)
+    if LOW_BITS > 0:
+        low_bytes = tl.load(row_codes + (group // FIRST_PER_BYTE + cols // LOW_PER_BYTE)[None, :],
+                            mask=ok, other=0)
+        low_part = (low_bytes.to(tl.int32) >> ((cols % LOW_PER_BYTE) * LOW_BITS)[None, :]) \
+            & ((1 << LOW_BITS) - 1)
+        codes = (codes << LOW_BITS) | low_part
     step = tl.load(steps_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     low = tl.load(mins_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     # code (<= 8 bits) x step (11 significant bits) is exact in fp32: fusing the product and
@@ -243,7 +245,7 @@ def quantize_groups_triton(x: torch.Tensor, bits: int
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [R, G] (fp32/fp16/bf16, any strides) -> (codes uint8 [R, G * bits / 8], steps float16
     [R], mins float16 [R]); same contract as `kernels.quant_reference.quantize_groups_reference`
-    (one launch per part of the codes, `code_parts`)."""
+    (one launch per part of the codes, `part_shifts`)."""
     if x.dim() != 2:
         raise ValueError(f"x must be [rows, group], got shape {tuple(x.shape)}")
     n_rows, group = x.shape
@@ -255,15 +257,15 @@ def quantize_groups_triton(x: torch.Tensor, bits: int
     mins = torch.empty(n_rows, dtype=torch.float16, device=x.device)
     if n_rows == 0:
         return codes, steps, mins
-    block_r, start, shift = _rows_per_program(group), 0, 0
-    for width in code_parts(bits):
+    block_r, start = _rows_per_program(group), 0
+    for width, shift in part_shifts(bits):
         part_bytes = group * width // 8
         _quantize_groups_kernel[(triton.cdiv(n_rows, block_r),)](
             x, codes, steps, mins, n_rows, group, n_bytes, start, part_bytes, x.stride(0),
             x.stride(1), BITS=bits, PART_BITS=width, PART_SHIFT=shift, PER_BYTE=8 // width,
             BLOCK_R=block_r, BLOCK_G=triton.next_power_of_2(group),
             BLOCK_B=triton.next_power_of_2(part_bytes))
-        start, shift = start + part_bytes, shift + width
+        start += part_bytes
     return codes, steps, mins
 
 
@@ -282,11 +284,11 @@ def dequantize_groups_triton(codes: torch.Tensor, steps: torch.Tensor, mins: tor
     out = torch.empty(n_rows, group, dtype=dtype, device=codes.device)
     if out.numel() == 0:
         return out
-    low_bits, high_bits = (code_parts(bits) + (0,))[:2]
+    first_bits, low_bits = (code_parts(bits) + (0,))[:2]
     block_r = _rows_per_program(group)
     _dequantize_groups_kernel[(triton.cdiv(n_rows, block_r),)](
         codes.contiguous(), steps.contiguous(), mins.contiguous(), out, n_rows, n_bytes, group,
-        LOW_BITS=low_bits, LOW_PER_BYTE=8 // low_bits, HIGH_BITS=high_bits,
-        HIGH_PER_BYTE=8 // high_bits if high_bits else 1, BLOCK_R=block_r,
+        FIRST_BITS=first_bits, FIRST_PER_BYTE=8 // first_bits, LOW_BITS=low_bits,
+        LOW_PER_BYTE=8 // low_bits if low_bits else 1, BLOCK_R=block_r,
         BLOCK_G=triton.next_power_of_2(group))
     return out

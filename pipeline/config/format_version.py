@@ -18,8 +18,12 @@ MIXED_BITS_FORMAT = "epicache-kv/5"
 # format 3, 4 or 5 with the keys coded after a Hadamard turn (`CodeConfig.rotate`): a reader of
 # format 5 would return them turned, so it must refuse them
 ROTATED_FORMAT = "epicache-kv/6"
-# format 3 to 6 with codes of 3, 5 or 6 bits (packed in two parts) or with the keys coded per
-# token (`CodeConfig.key_axis`): a reader of format 6 would fail on the one and misread the other
-SPLIT_FORMAT = "epicache-kv/7"
+# format 3 to 6 with codes of 3, 5 or 6 bits (packed in two parts, their low bits first) or with
+# the keys coded per token (`CodeConfig.key_axis`): a reader of format 6 would fail on the one and
+# misread the other. Read, no longer written: SPLIT_FORMAT packs the high bits first.
+LOW_FIRST_SPLIT_FORMAT = "epicache-kv/7"
+# format 7 with a split code's high bits packed first (they compress; the lowest bit does not):
+# a reader of format 7 would misread the codes, so it must refuse them
+SPLIT_FORMAT = "epicache-kv/8"
 READABLE_FORMATS = ("epicache-kv/1", FORMAT, CODED_FORMAT, FLOATS_CODED_FORMAT, MIXED_BITS_FORMAT,
-                    ROTATED_FORMAT, SPLIT_FORMAT)
+                    ROTATED_FORMAT, LOW_FIRST_SPLIT_FORMAT, SPLIT_FORMAT)

@@ -38,9 +38,11 @@ Format 6 (header `code` also `{"rotate": "hadamard"}`): format 3, 4 or 5 with th
 turned by a Hadamard matrix before coding (`low_bit.turned`); the reader turns them back. The
 float entries are stored as they are.
 
-Format 7: format 3 to 6 with `bits` or `value_bits` of 3, 5 or 6 (each code packed in two
-parts, `kernels.quant_reference.code_parts`), or with header `code` also `{"key_axis":
-"token"}`: the keys coded per token as the values are (`low_bit.encode_per_token`).
+Format 8: format 3 to 6 with `bits` or `value_bits` of 3, 5 or 6 (each code packed in two
+parts, its high bits first: `kernels.quant_reference.part_shifts`), or with header `code` also
+`{"key_axis": "token"}`: the keys coded per token as the values are
+(`low_bit.encode_per_token`). Format 7 (read, no longer written) is format 8 with a split code's
+low bits packed first; the reader reorders its codes (`quant_reference.high_bits_first`).
 
 Compressed (`CodeConfig.zstd`): an object of any format above, compressed whole
 (`pipeline.store.objects.zstd_object`); the reader decompresses it first.
@@ -62,11 +64,12 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from kernels.quant import dequantize
-from kernels.quant_reference import code_parts
+from kernels.quant_reference import code_parts, high_bits_first
 from pipeline.config.format_version import (
     CODED_FORMAT,
     FLOATS_CODED_FORMAT,
     FORMAT,
+    LOW_FIRST_SPLIT_FORMAT,
     MIXED_BITS_FORMAT,
     READABLE_FORMATS,
     ROTATED_FORMAT,
@@ -248,6 +251,9 @@ def _decoded(i: int, tensors: dict[str, torch.Tensor], header: dict, lengths: li
     keys, values = (low_bit.Coded(*(tensors[f"layers.{i}.{prefix}{part}"].to(device)
                                     for part in ("codes", "steps", "mins")))
                     for prefix in ("k", "v"))
+    if header["format"] == LOW_FIRST_SPLIT_FORMAT:
+        keys = keys._replace(codes=high_bits_first(keys.codes, code.bits))
+        values = values._replace(codes=high_bits_first(values.codes, code.value_width))
     keys = low_bit.decode_keys(keys, coded, head_dim, code, dtype)
     if code.rotate:
         keys = low_bit.turned(keys).to(dtype)

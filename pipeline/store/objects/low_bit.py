@@ -70,7 +70,7 @@ def turned(keys: torch.Tensor) -> torch.Tensor:
 def code_header(code: CodeConfig) -> dict:
     """A stored object's header `code`: bits and group, the float entries where it keeps some,
     the values' width where it differs, the keys' turn and their axis where not per channel
-    (formats 3 to 7, `pipeline.store.objects.cache_format`)."""
+    (formats 3 to 8, `pipeline.store.objects.cache_format`)."""
     floats = {"float_sinks": code.float_sinks, "float_recent": code.float_recent}
     return ({"bits": code.bits, "group": code.group} | (floats if code.keeps_floats else {})
             | ({"value_bits": code.value_bits} if code.mixed_bits else {})

@@ -592,24 +592,32 @@ def test_reference_group_packing_puts_the_first_code_lowest(bits: int) -> None:
 
 
 @pytest.mark.parametrize("bits, parts", [(3, (2, 1)), (5, (4, 1)), (6, (4, 2))])
-def test_reference_split_widths_pack_their_low_bits_then_their_high_bits(
+def test_reference_split_widths_pack_their_high_bits_then_their_low_bits(
         bits: int, parts: tuple[int, int]) -> None:
-    """A width that does not divide 8 is packed in two parts: the low bits of every code of
-    the group, packed as their width packs, then the high bits; the group takes G x bits / 8
-    bytes and decodes exactly."""
+    """A width that does not divide 8 is packed in two parts: the high bits of every code of
+    the group, packed as the wider part's width packs, then the low bits as the narrower's; the
+    group takes G x bits / 8 bytes and decodes exactly. Format 7's order (low bits first) is
+    `high_first=False`, and `high_bits_first` turns it into this one."""
     group = 2 ** bits
     ramp = torch.arange(group, dtype=torch.float32)
     codes, steps, mins = quant.quantize_groups(torch.stack([ramp, ramp.flip(0)]), bits)
     assert (steps == 1).all() and (mins == 0).all() and codes.shape == (2, group * bits // 8)
-    low, high = parts
-    for row, values in zip(codes.tolist(), (ramp, ramp.flip(0))):
-        expected = []
-        for width, shift in ((low, 0), (high, low)):
-            part = [(int(v) >> shift) & (2 ** width - 1) for v in values]
-            per_byte = 8 // width
-            expected += [sum(c << (k * width) for k, c in enumerate(part[p:p + per_byte]))
-                         for p in range(0, group, per_byte)]
-        assert row == expected
+    high, low = parts
+    for high_first, order in ((True, ((high, low), (low, 0))), (False, ((high, 0), (low, high)))):
+        packed = quant_reference.pack_codes(torch.stack([ramp, ramp.flip(0)]).to(torch.uint8),
+                                            bits, high_first=high_first)
+        for row, values in zip(packed.tolist(), (ramp, ramp.flip(0))):
+            expected = []
+            for width, shift in order:
+                part = [(int(v) >> shift) & (2 ** width - 1) for v in values]
+                per_byte = 8 // width
+                expected += [sum(c << (k * width) for k, c in enumerate(part[p:p + per_byte]))
+                             for p in range(0, group, per_byte)]
+            assert row == expected
+        if high_first:
+            assert torch.equal(packed, codes)
+        else:
+            assert torch.equal(quant_reference.high_bits_first(packed, bits), codes)
     torch.testing.assert_close(quant.dequantize_groups(codes, steps, mins, bits),
                                torch.stack([ramp, ramp.flip(0)]), rtol=0, atol=0)
 

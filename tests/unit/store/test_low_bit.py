@@ -1,4 +1,4 @@
-"""Caches stored in low-bit codes (`BuildConfig.code`, formats 3-7): keys per channel and values per
+"""Caches stored in low-bit codes (`BuildConfig.code`, formats 3-8): keys per channel and values per
 token (`pipeline.store.objects.low_bit`), read back within the code's error, their bytes as
 counted, and a damaged object refused like any other."""
 
@@ -12,12 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from kernels.quant_reference import GROUP_BITS
+from kernels.quant_reference import GROUP_BITS, pack_codes, unpack_codes
 from pipeline.answer.decode import generate_from_cache
 from pipeline.config import BuildConfig, CodeConfig, PrefillConfig, TriStateConfig
 from pipeline.config.format_version import (
     CODED_FORMAT,
     FLOATS_CODED_FORMAT,
+    LOW_FIRST_SPLIT_FORMAT,
     MIXED_BITS_FORMAT,
     READABLE_FORMATS,
     ROTATED_FORMAT,
@@ -109,7 +110,7 @@ def test_a_coded_cache_reads_back_within_its_codes_error(built, bits):
     code = CodeConfig(bits=bits, group=8)
     data = serialize(cache, {"conversation_id": "conv-1"}, code=code)
     loaded, header = deserialize(data, sha256(data), NAME)
-    # widths packed in two parts are format 7's
+    # widths packed in two parts are format 8's
     assert header["format"] == (CODED_FORMAT if bits in (2, 4, 8) else SPLIT_FORMAT)
     assert header["format"] in READABLE_FORMATS
     assert header["code"] == {"bits": bits, "group": 8} and header["positions"] == "compact"
@@ -253,7 +254,7 @@ def test_keys_turned_before_coding_are_turned_back(built):
 
 
 def test_turned_keys_coded_per_token_and_widths_in_two_parts(built):
-    """Format 7: keys turned then coded per token (`key_axis="token"`), each entry within its
+    """Format 8: keys turned then coded per token (`key_axis="token"`), each entry within its
     own group's step in the turned space; keys at 5 bits and values at 3 (codes packed in two
     parts), each within its width's step; the bytes counted are those stored, and 5 + 3 bits
     take the bytes of 4 + 4."""
@@ -289,6 +290,34 @@ def test_turned_keys_coded_per_token_and_widths_in_two_parts(built):
         CodeConfig(bits=4, key_axis="diagonal")
     question = random_ids(4, seed=3)
     assert generate_from_cache(StandIn(model), loaded, question, 4).shape[-1] == 4
+
+
+def _as_format_7(data: bytes, code: CodeConfig) -> bytes:
+    """A format 8 object as format 7 wrote it: each split code's low bits packed first."""
+    (size,) = struct.unpack("<Q", data[:8])
+    meta = json.loads(data[8:8 + size])["__metadata__"]
+    meta["header"] = json.dumps(dict(json.loads(meta["header"]), format=LOW_FIRST_SPLIT_FORMAT))
+    tensors = load(data)
+    for name, t in tensors.items():
+        if name.endswith("codes"):
+            bits = code.bits if name.endswith("kcodes") else code.value_width
+            tensors[name] = pack_codes(unpack_codes(t, bits).to(torch.uint8), bits,
+                                       high_first=False)
+    return save(tensors, metadata=meta)
+
+
+@pytest.mark.parametrize("bits, value_bits", [(3, 5), (5, 3), (6, 4)])
+def test_format_7_objects_read_as_they_were_written(built, bits, value_bits):
+    """Objects that format 7 wrote (a split code's low bits first) read back to the same cache
+    as the format 8 object of the same codes, whose bytes differ where a width is split."""
+    _, cache = built
+    code = CodeConfig(bits=bits, value_bits=value_bits, group=8, rotate=True)
+    data = serialize(cache, {}, code=code)
+    legacy = _as_format_7(data, code)
+    assert legacy != data and read_header(legacy)["format"] == "epicache-kv/7"
+    new, old = deserialize(data, None, NAME)[0], deserialize(legacy, None, NAME)[0]
+    for a, b in zip(new.layers, old.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
 def test_a_turn_evens_the_error_over_the_channels_the_queries_read():
