@@ -241,6 +241,10 @@ BUILD_OPTIONS = SHARED_BUILD_OPTIONS + (
                 "low-bit codes: the keys coded per channel over --code-group entries (KIVI), or "
                 "per token over --code-group channels as the values are (with --code-rotate: "
                 "QuaRot's, the same bytes)"),
+    FieldOption("--code-double-quant", "code.double_quant",
+                "low-bit codes: store each group's step and minimum as an 8-bit code in blocks "
+                "of 256 groups (QLoRA's double quantization): half the scales' bytes",
+                const=True),
     FieldOption("--zstd", "code.zstd",
                 "compress each stored cache object whole at this zstd level (1-22; lossless: "
                 "about 11%% fewer bytes for float16 entries, 15-20%% for codes, decompressed when "

@@ -22,8 +22,9 @@ ROTATED_FORMAT = "epicache-kv/6"
 # the keys coded per token (`CodeConfig.key_axis`): a reader of format 6 would fail on the one and
 # misread the other. Read, no longer written: SPLIT_FORMAT packs the high bits first.
 LOW_FIRST_SPLIT_FORMAT = "epicache-kv/7"
-# format 7 with a split code's high bits packed first (they compress; the lowest bit does not):
-# a reader of format 7 would misread the codes, so it must refuse them
+# format 7 with a split code's high bits packed first (they compress; the lowest bit does not),
+# or with the groups' steps and minimums double quantized (`CodeConfig.double_quant`): a reader
+# of format 7 would misread the codes and fail on the scales, so it must refuse them
 SPLIT_FORMAT = "epicache-kv/8"
 READABLE_FORMATS = ("epicache-kv/1", FORMAT, CODED_FORMAT, FLOATS_CODED_FORMAT, MIXED_BITS_FORMAT,
                     ROTATED_FORMAT, LOW_FIRST_SPLIT_FORMAT, SPLIT_FORMAT)

@@ -41,8 +41,10 @@ float entries are stored as they are.
 Format 8: format 3 to 6 with `bits` or `value_bits` of 3, 5 or 6 (each code packed in two
 parts, its high bits first: `kernels.quant_reference.part_shifts`), or with header `code` also
 `{"key_axis": "token"}`: the keys coded per token as the values are
-(`low_bit.encode_per_token`). Format 7 (read, no longer written) is format 8 with a split code's
-low bits packed first; the reader reorders its codes (`quant_reference.high_bits_first`).
+(`low_bit.encode_per_token`), or `{"double_quant": 256}`: each step and minimum an 8-bit code
+in blocks of 256 rows (`low_bit.stored_scales`). Format 7 (read, no longer written) is
+format 8 with a split code's low bits packed first; the reader reorders its codes
+(`quant_reference.high_bits_first`).
 
 Compressed (`CodeConfig.zstd`): an object of any format above, compressed whole
 (`pipeline.store.objects.zstd_object`); the reader decompresses it first.
@@ -207,8 +209,8 @@ def coded_kv_bytes(cache: EpisodicCache, code: CodeConfig) -> int:
 def _format(code: CodeConfig) -> str:
     if not code.bits:
         return FORMAT
-    if code.key_axis == "token" or any(len(code_parts(bits)) > 1
-                                       for bits in (code.bits, code.value_width)):
+    if code.key_axis == "token" or code.double_quant or any(
+            len(code_parts(bits)) > 1 for bits in (code.bits, code.value_width)):
         return SPLIT_FORMAT
     if code.rotate:
         return ROTATED_FORMAT
@@ -232,8 +234,9 @@ def _coded(i: int, keys: torch.Tensor, values: torch.Tensor, lengths: list[int],
         keys = low_bit.turned(keys)
     for prefix, coded in (("k", low_bit.encode_keys(keys, lengths, code)),
                           ("v", low_bit.encode_per_token(values, code.value_width, code.group))):
-        out |= {f"layers.{i}.{prefix}codes": coded.codes, f"layers.{i}.{prefix}steps": coded.steps,
-                f"layers.{i}.{prefix}mins": coded.mins}
+        out[f"layers.{i}.{prefix}codes"] = coded.codes
+        out |= {f"layers.{i}.{prefix}{name}": t
+                for name, t in low_bit.stored_scales(coded, code).items()}
     return out
 
 
@@ -248,8 +251,10 @@ def _decoded(i: int, tensors: dict[str, torch.Tensor], header: dict, lengths: li
     code = low_bit.code_of_header(header["code"])
     head_dim = int(header["head_dim"])
     coded = low_bit.coded_lengths(lengths, code.float_sinks, code.float_recent)
-    keys, values = (low_bit.Coded(*(tensors[f"layers.{i}.{prefix}{part}"].to(device)
-                                    for part in ("codes", "steps", "mins")))
+    keys, values = (low_bit.Coded(tensors[f"layers.{i}.{prefix}codes"].to(device),
+                                  *low_bit.scales_of_stored(
+                                      lambda name: tensors[f"layers.{i}.{prefix}{name}"].to(device),
+                                      code))
                     for prefix in ("k", "v"))
     if header["format"] == LOW_FIRST_SPLIT_FORMAT:
         keys = keys._replace(codes=high_bits_first(keys.codes, code.bits))

@@ -23,12 +23,17 @@ they take the widest steps and so most of the error, where the attention logits 
 Turned, every channel shares that range: the keys' own error is about as large (5-20% larger
 on SmolLM2's), but spread evenly, so the logits take a fraction of it. The matrix is its own
 inverse, so the same turn undoes it when read.
+
+Each group's float16 step and minimum take 4 bytes, a tenth of a 4 + 4-bit object. They may be
+double quantized (`stored_scales`, QLoRA's double quantization): coded at 8 bits in blocks of
+256 groups, each block with its own float16 step and minimum. The codes are made with the
+float16 scales and read with the 8-bit ones, so a number's error grows by its scales' error.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -46,6 +51,9 @@ class Coded(NamedTuple):
 
 # the turn `turned` makes, as a format 6 header names it
 TURN = "hadamard"
+# groups whose float16 steps (or minimums) share one 8-bit code's step and minimum where they
+# are double quantized (`CodeConfig.double_quant`; QLoRA's blocks of 256, arXiv 2305.14314)
+SCALE_BLOCK = 256
 
 
 @functools.lru_cache(maxsize=8)
@@ -69,13 +77,14 @@ def turned(keys: torch.Tensor) -> torch.Tensor:
 
 def code_header(code: CodeConfig) -> dict:
     """A stored object's header `code`: bits and group, the float entries where it keeps some,
-    the values' width where it differs, the keys' turn and their axis where not per channel
-    (formats 3 to 8, `pipeline.store.objects.cache_format`)."""
+    the values' width where it differs, the keys' turn, their axis where not per channel and the
+    scales' block where double quantized (formats 3 to 8, `pipeline.store.objects.cache_format`)."""
     floats = {"float_sinks": code.float_sinks, "float_recent": code.float_recent}
     return ({"bits": code.bits, "group": code.group} | (floats if code.keeps_floats else {})
             | ({"value_bits": code.value_bits} if code.mixed_bits else {})
             | ({"rotate": TURN} if code.rotate else {})
-            | ({"key_axis": code.key_axis} if code.key_axis != "channel" else {}))
+            | ({"key_axis": code.key_axis} if code.key_axis != "channel" else {})
+            | ({"double_quant": SCALE_BLOCK} if code.double_quant else {}))
 
 
 def code_of_header(stored: dict) -> CodeConfig:
@@ -84,12 +93,17 @@ def code_of_header(stored: dict) -> CodeConfig:
     turn = stored.get("rotate")
     if turn not in (None, TURN):
         raise ValueError(f"keys turned by {turn!r} cannot be read (known: {TURN!r})")
+    block = stored.get("double_quant")
+    if block not in (None, SCALE_BLOCK):
+        raise ValueError(f"scales double quantized in blocks of {block!r} cannot be read "
+                         f"(known: {SCALE_BLOCK})")
     value_bits = stored.get("value_bits")
     return CodeConfig(bits=int(stored["bits"]), group=int(stored["group"]),
                       float_sinks=int(stored.get("float_sinks", 0)),
                       float_recent=int(stored.get("float_recent", 0)),
                       value_bits=None if value_bits is None else int(value_bits),
-                      rotate=turn == TURN, key_axis=stored.get("key_axis", "channel"))
+                      rotate=turn == TURN, key_axis=stored.get("key_axis", "channel"),
+                      double_quant=block is not None)
 
 
 def _groups_per_head(lengths: list[int], group: int) -> list[int]:
@@ -185,6 +199,45 @@ def coded_lengths(lengths: list[int], sinks: int, recent: int) -> list[int]:
     return [max(n - sinks - recent, 0) for n in lengths]
 
 
+def stored_scales(coded: Coded, code: CodeConfig) -> dict[str, torch.Tensor]:
+    """Coded rows' steps and minimums as an object stores them, by name: float16, or where
+    `code.double_quant`, each as 8-bit codes in blocks of `SCALE_BLOCK` rows with the block's
+    own float16 step and minimum (`<name>_steps`, `<name>_mins`). The rows' codes were made with
+    their float16 scales; the reader decodes them with these, a little off."""
+    if not code.double_quant:
+        return {"steps": coded.steps, "mins": coded.mins}
+    out = {}
+    for name, scales in (("steps", coded.steps), ("mins", coded.mins)):
+        fill = -len(scales) % SCALE_BLOCK
+        blocks = torch.cat([scales, scales[-1:].expand(fill)]) if fill and len(scales) else scales
+        codes, steps, mins = quantize_groups(blocks.float().reshape(-1, SCALE_BLOCK), 8)
+        out |= {name: codes.reshape(-1)[:len(scales)].contiguous(), f"{name}_steps": steps,
+                f"{name}_mins": mins}
+    return out
+
+
+def scales_of_stored(stored: Callable[[str], torch.Tensor], code: CodeConfig
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`stored_scales` read back (`stored` gives a tensor by name): float16 steps and minimums."""
+    if not code.double_quant:
+        return stored("steps"), stored("mins")
+    out = []
+    for name in ("steps", "mins"):
+        codes = stored(name)
+        blocks = torch.cat([codes, codes.new_zeros(-len(codes) % SCALE_BLOCK)])
+        scales = dequantize_groups(blocks.reshape(-1, SCALE_BLOCK), stored(f"{name}_steps"),
+                                   stored(f"{name}_mins"), 8)
+        out.append(scales.reshape(-1)[:len(codes)].half())
+    return out[0], out[1]
+
+
+def _scale_bytes(rows: int, code: CodeConfig) -> int:
+    """Bytes of `rows` rows' steps and minimums as `stored_scales` stores them."""
+    if not code.double_quant:
+        return 4 * rows
+    return 2 * rows + 8 * -(-rows // SCALE_BLOCK)
+
+
 def coded_bytes(lengths: list[int], head_dim: int, code: CodeConfig, float_bytes: int = 2
                 ) -> int:
     """Bytes of one layer's keys and values in `code` (codes, steps and minimums; what a float
@@ -197,6 +250,7 @@ def coded_bytes(lengths: list[int], head_dim: int, code: CodeConfig, float_bytes
     value_rows = sum(lengths) * head_dim // span
     key_rows, key_group = ((value_rows, span) if code.key_axis == "token" else
                            (sum(_groups_per_head(lengths, code.group)) * head_dim, code.group))
-    # each row: its codes, a float16 step and a float16 minimum
-    return (key_rows * (key_group * code.bits // 8 + 4)
-            + value_rows * (span * code.value_width // 8 + 4) + floats * float_bytes)
+    # each row: its codes, a step and a minimum
+    return (key_rows * key_group * code.bits // 8 + _scale_bytes(key_rows, code)
+            + value_rows * span * code.value_width // 8 + _scale_bytes(value_rows, code)
+            + floats * float_bytes)

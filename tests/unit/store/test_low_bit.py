@@ -5,6 +5,7 @@ counted, and a damaged object refused like any other."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import struct
 
@@ -320,6 +321,61 @@ def test_format_7_objects_read_as_they_were_written(built, bits, value_bits):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
+def test_double_quantized_scales_read_back_within_their_blocks_step():
+    """Each step or minimum is an 8-bit code over its block of 256 rows' range: read back
+    within half that range / 255 (and float16's rounding), a last block part filled, none too."""
+    torch.manual_seed(4)
+    coded = low_bit.Coded(torch.zeros(600, 4, dtype=torch.uint8),
+                          torch.rand(600).half() * 0.1, torch.randn(600).half())
+    stored = low_bit.stored_scales(coded, CodeConfig(bits=4, double_quant=True))
+    assert stored["steps"].dtype == torch.uint8 and stored["steps"].shape == (600,)
+    assert stored["mins_steps"].shape == stored["mins_mins"].shape == (3,)  # 256 + 256 + 88
+    steps, mins = low_bit.scales_of_stored(stored.__getitem__, CodeConfig(bits=4,
+                                                                          double_quant=True))
+    for back, scales in ((steps, coded.steps), (mins, coded.mins)):
+        assert back.dtype == torch.float16
+        for block in range(3):
+            rows = slice(256 * block, 256 * (block + 1))
+            x = scales[rows].float()
+            bound = float(x.max() - x.min()) / 255 / 2 + float(x.abs().max()) * 2 ** -10
+            assert float((back[rows].float() - x).abs().max()) <= bound
+    empty = low_bit.Coded(torch.zeros(0, 4, dtype=torch.uint8), torch.zeros(0).half(),
+                          torch.zeros(0).half())
+    stored = low_bit.stored_scales(empty, CodeConfig(bits=4, double_quant=True))
+    back = low_bit.scales_of_stored(stored.__getitem__, CodeConfig(bits=4, double_quant=True))
+    assert [t.shape for t in back] == [(0,), (0,)]
+
+
+def test_a_cache_with_double_quantized_scales(built):
+    """Format 8 with `double_quant`: the scales take about half their bytes, counted as stored;
+    the cache reads back near the one with float16 scales (each number off by at most its
+    step's and minimum's own error, a code of at most 31 times the step's); a question decodes."""
+    model, cache = built
+    code = CodeConfig(bits=3, value_bits=5, group=8, float_sinks=1, rotate=True,
+                      double_quant=True)
+    plain = dataclasses.replace(code, double_quant=False)
+    data = serialize(cache, {}, code=code)
+    loaded, header = deserialize(data, sha256(data), NAME)
+    reference, _ = deserialize(serialize(cache, {}, code=plain), None, NAME)
+    assert header["format"] == SPLIT_FORMAT and header["code"]["double_quant"] == 256
+    stored = load(data)
+    assert coded_kv_bytes(loaded, code) == sum(
+        t.nbytes for k, t in stored.items() if k.split(".")[-1][1:].startswith(
+            ("codes", "steps", "mins", "floats")))
+    rows = sum(int(t.numel()) for k, t in stored.items() if k.endswith(("ksteps", "vsteps")))
+    assert coded_kv_bytes(loaded, plain) - coded_kv_bytes(loaded, code) > rows * 2 * 0.8
+    plain_stored = load(serialize(cache, {}, code=plain))
+    for i, (a, b) in enumerate(zip(reference.layers, loaded.layers)):
+        steps, mins = plain_stored[f"layers.{i}.vsteps"].float(), plain_stored[f"layers.{i}.vmins"]
+        bound = (float(steps.max() - steps.min()) * 31 + float(mins.max() - mins.min())) / 510
+        error = (a.values[0][a.valid] - b.values[0][b.valid]).abs().max()
+        assert 0 < float(error) <= bound + float(mins.abs().max()) * 2 ** -9 + 1e-3
+    question = random_ids(4, seed=3)
+    assert generate_from_cache(StandIn(model), loaded, question, 4).shape[-1] == 4
+    with pytest.raises(ValueError, match="double_quant"):
+        CodeConfig(double_quant=True)
+
+
 def test_a_turn_evens_the_error_over_the_channels_the_queries_read():
     """Why keys are turned: per channel, a key's outlier channel takes a wide step and so most
     of the error, and queries are large in that same channel, so the attention logits take it
@@ -370,8 +426,10 @@ def _with(data: bytes, change) -> bytes:
     lambda t, h: h["code"].update(bits=5),
     lambda t, h: h["code"].update(key_axis="token"),
     lambda t, h: h["code"].update(key_axis="diagonal"),
+    lambda t, h: h["code"].update(double_quant=256),
+    lambda t, h: h["code"].update(double_quant=128),
 ], ids=["key-rows", "value-steps", "missing", "bits", "no-code", "head-dim", "turn", "width",
-        "key-axis", "unknown-axis"])
+        "key-axis", "unknown-axis", "scales-not-coded", "scale-block"])
 def test_a_damaged_coded_object_is_corrupt_naming_it(built, change):
     _, cache = built
     data = _with(serialize(cache, {}, code=CodeConfig(bits=4, group=8)), change)
