@@ -9,11 +9,12 @@ low-bit codes (`BuildConfig.code`: 8 to 2 bits, KIVI's groups of 32; and the cod
 since, in groups of 64 with each head's first 4 and last 16 entries as floats, the values at 4 or 2
 bits, the keys turned, with those floats or the first 4 alone ("sinks"), coded per channel or per
 token, or at 3 bits with the values at 5, each group's step and minimum at 16 or 8 bits (QLoRA's
-double quantization); and nine of them compressed as the store writes them with `code.zstd`). Per format: the conversation's bytes and
-their ratio to float16, the object compressed losslessly (zstd at levels 1 and 3, lz4: pyarrow's
-codecs) as a share of itself, and the seconds to write (encode) and to parse (decode) one
-episode, against float16's. Quality at these bytes is the scorecard's (docs/scorecard-bytes.md,
-docs/scorecard-turned.md); this is the bytes and the read path's cost.
+double quantization); and nine of them compressed as the store writes them with `code.zstd`).
+Per format: the conversation's bytes and their ratio to float16, the object compressed
+losslessly (zstd at levels 1 and 3, lz4: pyarrow's codecs) as a share of itself, and the seconds
+to write (encode) and to parse (decode) one episode, against float16's. Quality at these bytes is
+the scorecard's (docs/scorecard-bytes.md, docs/scorecard-turned.md); this is the bytes and the
+read path's cost.
 """
 
 from __future__ import annotations
