@@ -295,16 +295,14 @@ def test_turned_keys_coded_per_token_and_widths_in_two_parts(built):
 
 def _as_format_7(data: bytes, code: CodeConfig) -> bytes:
     """A format 8 object as format 7 wrote it: each split code's low bits packed first."""
-    (size,) = struct.unpack("<Q", data[:8])
-    meta = json.loads(data[8:8 + size])["__metadata__"]
-    meta["header"] = json.dumps(dict(json.loads(meta["header"]), format=LOW_FIRST_SPLIT_FORMAT))
-    tensors = load(data)
-    for name, t in tensors.items():
-        if name.endswith("codes"):
-            bits = code.bits if name.endswith("kcodes") else code.value_width
-            tensors[name] = pack_codes(unpack_codes(t, bits).to(torch.uint8), bits,
-                                       high_first=False)
-    return save(tensors, metadata=meta)
+    def low_first(tensors: dict, header: dict) -> None:
+        header["format"] = LOW_FIRST_SPLIT_FORMAT
+        for name, t in tensors.items():
+            if name.endswith("codes"):
+                bits = code.bits if name.endswith("kcodes") else code.value_width
+                tensors[name] = pack_codes(unpack_codes(t, bits).to(torch.uint8), bits,
+                                           high_first=False)
+    return _with(data, low_first)
 
 
 @pytest.mark.parametrize("bits, value_bits", [(3, 5), (5, 3), (6, 4)])
@@ -354,9 +352,9 @@ def test_a_cache_with_double_quantized_scales(built):
     code = CodeConfig(bits=3, value_bits=5, group=8, float_sinks=1, rotate=True,
                       double_quant=True)
     plain = dataclasses.replace(code, double_quant=False)
-    data = serialize(cache, {}, code=code)
+    data, plain_data = serialize(cache, {}, code=code), serialize(cache, {}, code=plain)
     loaded, header = deserialize(data, sha256(data), NAME)
-    reference, _ = deserialize(serialize(cache, {}, code=plain), None, NAME)
+    reference, _ = deserialize(plain_data, None, NAME)
     assert header["format"] == SPLIT_FORMAT and header["code"]["double_quant"] == 256
     stored = load(data)
     assert coded_kv_bytes(loaded, code) == sum(
@@ -364,7 +362,7 @@ def test_a_cache_with_double_quantized_scales(built):
             ("codes", "steps", "mins", "floats")))
     rows = sum(int(t.numel()) for k, t in stored.items() if k.endswith(("ksteps", "vsteps")))
     assert coded_kv_bytes(loaded, plain) - coded_kv_bytes(loaded, code) > rows * 2 * 0.8
-    plain_stored = load(serialize(cache, {}, code=plain))
+    plain_stored = load(plain_data)
     for i, (a, b) in enumerate(zip(reference.layers, loaded.layers)):
         steps, mins = plain_stored[f"layers.{i}.vsteps"].float(), plain_stored[f"layers.{i}.vmins"]
         bound = (float(steps.max() - steps.min()) * 31 + float(mins.max() - mins.min())) / 510
