@@ -237,6 +237,10 @@ BUILD_OPTIONS = SHARED_BUILD_OPTIONS + (
                 "before coding them, and back when read (QuaRot): the error of the few wide "
                 "channels the queries read spread over all, at the same bytes",
                 const=True),
+    FieldOption("--code-rotate-values", "code.rotate_values",
+                "low-bit codes: turn the values too before coding them (QuaRot): a value's few "
+                "wide channels no longer set its group's step, at the same bytes",
+                const=True),
     FieldOption("--code-key-axis", "code.key_axis",
                 "low-bit codes: the keys coded per channel over --code-group entries (KIVI), or "
                 "per token over --code-group channels as the values are (with --code-rotate: "

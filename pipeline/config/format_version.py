@@ -26,5 +26,8 @@ LOW_FIRST_SPLIT_FORMAT = "epicache-kv/7"
 # or with the groups' steps and minimums double quantized (`CodeConfig.double_quant`): a reader
 # of format 7 would misread the codes and fail on the scales, so it must refuse them
 SPLIT_FORMAT = "epicache-kv/8"
+# format 8 with the values coded after the Hadamard turn too (`CodeConfig.rotate_values`): a
+# reader of format 8 would return them turned, so it must refuse them
+TURNED_VALUES_FORMAT = "epicache-kv/9"
 READABLE_FORMATS = ("epicache-kv/1", FORMAT, CODED_FORMAT, FLOATS_CODED_FORMAT, MIXED_BITS_FORMAT,
-                    ROTATED_FORMAT, LOW_FIRST_SPLIT_FORMAT, SPLIT_FORMAT)
+                    ROTATED_FORMAT, LOW_FIRST_SPLIT_FORMAT, SPLIT_FORMAT, TURNED_VALUES_FORMAT)

@@ -159,6 +159,11 @@ class CodeConfig:
     # are coded, and back when read (QuaRot, arXiv 2404.00456): the code's error, which the
     # keys' few wide channels (those the queries read) would take, is spread over all of them
     rotate: bool = False
+    # the values turned the same way (QuaRot turns both): coded per token, a value's few wide
+    # channels set its group's step; turned, SmolLM2's values' error falls by a quarter and the
+    # attention output's by 14% at 4 + 4 bits, yet answers lose a point @512 on the tuning cuts
+    # (docs/changelog.md), so not the default
+    rotate_values: bool = False
     # the keys coded per channel over `group` entries (KIVI: their few wide channels each get
     # their own step), or per token over `group` channels as the values are (QuaRot's choice
     # once they are turned, which leaves no wide channel): the same bytes; measured turned, it
@@ -209,6 +214,9 @@ class CodeConfig:
         if self.rotate and not self.bits:
             raise ValueError("keys turned before coding (code.rotate) need a low-bit code "
                              "(code.bits)")
+        if self.rotate_values and not self.bits:
+            raise ValueError("values turned before coding (code.rotate_values) need a low-bit "
+                             "code (code.bits)")
         if self.key_axis not in KEY_AXES:
             raise ValueError(f"code key_axis must be one of {KEY_AXES}, got {self.key_axis!r}")
         if self.double_quant and not self.bits:

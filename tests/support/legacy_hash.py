@@ -22,7 +22,7 @@ NOT_YET = (("prefill", "one_pass", False), ("prefill", "score_span", 0),
 NOT_YET_SECTIONS = {"code": {"bits": 0, "group": 32, "bytes_budget": False, "float_sinks": 0,
                              "float_recent": 0, "value_bits": None, "zstd": None,
                              "rotate": False, "key_axis": "channel",
-                             "double_quant": False}}
+                             "double_quant": False, "rotate_values": False}}
 RETIRED = (("scoring", "reduce", "max", True), ("scoring", "include_patch", True, True),
            ("scoring", "shared", 0.0, False), ("episodes", "adopt", False, False))
 

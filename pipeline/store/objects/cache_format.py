@@ -46,6 +46,9 @@ in blocks of 256 rows (`low_bit.stored_scales`). Format 7 (read, no longer writt
 format 8 with a split code's low bits packed first; the reader reorders its codes
 (`quant_reference.high_bits_first`).
 
+Format 9 (header `code` also `{"rotate_values": "hadamard"}`): format 8 with the values turned
+as format 6 turns the keys; the reader turns them back.
+
 Compressed (`CodeConfig.zstd`): an object of any format above, compressed whole
 (`pipeline.store.objects.zstd_object`); the reader decompresses it first.
 """
@@ -76,6 +79,7 @@ from pipeline.config.format_version import (
     READABLE_FORMATS,
     ROTATED_FORMAT,
     SPLIT_FORMAT,
+    TURNED_VALUES_FORMAT,
 )
 from pipeline.config.stages import CodeConfig
 from pipeline.kv.cache import EpisodicCache, EpisodicLayer, QuantizedTier
@@ -209,6 +213,8 @@ def coded_kv_bytes(cache: EpisodicCache, code: CodeConfig) -> int:
 def _format(code: CodeConfig) -> str:
     if not code.bits:
         return FORMAT
+    if code.rotate_values:
+        return TURNED_VALUES_FORMAT
     if code.key_axis == "token" or code.double_quant or any(
             len(code_parts(bits)) > 1 for bits in (code.bits, code.value_width)):
         return SPLIT_FORMAT
@@ -230,8 +236,8 @@ def _coded(i: int, keys: torch.Tensor, values: torch.Tensor, lengths: list[int],
                 f"layers.{i}.vfloats": values[floats].to(dtype).contiguous()}
         keys, values = keys[~floats], values[~floats]
         lengths = low_bit.coded_lengths(lengths, code.float_sinks, code.float_recent)
-    if code.rotate:
-        keys = low_bit.turned(keys)
+    keys, values = (low_bit.turned(x) if turn else x
+                    for x, turn in ((keys, code.rotate), (values, code.rotate_values)))
     for prefix, coded in (("k", low_bit.encode_keys(keys, lengths, code)),
                           ("v", low_bit.encode_per_token(values, code.value_width, code.group))):
         out[f"layers.{i}.{prefix}codes"] = coded.codes
@@ -259,11 +265,10 @@ def _decoded(i: int, tensors: dict[str, torch.Tensor], header: dict, lengths: li
     if header["format"] == LOW_FIRST_SPLIT_FORMAT:
         keys = keys._replace(codes=high_bits_first(keys.codes, code.bits))
         values = values._replace(codes=high_bits_first(values.codes, code.value_width))
-    keys = low_bit.decode_keys(keys, coded, head_dim, code, dtype)
-    if code.rotate:
-        keys = low_bit.turned(keys).to(dtype)
-    values = low_bit.decode_per_token(values, sum(coded), head_dim, code.value_width,
-                                      code.group, dtype)
+    keys, values = (low_bit.turned(x).to(dtype) if turn else x for x, turn in (
+        (low_bit.decode_keys(keys, coded, head_dim, code, dtype), code.rotate),
+        (low_bit.decode_per_token(values, sum(coded), head_dim, code.value_width, code.group,
+                                  dtype), code.rotate_values)))
     if not code.keeps_floats:
         return keys, values
     floats = low_bit.float_entries(lengths, code.float_sinks, code.float_recent).to(device)

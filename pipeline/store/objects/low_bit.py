@@ -22,7 +22,9 @@ most of a key's range, and the queries are large in those same channels; coded p
 they take the widest steps and so most of the error, where the attention logits weigh it most.
 Turned, every channel shares that range: the keys' own error is about as large (5-20% larger
 on SmolLM2's), but spread evenly, so the logits take a fraction of it. The matrix is its own
-inverse, so the same turn undoes it when read.
+inverse, so the same turn undoes it when read. The values may be turned too
+(`CodeConfig.rotate_values`, as QuaRot does): coded per token, a wide channel sets its whole
+group's step; turned, the range is shared and the steps narrow.
 
 Each group's float16 step and minimum take 4 bytes, a tenth of a 4 + 4-bit object. They may be
 double quantized (`stored_scales`, QLoRA's double quantization): coded at 8 bits in blocks of
@@ -77,12 +79,14 @@ def turned(keys: torch.Tensor) -> torch.Tensor:
 
 def code_header(code: CodeConfig) -> dict:
     """A stored object's header `code`: bits and group, the float entries where it keeps some,
-    the values' width where it differs, the keys' turn, their axis where not per channel and the
-    scales' block where double quantized (formats 3 to 8, `pipeline.store.objects.cache_format`)."""
+    the values' width where it differs, the keys' and values' turns, the keys' axis where not
+    per channel and the scales' block where double quantized (formats 3 to 9,
+    `pipeline.store.objects.cache_format`)."""
     floats = {"float_sinks": code.float_sinks, "float_recent": code.float_recent}
     return ({"bits": code.bits, "group": code.group} | (floats if code.keeps_floats else {})
             | ({"value_bits": code.value_bits} if code.mixed_bits else {})
             | ({"rotate": TURN} if code.rotate else {})
+            | ({"rotate_values": TURN} if code.rotate_values else {})
             | ({"key_axis": code.key_axis} if code.key_axis != "channel" else {})
             | ({"double_quant": SCALE_BLOCK} if code.double_quant else {}))
 
@@ -90,9 +94,10 @@ def code_header(code: CodeConfig) -> dict:
 def code_of_header(stored: dict) -> CodeConfig:
     """`code_header` read back, checked as a configuration is (a ValueError where a field is
     out of range or the keys were turned by a turn this reader does not know)."""
-    turn = stored.get("rotate")
-    if turn not in (None, TURN):
-        raise ValueError(f"keys turned by {turn!r} cannot be read (known: {TURN!r})")
+    turn, value_turn = stored.get("rotate"), stored.get("rotate_values")
+    for what, by in (("keys", turn), ("values", value_turn)):
+        if by not in (None, TURN):
+            raise ValueError(f"{what} turned by {by!r} cannot be read (known: {TURN!r})")
     block = stored.get("double_quant")
     if block not in (None, SCALE_BLOCK):
         raise ValueError(f"scales double quantized in blocks of {block!r} cannot be read "
@@ -102,7 +107,8 @@ def code_of_header(stored: dict) -> CodeConfig:
                       float_sinks=int(stored.get("float_sinks", 0)),
                       float_recent=int(stored.get("float_recent", 0)),
                       value_bits=None if value_bits is None else int(value_bits),
-                      rotate=turn == TURN, key_axis=stored.get("key_axis", "channel"),
+                      rotate=turn == TURN, rotate_values=value_turn == TURN,
+                      key_axis=stored.get("key_axis", "channel"),
                       double_quant=block is not None)
 
 

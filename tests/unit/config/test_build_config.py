@@ -69,7 +69,8 @@ NEEDS = {"score_span": {"one_pass": True}, "pass_sinks": {"one_pass": True},
          "float_recent": {"float_recent": 16, "bits": 4},
          "value_bits": {"value_bits": 2, "bits": 4}, "rotate": {"rotate": True, "bits": 4},
          "key_axis": {"key_axis": "token", "bits": 4},
-         "double_quant": {"double_quant": True, "bits": 4}}
+         "double_quant": {"double_quant": True, "bits": 4},
+         "rotate_values": {"rotate_values": True, "bits": 4}}
 
 
 def test_build_config_hash_is_stable():

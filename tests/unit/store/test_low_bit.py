@@ -1,4 +1,4 @@
-"""Caches stored in low-bit codes (`BuildConfig.code`, formats 3-8): keys per channel and values per
+"""Caches stored in low-bit codes (`BuildConfig.code`, formats 3-9): keys per channel and values per
 token (`pipeline.store.objects.low_bit`), read back within the code's error, their bytes as
 counted, and a damaged object refused like any other."""
 
@@ -24,6 +24,7 @@ from pipeline.config.format_version import (
     READABLE_FORMATS,
     ROTATED_FORMAT,
     SPLIT_FORMAT,
+    TURNED_VALUES_FORMAT,
 )
 from pipeline.config.stages import CODE_BITS
 from pipeline.kv.methods.epicache import EpiCache
@@ -254,6 +255,36 @@ def test_keys_turned_before_coding_are_turned_back(built):
     assert generate_from_cache(StandIn(model), loaded, question, 4).shape[-1] == 4
 
 
+def test_values_turned_before_coding_are_turned_back(built):
+    """Format 9: the values turned before coding as the keys are, and back when read, so their
+    error is the code's in the turned space; the keys, the float entries and the bytes are
+    those of the object whose keys alone are turned."""
+    model, cache = built
+    keys_turned = CodeConfig(bits=4, group=8, float_sinks=1, rotate=True)
+    code = dataclasses.replace(keys_turned, rotate_values=True)
+    data = serialize(cache, {"conversation_id": "conv-1"}, code=code)
+    loaded, header = deserialize(data, sha256(data), NAME)
+    keys_only = serialize(cache, {}, code=keys_turned)
+    unturned, _ = deserialize(keys_only, None, NAME)
+    assert header["format"] == TURNED_VALUES_FORMAT in READABLE_FORMATS
+    assert header["code"]["rotate_values"] == "hadamard" == header["code"]["rotate"]
+    for a, b, c in zip(cache.layers, loaded.layers, unturned.layers):
+        floats = low_bit.float_entries(a.valid.sum(1).tolist(), 1, 0)
+        x, y = a.values[0][a.valid], b.values[0][b.valid]
+        assert torch.equal(y[floats], x[floats].half().float())
+        rows = low_bit.turned(x[~floats]).reshape(-1, 8)  # the groups: 8 channels of a token
+        error = (low_bit.turned(y[~floats]).reshape(-1, 8) - rows).abs()
+        assert (error <= step_bound(rows)[:, None] + 1e-3).all()
+        assert torch.equal(b.keys, c.keys)
+        assert not torch.equal(b.values, c.values)
+    assert ({k: t.nbytes for k, t in load(data).items()}
+            == {k: t.nbytes for k, t in load(keys_only).items()})
+    with pytest.raises(ValueError, match="need a low-bit code"):
+        CodeConfig(rotate_values=True)
+    question = random_ids(4, seed=3)
+    assert generate_from_cache(StandIn(model), loaded, question, 4).shape[-1] == 4
+
+
 def test_turned_keys_coded_per_token_and_widths_in_two_parts(built):
     """Format 8: keys turned then coded per token (`key_axis="token"`), each entry within its
     own group's step in the turned space; keys at 5 bits and values at 3 (codes packed in two
@@ -394,6 +425,20 @@ def test_a_turn_evens_the_error_over_the_channels_the_queries_read():
     assert logit_errors[1] < 0.5 * logit_errors[0]
 
 
+def test_a_turn_narrows_the_step_of_values_with_a_wide_channel():
+    """Why values may be turned too: coded per token, one wide channel sets the step of every
+    channel of its token; turned, the range is shared and the steps narrow."""
+    torch.manual_seed(3)
+    values = torch.randn(64, 16)
+    values[:, 5] *= 12  # a wide channel, as some heads' values have
+    errors = []
+    for turn in (lambda x: x, low_bit.turned):
+        coded = low_bit.encode_per_token(turn(values).contiguous(), bits=4, group=16)
+        errors.append(float((turn(low_bit.decode_per_token(coded, 64, 16, 4, 16, torch.float32))
+                             - values).norm()))
+    assert errors[1] < 0.7 * errors[0]
+
+
 def test_eight_bits_answer_as_the_float_cache(built):
     """At 8 bits the cache is within a 255th of each group's range: the same greedy tokens."""
     model, cache = built
@@ -426,8 +471,9 @@ def _with(data: bytes, change) -> bytes:
     lambda t, h: h["code"].update(key_axis="diagonal"),
     lambda t, h: h["code"].update(double_quant=256),
     lambda t, h: h["code"].update(double_quant=128),
+    lambda t, h: h["code"].update(rotate_values="givens"),
 ], ids=["key-rows", "value-steps", "missing", "bits", "no-code", "head-dim", "turn", "width",
-        "key-axis", "unknown-axis", "scales-not-coded", "scale-block"])
+        "key-axis", "unknown-axis", "scales-not-coded", "scale-block", "value-turn"])
 def test_a_damaged_coded_object_is_corrupt_naming_it(built, change):
     _, cache = built
     data = _with(serialize(cache, {}, code=CodeConfig(bits=4, group=8)), change)
