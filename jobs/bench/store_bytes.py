@@ -9,8 +9,7 @@ low-bit codes (`BuildConfig.code`: 8 to 2 bits, KIVI's groups of 32; and the cod
 since, in groups of 64 with each head's first 4 and last 16 entries as floats, the values at 4 or 2
 bits, the keys turned, with those floats or the first 4 alone ("sinks"), coded per channel or per
 token, or at 3 bits with the values at 5, each group's step and minimum at 16 or 8 bits (QLoRA's
-double quantization), the values turned too; and ten of them compressed as the store writes them
-with `code.zstd`).
+double quantization); and nine of them compressed as the store writes them with `code.zstd`).
 Per format: the conversation's bytes and their ratio to float16, the object compressed
 losslessly (zstd at levels 1 and 3, lz4: pyarrow's codecs) as a share of itself, and the seconds
 to write (encode) and to parse (decode) one episode, against float16's. Quality at these bytes is
@@ -49,8 +48,6 @@ FORMATS = (("float16", CodeConfig()),
            ("k3 v5 g64 sinks turned", CodeConfig(bits=3, value_bits=5, rotate=True, **SINKS)),
            ("k3 v5 g64 sinks turned scales 8-bit",
             CodeConfig(bits=3, value_bits=5, rotate=True, double_quant=True, **SINKS)),
-           ("int4 g64 sinks keys and values turned scales 8-bit",
-            CodeConfig(bits=4, rotate=True, rotate_values=True, double_quant=True, **SINKS)),
            # the objects as the store holds them compressed (`code.zstd`), read back through it
            ("float16 zstd1", CodeConfig(zstd=1)),
            ("int4 g64 floats zstd3", CodeConfig(bits=4, zstd=3, **FLOATS)),
@@ -64,10 +61,7 @@ FORMATS = (("float16", CodeConfig()),
            ("int4 g64 sinks turned scales 8-bit zstd3",
             CodeConfig(bits=4, rotate=True, double_quant=True, zstd=3, **SINKS)),
            ("k3 v5 g64 sinks turned scales 8-bit zstd3",
-            CodeConfig(bits=3, value_bits=5, rotate=True, double_quant=True, zstd=3, **SINKS)),
-           ("int4 g64 sinks keys and values turned scales 8-bit zstd3",
-            CodeConfig(bits=4, rotate=True, rotate_values=True, double_quant=True, zstd=3,
-                       **SINKS)))
+            CodeConfig(bits=3, value_bits=5, rotate=True, double_quant=True, zstd=3, **SINKS)))
 CODECS = (("zstd1", "zstd", 1), ("zstd3", "zstd", 3), ("lz4", "lz4", None))
 
 
