@@ -236,8 +236,7 @@ def _coded(i: int, keys: torch.Tensor, values: torch.Tensor, lengths: list[int],
                 f"layers.{i}.vfloats": values[floats].to(dtype).contiguous()}
         keys, values = keys[~floats], values[~floats]
         lengths = low_bit.coded_lengths(lengths, code.float_sinks, code.float_recent)
-    keys, values = (low_bit.turned(x) if turn else x
-                    for x, turn in ((keys, code.rotate), (values, code.rotate_values)))
+    keys, values = low_bit.turned_as_coded(code, keys, values)
     for prefix, coded in (("k", low_bit.encode_keys(keys, lengths, code)),
                           ("v", low_bit.encode_per_token(values, code.value_width, code.group))):
         out[f"layers.{i}.{prefix}codes"] = coded.codes
@@ -265,10 +264,10 @@ def _decoded(i: int, tensors: dict[str, torch.Tensor], header: dict, lengths: li
     if header["format"] == LOW_FIRST_SPLIT_FORMAT:
         keys = keys._replace(codes=high_bits_first(keys.codes, code.bits))
         values = values._replace(codes=high_bits_first(values.codes, code.value_width))
-    keys, values = (low_bit.turned(x).to(dtype) if turn else x for x, turn in (
-        (low_bit.decode_keys(keys, coded, head_dim, code, dtype), code.rotate),
-        (low_bit.decode_per_token(values, sum(coded), head_dim, code.value_width, code.group,
-                                  dtype), code.rotate_values)))
+    keys = low_bit.decode_keys(keys, coded, head_dim, code, dtype)
+    values = low_bit.decode_per_token(values, sum(coded), head_dim, code.value_width,
+                                      code.group, dtype)
+    keys, values = (x.to(dtype) for x in low_bit.turned_as_coded(code, keys, values))
     if not code.keeps_floats:
         return keys, values
     floats = low_bit.float_entries(lengths, code.float_sinks, code.float_recent).to(device)

@@ -77,6 +77,14 @@ def turned(keys: torch.Tensor) -> torch.Tensor:
     return keys.float() @ _hadamard(keys.shape[-1], keys.device)
 
 
+def turned_as_coded(code: CodeConfig, keys: torch.Tensor, values: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [entries, d] turned where `code` turns them (`rotate`, `rotate_values`;
+    a turned one in float32): the turn before coding and, being its own inverse, its undoing."""
+    return tuple(turned(x) if turn else x
+                 for x, turn in ((keys, code.rotate), (values, code.rotate_values)))
+
+
 def code_header(code: CodeConfig) -> dict:
     """A stored object's header `code`: bits and group, the float entries where it keeps some,
     the values' width where it differs, the keys' and values' turns, the keys' axis where not
