@@ -2,8 +2,8 @@
 one full prefill of the same tokens, at its 7,600-token cut and whole.
 
     python -m jobs.bench.full_length --corpus ../shared/data/locomo [--conversations 30] \\
-        [--cut-tokens 7600] [--questions 20] [--paths block,one-pass,one-pass-window] \\
-        [--repeats 1] [--threads 2]
+        [--cut-tokens 7600] [--questions 20] \\
+        [--paths block,one-pass,one-pass-shared,one-pass-window] [--repeats 1] [--threads 2]
 
 Per conversation and length (the cut, the whole), each run in a fresh process so that one's
 peak memory is its own: transformers' stock prefill (one forward, DynamicCache) of the same
@@ -11,7 +11,8 @@ tokens, the cache a full-history answer would read, then the product's build
 (`pipeline.builder.conversation.build_conversation`, the default configuration, into a local
 store) for each `--paths`: `block` (a block prefill per episode), `one-pass`
 (`PrefillConfig.one_pass`: every episode from one layer-by-layer pass, block prefill past its
-first span) and `one-pass-window` (the pass sliding a window past it). Reported: tokens,
+first span), `one-pass-shared` (the rest read once over the episodes' caches joined past it)
+and `one-pass-window` (the pass sliding a window past it). Reported: tokens,
 seconds, the peak memory the run adds to the loaded model (the kernel's resident high-water
 mark on CPU, reset first; the allocator's peak on a GPU), bytes stored per conversation (every
 object the build wrote: caches, manifest, turn index; for the full prefill, its cache in the
@@ -56,6 +57,7 @@ from pipeline.store.catalogue.manifest import read_manifest
 
 # --paths: the PrefillConfig fields of each build path
 PATHS = {"block": {"one_pass": False}, "one-pass": {"one_pass": True},
+         "one-pass-shared": {"one_pass": True, "one_pass_beyond": "shared"},
          "one-pass-window": {"one_pass": True, "one_pass_beyond": "window"}}
 PREFILL = "full prefill"
 COLUMNS = [("conversation", "conversation", ""), ("length", "length", ""), ("run", "run", ""),

@@ -222,8 +222,8 @@ BUILD_OPTIONS = SHARED_BUILD_OPTIONS + (
     FieldOption("--one-pass-beyond", "prefill.one_pass_beyond",
                 "with --one-pass, past what one reading of the model's positions holds: blocks: "
                 "each episode goes on by block prefill from the pass's cache (block prefill's "
-                "evidence whole); window: the pass slides a window (about one prefill, less "
-                "evidence whole)"),
+                "evidence whole); shared: the rest read once over the episodes' caches joined; "
+                "window: the pass slides a window (about one prefill, less evidence whole)"),
     FieldOption("--store-dtype", "store_dtype", "dtype of the stored keys and values",
                 choices=STORE_DTYPES),
     FieldOption("--code-bits", "code.bits",

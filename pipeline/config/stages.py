@@ -37,7 +37,7 @@ ROUTER_NAMES = tuple(ROUTERS)
 
 PositionMode = Literal["auto", "original", "compact"]
 POSITION_MODES: tuple[str, ...] = get_args(PositionMode)
-OnePassBeyond = Literal["blocks", "window"]  # PrefillConfig.one_pass_beyond
+OnePassBeyond = Literal["blocks", "shared", "window"]  # PrefillConfig.one_pass_beyond
 ONE_PASS_BEYOND: tuple[str, ...] = get_args(OnePassBeyond)
 KeyAxis = Literal["channel", "token"]  # CodeConfig.key_axis
 KEY_AXES: tuple[str, ...] = get_args(KeyAxis)
@@ -274,8 +274,10 @@ class PrefillConfig:
     # one pass past its first span (what one reading of the model's positions holds): "blocks",
     # each episode goes on from the pass's cache by block prefill, as an append does (every
     # token read with its episode's cache: whole conversations keep block prefill's copy-free
-    # evidence); "window", the pass slides a window of the model's positions over the rest, at
-    # about one prefill's cost but with less copy-free evidence whole (docs/changelog.md)
+    # evidence); "shared", the rest goes through once, span by span over a context the episodes
+    # share, each taking a span as a block (`pipeline.kv.shared_spans`); "window", the pass slides a
+    # window of the model's positions over the rest, at about one prefill's cost but with less
+    # copy-free evidence whole (docs/changelog.md)
     one_pass_beyond: OnePassBeyond = "blocks"
 
     @property

@@ -20,6 +20,8 @@
     prefill.py    block_prefill: the loop that runs blocks, scores and evicts
     one_pass.py   one_pass_prefill: every episode of a conversation from one layer-by-layer
                   pass, each layer cut as block prefill cuts it
+    shared_spans.py  one pass past the model's positions: each span read once over the
+                  episodes' caches joined, then taken by each episode as a block
 
 The loop knows no method and no strategy by name: both are swapped behind it.
 """

@@ -28,6 +28,10 @@ patch after it), by `PrefillConfig.one_pass_beyond`:
   cache by block prefill over the rest, as the append of the rest would (`_then_blocks`): each
   later token reads its episode's cache, as in block prefill, and whole conversations keep
   block prefill's copy-free evidence; the cost of the rest is block prefill's, per episode;
+- "shared": the rest goes through the model once for all the episodes, span by span, each span
+  reading a context the episodes share (their caches' entries joined), and each episode takes a
+  span as block prefill takes a block, its patch scoring its own cache and the span: about a
+  prefill of the rest and the patches (`pipeline.kv.shared_spans`);
 - "window": the pass goes on over every token, no query reading further back than the model's
   positions, as in a sliding-window model. A forward whose window has left the first tokens
   behind reads the first `PrefillConfig.pass_sinks` too, moved to sit just before its window
@@ -45,7 +49,8 @@ numbers: 6 KiB a token for SmolLM2 in float32), one forward's activations (at mo
 positions: the first window), and the kept caches; no layer but the current one is held whole,
 and its pages go back to the kernel when it is done (`pipeline.allocator.release_freed_memory`).
 With "blocks" the pass covers the first span at most, so it is bounded for any length (block
-prefill's after it is flat); with "window" it grows with the length by that small constant.
+prefill's after it is flat), and "shared" holds after it a span and its shared context, at most
+the model's positions per head; with "window" it grows with the length by that small constant.
 
 Tri-state compression plans every layer's byte split from all the layers' attention at once,
 which one layer at a time cannot: it builds block by block.
@@ -75,6 +80,7 @@ from pipeline.kv.prefill import (
     count_states,
     entry_bytes,
 )
+from pipeline.kv.shared_spans import shared_spans
 
 
 def pass_window(model: torch.nn.Module) -> int:
@@ -131,31 +137,44 @@ def one_pass_prefill(model: torch.nn.Module, input_ids: torch.Tensor, scorers: S
     None: the full cache), all from one pass: within the first span (`first_span`), what
     `block_prefill` with one block of the whole input would make for each. Past it, as
     `config.one_pass_beyond` says: each episode goes on by block prefill ("blocks",
-    `_then_blocks`), or the pass slides a window ("window"). The stats' seconds are the
-    pass's, shared out equally, and each episode's own blocks'."""
+    `_then_blocks`), the rest goes through once over a context the episodes share ("shared",
+    `pipeline.kv.shared_spans`, then by blocks where their caches leave too few positions), or
+    the pass slides a window ("window"). The stats' seconds are the pass's, shared out equally, and
+    each episode's own blocks'."""
     if config.tristate.enabled:
         raise ValueError(ONE_PASS_NOT_TRISTATE)
+    if config.one_pass_beyond == "shared" and config.position_mode != "compact":
+        raise ValueError(SHARED_NEEDS_COMPACT)
     head = first_span(model, input_ids, scorers)
-    if config.one_pass_beyond == "blocks" and input_ids.shape[0] > head:
-        return _then_blocks(model, input_ids, head, scorers, budgets, config,
-                            original_element_size)
-    return _one_pass(model, input_ids, scorers, budgets, config, original_element_size)
+    if config.one_pass_beyond == "window" or input_ids.shape[0] <= head:
+        return _one_pass(model, input_ids, scorers, budgets, config, original_element_size)
+    built = _one_pass(model, input_ids[:head], scorers, budgets, config, original_element_size)
+    if config.one_pass_beyond == "shared":
+        built, head = shared_spans(model, input_ids, built, scorers, budgets, config,
+                                   pass_window(model), original_element_size)
+    if head == input_ids.shape[0]:
+        return built
+    return _then_blocks(model, input_ids[head:], built, scorers, budgets, config,
+                        original_element_size)
 
 
-def _then_blocks(model: torch.nn.Module, input_ids: torch.Tensor, head: int,
-                 scorers: Sequence[Scorer], budgets: list[int] | None, config: PrefillConfig,
+SHARED_NEEDS_COMPACT = ("one pass over a shared context past the model's positions "
+                        "(one_pass_beyond='shared') needs compact positions")
+
+
+def _then_blocks(model: torch.nn.Module, rest: torch.Tensor,
+                 built: list[tuple[EpisodicCache, PrefillStats]], scorers: Sequence[Scorer],
+                 budgets: list[int] | None, config: PrefillConfig,
                  original_element_size: int | None) -> list[tuple[EpisodicCache, PrefillStats]]:
-    """One pass over the first `head` tokens, then each episode goes on from its cache by block
-    prefill over the rest, as the append of the rest would: every token after the first span
-    reads its episode's cache (block prefill's context) instead of a window of the
-    conversation."""
+    """Each episode goes on from its cache (`built`, the pass's) by block prefill over the
+    `rest` of the ids, as the append of the rest would: every token after the pass reads its
+    episode's cache (block prefill's context) instead of a window of the conversation."""
     results = []
-    for (cache, first), scorer in zip(
-            _one_pass(model, input_ids[:head], scorers, budgets, config, original_element_size),
-            scorers):
-        cache, rest = block_prefill(model, input_ids[head:], scorer, budgets, config,
-                                    original_element_size=original_element_size, cache=cache)
-        results.append((cache, _joined(first, rest)))
+    for (cache, first), scorer in zip(built, scorers):
+        cache, rest_stats = block_prefill(model, rest, scorer, budgets, config,
+                                          original_element_size=original_element_size,
+                                          cache=cache)
+        results.append((cache, _joined(first, rest_stats)))
     return results
 
 
