@@ -71,7 +71,7 @@ from pipeline.config.stages import ONE_PASS_NOT_TRISTATE
 from pipeline.kv.attention import AttentionRequest, hand_off
 from pipeline.kv.cache import EpisodicCache, EpisodicLayer
 from pipeline.kv.compression import compression_for
-from pipeline.kv.methods.base import BlockContext, LayerState, Scorer
+from pipeline.kv.methods.base import LayerState, Scorer
 from pipeline.kv.positions import KeyRotation
 from pipeline.kv.prefill import (
     PrefillStats,
@@ -79,6 +79,7 @@ from pipeline.kv.prefill import (
     check_layer_budgets,
     count_states,
     entry_bytes,
+    patch_after,
 )
 from pipeline.kv.shared_spans import shared_spans
 
@@ -124,7 +125,7 @@ def _moved(vectors: torch.Tensor, shift: int, rotation: KeyRotation) -> torch.Te
 def first_span(model: torch.nn.Module, input_ids: torch.Tensor,
                scorers: Sequence[Scorer]) -> int:
     """The tokens one reading of the model's positions holds with the longest patch after."""
-    longest = max((_patch(s, input_ids).shape[0] for s in scorers), default=0)
+    longest = max((patch_after(s, input_ids).shape[0] for s in scorers), default=0)
     return max(pass_window(model) - longest, 1)
 
 
@@ -201,7 +202,7 @@ def _one_pass(model: torch.nn.Module, input_ids: torch.Tensor, scorers: Sequence
     device = next(model.parameters()).device
     ids = input_ids.to(device)
     n = ids.shape[0]
-    patches = [_patch(scorer, ids) for scorer in scorers]
+    patches = [patch_after(scorer, ids) for scorer in scorers]
     window = pass_window(model)
     longest = max((p.shape[0] for p in patches), default=0)
     reach = max(window - longest, 1)  # the keys a patch can score at once within the positions
@@ -239,12 +240,6 @@ def _one_pass(model: torch.nn.Module, input_ids: torch.Tensor, scorers: Sequence
         compression.report(stats)
         results.append((cache, stats))
     return results
-
-
-def _patch(scorer: Scorer, ids: torch.Tensor) -> torch.Tensor:
-    """The scorer's patch after the whole input as its one block (none: an empty patch)."""
-    patch = scorer.patch_ids(BlockContext(block_ids=ids, tokens_seen=0))
-    return patch.to(ids.device) if patch is not None else ids.new_zeros(0)
 
 
 def _copy(layer: EpisodicLayer) -> EpisodicLayer:

@@ -92,6 +92,13 @@ def entry_bytes(model: torch.nn.Module, original_element_size: int | None = None
     return EntryBytes.for_dims(head_dim, head_dim, size)
 
 
+def patch_after(scorer: Scorer, block: torch.Tensor, tokens_seen: int = 0) -> torch.Tensor:
+    """The scorer's patch after `block` (the tokens from `tokens_seen` on), on the block's
+    device; none: an empty patch."""
+    patch = scorer.patch_ids(BlockContext(block_ids=block, tokens_seen=tokens_seen))
+    return patch.to(block.device) if patch is not None else block.new_zeros(0)
+
+
 @torch.inference_mode()
 def block_prefill(model: torch.nn.Module, input_ids: torch.Tensor, scorer: Scorer,
                   budgets: list[int] | None, config: PrefillConfig = PrefillConfig(),
@@ -123,8 +130,7 @@ def block_prefill(model: torch.nn.Module, input_ids: torch.Tensor, scorer: Score
     for begin in range(0, n_new, config.block):
         block = input_ids[begin:begin + config.block]
         seen = cache.tokens_seen
-        patch = scorer.patch_ids(BlockContext(block_ids=block, tokens_seen=seen))
-        patch = patch.to(device) if patch is not None else block.new_zeros(0)
+        patch = patch_after(scorer, block, seen)
         tokens = torch.cat([block, patch])
         positions = compression.patch_positions(cache.next_position, block.shape[0],
                                                 patch.shape[0], total).to(device)

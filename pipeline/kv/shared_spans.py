@@ -37,9 +37,15 @@ from pipeline.kv.attention import AttentionRequest, hand_off
 from pipeline.kv.cache import EpisodicCache, EpisodicLayer
 from pipeline.kv.compression import compression_for
 from pipeline.kv.eviction import Compression
-from pipeline.kv.methods.base import BlockContext, Scorer
+from pipeline.kv.methods.base import Scorer
 from pipeline.kv.positions import KeyRotation
-from pipeline.kv.prefill import PrefillStats, count_states, entry_bytes, layer_state
+from pipeline.kv.prefill import (
+    PrefillStats,
+    count_states,
+    entry_bytes,
+    layer_state,
+    patch_after,
+)
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +117,7 @@ def shared_spans(model: torch.nn.Module, input_ids: torch.Tensor,
     rotation = KeyRotation.for_model(model)
     sizes = entry_bytes(model, original_element_size)
     compressions = [compression_for(config, model, sizes, budgets) for _ in scorers]
-    longest = max((_patch(s, ids[begin:], begin).shape[0] for s in scorers), default=0)
+    longest = max((patch_after(s, ids[begin:], begin).shape[0] for s in scorers), default=0)
     half = window // 2
     while begin < n:
         room = min([half] + [window - c.next_position - longest for c in caches])
@@ -128,7 +134,7 @@ def shared_spans(model: torch.nn.Module, input_ids: torch.Tensor,
         del shared  # the episodes read the span's copies
         release_freed_memory()
         for e, scorer in enumerate(scorers):
-            patch = _patch(scorer, ids[begin:stop], begin)
+            patch = patch_after(scorer, ids[begin:stop], begin)
             caches[e] = _as_block(model, caches[e], span, (begin, at), patch, scorer,
                                   compressions[e], rotation, total=n, final=stop >= n)
             _count(stats[e], peaks, patch.shape[0], stop - begin, config.block)
@@ -141,12 +147,6 @@ def shared_spans(model: torch.nn.Module, input_ids: torch.Tensor,
         count_states(s, cache, model, sizes)
         compression.report(s)
     return list(zip(caches, stats)), begin
-
-
-def _patch(scorer: Scorer, span: torch.Tensor, begin: int) -> torch.Tensor:
-    """The scorer's patch after the span (none: an empty patch)."""
-    patch = scorer.patch_ids(BlockContext(block_ids=span, tokens_seen=begin))
-    return patch.to(span.device) if patch is not None else span.new_zeros(0)
 
 
 def _feed(model: torch.nn.Module, shared: EpisodicCache, span: torch.Tensor,
