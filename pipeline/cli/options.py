@@ -224,6 +224,10 @@ BUILD_OPTIONS = SHARED_BUILD_OPTIONS + (
                 "each episode goes on by block prefill from the pass's cache (block prefill's "
                 "evidence whole); shared: the rest read once over the episodes' caches joined; "
                 "window: the pass slides a window (about one prefill, less evidence whole)"),
+    FieldOption("--shared-span", "prefill.shared_span",
+                "with --one-pass-beyond shared: the fewest tokens a span takes where the "
+                "episodes' joined caches would fill more of the positions, the shared context "
+                "keeping the rest (0: half the positions, the context the other half)"),
     FieldOption("--store-dtype", "store_dtype", "dtype of the stored keys and values",
                 choices=STORE_DTYPES),
     FieldOption("--code-bits", "code.bits",

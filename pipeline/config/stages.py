@@ -279,6 +279,11 @@ class PrefillConfig:
     # window of the model's positions over the rest, at about one prefill's cost but with less
     # copy-free evidence whole (docs/changelog.md)
     one_pass_beyond: OnePassBeyond = "blocks"
+    # "shared": the fewest tokens a span takes where the episodes' joined caches would fill more
+    # of the model's positions (the shared context keeps the rest of them, less the patch); the
+    # spans themselves take at most half the positions. 0: half (the context capped at the other
+    # half, less the patch)
+    shared_span: int = 0
 
     @property
     def cannot_compact(self) -> str | None:
@@ -321,6 +326,9 @@ class PrefillConfig:
         if self.one_pass_beyond not in ONE_PASS_BEYOND:
             raise ValueError(f"one_pass_beyond must be one of {ONE_PASS_BEYOND}, "
                              f"got {self.one_pass_beyond!r}")
+        if self.shared_span < 0 or (self.shared_span and self.one_pass_beyond != "shared"):
+            raise ValueError(f"shared_span must be >= 0 and needs one_pass_beyond='shared', "
+                             f"got {self.shared_span}")
         if self.pass_sinks < 0:
             raise ValueError(f"pass_sinks must be >= 0, got {self.pass_sinks}")
         if self.one_pass and self.tristate.enabled:

@@ -16,10 +16,12 @@ evidence whole). Here the rest goes through the model once for all the episodes,
    scored by its own patch over what block prefill's would read.
 
 A span is half the model's positions, or less where an episode's cache and its patch leave
-less (where they leave less than a block the caller goes on by "blocks"). Memory: the shared
-context, capped to the other half less the longest patch, and the span of every layer, at most
-the model's positions per head, whatever the length; the span is fed a block at a time, so no
-attention mask is larger than a block's.
+less (where they leave less than a block the caller goes on by "blocks"), or where the shared
+context holds more than the other half: the context takes what the span leaves, down to
+`PrefillConfig.shared_span` tokens (0: half), capped there to the entries the most episodes
+keep. Memory: the shared context and the span of every layer, at most the model's positions per
+head, whatever the length; the span is fed a block at a time, so no attention mask is larger
+than a block's.
 """
 
 from __future__ import annotations
@@ -119,14 +121,15 @@ def shared_spans(model: torch.nn.Module, input_ids: torch.Tensor,
     compressions = [compression_for(config, model, sizes, budgets) for _ in scorers]
     longest = max((patch_after(s, ids[begin:], begin).shape[0] for s in scorers), default=0)
     half = window // 2
+    least = min(config.shared_span or half, half)
     while begin < n:
         room = min([half] + [window - c.next_position - longest for c in caches])
         if room < config.block:
             log.debug("an episode's cache leaves %d of %d positions at token %d: the rest by "
                       "blocks", room, window, begin)
             break
-        stop = min(begin + room, n)
-        shared = shared_context(caches, rotation, window - half - longest)
+        shared = shared_context(caches, rotation, window - min(room, least) - longest)
+        stop = min(begin + min(room, window - shared.next_position - longest), n)
         log.debug("tokens %d-%d over a shared context of %d positions", begin, stop,
                   shared.next_position)
         at, peaks = shared.next_position, _sizes(shared, stop - begin)
