@@ -24,6 +24,7 @@ import torch
 from pipeline.config import PrefillConfig
 from pipeline.kv.cache import EpisodicCache, EpisodicLayer
 from pipeline.kv.compression import compression_for
+from pipeline.kv.eviction import Compression
 from pipeline.kv.methods.base import BlockContext, LayerState, Scorer
 from pipeline.kv.tristate import EntryBytes
 
@@ -119,7 +120,6 @@ def block_prefill(model: torch.nn.Module, input_ids: torch.Tensor, scorer: Score
     n_layers = check_layer_budgets(model, budgets, byte_budgets)
     sizes = entry_bytes(model, original_element_size)
     compression = compression_for(config, model, sizes, budgets, byte_budgets)
-    decoder = model.base_model  # no LM head: block prefill needs no logits
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     n_new = input_ids.shape[0]
@@ -131,17 +131,8 @@ def block_prefill(model: torch.nn.Module, input_ids: torch.Tensor, scorer: Score
         block = input_ids[begin:begin + config.block]
         seen = cache.tokens_seen
         patch = patch_after(scorer, block, seen)
-        tokens = torch.cat([block, patch])
-        positions = compression.patch_positions(cache.next_position, block.shape[0],
-                                                patch.shape[0], total).to(device)
-        with cache.patched(patch.shape[0]):
-            decoder(input_ids=tokens[None], position_ids=positions[None], past_key_values=cache,
-                    use_cache=True)
-        states = [layer_state(idx, layer, seen) for idx, layer in enumerate(cache.layers)]
-        compression.step(cache.layers, states, scorer, final=begin + config.block >= n_new)
-        compression.after_step(cache)
-        for layer in cache.layers:
-            layer.last_request = None
+        block_step(model, cache, block, patch, scorer, compression, block_start=seen,
+                   total=total, final=begin + config.block >= n_new)
         stats.blocks += 1
         stats.tokens += block.shape[0]
         stats.patch_tokens += patch.shape[0]
@@ -155,6 +146,28 @@ def block_prefill(model: torch.nn.Module, input_ids: torch.Tensor, scorer: Score
     count_states(stats, cache, model, sizes)
     compression.report(stats)
     return cache, stats
+
+
+def block_step(model: torch.nn.Module, cache: EpisodicCache, block: torch.Tensor,
+               patch: torch.Tensor, scorer: Scorer, compression: Compression, *,
+               block_start: int, total: int, final: bool) -> None:
+    """One step of block prefill: the `block` (tokens from `block_start` on; empty where the
+    caller has put them in the cache already, as the shared spans do) and the `patch` riding
+    after it through the model, then the compression's cut of every layer and what follows
+    it. `total`: the tokens seen when decoding starts (where a patch may sit)."""
+    tokens = torch.cat([block, patch])
+    if tokens.shape[0]:
+        positions = compression.patch_positions(cache.next_position, block.shape[0],
+                                                patch.shape[0], total).to(tokens.device)
+        with cache.patched(patch.shape[0]):
+            # no LM head: block prefill needs no logits
+            model.base_model(input_ids=tokens[None], position_ids=positions[None],
+                             past_key_values=cache, use_cache=True)
+    states = [layer_state(idx, layer, block_start) for idx, layer in enumerate(cache.layers)]
+    compression.step(cache.layers, states, scorer, final=final)
+    compression.after_step(cache)
+    for layer in cache.layers:
+        layer.last_request = None
 
 
 def count_states(stats: PrefillStats, cache: EpisodicCache, model: torch.nn.Module,

@@ -41,13 +41,7 @@ from pipeline.kv.compression import compression_for
 from pipeline.kv.eviction import Compression
 from pipeline.kv.methods.base import Scorer
 from pipeline.kv.positions import KeyRotation
-from pipeline.kv.prefill import (
-    PrefillStats,
-    count_states,
-    entry_bytes,
-    layer_state,
-    patch_after,
-)
+from pipeline.kv.prefill import PrefillStats, block_step, count_states, entry_bytes, patch_after
 
 log = logging.getLogger(__name__)
 
@@ -235,16 +229,8 @@ def _as_block(model: torch.nn.Module, cache: EpisodicCache,
     layers = [_appended(layer, keys, values, begin, cache.next_position - at, rotation)
               for layer, (keys, values) in zip(cache.layers, span)]
     cache = EpisodicCache.from_layers(layers)
-    if patch.shape[0]:
-        positions = compression.patch_positions(cache.next_position, 0, patch.shape[0], total)
-        with cache.patched(patch.shape[0]):
-            model.base_model(input_ids=patch[None], position_ids=positions.to(patch.device)[None],
-                             past_key_values=cache, use_cache=True)
-    states = [layer_state(idx, layer, begin) for idx, layer in enumerate(cache.layers)]
-    compression.step(cache.layers, states, scorer, final=final)
-    compression.after_step(cache)
-    for layer in cache.layers:
-        layer.last_request = None
+    block_step(model, cache, patch.new_zeros(0), patch, scorer, compression, block_start=begin,
+               total=total, final=final)
     return cache
 
 
