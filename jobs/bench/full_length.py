@@ -3,7 +3,8 @@ one full prefill of the same tokens, at its 7,600-token cut and whole.
 
     python -m jobs.bench.full_length --corpus ../shared/data/locomo [--conversations 30] \\
         [--cut-tokens 7600] [--questions 20] \\
-        [--paths block,one-pass,one-pass-shared,one-pass-window] [--repeats 1] [--threads 2]
+        [--paths block,one-pass,one-pass-shared,one-pass-shared-2048,one-pass-window] \\
+        [--repeats 1] [--threads 2]
 
 Per conversation and length (the cut, the whole), each run in a fresh process so that one's
 peak memory is its own: transformers' stock prefill (one forward, DynamicCache) of the same
@@ -11,17 +12,18 @@ tokens, the cache a full-history answer would read, then the product's build
 (`pipeline.builder.conversation.build_conversation`, the default configuration, into a local
 store) for each `--paths`: `block` (a block prefill per episode), `one-pass`
 (`PrefillConfig.one_pass`: every episode from one layer-by-layer pass, block prefill past its
-first span), `one-pass-shared` (the rest read once over the episodes' caches joined past it)
-and `one-pass-window` (the pass sliding a window past it). Reported: tokens,
-seconds, the peak memory the run adds to the loaded model (the kernel's resident high-water
-mark on CPU, reset first; the allocator's peak on a GPU), bytes stored per conversation (every
-object the build wrote: caches, manifest, turn index; for the full prefill, its cache in the
-store's float16), and bytes read per question: the cache objects of the episodes the answer
-path reads for each of the first `--questions` questions
-(routed by `Answerer` as `jobs.answer` routes them; for the full prefill, the whole cache).
-Ratios: seconds against the full prefill of the same tokens (the build's bill in prefills; on a
-GPU, a build's tokens/s against the model's own prefill's), peak memory against the same run at
-the cut.
+first span), `one-pass-shared` (the rest read once over the episodes' caches joined past it;
+`-2048`: spans down to 2,048 tokens where the joined caches need more of the positions,
+`PrefillConfig.shared_span`) and `one-pass-window` (the pass sliding a window past it).
+Reported: tokens, seconds, the peak memory the run adds to the loaded model (the kernel's
+resident high-water mark on CPU, reset first; the allocator's peak on a GPU), bytes stored per
+conversation (every object the build wrote: caches, manifest, turn index; for the full prefill,
+its cache in the store's float16), and bytes read per question: the cache objects of the
+episodes the answer path reads for each of the first `--questions` questions (routed by
+`Answerer` as `jobs.answer` routes them; for the full prefill, the whole cache). Ratios:
+seconds against the full prefill of the same tokens (the build's bill in prefills; on a GPU, a
+build's tokens/s against the model's own prefill's), peak memory against the same run at the
+cut.
 A build's seconds include its clustering and turn index (the encoder), as a build task's do.
 Past the model's 8,192 positions the full prefill's output does not matter, only its cost.
 """
@@ -58,6 +60,8 @@ from pipeline.store.catalogue.manifest import read_manifest
 # --paths: the PrefillConfig fields of each build path
 PATHS = {"block": {"one_pass": False}, "one-pass": {"one_pass": True},
          "one-pass-shared": {"one_pass": True, "one_pass_beyond": "shared"},
+         "one-pass-shared-2048": {"one_pass": True, "one_pass_beyond": "shared",
+                                  "shared_span": 2048},
          "one-pass-window": {"one_pass": True, "one_pass_beyond": "window"}}
 PREFILL = "full prefill"
 COLUMNS = [("conversation", "conversation", ""), ("length", "length", ""), ("run", "run", ""),

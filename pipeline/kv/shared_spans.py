@@ -98,16 +98,18 @@ def _most_kept(candidates: torch.Tensor, positions: torch.Tensor,
 
 @torch.inference_mode()
 def shared_spans(model: torch.nn.Module, input_ids: torch.Tensor,
-                 first: Sequence[tuple[EpisodicCache, PrefillStats]], scorers: Sequence[Scorer],
+                 first: list[tuple[EpisodicCache, PrefillStats]], scorers: Sequence[Scorer],
                  budgets: list[int] | None, config: PrefillConfig, window: int,
                  original_element_size: int | None = None
                  ) -> tuple[list[tuple[EpisodicCache, PrefillStats]], int]:
     """The episodes' caches of `input_ids` ([N]) from those of its first tokens (`first`, one
-    pass's), span by span over their shared context (`shared_context`) while every episode's
-    cache leaves a block of the `window` positions free. Returns the caches with their stats,
-    and the tokens they have seen: N, or fewer (the caller goes on by blocks)."""
+    pass's, taken over: the list is emptied), span by span over their shared context
+    (`shared_context`) while every episode's cache leaves a block of the `window` positions
+    free. Returns the caches with their stats, and the tokens they have seen: N, or fewer (the
+    caller goes on by blocks)."""
     start_time = time.perf_counter()
     caches, stats = [c for c, _ in first], [replace(s) for _, s in first]
+    first.clear()  # each episode's older cache is freed once the next span has replaced it
     ids = input_ids.to(next(model.parameters()).device)
     n, begin = ids.shape[0], caches[0].tokens_seen
     rotation = KeyRotation.for_model(model)
@@ -116,6 +118,7 @@ def shared_spans(model: torch.nn.Module, input_ids: torch.Tensor,
     longest = max((patch_after(s, ids[begin:], begin).shape[0] for s in scorers), default=0)
     half = window // 2
     least = min(config.shared_span or half, half)
+    release_freed_memory()  # the first span's pass: its pages are free, not yet handed back
     while begin < n:
         room = min([half] + [window - c.next_position - longest for c in caches])
         if room < config.block:
@@ -127,8 +130,8 @@ def shared_spans(model: torch.nn.Module, input_ids: torch.Tensor,
         log.debug("tokens %d-%d over a shared context of %d positions", begin, stop,
                   shared.next_position)
         at, peaks = shared.next_position, _sizes(shared, stop - begin)
-        span = _feed(model, shared, ids[begin:stop], config.block)
-        del shared  # the episodes read the span's copies
+        span = _feed(model, shared, ids[begin:stop], config.block)  # empties `shared`
+        del shared
         release_freed_memory()
         for e, scorer in enumerate(scorers):
             patch = patch_after(scorer, ids[begin:stop], begin)
@@ -136,6 +139,7 @@ def shared_spans(model: torch.nn.Module, input_ids: torch.Tensor,
                                   compressions[e], rotation, total=n, final=stop >= n)
             _count(stats[e], peaks, patch.shape[0], stop - begin, config.block)
             release_freed_memory()
+        del span  # before the next span's context is made
         begin = stop
     seconds = (time.perf_counter() - start_time) / max(len(scorers), 1)
     for cache, s, compression in zip(caches, stats, compressions):
@@ -152,9 +156,12 @@ def _feed(model: torch.nn.Module, shared: EpisodicCache, span: torch.Tensor,
     keys and values as one forward of it: attention is causal; each forward's mask a block's),
     into buffers made once (`_Growing`). Returns each layer's keys and values of the span
     ([1, Hkv, S, d] each, their own copies), the keys at the positions from the context's next
-    one on (as it was before the span)."""
-    n = span.shape[0]
-    growing = EpisodicCache.from_layers([_Growing(layer, n) for layer in shared.layers])
+    one on (as it was before the span). `shared` is emptied as it goes, a layer at a time, so
+    the context is never held twice, nor the span."""
+    n, layers = span.shape[0], shared.layers
+    for idx, layer in enumerate(layers):  # each layer's context freed once copied
+        layers[idx] = _Growing(layer, n)
+    growing = EpisodicCache.from_layers(layers)
     first = growing.next_position
     for begin in range(0, n, block):
         chunk = span[begin:begin + block]
@@ -162,8 +169,11 @@ def _feed(model: torch.nn.Module, shared: EpisodicCache, span: torch.Tensor,
                                  device=span.device)
         model.base_model(input_ids=chunk[None], position_ids=positions[None],
                          past_key_values=growing, use_cache=True)
-    return [(layer.keys[:, :, -n:].clone(), layer.values[:, :, -n:].clone())
-            for layer in growing.layers]
+    out = []
+    for idx, layer in enumerate(layers):  # each layer's buffers freed once the span is copied
+        out.append((layer.keys[:, :, -n:].clone(), layer.values[:, :, -n:].clone()))
+        layers[idx] = growing.layers[idx] = None
+    return out
 
 
 class _Growing(EpisodicLayer):
