@@ -161,18 +161,17 @@ def _feed(model: torch.nn.Module, shared: EpisodicCache, span: torch.Tensor,
     n, layers = span.shape[0], shared.layers
     for idx, layer in enumerate(layers):  # each layer's context freed once copied
         layers[idx] = _Growing(layer, n)
-    growing = EpisodicCache.from_layers(layers)
-    first = growing.next_position
+    first = shared.next_position
     for begin in range(0, n, block):
         chunk = span[begin:begin + block]
         positions = torch.arange(first + begin, first + begin + chunk.shape[0],
                                  device=span.device)
         model.base_model(input_ids=chunk[None], position_ids=positions[None],
-                         past_key_values=growing, use_cache=True)
+                         past_key_values=shared, use_cache=True)
     out = []
     for idx, layer in enumerate(layers):  # each layer's buffers freed once the span is copied
         out.append((layer.keys[:, :, -n:].clone(), layer.values[:, :, -n:].clone()))
-        layers[idx] = growing.layers[idx] = None
+        layers[idx] = None
     return out
 
 

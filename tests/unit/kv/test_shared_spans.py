@@ -134,17 +134,15 @@ def test_a_shorter_least_span_leaves_the_shared_context_the_entries_half_would_c
     """Three episodes of 20 entries join to more than the 38 positions half a span leaves: by
     default the context is cut to fit; with `shared_span` 16 it keeps every joined entry and the
     span takes the positions left, at least 16 tokens, within the model's 100."""
-    import pipeline.kv.shared_spans as shared_spans
-
     def contexts(config: PrefillConfig) -> list[tuple[int, int]]:
         seen = []
 
         def recorded(caches, rotation, cap):
-            whole = shared_context(caches, rotation, 10**6)
-            seen.append((shared_context(caches, rotation, cap).next_position,
-                         whole.next_position))
-            return shared_context(caches, rotation, cap)
-        monkeypatch.setattr(shared_spans, "shared_context", recorded)
+            held = shared_context(caches, rotation, cap)
+            seen.append((held.next_position,
+                         shared_context(caches, rotation, 10**6).next_position))
+            return held
+        monkeypatch.setattr("pipeline.kv.shared_spans.shared_context", recorded)
         built = one_pass_prefill(model, random_ids(300, seed=11), scorers(3), [20, 20, 20],
                                  config)
         assert all(cache.entries_per_layer() == [20.0] * 3 for cache, _ in built)
