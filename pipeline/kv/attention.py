@@ -214,9 +214,12 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     runs with half the work); with `normalisers`, on CPU, the log-normalisers too
     (`_attend_folded`)."""
     group = query.shape[1] // key.shape[1]
-    if request.past_valid.shape[1] == 0 and request.packing is None and sliding_window is None:
+    plain = request.packing is None and sliding_window is None
+    if request.past_valid.shape[1] == 0 and plain:
         return Attended(F.scaled_dot_product_attention(query, key, value, is_causal=True,
                                                        scale=scaling, enable_gqa=group > 1), None)
+    if plain and not normalisers and _heads_differ(request.past_valid):
+        return Attended(_attend_by_head(query, key, value, request, scaling), None)
     mask = episodic_mask(request, query.shape[2], group, sliding_window)
     # An additive float mask takes SDPA's fused CPU kernel (a boolean one is ~1.7x slower).
     additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
@@ -227,6 +230,33 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=additive, scale=scaling,
                                          enable_gqa=group > 1)
     return Attended(out, mask)
+
+
+def _heads_differ(past_valid: torch.Tensor) -> bool:
+    """Whether the KV heads hold different cached slots (headwise selection)."""
+    return bool((past_valid != past_valid[:1]).any())
+
+
+def _attend_by_head(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    request: AttentionRequest, scaling: float | None) -> torch.Tensor:
+    """`_attend` where each KV head holds its own cached slots: one SDPA call per KV head, its
+    additive mask [q, L] shared by the head's query group. The same output as one call with
+    the mask of every query head, which would hold a float per query head, query and key (the
+    shared spans' forwards, a block over a context of the model's positions: ~150 MiB a
+    layer for SmolLM2, against ~17 here)."""
+    n_kv, n_past = request.past_valid.shape
+    group, q_len = query.shape[1] // n_kv, query.shape[2]
+    causal = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()
+    outs = []
+    for h in range(n_kv):
+        additive = query.new_zeros(q_len, n_past + q_len)
+        additive[:, :n_past].masked_fill_(~request.past_valid[h], float("-inf"))
+        additive[:, n_past:].masked_fill_(~causal, float("-inf"))
+        outs.append(F.scaled_dot_product_attention(
+            query[:, h * group:(h + 1) * group], key[:, h:h + 1], value[:, h:h + 1],
+            attn_mask=additive[None, None], scale=scaling, enable_gqa=group > 1))
+        del additive
+    return torch.cat(outs, dim=1)
 
 
 def _attend_folded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

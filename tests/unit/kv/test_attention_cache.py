@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
 from pipeline.answer.decode import generate_from_cache
 from pipeline.eval.metrics import continuation_nll
+from pipeline.kv.attention import AttentionRequest, _attend, episodic_mask
 from pipeline.kv.cache import EpisodicCache
 from pipeline.kv.eviction import select_keep
 from pipeline.kv.layout import token_mask
@@ -392,6 +394,28 @@ def test_evicted_cache_equals_masked_full_attention(family):
                                        atol=ATOL, rtol=0)
             torch.testing.assert_close(layer.values[0, h][layer.valid[h]], ref.values[0, h, pos],
                                        atol=ATOL, rtol=0)
+
+
+def test_heads_with_their_own_slots_attend_as_one_call_with_every_heads_mask():
+    """Where each KV head holds its own cached slots, attention runs a call per KV head (a
+    mask per head, not per query head: the shared spans' memory); the output is one SDPA call's
+    with the mask `episodic_mask` makes for every query head."""
+    torch.manual_seed(0)
+    n_kv, group, n_new, n_past, dim = 3, 3, 6, 11, 8
+    valid = torch.rand(n_kv, n_past) > 0.4
+    valid[0], valid[1, :5] = True, False  # the heads' slots differ
+    query = torch.randn(1, n_kv * group, n_new, dim)
+    key, value = (torch.randn(1, n_kv, n_past + n_new, dim) for _ in range(2))
+    request = AttentionRequest(key=key, past_valid=valid,
+                               past_positions=torch.arange(n_past).expand(n_kv, -1),
+                               first_position=n_past)
+    mask = episodic_mask(request, n_new, group)
+    assert mask.shape[1] == n_kv * group  # a mask per query head: the heads differ
+    additive = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    expected = F.scaled_dot_product_attention(query, key, value, attn_mask=additive,
+                                              enable_gqa=True)
+    attended = _attend(query, key, value, request, None, None)
+    torch.testing.assert_close(attended.out, expected, atol=1e-6, rtol=0)
 
 
 # --------------------------------------------------------------------------------------------
