@@ -228,6 +228,9 @@ BUILD_OPTIONS = SHARED_BUILD_OPTIONS + (
                 "with --one-pass-beyond shared: the fewest tokens a span takes where the "
                 "episodes' joined caches would fill more of the positions, the shared context "
                 "keeping the rest (0: half the positions, the context the other half)"),
+    FieldOption("--shared-span-most", "prefill.shared_span_most",
+                "with --one-pass-beyond shared: the most tokens a span takes, each episode "
+                "cutting it to its budget at once (0: half the positions)"),
     FieldOption("--store-dtype", "store_dtype", "dtype of the stored keys and values",
                 choices=STORE_DTYPES),
     FieldOption("--code-bits", "code.bits",

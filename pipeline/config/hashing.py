@@ -45,7 +45,7 @@ ADDED_LATER = (("prefill", "compact_recent", 0), ("prefill", "one_pass", False),
                ("prefill", "pass_sinks", 0), ("prefill", "one_pass_beyond", "window"),
                ("code", "rotate", False), ("code", "key_axis", "channel"),
                ("code", "double_quant", False), ("code", "rotate_values", False),
-               ("prefill", "shared_span", 0))
+               ("prefill", "shared_span", 0), ("prefill", "shared_span_most", 0))
 # (section, field, the value every build that `jobs.build` could make had, hashed or not): knobs
 # measured and retired (docs/changelog.md). A hashed one is hashed with that value, so stores
 # keep their hash; a stored configuration holding another value no longer reads back.
@@ -105,7 +105,7 @@ def hashed_fields(config: Any) -> dict:
     if config.prefill.position_mode == "original":  # no effect on such caches
         d["prefill"].pop("compact_recent", None)
     if not config.prefill.one_pass:  # block prefill never reads them
-        for name in ("pass_sinks", "one_pass_beyond", "shared_span"):
+        for name in ("pass_sinks", "one_pass_beyond", "shared_span", "shared_span_most"):
             d["prefill"].pop(name, None)
     if not config.code.bits:  # floats: no groups
         d.pop("code", None)

@@ -284,6 +284,10 @@ class PrefillConfig:
     # spans themselves take at most half the positions. 0: half (the context capped at the other
     # half, less the patch)
     shared_span: int = 0
+    # "shared": the most tokens a span takes (at most half the positions; 0: half). Each episode
+    # cuts a span to its budget at once, so a shorter span is a gentler cut, at a patch more per
+    # span and episode
+    shared_span_most: int = 0
 
     @property
     def cannot_compact(self) -> str | None:
@@ -329,6 +333,10 @@ class PrefillConfig:
         if self.shared_span < 0 or (self.shared_span and self.one_pass_beyond != "shared"):
             raise ValueError(f"shared_span must be >= 0 and needs one_pass_beyond='shared', "
                              f"got {self.shared_span}")
+        if self.shared_span_most < 0 or (self.shared_span_most and
+                                         self.one_pass_beyond != "shared"):
+            raise ValueError(f"shared_span_most must be >= 0 and needs one_pass_beyond='shared', "
+                             f"got {self.shared_span_most}")
         if self.pass_sinks < 0:
             raise ValueError(f"pass_sinks must be >= 0, got {self.pass_sinks}")
         if self.one_pass and self.tristate.enabled:

@@ -15,13 +15,14 @@ evidence whole). Here the rest goes through the model once for all the episodes,
    to the budget and compacting. So each episode keeps only its own entries and the span's,
    scored by its own patch over what block prefill's would read.
 
-A span is half the model's positions, or less where an episode's cache and its patch leave
-less (where they leave less than a block the caller goes on by "blocks"), or where the shared
-context holds more than the other half: the context takes what the span leaves, down to
-`PrefillConfig.shared_span` tokens (0: half), capped there to the entries the most episodes
-keep. Memory: the shared context and the span of every layer, at most the model's positions per
-head, whatever the length; the span is fed a block at a time, so no attention mask is larger
-than a block's.
+A span is half the model's positions (`PrefillConfig.shared_span_most`: fewer), or less where
+an episode's cache and its patch leave less (where they leave less than a block the caller goes
+on by "blocks"), or where the shared context holds more than the other half: the context takes
+what the span leaves, down to `PrefillConfig.shared_span` tokens (0: half), capped there to the
+entries the most episodes keep. Memory: the shared context and the span of every layer, at most
+the model's positions per head, whatever the length; the span is fed a block at a time, each
+forward's attention masked a KV head at a time, so no mask is larger than a block's over one
+head's keys.
 """
 
 from __future__ import annotations
@@ -116,11 +117,11 @@ def shared_spans(model: torch.nn.Module, input_ids: torch.Tensor,
     sizes = entry_bytes(model, original_element_size)
     compressions = [compression_for(config, model, sizes, budgets) for _ in scorers]
     longest = max((patch_after(s, ids[begin:], begin).shape[0] for s in scorers), default=0)
-    half = window // 2
-    least = min(config.shared_span or half, half)
+    most = min(config.shared_span_most or window // 2, window // 2)
+    least = min(config.shared_span or most, most)
     release_freed_memory()  # the first span's pass: its pages are free, not yet handed back
     while begin < n:
-        room = min([half] + [window - c.next_position - longest for c in caches])
+        room = min([most] + [window - c.next_position - longest for c in caches])
         if room < config.block:
             log.debug("an episode's cache leaves %d of %d positions at token %d: the rest by "
                       "blocks", room, window, begin)

@@ -155,3 +155,26 @@ def test_a_shorter_least_span_leaves_the_shared_context_the_entries_half_would_c
     assert all(100 - held - 12 >= 16 for held, _ in least)  # room for a span of 16 at least
     with pytest.raises(ValueError, match="shared_span"):
         PrefillConfig(shared_span=16)
+
+
+def test_a_most_span_cuts_the_rest_into_spans_no_longer(model, monkeypatch):
+    """`shared_span_most` 20: every span 20 tokens or fewer (half the positions by default), the
+    rest read once all the same, each episode still held to its budget."""
+    from pipeline.kv import shared_spans as spans_module
+    feed = spans_module._feed
+
+    def spans(config: PrefillConfig) -> list[int]:
+        seen = []
+
+        def recorded(model, shared, span, block):
+            seen.append(span.shape[0])
+            return feed(model, shared, span, block)
+        monkeypatch.setattr(spans_module, "_feed", recorded)
+        built = one_pass_prefill(model, random_ids(300, seed=11), scorers(), SMALL, config)
+        assert all(cache.entries_per_layer() == [float(b) for b in SMALL] for cache, _ in built)
+        return seen
+
+    halves, short = spans(SHARED), spans(dataclasses.replace(SHARED, shared_span_most=20))
+    assert max(halves) > 20 and max(short) <= 20 and sum(short) == sum(halves)
+    with pytest.raises(ValueError, match="shared_span_most"):
+        PrefillConfig(shared_span_most=20)
