@@ -333,10 +333,10 @@ class PrefillConfig:
         if self.shared_span < 0 or (self.shared_span and self.one_pass_beyond != "shared"):
             raise ValueError(f"shared_span must be >= 0 and needs one_pass_beyond='shared', "
                              f"got {self.shared_span}")
-        if self.shared_span_most < 0 or (self.shared_span_most and
-                                         self.one_pass_beyond != "shared"):
-            raise ValueError(f"shared_span_most must be >= 0 and needs one_pass_beyond='shared', "
-                             f"got {self.shared_span_most}")
+        if self.shared_span_most < 0 or (self.shared_span_most and (
+                self.one_pass_beyond != "shared" or self.shared_span_most < self.block)):
+            raise ValueError(f"shared_span_most must be 0 or at least a block ({self.block}) and "
+                             f"needs one_pass_beyond='shared', got {self.shared_span_most}")
         if self.pass_sinks < 0:
             raise ValueError(f"pass_sinks must be >= 0, got {self.pass_sinks}")
         if self.one_pass and self.tristate.enabled:

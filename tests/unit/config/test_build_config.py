@@ -63,7 +63,7 @@ def _variants(config):
 NEEDS = {"score_span": {"one_pass": True}, "pass_sinks": {"one_pass": True},
          "one_pass_beyond": {"one_pass_beyond": "window", "one_pass": True},
          "shared_span": {"shared_span": 64, "one_pass_beyond": "shared", "one_pass": True},
-         "shared_span_most": {"shared_span_most": 64, "one_pass_beyond": "shared",
+         "shared_span_most": {"shared_span_most": 1024, "one_pass_beyond": "shared",
                               "one_pass": True},
          "score_span_share": {"score_span_share": 0.5, "score_span": 64, "one_pass": True},
          "bits": {"bits": 4}, "group": {"group": 64, "bits": 4},

@@ -176,5 +176,7 @@ def test_a_most_span_cuts_the_rest_into_spans_no_longer(model, monkeypatch):
 
     halves, short = spans(SHARED), spans(dataclasses.replace(SHARED, shared_span_most=20))
     assert max(halves) > 20 and max(short) <= 20 and sum(short) == sum(halves)
-    with pytest.raises(ValueError, match="shared_span_most"):
+    with pytest.raises(ValueError, match="shared_span_most"):  # spans are the shared path's
         PrefillConfig(shared_span_most=20)
+    with pytest.raises(ValueError, match="shared_span_most"):  # shorter than a block
+        dataclasses.replace(SHARED, shared_span_most=8)
