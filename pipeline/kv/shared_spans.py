@@ -234,10 +234,14 @@ def _as_block(model: torch.nn.Module, cache: EpisodicCache,
     """An episode's cache after the span (`where`: its first token, and the position its keys
     start at), as block prefill makes it after a block: the span's keys and values, moved to
     follow the cache, appended; its patch's scores of both; its compression's cut and
-    compaction."""
+    compaction. `cache` is taken over: each of its layers is dropped once its successor is made,
+    so the old cache and the new one are never held whole together."""
     begin, at = where
-    layers = [_appended(layer, keys, values, begin, cache.next_position - at, rotation)
-              for layer, (keys, values) in zip(cache.layers, span)]
+    moved, old = cache.next_position - at, cache.layers
+    layers = []
+    for idx, (keys, values) in enumerate(span):
+        layers.append(_appended(old[idx], keys, values, begin, moved, rotation))
+        old[idx] = None
     cache = EpisodicCache.from_layers(layers)
     block_step(model, cache, patch.new_zeros(0), patch, scorer, compression, block_start=begin,
                total=total, final=final)
