@@ -162,6 +162,11 @@ def _take_request(key: torch.Tensor) -> AttentionRequest | PackedRequest | None:
     return None
 
 
+def _heads_differ(past_valid: torch.Tensor) -> bool:
+    """Whether the KV heads hold different cached slots (headwise selection)."""
+    return bool((past_valid != past_valid[:1]).any())
+
+
 def episodic_mask(request: AttentionRequest, q_len: int, group: int,
                   sliding_window: int | None = None) -> torch.Tensor:
     """[1, Hq, q, L_past + q] bool: valid cached slots per head, causal over the new tokens,
@@ -180,7 +185,7 @@ def episodic_mask(request: AttentionRequest, q_len: int, group: int,
         parents = packing.parents.to(device)
         causal = causal & ((seg[None, :] == seg[:, None]) | (seg[None, :] == parents[:, None]))
         q_pos = request.first_position + packing.offsets.to(device)
-    if sliding_window is None and bool((past_valid == past_valid[:1]).all()):
+    if sliding_window is None and not _heads_differ(past_valid):
         past = past_valid[:1, None, :].expand(1, q_len, n_past)
         return torch.cat([past, causal[None]], dim=-1)[None]
     past = past_valid[:, None, :].expand(n_heads, q_len, n_past)
@@ -232,11 +237,6 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return Attended(out, mask)
 
 
-def _heads_differ(past_valid: torch.Tensor) -> bool:
-    """Whether the KV heads hold different cached slots (headwise selection)."""
-    return bool((past_valid != past_valid[:1]).any())
-
-
 def _attend_by_head(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     request: AttentionRequest, scaling: float | None) -> torch.Tensor:
     """`_attend` where each KV head holds its own cached slots: one SDPA call per KV head, its
@@ -247,15 +247,15 @@ def _attend_by_head(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     n_kv, n_past = request.past_valid.shape
     group, q_len = query.shape[1] // n_kv, query.shape[2]
     causal = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()
+    additive = query.new_zeros(q_len, n_past + q_len)  # the causal part the heads share
+    additive[:, n_past:].masked_fill_(~causal, float("-inf"))
+    blocked = query.new_full((n_past,), float("-inf"))
     outs = []
-    for h in range(n_kv):
-        additive = query.new_zeros(q_len, n_past + q_len)
-        additive[:, :n_past].masked_fill_(~request.past_valid[h], float("-inf"))
-        additive[:, n_past:].masked_fill_(~causal, float("-inf"))
+    for h in range(n_kv):  # only the cached part is the head's own
+        additive[:, :n_past] = torch.where(request.past_valid[h], 0.0, blocked)
         outs.append(F.scaled_dot_product_attention(
             query[:, h * group:(h + 1) * group], key[:, h:h + 1], value[:, h:h + 1],
             attn_mask=additive[None, None], scale=scaling, enable_gqa=group > 1))
-        del additive
     return torch.cat(outs, dim=1)
 
 
