@@ -16,7 +16,7 @@ from pipeline.kv.methods.epicache import EpiCache
 from pipeline.kv.one_pass import first_span, one_pass_prefill
 from pipeline.kv.positions import KeyRotation
 from pipeline.kv.prefill import block_prefill, build_tokens
-from pipeline.kv.shared_spans import shared_context
+from pipeline.kv.shared_spans import _feed, shared_context
 from tests.support.tiny_models import one_torch_thread, random_ids, tiny_model  # noqa: F401
 from tests.unit.kv.test_one_pass import assert_same_cache
 
@@ -160,16 +160,13 @@ def test_a_shorter_least_span_leaves_the_shared_context_the_entries_half_would_c
 def test_a_most_span_cuts_the_rest_into_spans_no_longer(model, monkeypatch):
     """`shared_span_most` 20: every span 20 tokens or fewer (half the positions by default), the
     rest read once all the same, each episode still held to its budget."""
-    from pipeline.kv import shared_spans as spans_module
-    feed = spans_module._feed
-
     def spans(config: PrefillConfig) -> list[int]:
         seen = []
 
         def recorded(model, shared, span, block):
             seen.append(span.shape[0])
-            return feed(model, shared, span, block)
-        monkeypatch.setattr(spans_module, "_feed", recorded)
+            return _feed(model, shared, span, block)
+        monkeypatch.setattr("pipeline.kv.shared_spans._feed", recorded)
         built = one_pass_prefill(model, random_ids(300, seed=11), scorers(), SMALL, config)
         assert all(cache.entries_per_layer() == [float(b) for b in SMALL] for cache, _ in built)
         return seen
