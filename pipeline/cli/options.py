@@ -224,6 +224,9 @@ BUILD_OPTIONS = SHARED_BUILD_OPTIONS + (
                 "each episode goes on by block prefill from the pass's cache (block prefill's "
                 "evidence whole); shared: the rest read once over the episodes' caches joined; "
                 "window: the pass slides a window (about one prefill, less evidence whole)"),
+    FieldOption("--pass-focus", "prefill.pass_focus",
+                "with --one-pass: weight the episode's own turns by (1 + this) in the cut of "
+                "the pass's first span, made at once (default: --focus, as every later cut)"),
     FieldOption("--shared-span", "prefill.shared_span",
                 "with --one-pass-beyond shared: the fewest tokens a span takes where the "
                 "episodes' joined caches would fill more of the positions, the shared context "

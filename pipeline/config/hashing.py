@@ -45,7 +45,8 @@ ADDED_LATER = (("prefill", "compact_recent", 0), ("prefill", "one_pass", False),
                ("prefill", "pass_sinks", 0), ("prefill", "one_pass_beyond", "window"),
                ("code", "rotate", False), ("code", "key_axis", "channel"),
                ("code", "double_quant", False), ("code", "rotate_values", False),
-               ("prefill", "shared_span", 0), ("prefill", "shared_span_most", 0))
+               ("prefill", "shared_span", 0), ("prefill", "shared_span_most", 0),
+               ("prefill", "pass_focus", None))
 # (section, field, the value every build that `jobs.build` could make had, hashed or not): knobs
 # measured and retired (docs/changelog.md). A hashed one is hashed with that value, so stores
 # keep their hash; a stored configuration holding another value no longer reads back.

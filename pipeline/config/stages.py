@@ -265,6 +265,12 @@ class PrefillConfig:
     # with `score_span`: the spans' share of a key's score, the rest the plain pass's (each
     # summed to 1 over the layer first), so a key either reading finds important can be kept
     score_span_share: float = 1.0
+    # one pass: the episode's own turns weighted by (1 + this) in the pass's cut, where each
+    # episode cuts its first span (up to the model's positions) to its budget at once; None:
+    # the scorer's own `ScoringConfig.focus`, which the cuts past it (spans, blocks, appends)
+    # keep either way. A cut at once has found too few of the episode's own turns at block
+    # prefill's focus (docs/changelog.md)
+    pass_focus: float | None = None
     # one pass: every forward past the model's positions also reads the first this-many tokens,
     # moved to sit just before its window (StreamingLLM's attention sinks); without them each
     # token past the first window is computed with no sink, and a whole conversation's caches
@@ -337,6 +343,8 @@ class PrefillConfig:
                 self.one_pass_beyond != "shared" or self.shared_span_most < self.block)):
             raise ValueError(f"shared_span_most must be 0 or at least a block ({self.block}) and "
                              f"needs one_pass_beyond='shared', got {self.shared_span_most}")
+        if self.pass_focus is not None and (self.pass_focus < 0 or not self.one_pass):
+            raise ValueError(f"pass_focus must be >= 0 and needs one_pass, got {self.pass_focus}")
         if self.pass_sinks < 0:
             raise ValueError(f"pass_sinks must be >= 0, got {self.pass_sinks}")
         if self.one_pass and self.tristate.enabled:

@@ -72,6 +72,7 @@ from pipeline.kv.attention import AttentionRequest, hand_off
 from pipeline.kv.cache import EpisodicCache, EpisodicLayer
 from pipeline.kv.compression import compression_for
 from pipeline.kv.methods.base import LayerState, Scorer
+from pipeline.kv.methods.shaping import refocused
 from pipeline.kv.positions import KeyRotation
 from pipeline.kv.prefill import (
     PrefillStats,
@@ -147,9 +148,11 @@ def one_pass_prefill(model: torch.nn.Module, input_ids: torch.Tensor, scorers: S
     if config.one_pass_beyond == "shared" and config.position_mode != "compact":
         raise ValueError(SHARED_NEEDS_COMPACT)
     head = first_span(model, input_ids, scorers)
+    cutting = scorers if config.pass_focus is None else [
+        refocused(s, config.pass_focus) for s in scorers]  # the pass's cut: at its own focus
     if config.one_pass_beyond == "window" or input_ids.shape[0] <= head:
-        return _one_pass(model, input_ids, scorers, budgets, config, original_element_size)
-    built = _one_pass(model, input_ids[:head], scorers, budgets, config, original_element_size)
+        return _one_pass(model, input_ids, cutting, budgets, config, original_element_size)
+    built = _one_pass(model, input_ids[:head], cutting, budgets, config, original_element_size)
     if config.one_pass_beyond == "shared":
         built, head = shared_spans(model, input_ids, built, scorers, budgets, config,
                                    pass_window(model), original_element_size)

@@ -19,7 +19,7 @@ ADDED_LATER = (("prefill", "compact_recent", 0),)
 NOT_YET = (("prefill", "one_pass", False), ("prefill", "score_span", 0),
            ("prefill", "score_span_share", 1.0), ("prefill", "pass_sinks", 4),
            ("prefill", "one_pass_beyond", "blocks"), ("prefill", "shared_span", 0),
-           ("prefill", "shared_span_most", 0))
+           ("prefill", "shared_span_most", 0), ("prefill", "pass_focus", None))
 NOT_YET_SECTIONS = {"code": {"bits": 0, "group": 32, "bytes_budget": False, "float_sinks": 0,
                              "float_recent": 0, "value_bits": None, "zstd": None,
                              "rotate": False, "key_axis": "channel",

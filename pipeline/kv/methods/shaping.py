@@ -4,7 +4,7 @@ scorer can be wrapped."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -84,3 +84,15 @@ class ProtectedScorer(ShapedScorer):
         newest = int(layer.positions.masked_fill(~layer.valid, -1).max()) + 1
         protect = (layer.positions < self.sink) | (layer.positions >= newest - self.recent)
         return scores.masked_fill(protect, float("inf"))
+
+
+def refocused(scorer: Scorer, weight: float) -> Scorer:
+    """`scorer` with its episode's own turns weighted by (1 + `weight`) instead: the same
+    shaping around a `FocusScorer` of that weight. A scorer with no focus is refused (there is
+    nothing to weight)."""
+    if isinstance(scorer, FocusScorer):
+        return replace(scorer, weight=weight)
+    if isinstance(scorer, ShapedScorer):
+        return replace(scorer, inner=refocused(scorer.inner, weight))
+    raise ValueError(f"pass_focus weights the episode's own turns, and {scorer.name} does not "
+                     f"focus on them (epicache with scoring.focus > 0 does)")

@@ -61,6 +61,7 @@ def _variants(config):
 # a field that is refused without another, or has no effect without it: changed together with
 # it (or to a value it accepts)
 NEEDS = {"score_span": {"one_pass": True}, "pass_sinks": {"one_pass": True},
+         "pass_focus": {"pass_focus": 30.0, "one_pass": True},
          "one_pass_beyond": {"one_pass_beyond": "window", "one_pass": True},
          "shared_span": {"shared_span": 64, "one_pass_beyond": "shared", "one_pass": True},
          "shared_span_most": {"shared_span_most": 1024, "one_pass_beyond": "shared",

@@ -12,6 +12,7 @@ from kernels.score import patch_attention_scores
 from pipeline.config import MergeConfig, PrefillConfig, TriStateConfig
 from pipeline.kv.methods.epicache import EpiCache
 from pipeline.kv.methods.keydiff import KeyDiff
+from pipeline.kv.methods.shaping import FocusScorer
 from pipeline.kv.methods.snapkv import SnapKV
 from pipeline.kv.methods.streamingllm import StreamingLLM
 from pipeline.kv.one_pass import (
@@ -144,6 +145,30 @@ def test_past_the_first_span_each_episode_goes_on_by_block_prefill():
         assert (stats.tokens, stats.tokens_alone, stats.shared_by) == (300, 212, 2)
         assert build_tokens(stats) == 88 / 2 + 212 + stats.patch_tokens
         assert stats.patch_tokens == 12 + 12 * 7  # the pass's patch, then each block's
+
+
+def test_the_pass_cuts_at_its_own_focus_and_every_later_cut_at_the_scorers():
+    """`pass_focus`: the first span's cut weights the episode's own turns by 31 here, the
+    blocks after it by the scorer's 3, as a pass at focus 30 then an append at focus 2 would;
+    a scorer with no focus is refused."""
+    model = tiny_model("llama", max_position_embeddings=100)
+    ids, member = random_ids(300, seed=11), torch.arange(300) % 3 == 0
+    def focused(weight):
+        return [FocusScorer(s, member, weight) for s in episode_scorers()[:2]]
+    config = PrefillConfig(block=32, compact_recent=16, one_pass=True, pass_focus=30.0)
+    plain = dataclasses.replace(config, pass_focus=None)
+    built = one_pass_prefill(model, ids, focused(2.0), BUDGETS, config)
+    heads = one_pass_prefill(model, ids[:88], focused(30.0), BUDGETS, plain)
+    for (cache, _), (head, _), scorer in zip(built, heads, focused(2.0)):
+        want, _ = block_prefill(model, ids[88:], scorer, BUDGETS, plain, cache=head)
+        assert_same_cache(cache, want)
+    unfocused = one_pass_prefill(model, ids, focused(2.0), BUDGETS, plain)
+    assert any(not torch.equal(a.positions[a.valid], b.positions[b.valid])
+               for (x, _), (y, _) in zip(built, unfocused) for a, b in zip(x.layers, y.layers))
+    with pytest.raises(ValueError, match="pass_focus"):
+        one_pass_prefill(model, ids, episode_scorers(), BUDGETS, config)
+    with pytest.raises(ValueError, match="pass_focus"):
+        PrefillConfig(pass_focus=30.0)  # the pass's own
 
 
 def test_each_forward_reads_the_window_up_to_its_last_token(monkeypatch):
