@@ -15,6 +15,7 @@ import torch
 from pipeline.config import MergeConfig, PrefillConfig, TriStateConfig
 from pipeline.kv import methods
 from pipeline.kv.methods.base import Method, MethodInputs
+from pipeline.kv.methods.shaping import refocused
 from pipeline.kv.prefill import block_prefill, entry_bytes
 from pipeline.kv.tristate import layer_bytes
 from tests.support.paths import REPO
@@ -92,3 +93,19 @@ def test_the_registry_names_the_methods_without_importing_torch():
 def test_an_unknown_method_names_the_known_ones():
     with pytest.raises(ValueError, match="unknown method 'h2o'; known: .*epicache"):
         methods.create("h2o")
+
+
+def test_refocused_weights_the_episodes_own_turns_as_that_focus_would(llama):
+    """`refocused` (the one pass's own focus, `PrefillConfig.pass_focus`) reaches the focus
+    inside the default's shaping: the cache is the one `scoring.focus` of that weight makes."""
+    budgets = [BUDGET] * llama.config.num_hidden_layers
+    def built(scorer):
+        cache, _ = block_prefill(llama, random_ids(N, seed=5), scorer, budgets,
+                                 COMPRESSIONS["plain"])
+        return [layer.valid for layer in cache.layers]
+    epicache = methods.method_class("epicache")
+    got = built(refocused(epicache().bind(_inputs()), 0.001))
+    assert all(map(torch.equal, got, built(epicache(focus=0.001).bind(_inputs()))))
+    assert not all(map(torch.equal, got, built(epicache().bind(_inputs()))))
+    with pytest.raises(ValueError, match="pass_focus"):
+        refocused(methods.create("snapkv").bind(_inputs()), 0.5)
