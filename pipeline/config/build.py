@@ -13,7 +13,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from pipeline.config import hashing
+from pipeline.config import hashing, registry
 from pipeline.config.stages import (
     DEFAULT_ENCODER,
     DEFAULT_LLM,
@@ -58,6 +58,11 @@ class BuildConfig:
                 f"variance_temperature must be positive, got {self.variance_temperature}")
         if self.store_dtype not in STORE_DTYPES:
             raise ValueError(f"store_dtype must be one of {STORE_DTYPES}, got {self.store_dtype!r}")
+        if self.prefill.pass_focus is not None and not (
+                self.scoring.focus and registry.reads(self.scorer, "scoring.focus")):
+            raise ValueError("prefill.pass_focus weights the episode's own turns in the one "
+                             "pass's cut: it needs a method that focuses on them (epicache with "
+                             f"scoring.focus > 0), not {self.scorer}")
         if self.code.bits and self.prefill.tristate.enabled:
             raise ValueError("a low-bit code (code.bits) codes every stored entry, tri-state "
                              "quantizes some of them: choose one")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels.score import patch_attention_scores
-from pipeline.config import MergeConfig, PrefillConfig, TriStateConfig
+from pipeline.config import BuildConfig, MergeConfig, PrefillConfig, TriStateConfig
 from pipeline.kv.methods.epicache import EpiCache
 from pipeline.kv.methods.keydiff import KeyDiff
 from pipeline.kv.methods.shaping import FocusScorer
@@ -150,7 +150,7 @@ def test_past_the_first_span_each_episode_goes_on_by_block_prefill():
 def test_the_pass_cuts_at_its_own_focus_and_every_later_cut_at_the_scorers():
     """`pass_focus`: the first span's cut weights the episode's own turns by 31 here, the
     blocks after it by the scorer's 3, as a pass at focus 30 then an append at focus 2 would;
-    a scorer with no focus is refused."""
+    a scorer with no focus is refused, and a build of one before it starts."""
     model = tiny_model("llama", max_position_embeddings=100)
     ids, member = random_ids(300, seed=11), torch.arange(300) % 3 == 0
     def focused(weight):
@@ -169,6 +169,8 @@ def test_the_pass_cuts_at_its_own_focus_and_every_later_cut_at_the_scorers():
         one_pass_prefill(model, ids, episode_scorers(), BUDGETS, config)
     with pytest.raises(ValueError, match="pass_focus"):
         PrefillConfig(pass_focus=30.0)  # the pass's own
+    with pytest.raises(ValueError, match="pass_focus"):  # a build is refused before it starts
+        BuildConfig(scorer="snapkv", prefill=config)
 
 
 def test_each_forward_reads_the_window_up_to_its_last_token(monkeypatch):
