@@ -22,14 +22,16 @@ what the span leaves, down to `PrefillConfig.shared_span` tokens (0: half), capp
 entries the most episodes keep. Memory: the shared context and the span of every layer, at most
 the model's positions per head, whatever the length; the span is fed a block at a time, each
 forward's attention masked a KV head at a time, so no mask is larger than a block's over one
-head's keys.
+head's keys; and each episode holds the span in one layer at a time, the layer its patch's
+forward is in (`_as_block`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -42,7 +44,13 @@ from pipeline.kv.compression import compression_for
 from pipeline.kv.eviction import Compression
 from pipeline.kv.methods.base import Scorer
 from pipeline.kv.positions import KeyRotation
-from pipeline.kv.prefill import PrefillStats, block_step, count_states, entry_bytes, patch_after
+from pipeline.kv.prefill import (
+    PrefillStats,
+    count_states,
+    entry_bytes,
+    layer_state,
+    patch_after,
+)
 
 log = logging.getLogger(__name__)
 
@@ -234,18 +242,46 @@ def _as_block(model: torch.nn.Module, cache: EpisodicCache,
     """An episode's cache after the span (`where`: its first token, and the position its keys
     start at), as block prefill makes it after a block: the span's keys and values, moved to
     follow the cache, appended; its patch's scores of both; its compression's cut and
-    compaction. `cache` is taken over: each of its layers is dropped once its successor is made,
-    so the old cache and the new one are never held whole together."""
+    compaction. A layer takes the span as the patch's forward enters it and is cut as the
+    forward leaves it (`_layer_by_layer`): the cut block prefill makes after the forward, since
+    a layer's cut changes no other layer's attention, while the episode holds the span in one
+    layer at a time. `cache` is taken over (its layers are replaced)."""
     begin, at = where
-    moved, old = cache.next_position - at, cache.layers
-    layers = []
-    for idx, (keys, values) in enumerate(span):
-        layers.append(_appended(old[idx], keys, values, begin, moved, rotation))
-        old[idx] = None
-    cache = EpisodicCache.from_layers(layers)
-    block_step(model, cache, patch.new_zeros(0), patch, scorer, compression, block_start=begin,
-               total=total, final=final)
+    moved, layers, n_span = cache.next_position - at, cache.layers, span[0][0].shape[2]
+    positions = compression.patch_positions(cache.next_position + n_span, 0, patch.shape[0],
+                                            total).to(patch.device)
+
+    def take_span(idx: int) -> None:
+        layers[idx] = _appended(layers[idx], *span[idx], begin, moved, rotation)
+        layers[idx].n_patch = patch.shape[0]
+
+    def cut(idx: int) -> None:
+        layer = layers[idx]
+        compression.step([layer], [layer_state(idx, layer, begin)], scorer, final=final)
+        layer.last_request = None
+
+    with cache.patched(patch.shape[0]), _layer_by_layer(model, take_span, cut):
+        model.base_model(input_ids=patch[None], position_ids=positions[None],
+                         past_key_values=cache, use_cache=True)
+    compression.after_step(cache)
     return cache
+
+
+@contextmanager
+def _layer_by_layer(model: torch.nn.Module, entering: Callable[[int], None],
+                    leaving: Callable[[int], None]) -> Iterator[None]:
+    """During this forward, `entering(idx)` runs as it enters decoder layer idx's attention and
+    `leaving(idx)` as it leaves it (forward hooks, as kvpress's presses run)."""
+    handles = []
+    for idx, layer in enumerate(model.base_model.layers):
+        handles.append(layer.self_attn.register_forward_pre_hook(
+            lambda *_, idx=idx: entering(idx)))
+        handles.append(layer.self_attn.register_forward_hook(lambda *_, idx=idx: leaving(idx)))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _appended(layer: EpisodicLayer, keys: torch.Tensor, values: torch.Tensor, begin: int,

@@ -16,7 +16,7 @@ from pipeline.kv.methods.epicache import EpiCache
 from pipeline.kv.one_pass import first_span, one_pass_prefill
 from pipeline.kv.positions import KeyRotation
 from pipeline.kv.prefill import block_prefill, build_tokens
-from pipeline.kv.shared_spans import _feed, shared_context
+from pipeline.kv.shared_spans import _appended, _feed, shared_context
 from tests.support.tiny_models import one_torch_thread, random_ids, tiny_model  # noqa: F401
 from tests.unit.kv.test_one_pass import assert_same_cache
 
@@ -109,6 +109,24 @@ def test_past_the_model_positions_the_rest_is_read_once_and_each_episode_keeps_i
         assert (stats.tokens, stats.tokens_alone, stats.shared_by) == (300, 0, 2)
         spans = stats.patch_tokens // 12
         assert spans > 2 and build_tokens(stats) == 300 / 2 + 12 * spans
+
+
+def test_an_episode_holds_the_span_in_one_layer_at_a_time(model, monkeypatch):
+    """Memory: a layer takes the span as the patch's forward reaches it, and every layer that
+    took it before has been cut back to its budget by then (the next episode's included)."""
+    took, budgets = [], {}
+
+    def appending(layer, keys, values, begin, moved, rotation):
+        assert all(earlier.entries <= budgets[id(earlier)] for earlier in took)
+        grown = _appended(layer, keys, values, begin, moved, rotation)
+        took.append(grown)
+        budgets[id(grown)] = SMALL[(len(took) - 1) % len(SMALL)]
+        assert grown.entries > budgets[id(grown)]
+        return grown
+    monkeypatch.setattr("pipeline.kv.shared_spans._appended", appending)
+    built = one_pass_prefill(model, random_ids(300, seed=11), scorers(), SMALL, SHARED)
+    assert len(took) % (2 * len(SMALL)) == 0 and len(took) > 2 * len(SMALL)
+    assert all(cache.entries_per_layer() == [float(b) for b in SMALL] for cache, _ in built)
 
 
 def test_a_shared_cache_too_large_for_the_positions_goes_on_by_blocks(model):
