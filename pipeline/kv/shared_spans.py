@@ -19,11 +19,13 @@ A span is half the model's positions (`PrefillConfig.shared_span_most`: fewer), 
 an episode's cache and its patch leave less (where they leave less than a block the caller goes
 on by "blocks"), or where the shared context holds more than the other half: the context takes
 what the span leaves, down to `PrefillConfig.shared_span` tokens (0: half), capped there to the
-entries the most episodes keep. Memory: the shared context and the span of every layer, at most
-the model's positions per head, whatever the length; the span is fed a block at a time, each
-forward's attention masked a KV head at a time, so no mask is larger than a block's over one
-head's keys; and each episode holds the span in one layer at a time, the layer its patch's
-forward is in (`_as_block`).
+entries the most episodes keep (spans cut evenly, fewer and longer, were measured and not kept:
+docs/changelog.md). Memory: the span's keys and values in every layer and the shared context of
+those it has not gone through yet (`_feed` goes layer by layer), at most the model's positions
+per head, whatever the length; the span is fed a block at a time, each forward's attention
+masked a KV head at a time, so no mask is larger than a block's over one head's keys; and each
+episode holds the span in one layer at a time, the layer its patch's forward is in
+(`_as_block`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from pipeline.kv.prefill import (
     entry_bytes,
     layer_state,
     patch_after,
+    through_layer,
 )
 
 log = logging.getLogger(__name__)
@@ -161,25 +164,25 @@ def shared_spans(model: torch.nn.Module, input_ids: torch.Tensor,
 
 def _feed(model: torch.nn.Module, shared: EpisodicCache, span: torch.Tensor,
           block: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The span through the model after the shared context, `block` tokens a forward (the same
-    keys and values as one forward of it: attention is causal; each forward's mask a block's),
-    into buffers made once (`_Growing`). Returns each layer's keys and values of the span
-    ([1, Hkv, S, d] each, their own copies), the keys at the positions from the context's next
-    one on (as it was before the span). `shared` is emptied as it goes, a layer at a time, so
-    the context is never held twice, nor the span."""
+    """The span through the model after the shared context, layer by layer (`through_layer`),
+    `block` tokens a forward (the same keys and values as one forward of it: attention is
+    causal; each forward's mask a block's), into buffers made once (`_Growing`). Returns each
+    layer's keys and values of the span ([1, Hkv, S, d] each, their own copies), the keys at the
+    positions from the context's next one on (as it was before the span). `shared` is emptied
+    as it goes: a layer's context is freed once the span has gone through it, so the context
+    is held a layer at a time beside the span, never twice."""
     n, layers = span.shape[0], shared.layers
-    for idx, layer in enumerate(layers):  # each layer's context freed once copied
-        layers[idx] = _Growing(layer, n)
     first = shared.next_position
-    for begin in range(0, n, block):
-        chunk = span[begin:begin + block]
-        positions = torch.arange(first + begin, first + begin + chunk.shape[0],
-                                 device=span.device)
-        model.base_model(input_ids=chunk[None], position_ids=positions[None],
-                         past_key_values=shared, use_cache=True)
+    positions = torch.arange(first, first + n, device=span.device)[None]
+    hidden = model.base_model.embed_tokens(span[None])
     out = []
-    for idx, layer in enumerate(layers):  # each layer's buffers freed once the span is copied
-        out.append((layer.keys[:, :, -n:].clone(), layer.values[:, :, -n:].clone()))
+    for idx in range(len(layers)):
+        layers[idx] = _Growing(layers[idx], n)  # the context's own tensors freed once copied
+        for begin in range(0, n, block):
+            stop = min(begin + block, n)
+            hidden[:, begin:stop] = through_layer(model, idx, hidden[:, begin:stop],
+                                                  positions[:, begin:stop], shared)
+        out.append((layers[idx].keys[:, :, -n:].clone(), layers[idx].values[:, :, -n:].clone()))
         layers[idx] = None
     return out
 

@@ -15,7 +15,7 @@ from pipeline.kv.cache import EpisodicLayer
 from pipeline.kv.methods.epicache import EpiCache
 from pipeline.kv.one_pass import first_span, one_pass_prefill
 from pipeline.kv.positions import KeyRotation
-from pipeline.kv.prefill import block_prefill, build_tokens
+from pipeline.kv.prefill import block_prefill, build_tokens, through_layer
 from pipeline.kv.shared_spans import _appended, _feed, shared_context
 from tests.support.tiny_models import one_torch_thread, random_ids, tiny_model  # noqa: F401
 from tests.unit.kv.test_one_pass import assert_same_cache
@@ -129,6 +129,26 @@ def test_an_episode_holds_the_span_in_one_layer_at_a_time(model, monkeypatch):
     assert all(cache.entries_per_layer() == [float(b) for b in SMALL] for cache, _ in built)
 
 
+def test_the_span_goes_through_the_shared_context_a_layer_at_a_time(model, monkeypatch):
+    """Memory: while the span goes through a layer, the layers it has been through hold no
+    context (only the span's keys and values, returned), those it has not reached hold theirs
+    as they were (`test_one_episode_goes_on_as_block_prefill_of_the_rest_from_its_cache`
+    checks the caches it makes)."""
+    seen = []
+
+    def layer_alone(model_, idx, hidden, positions, cache):
+        held = cache.layers
+        assert all(layer is None for layer in held[:idx])
+        assert type(held[idx]).__name__ == "_Growing"
+        assert all(type(layer) is EpisodicLayer for layer in held[idx + 1:])
+        seen.append(idx)
+        return through_layer(model_, idx, hidden, positions, cache)
+    monkeypatch.setattr("pipeline.kv.shared_spans.through_layer", layer_alone)
+    built = one_pass_prefill(model, random_ids(300, seed=11), scorers(), SMALL, SHARED)
+    assert set(seen) == set(range(len(SMALL)))
+    assert all(cache.entries_per_layer() == [float(b) for b in SMALL] for cache, _ in built)
+
+
 def test_a_shared_cache_too_large_for_the_positions_goes_on_by_blocks(model):
     """Caches of 40 entries leave fewer of the positions for a span than a block of 48."""
     ids, budgets, config = random_ids(300, seed=11), [40, 40, 40], dataclasses.replace(SHARED,
@@ -195,3 +215,4 @@ def test_a_most_span_cuts_the_rest_into_spans_no_longer(model, monkeypatch):
         PrefillConfig(shared_span_most=20)
     with pytest.raises(ValueError, match="shared_span_most"):  # shorter than a block
         dataclasses.replace(SHARED, shared_span_most=8)
+
