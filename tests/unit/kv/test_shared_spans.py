@@ -16,7 +16,7 @@ from pipeline.kv.methods.epicache import EpiCache
 from pipeline.kv.one_pass import first_span, one_pass_prefill
 from pipeline.kv.positions import KeyRotation
 from pipeline.kv.prefill import block_prefill, build_tokens, through_layer
-from pipeline.kv.shared_spans import _appended, _feed, shared_context
+from pipeline.kv.shared_spans import _appended, _feed, _Growing, shared_context
 from tests.support.tiny_models import one_torch_thread, random_ids, tiny_model  # noqa: F401
 from tests.unit.kv.test_one_pass import assert_same_cache
 
@@ -139,7 +139,7 @@ def test_the_span_goes_through_the_shared_context_a_layer_at_a_time(model, monke
     def layer_alone(model_, idx, hidden, positions, cache):
         held = cache.layers
         assert all(layer is None for layer in held[:idx])
-        assert type(held[idx]).__name__ == "_Growing"
+        assert isinstance(held[idx], _Growing)
         assert all(type(layer) is EpisodicLayer for layer in held[idx + 1:])
         seen.append(idx)
         return through_layer(model_, idx, hidden, positions, cache)
@@ -215,4 +215,3 @@ def test_a_most_span_cuts_the_rest_into_spans_no_longer(model, monkeypatch):
         PrefillConfig(shared_span_most=20)
     with pytest.raises(ValueError, match="shared_span_most"):  # shorter than a block
         dataclasses.replace(SHARED, shared_span_most=8)
-
