@@ -213,7 +213,7 @@ def _one_pass(model: torch.nn.Module, input_ids: torch.Tensor, scorers: Sequence
     span = min(config.score_span, reach) if config.score_span else reach
     beyond = n > span or n + longest > window  # keys re-rotated: spans, or sinks moved
     rotation = KeyRotation.for_model(model) if beyond else None
-    passing = _Pass(model, n_layers, config.block, window, n + longest, span, reach,
+    passing = _Pass(decoder, n_layers, config.block, window, n + longest, span, reach,
                     config.score_span_share, _Sinks(config.pass_sinks, rotation))
     hidden = decoder.embed_tokens(ids[None])
     patch_hidden = [decoder.embed_tokens(p[None]) for p in patches]
@@ -319,10 +319,9 @@ class _Pass:
     """The pass's own cache: one `EpisodicCache` whose current layer holds every token's keys
     and values (`_PassLayer`), run through the model's decoder layers one at a time."""
 
-    def __init__(self, model: torch.nn.Module, n_layers: int, chunk: int, window: int,
+    def __init__(self, decoder: torch.nn.Module, n_layers: int, chunk: int, window: int,
                  capacity: int, span: int, reach: int, span_share: float, sinks: _Sinks):
-        self.model, self.decoder = model, model.base_model
-        self.chunk, self.window = chunk, window
+        self.decoder, self.chunk, self.window = decoder, chunk, window
         self.capacity, self.span, self.reach = capacity, span, reach
         # the plain pass's scores are needed where spans are shorter than the reach and share
         self.plain_share = 1 - span_share if span < reach else 0.0
@@ -336,7 +335,7 @@ class _Pass:
         return self.cache.layers[idx]
 
     def _layer(self, idx: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return through_layer(self.model, idx, hidden, positions, self.cache)
+        return through_layer(self.decoder, idx, hidden, positions, self.cache)
 
     def context(self, idx: int, hidden: torch.Tensor) -> torch.Tensor:
         """Every token through layer `idx`: the first `window` tokens in one causal forward

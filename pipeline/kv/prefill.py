@@ -100,12 +100,12 @@ def patch_after(scorer: Scorer, block: torch.Tensor, tokens_seen: int = 0) -> to
     return patch.to(block.device) if patch is not None else block.new_zeros(0)
 
 
-def through_layer(model: torch.nn.Module, idx: int, hidden: torch.Tensor,
+def through_layer(decoder: torch.nn.Module, idx: int, hidden: torch.Tensor,
                   positions: torch.Tensor, cache: EpisodicCache) -> torch.Tensor:
-    """Hidden states [1, T, D] at `positions` [1, T] through decoder layer `idx` alone, its keys
-    and values into `cache`: the passes that go layer by layer hold one layer's context at a
-    time. No mask: the episodic attention makes its own from the cache's request."""
-    decoder = model.base_model
+    """Hidden states [1, T, D] at `positions` [1, T] through layer `idx` of `decoder` (a
+    model's `base_model`) alone, its keys and values into `cache`: the passes that go layer by
+    layer hold one layer's context at a time. No mask: the episodic attention makes its own
+    from the cache's request."""
     return decoder.layers[idx](hidden, position_embeddings=decoder.rotary_emb(hidden, positions),
                                position_ids=positions, past_key_values=cache, use_cache=True)
 

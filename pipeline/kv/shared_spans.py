@@ -171,16 +171,16 @@ def _feed(model: torch.nn.Module, shared: EpisodicCache, span: torch.Tensor,
     positions from the context's next one on (as it was before the span). `shared` is emptied
     as it goes: a layer's context is freed once the span has gone through it, so the context
     is held a layer at a time beside the span, never twice."""
-    n, layers = span.shape[0], shared.layers
+    n, layers, decoder = span.shape[0], shared.layers, model.base_model
     first = shared.next_position
     positions = torch.arange(first, first + n, device=span.device)[None]
-    hidden = model.base_model.embed_tokens(span[None])
+    hidden = decoder.embed_tokens(span[None])
     out = []
     for idx in range(len(layers)):
         layers[idx] = _Growing(layers[idx], n)  # the context's own tensors freed once copied
         for begin in range(0, n, block):
             stop = min(begin + block, n)
-            hidden[:, begin:stop] = through_layer(model, idx, hidden[:, begin:stop],
+            hidden[:, begin:stop] = through_layer(decoder, idx, hidden[:, begin:stop],
                                                   positions[:, begin:stop], shared)
         out.append((layers[idx].keys[:, :, -n:].clone(), layers[idx].values[:, :, -n:].clone()))
         layers[idx] = None

@@ -136,13 +136,13 @@ def test_the_span_goes_through_the_shared_context_a_layer_at_a_time(model, monke
     checks the caches it makes)."""
     seen = []
 
-    def layer_alone(model_, idx, hidden, positions, cache):
+    def layer_alone(decoder, idx, hidden, positions, cache):
         held = cache.layers
         assert all(layer is None for layer in held[:idx])
         assert isinstance(held[idx], _Growing)
         assert all(type(layer) is EpisodicLayer for layer in held[idx + 1:])
         seen.append(idx)
-        return through_layer(model_, idx, hidden, positions, cache)
+        return through_layer(decoder, idx, hidden, positions, cache)
     monkeypatch.setattr("pipeline.kv.shared_spans.through_layer", layer_alone)
     built = one_pass_prefill(model, random_ids(300, seed=11), scorers(), SMALL, SHARED)
     assert set(seen) == set(range(len(SMALL)))
