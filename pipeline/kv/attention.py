@@ -197,53 +197,83 @@ def episodic_mask(request: AttentionRequest, q_len: int, group: int,
     return mask.repeat_interleave(group, dim=0)[None]
 
 
-# SDPA's fused CPU kernel, called directly where the caller needs what SDPA drops: each query's
-# softmax log-normaliser (None in a torch without it: the patch is then scored on its own)
+# SDPA's fused CPU kernel, called directly for what SDPA drops: each query's softmax
+# log-normaliser (None in a torch without it: `_attend` then masks every query and key)
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 class Attended(NamedTuple):
-    """`_attend`'s output [1, Hq, q, d], the boolean mask it used (None: plain causal attention
-    over the new tokens alone) and, where asked for and given, each query's softmax
-    log-normaliser [Hq, q]."""
+    """`_attend`'s output [1, Hq, q, d], the boolean mask it used (None: none was made) and,
+    where the kernel gave them, each query's softmax log-normaliser [Hq, q]."""
     out: torch.Tensor
     mask: torch.Tensor | None
     logsumexp: torch.Tensor | None = None
 
 
 def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-            request: AttentionRequest, scaling: float | None, sliding_window: int | None,
-            normalisers: bool = False) -> Attended:
-    """SDPA of one conversation's queries [1, Hq, q, d] over its keys and values (without a
-    mask where it is plain causal attention over new tokens alone, which SDPA's causal kernel
-    runs with half the work); with `normalisers`, on CPU, the log-normalisers too
-    (`_attend_folded`)."""
+            request: AttentionRequest, scaling: float | None,
+            sliding_window: int | None) -> Attended:
+    """SDPA of one conversation's queries [1, Hq, q, d] over its keys and values: without a
+    mask where it is plain causal attention over the new tokens alone (SDPA's causal kernel
+    runs it with half the work), on CPU the cache and the new tokens apart (`_attend_apart`,
+    which gives the log-normalisers too), elsewhere with the mask `episodic_mask` makes."""
     group = query.shape[1] // key.shape[1]
     plain = request.packing is None and sliding_window is None
     if request.past_valid.shape[1] == 0 and plain:
         return Attended(F.scaled_dot_product_attention(query, key, value, is_causal=True,
                                                        scale=scaling, enable_gqa=group > 1), None)
-    if plain and not normalisers and _heads_differ(request.past_valid):
+    if plain and _FLASH_CPU is not None and query.device.type == "cpu":
+        return Attended(*_attend_apart(query, key, value, request.past_valid, scaling))
+    if plain and _heads_differ(request.past_valid):
         return Attended(_attend_by_head(query, key, value, request, scaling), None)
     mask = episodic_mask(request, query.shape[2], group, sliding_window)
     # An additive float mask takes SDPA's fused CPU kernel (a boolean one is ~1.7x slower).
     additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
     additive.masked_fill_(~mask, float("-inf"))
-    if normalisers and _FLASH_CPU is not None and query.device.type == "cpu":
-        out, logsumexp = _attend_folded(query, key, value, additive, scaling)
-        return Attended(out, mask, logsumexp)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=additive, scale=scaling,
                                          enable_gqa=group > 1)
     return Attended(out, mask)
 
 
+def _attend_apart(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  past_valid: torch.Tensor, scaling: float | None
+                  ) -> tuple[torch.Tensor, None, torch.Tensor]:
+    """The new tokens' attention over the cache and over themselves, computed apart by SDPA's
+    CPU kernel and merged by their log-normalisers (as flash-decoding merges its splits). The
+    cached part's only mask is each KV head's valid slots, broadcast over the queries, and the
+    new part is plain causal attention, so no mask holds a float per query and key (one with
+    the queries of a block and its patch took as long to make as the attention, and ~150 MiB a
+    layer for a shared span's block). Each KV group's query heads are folded into one head's
+    rows over the cache (a view), which reads each KV head once. Returns the output [1, Hq, q,
+    d], no mask, and each query's log-normaliser over both parts [Hq, q]."""
+    n_q_heads, q_len, dim = query.shape[1:]
+    n_kv_heads, n_past = past_valid.shape
+    group, rows = n_q_heads // n_kv_heads, n_q_heads // n_kv_heads * q_len
+    bias = None
+    if not bool(past_valid.all()):
+        bias = query.new_zeros(1, n_kv_heads, 1, n_past).masked_fill_(
+            ~past_valid[None, :, None], float("-inf")).expand(-1, -1, rows, -1)
+    cached, cached_lse = _FLASH_CPU(query.reshape(1, n_kv_heads, rows, dim), key[:, :, :n_past],
+                                    value[:, :, :n_past], 0.0, False, attn_mask=bias,
+                                    scale=scaling)
+    # a head with no cached entry: the kernel gives 0 for both, the cache weighs nothing
+    cached_lse = cached_lse.masked_fill(~past_valid.any(dim=1)[None, :, None], float("-inf"))
+    new, new_lse = _FLASH_CPU(query, *(t[:, :, n_past:].repeat_interleave(group, dim=1)
+                                       for t in (key, value)), 0.0, True, scale=scaling)
+    cached_lse = cached_lse.reshape(1, n_q_heads, q_len)
+    lse = torch.logaddexp(cached_lse, new_lse)
+    out = (cached.reshape(1, n_q_heads, q_len, dim) * (cached_lse - lse).exp()[..., None]
+           + new * (new_lse - lse).exp()[..., None])
+    return out.to(query.dtype), None, lse[0]
+
+
 def _attend_by_head(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     request: AttentionRequest, scaling: float | None) -> torch.Tensor:
-    """`_attend` where each KV head holds its own cached slots: one SDPA call per KV head, its
-    additive mask [q, L] shared by the head's query group. The same output as one call with
-    the mask of every query head, which would hold a float per query head, query and key (the
-    shared spans' forwards, a block over a context of the model's positions: ~150 MiB a
-    layer for SmolLM2, against ~17 here)."""
+    """`_attend` where each KV head holds its own cached slots, off CPU: one SDPA call per KV
+    head, its additive mask [q, L] shared by the head's query group. The same output as one
+    call with the mask of every query head, which would hold a float per query head, query
+    and key (the shared spans' forwards, a block over a context of the model's positions:
+    ~150 MiB a layer for SmolLM2, against ~17 here)."""
     n_kv, n_past = request.past_valid.shape
     group, q_len = query.shape[1] // n_kv, query.shape[2]
     causal = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()
@@ -259,26 +289,6 @@ def _attend_by_head(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return torch.cat(outs, dim=1)
 
 
-def _attend_folded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   additive: torch.Tensor, scaling: float | None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel `F.scaled_dot_product_attention` runs for this call on CPU, called for its
-    log-normalisers too ([Hq, q]), so that the patch's scores need no softmax of their own
-    (`kernels.score.patch_attention_scores_given_logsumexp`). The query heads of each KV group
-    are folded into that KV head's rows (a view; a mask the heads share has its rows repeated),
-    which also reads each KV head once, not once per query head: the same output."""
-    n_q_heads, q_len, dim = query.shape[1:]
-    n_kv_heads = key.shape[1]
-    rows = n_q_heads // n_kv_heads * q_len
-    if additive.shape[1] == n_q_heads:
-        additive = additive.reshape(1, n_kv_heads, rows, -1)
-    else:
-        additive = additive.repeat(1, 1, n_q_heads // n_kv_heads, 1)
-    out, logsumexp = _FLASH_CPU(query.reshape(1, n_kv_heads, rows, dim), key, value, 0.0, False,
-                                attn_mask=additive, scale=scaling)
-    return out.reshape(1, n_q_heads, q_len, -1), logsumexp.reshape(n_q_heads, q_len)
-
-
 def _attend_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   first_entries: list[int], scaling: float | None) -> torch.Tensor:
     """One token's attention, KV head by KV head, over each head's entries only (no mask,
@@ -287,6 +297,17 @@ def _attend_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return torch.cat([F.scaled_dot_product_attention(
         query[:, h * group:(h + 1) * group], key[:, h:h + 1, first:], value[:, h:h + 1, first:],
         scale=scaling, enable_gqa=group > 1) for h, first in enumerate(first_entries)], dim=1)
+
+
+def _seen_by_last_query(request: AttentionRequest, mask: torch.Tensor | None, group: int,
+                        n_cached: int) -> torch.Tensor:
+    """[Hkv, n_cached] bool: the cached slots and new block tokens the last patch query sees,
+    every one a patch query may see (without a sliding window the patch queries see the same
+    ones), so the slots its scores cover."""
+    if mask is not None:
+        return mask[0, ::group, -1, :n_cached].expand(request.past_valid.shape[0], -1)
+    past = request.past_valid
+    return torch.cat([past, past.new_ones(past.shape[0], n_cached - past.shape[1])], dim=1)
 
 
 def _packed_attention(query: torch.Tensor, request: PackedRequest, scaling: float | None,
@@ -322,22 +343,18 @@ def episodic_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
         raise ValueError("episodic caches hold one conversation: batch size must be 1")
     group = query.shape[1] // key.shape[1]
     scored = bool(request.n_patch and request.score_patch)
-    # SDPA's normalisers are the scores' own only where every patch query sees the same cached
-    # slots: a sliding window hides different ones from each (the scores read the last one's)
-    out, mask, logsumexp = _attend(query, key, value, request, scaling, sliding_window,
-                                   normalisers=scored and sliding_window is None)
+    out, mask, logsumexp = _attend(query, key, value, request, scaling, sliding_window)
     if request.n_patch:
         request.patch_queries = query[0, :, -request.n_patch:]
     if scored:
         p = request.n_patch
         n_cached = key.shape[2] - p  # cached slots plus the new block: all that may be kept
-        # the last patch query sees every valid slot (a shared mask: the same for every head)
-        valid = None if mask is None else mask[0, ::group, -1, :n_cached].expand(key.shape[1], -1)
+        valid = _seen_by_last_query(request, mask, group, n_cached)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         queries, cached, patch_keys = query[0, :, -p:], key[0, :, :n_cached], key[0, :, n_cached:]
         if logsumexp is None:
             request.scores = patch_attention_scores(queries, cached, patch_keys, valid, scale)
-        else:  # the normalisers SDPA's kernel computed: no second softmax
+        else:  # SDPA's normalisers (no sliding window: the patch queries see the same slots)
             request.scores = patch_attention_scores_given_logsumexp(
                 queries, cached, logsumexp[:, -p:], valid, scale)
         if request.moments:

@@ -23,7 +23,7 @@ entries the most episodes keep (spans cut evenly, fewer and longer, were measure
 docs/changelog.md). Memory: the span's keys and values in every layer and the shared context of
 those it has not gone through yet (`_feed` goes layer by layer), at most the model's positions
 per head, whatever the length; the span is fed a block at a time, each forward's attention
-masked a KV head at a time, so no mask is larger than a block's over one head's keys; and each
+masked by KV head (`pipeline.kv.attention`: no mask holds a float per query and key); and each
 episode holds the span in one layer at a time, the layer its patch's forward is in
 (`_as_block`).
 """

@@ -236,7 +236,11 @@ def test_batcher_caps_the_batch_and_the_tokens_in_flight(lm_and_caches):
     one = DecodeRow.slots_needed(caches[1], 40 + 8)  # an upper bound of any job here
     batcher = DecodeBatcher(lm, max_batch=2, max_batch_tokens=10 * one)
     try:
-        jobs = [batcher.submit(caches[i % 3], QUESTIONS[i % 3], 8) for i in range(6)]
+        pause = PauseAfter(2)  # the first held in a step until the others wait (not a race)
+        jobs = [batcher.submit(caches[0], QUESTIONS[0], 8, streamer=pause)]
+        assert pause.reached.wait(60)
+        jobs += [batcher.submit(caches[i % 3], QUESTIONS[i % 3], 8) for i in range(1, 6)]
+        pause.go.set()
         results = [j.future.result(timeout=120) for j in jobs]
         assert batcher.stats()["peak_batch"] == 2
     finally:

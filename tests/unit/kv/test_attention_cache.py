@@ -396,14 +396,21 @@ def test_evicted_cache_equals_masked_full_attention(family):
                                        atol=ATOL, rtol=0)
 
 
-def test_heads_with_their_own_slots_attend_as_one_call_with_every_heads_mask():
-    """Where each KV head holds its own cached slots, attention runs a call per KV head (a
-    mask per head, not per query head: the shared spans' memory); the output is one SDPA call's
-    with the mask `episodic_mask` makes for every query head."""
+@pytest.mark.parametrize("kernel", ["apart", "by_head"])
+def test_heads_with_their_own_slots_attend_as_one_call_with_every_heads_mask(monkeypatch, kernel):
+    """Where each KV head holds its own cached slots, attention never makes the mask of every
+    query head: on CPU it attends over the cache and the new tokens apart and merges them
+    (`_attend_apart`), elsewhere a call per KV head (`_attend_by_head`, run here by hiding the
+    CPU kernel). Either gives one SDPA call's output with that mask, also where a head holds no
+    cached entry at all, and the apart path the log-normalisers of that call."""
+    from pipeline.kv import attention
+
+    if kernel == "by_head":
+        monkeypatch.setattr(attention, "_FLASH_CPU", None)
     torch.manual_seed(0)
     n_kv, group, n_new, n_past, dim = 3, 3, 6, 11, 8
     valid = torch.rand(n_kv, n_past) > 0.4
-    valid[0], valid[1, :5] = True, False  # the heads' slots differ
+    valid[0], valid[1, :5], valid[2] = True, False, False  # the heads' slots differ; 2 has none
     query = torch.randn(1, n_kv * group, n_new, dim)
     key, value = (torch.randn(1, n_kv, n_past + n_new, dim) for _ in range(2))
     request = AttentionRequest(key=key, past_valid=valid,
@@ -415,7 +422,12 @@ def test_heads_with_their_own_slots_attend_as_one_call_with_every_heads_mask():
     expected = F.scaled_dot_product_attention(query, key, value, attn_mask=additive,
                                               enable_gqa=True)
     attended = _attend(query, key, value, request, None, None)
+    assert attended.mask is None
     torch.testing.assert_close(attended.out, expected, atol=1e-6, rtol=0)
+    if kernel == "apart":
+        logits = query @ key.repeat_interleave(group, dim=1).transpose(-1, -2) * dim ** -0.5
+        normalisers = (logits + additive).logsumexp(dim=-1)[0]
+        torch.testing.assert_close(attended.logsumexp, normalisers, atol=1e-5, rtol=0)
 
 
 # --------------------------------------------------------------------------------------------

@@ -175,8 +175,8 @@ def test_forward_scores_match_eager_attention_weights(family):
 @pytest.mark.parametrize("per_head,sliding", [(False, None), (True, None), (True, 30)])
 def test_the_attention_scores_a_patch_as_without_sdpas_normalisers(monkeypatch, per_head,
                                                                    sliding):
-    """The attention call that scores a patch on CPU (SDPA's kernel asked for its normalisers,
-    each KV group's query heads folded into one head's rows) gives the output and the scores
+    """The attention call that scores a patch on CPU (the cache and the new tokens apart, by
+    SDPA's kernel with its normalisers, `_attend_apart`) gives the output and the scores
     it gives without them (SDPA over every query head, the reference softmax): with every
     cached slot valid (one pass: a mask the heads share), with some evicted per head, and with
     a sliding window (each patch query sees other slots: the scores' own softmax)."""
