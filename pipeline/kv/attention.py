@@ -223,7 +223,7 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         return Attended(F.scaled_dot_product_attention(query, key, value, is_causal=True,
                                                        scale=scaling, enable_gqa=group > 1), None)
     if plain and _FLASH_CPU is not None and query.device.type == "cpu":
-        return Attended(*_attend_apart(query, key, value, request.past_valid, scaling))
+        return _attend_apart(query, key, value, request.past_valid, scaling)
     if plain and _heads_differ(request.past_valid):
         return Attended(_attend_by_head(query, key, value, request, scaling), None)
     mask = episodic_mask(request, query.shape[2], group, sliding_window)
@@ -236,44 +236,43 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def _attend_apart(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  past_valid: torch.Tensor, scaling: float | None
-                  ) -> tuple[torch.Tensor, None, torch.Tensor]:
+                  past_valid: torch.Tensor, scaling: float | None) -> Attended:
     """The new tokens' attention over the cache and over themselves, computed apart by SDPA's
     CPU kernel and merged by their log-normalisers (as flash-decoding merges its splits). The
     cached part's only mask is each KV head's valid slots, broadcast over the queries, and the
     new part is plain causal attention, so no mask holds a float per query and key (one with
     the queries of a block and its patch took as long to make as the attention, and ~150 MiB a
     layer for a shared span's block). Each KV group's query heads are folded into one head's
-    rows over the cache (a view), which reads each KV head once. Returns the output [1, Hq, q,
-    d], no mask, and each query's log-normaliser over both parts [Hq, q]."""
+    rows over the cache (a view), which reads each KV head once. Each query's log-normaliser
+    is over both parts; no mask is made."""
     n_q_heads, q_len, dim = query.shape[1:]
     n_kv_heads, n_past = past_valid.shape
     group, rows = n_q_heads // n_kv_heads, n_q_heads // n_kv_heads * q_len
-    bias = None
-    if not bool(past_valid.all()):
+    some_invalid, bias = not bool(past_valid.all()), None
+    if some_invalid:
         bias = query.new_zeros(1, n_kv_heads, 1, n_past).masked_fill_(
             ~past_valid[None, :, None], float("-inf")).expand(-1, -1, rows, -1)
     cached, cached_lse = _FLASH_CPU(query.reshape(1, n_kv_heads, rows, dim), key[:, :, :n_past],
                                     value[:, :, :n_past], 0.0, False, attn_mask=bias,
                                     scale=scaling)
-    # a head with no cached entry: the kernel gives 0 for both, the cache weighs nothing
-    cached_lse = cached_lse.masked_fill(~past_valid.any(dim=1)[None, :, None], float("-inf"))
+    if some_invalid:  # a head with no cached entry: the kernel gives 0 for both; it weighs 0
+        cached_lse = cached_lse.masked_fill(~past_valid.any(dim=1)[None, :, None], float("-inf"))
     new, new_lse = _FLASH_CPU(query, *(t[:, :, n_past:].repeat_interleave(group, dim=1)
                                        for t in (key, value)), 0.0, True, scale=scaling)
     cached_lse = cached_lse.reshape(1, n_q_heads, q_len)
     lse = torch.logaddexp(cached_lse, new_lse)
     out = (cached.reshape(1, n_q_heads, q_len, dim) * (cached_lse - lse).exp()[..., None]
            + new * (new_lse - lse).exp()[..., None])
-    return out.to(query.dtype), None, lse[0]
+    return Attended(out.to(query.dtype), None, lse[0])
 
 
 def _attend_by_head(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     request: AttentionRequest, scaling: float | None) -> torch.Tensor:
-    """`_attend` where each KV head holds its own cached slots, off CPU: one SDPA call per KV
-    head, its additive mask [q, L] shared by the head's query group. The same output as one
-    call with the mask of every query head, which would hold a float per query head, query
-    and key (the shared spans' forwards, a block over a context of the model's positions:
-    ~150 MiB a layer for SmolLM2, against ~17 here)."""
+    """`_attend` where each KV head holds its own cached slots and `_attend_apart` does not
+    run (off CPU): one SDPA call per KV head, its additive mask [q, L] shared by the head's
+    query group. The same output as one call with the mask of every query head, which would
+    hold a float per query head, query and key (the shared spans' forwards, a block over a
+    context of the model's positions: ~150 MiB a layer for SmolLM2, against ~17 here)."""
     n_kv, n_past = request.past_valid.shape
     group, q_len = query.shape[1] // n_kv, query.shape[2]
     causal = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()
